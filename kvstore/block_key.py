@@ -1,0 +1,92 @@
+"""Block keys: a chain of cryptographic hashes over token ids.
+
+    root  = H("pdserve-kv-root", model identity, KV layout, cache_salt)
+    key_0 = H(root,    tokens[0 : B])
+    key_1 = H(key_0,   tokens[B : 2B])          B = block size in tokens
+    ...
+
+A key names a block *and everything before it*, so equal keys mean equal prefixes. The root
+folds in the model and the KV layout (dtype, block size, layers, head layout), so blocks of
+different models, layouts or tenants (cache_salt) never match. Only full blocks have keys: a
+partial last block is never shared.
+
+The engine's prefix cache, the store and the router all use this one module, so a key computed
+at the router names the same bytes in every worker and store node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+KEY_BYTES = 16  # blake2b-128: collisions need ~2^64 blocks
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a KV block holds; two workers can share blocks only if their layouts are equal."""
+
+    dtype: str  # "float32", "bfloat16", ...
+    block_size: int  # tokens per block
+    num_layers: int
+    num_kv_heads: int  # total over all TP ranks: the layout is independent of TP degree
+    head_dim: int
+    kind: str = "mha"  # "mha" (K and V per head) or "mla" (one compressed latent row per token)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        if self.kind not in ("mha", "mla"):
+            raise ValueError(f"KVLayout.kind must be 'mha' or 'mla', got {self.kind!r}")
+
+
+def _hash(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))  # length-prefix: no two splits hash alike
+        h.update(part)
+    return h.digest()
+
+
+def root_key(
+    model_id: str, layout: KVLayout | Mapping[str, object], cache_salt: str | None = None
+) -> bytes:
+    """The chain's root for one model, KV layout and (optional) tenant salt."""
+    layout_dict = asdict(layout) if isinstance(layout, KVLayout) else dict(layout)
+    layout_bytes = json.dumps(layout_dict, sort_keys=True).encode()
+    salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    return _hash(b"pdserve-kv-root", model_id.encode(), layout_bytes, salt)
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return np.asarray(token_ids, dtype=np.int64).astype("<i8", copy=False).tobytes()
+
+
+def next_key(parent: bytes, block_token_ids: Sequence[int]) -> bytes:
+    """key_i from key_{i-1} (or the root) and the tokens of block i."""
+    return _hash(parent, _token_bytes(block_token_ids))
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, root: bytes, start_key: bytes | None = None,
+    start_block: int = 0,
+) -> list[bytes]:
+    """Keys of every *full* block of `token_ids`.
+
+    With `start_key`/`start_block`, resume a chain: keys for blocks start_block, start_block+1,
+    ... where `start_key` is the key of block start_block-1 (incremental hashing during decode).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    keys: list[bytes] = []
+    parent = root if start_key is None else start_key
+    num_full = len(token_ids) // block_size
+    for i in range(start_block, num_full):
+        parent = next_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(parent)
+    return keys

@@ -1,0 +1,62 @@
+"""The `pdserve` command: one subcommand per node role, plus the benchmark harness.
+
+Each subcommand lives in its own module, imported only when that subcommand runs (so
+`pdserve bench` never imports torch, and `pdserve store` never imports a model). A module
+provides:
+
+    add_arguments(parser: argparse.ArgumentParser) -> None
+    run(args: argparse.Namespace) -> int          # the process exit code
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from pdserve import __version__, envs
+
+# name -> (module, one-line description). Add a role here when its module exists.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("pdserve.benchmarks.bench_serve", "goodput benchmark against any OpenAI server"),
+    "store": ("pdserve.kvstore.server", "tiered KV store: master and/or data server"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"usage: pdserve <command> [options]   (pdserve {__version__})", "", "commands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "`pdserve <command> --help` lists a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"pdserve {__version__}")
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"pdserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, description = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=description)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

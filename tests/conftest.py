@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny seeded Hugging Face checkpoints built on the fly (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pdserve.serve.default_model import build_random_model, build_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """Factory: make_model_dir("llama", seed=0, **config_overrides) -> checkpoint directory.
+
+    Cached per session by its arguments, so tests that share a model build it once.
+    """
+    cache: dict[tuple, Path] = {}
+
+    def make(architecture: str = "llama", seed: int = 0, dtype: str = "float32",
+             **overrides: object) -> Path:
+        key = (architecture, seed, dtype, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{architecture}-model")
+            cache[key] = build_random_model(
+                out, architecture, seed=seed, dtype=dtype, tokenizer_dir=tokenizer_dir,
+                **overrides,
+            )
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(make_model_dir) -> Path:
+    """Tiny Llama with GQA (4 query heads, 2 KV heads, head_dim 16), untied embeddings."""
+    return make_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(make_model_dir) -> Path:
+    """Tiny Qwen2 (qkv bias), GQA, tied embeddings."""
+    return make_model_dir("qwen2", seed=1, tie_word_embeddings=True)
