@@ -1,0 +1,97 @@
+"""Engine configuration: one frozen dataclass per concern, every field documented and checked.
+
+Values discovered at run time (the number of KV blocks that fit, the eos ids, the HF config)
+live in separate objects (see loader.ModelSpec), never written back here. CLI flags take their
+defaults from these dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    """A local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files)."""
+    dtype: str = "auto"
+    """Weights and activations: auto (the checkpoint's torch_dtype; float32 on CPU for
+    half-precision checkpoints is NOT implied: auto means exactly the checkpoint's), float32,
+    bfloat16 or float16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None takes max_position_embeddings."""
+    seed: int = 0
+    """Seed of the engine's default RNG (requests with their own seed use their own)."""
+    served_model_name: str | None = None
+    """The name clients use; None takes the checkpoint directory's base name."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """KV blocks in the pool; None sizes the pool from kv_cache_memory_bytes."""
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    """Memory for the KV pool (summed over layers, per TP rank) when num_blocks is None."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose chained block key matches (see kvstore/block_key.py)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks a model is split over (Megatron column/row split); the engine starts them."""
+    backend: str | None = None
+    """torch.distributed backend; None picks nccl on CUDA and gloo on CPU."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address of the TP group."""
+    master_port: int | None = None
+    """Rendezvous port of the TP group; None picks a free one."""
+    device: str | None = None
+    """cuda or cpu; None picks cuda when available."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size <= 0:
+            raise ValueError("tensor_parallel_size must be positive")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Requests running at once (decode batch size cap)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decodes first (one token each), then prefill chunks."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over steps to fit the budget (else a prompt waits for a whole step)."""
+    role: str = "colocated"
+    """colocated | prefill (stop after the first token, hand off KV) | decode (start from KV)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
