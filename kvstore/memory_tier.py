@@ -1,0 +1,86 @@
+"""A memory tier: blocks in an LRU-ordered map, on a device (GPU pool) or in host DRAM.
+
+Each block is a 1-D uint8 torch tensor owned by the tier (put copies in, so callers may reuse
+their buffers). Host buffers are pinned when CUDA is present, so device<->host copies can be
+asynchronous. The tier only stores and orders; which block leaves, and to where, is decided by
+the TieredStore above it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+BytesLike = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
+
+
+def as_uint8_tensor(data: BytesLike) -> torch.Tensor:
+    """A flat uint8 view (no copy where possible) of any bytes-like block payload."""
+    if isinstance(data, torch.Tensor):
+        return data.detach().reshape(-1).view(torch.uint8) if data.is_contiguous() else (
+            data.detach().contiguous().reshape(-1).view(torch.uint8)
+        )
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    # bytes are immutable: torch warns on a non-writable buffer, so view a writable copy-free
+    # memoryview only when it is writable, else copy once.
+    view = memoryview(data)
+    if view.readonly:
+        return torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+class MemoryTier:
+    """LRU map key -> uint8 tensor with a capacity in blocks."""
+
+    def __init__(self, name: str, capacity_blocks: int, device: str | torch.device = "cpu"):
+        if capacity_blocks <= 0:
+            raise ValueError(f"{name}: capacity_blocks must be positive, got {capacity_blocks}")
+        self.name = name
+        self.capacity_blocks = capacity_blocks
+        self.device = torch.device(device)
+        # Pinned host memory only pays off (and only exists) with a CUDA device to copy to.
+        self._pin = self.device.type == "cpu" and torch.cuda.is_available()
+        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # oldest first
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def is_full(self) -> bool:
+        return len(self._blocks) >= self.capacity_blocks
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def keys_oldest_first(self) -> Iterator[bytes]:
+        return iter(list(self._blocks))
+
+    def insert(self, key: bytes, data: torch.Tensor) -> None:
+        """Store a copy of `data` as the most recently used block (caller made room)."""
+        src = as_uint8_tensor(data)
+        buf = torch.empty(src.numel(), dtype=torch.uint8, device=self.device,
+                          pin_memory=self._pin)
+        buf.copy_(src)
+        self._blocks[key] = buf
+        self._blocks.move_to_end(key)
+
+    def read(self, key: bytes) -> torch.Tensor | None:
+        """The stored tensor (do not modify it), or None; does not change LRU order."""
+        return self._blocks.get(key)
+
+    def touch(self, key: bytes) -> None:
+        self._blocks.move_to_end(key)
+
+    def remove(self, key: bytes) -> None:
+        del self._blocks[key]
+
+    def check_integrity(self) -> None:
+        if len(self._blocks) > self.capacity_blocks:
+            raise AssertionError(f"{self.name}: {len(self._blocks)} > {self.capacity_blocks}")
+
+    def close(self) -> None:
+        self._blocks.clear()
