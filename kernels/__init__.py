@@ -1,1 +1,82 @@
-"""pdserve.kernels"""
+"""pdserve.kernels: attention over the paged KV cache, by backend.
+
+    get_attention_backend("torch")   plain torch (kernels/reference.py): the CPU path
+    get_attention_backend("triton")  Triton kernels; on a machine without CUDA they run in
+                                     Triton's interpreter (TRITON_INTERPRET=1), for tests
+
+Triton is imported only when the "triton" backend is asked for. This package imports nothing
+else of pdserve; the engine picks the name (PDSERVE_ATTENTION_BACKEND, see pdserve/envs.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BACKEND_NAMES = ("torch", "triton")
+_TRITON_MODULES = ("prefill_attention", "decode_attention", "mla_decode", "kv_cache_write")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The five operations the engine needs; signatures in kernels/reference.py."""
+
+    name: str
+    write_kv_cache: Callable[..., None]
+    prefill_attention: Callable[..., torch.Tensor]
+    decode_attention: Callable[..., torch.Tensor]
+    mla_decode_attention: Callable[..., torch.Tensor]
+    write_latent_cache: Callable[..., None]
+
+
+def default_backend_name() -> str:
+    """Triton where there is a GPU, plain torch on CPU."""
+    return "triton" if torch.cuda.is_available() else "torch"
+
+
+def _enable_interpreter_without_cuda() -> None:
+    """Without CUDA, Triton kernels can only run interpreted, and `triton.jit` decides that
+    when a kernel is defined, so the flag must be set before the kernel modules import."""
+    if torch.cuda.is_available():
+        return
+    already = [m for m in _TRITON_MODULES if f"{__name__}.{m}" in sys.modules]
+    if already and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"kernel modules {already} were imported without TRITON_INTERPRET=1 on a machine "
+            "without CUDA; set TRITON_INTERPRET=1 before importing pdserve.kernels.* modules"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@functools.cache
+def get_attention_backend(name: str) -> AttentionBackend:
+    """The backend called `name` ("torch" or "triton")."""
+    if name == "torch":
+        from . import reference
+
+        return AttentionBackend(
+            name="torch",
+            write_kv_cache=reference.write_kv_cache,
+            prefill_attention=reference.prefill_attention,
+            decode_attention=reference.decode_attention,
+            mla_decode_attention=reference.mla_decode_attention,
+            write_latent_cache=reference.write_latent_cache,
+        )
+    if name == "triton":
+        _enable_interpreter_without_cuda()
+        from . import decode_attention, kv_cache_write, mla_decode, prefill_attention
+
+        return AttentionBackend(
+            name="triton",
+            write_kv_cache=kv_cache_write.write_kv_cache,
+            prefill_attention=prefill_attention.prefill_attention,
+            decode_attention=decode_attention.decode_attention,
+            mla_decode_attention=mla_decode.mla_decode_attention,
+            write_latent_cache=kv_cache_write.write_latent_cache,
+        )
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")

@@ -1,0 +1,202 @@
+"""Plain-torch attention over the paged KV cache: the reference for the Triton kernels, and
+the production path on CPU.
+
+Paged layout (shared by every backend):
+
+    kv_cache      [2, num_blocks, block_size, num_kv_heads, head_dim]   0 = K, 1 = V
+    latent_cache  [num_blocks, block_size, kv_lora_rank + rope_dim]     MLA: [c_kv | k_rope]
+    slot          block_id * block_size + offset_in_block
+
+    block_tables[s] = [b0, b1, b2, pad, pad]      seq_lens[s] = 2 * block_size + 5
+    position p of sequence s lives in block block_tables[s][p // block_size],
+    row p % block_size. Entries past a sequence's last block may hold anything.
+
+Every function accumulates in fp32 and returns the query's dtype. Loops run per sequence,
+never per token: each sequence's context is gathered once and attended with one SDPA or
+matmul call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slot_mapping = slot_mapping.long()
+    return slot_mapping // block_size, slot_mapping % block_size
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows ([T, Hkv, D]) into kv_cache at slot_mapping ([T])."""
+    check_kv_cache_write(key, value, kv_cache, slot_mapping)
+    # Two-index advanced assignment writes in place whatever the cache's strides are.
+    block_ids, offsets = _split_slots(slot_mapping, kv_cache.shape[2])
+    kv_cache[0, block_ids, offsets] = key.to(kv_cache.dtype)
+    kv_cache[1, block_ids, offsets] = value.to(kv_cache.dtype)
+
+
+def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Scatter MLA latent rows ([T, R + P]) into latent_cache at slot_mapping ([T])."""
+    check_latent_cache_write(latent, latent_cache, slot_mapping)
+    block_ids, offsets = _split_slots(slot_mapping, latent_cache.shape[1])
+    latent_cache[block_ids, offsets] = latent.to(latent_cache.dtype)
+
+
+def _context_blocks(block_tables: torch.Tensor, s: int, seq_len: int,
+                    block_size: int) -> torch.Tensor:
+    """Block ids holding positions [0, seq_len) of sequence s (no padding entries)."""
+    num_blocks = (seq_len + block_size - 1) // block_size
+    return block_tables[s, :num_blocks].long()
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      max_query_len: int) -> torch.Tensor:
+    """Causal attention for a ragged batch whose K/V (cached prefix + new) sit in kv_cache.
+
+    Query i of sequence s is at position seq_lens[s] - q_len_s + i and sees keys at
+    positions <= its own:
+
+        keys      0 1 2 3 4 5 6        seq_len 7, q_len 3 (4 cached, 3 new)
+        query 0   x x x x x . .        position 4
+        query 1   x x x x x x .        position 5
+        query 2   x x x x x x x        position 6
+    """
+    check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    out = torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        blocks = _context_blocks(block_tables, s, seq_len, block_size)
+        # [seq_len, Hkv, D] -> [Hkv, seq_len, D]
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
+        # Bottom-right aligned causal mask (SDPA's is_causal is top-left aligned).
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=visible, scale=scale, enable_gqa=True
+        )
+        out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence ([S, H, D]) attending to its whole context."""
+    num_seqs = query.shape[0]
+    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    # A decode is a prefill of one token at the last position: one function serves both.
+    return prefill_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, scale, 1)
+
+
+def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
+                         latent_cache: torch.Tensor, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Absorbed MLA decode: every head attends over the shared latent rows [c_kv | k_rope].
+
+        score[h, j] = scale * (q_latent[h] . c_kv[j] + q_rope[h] . k_rope[j])
+        out[h]      = sum_j softmax(score[h])_j * c_kv[j]             -> [S, H, R]
+    """
+    check_mla_decode(q_latent, q_rope, latent_cache, seq_lens, block_tables)
+    _, block_size, latent_dim = latent_cache.shape
+    rank = q_latent.shape[-1]
+    out = torch.empty_like(q_latent)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        blocks = _context_blocks(block_tables, s, seq_len, block_size)
+        rows = latent_cache[blocks].reshape(-1, latent_dim)[:seq_len].float()  # [L, R + P]
+        c_kv, k_rope = rows[:, :rank], rows[:, rank:]
+        scores = q_latent[s].float() @ c_kv.T + q_rope[s].float() @ k_rope.T  # [H, L]
+        probs = torch.softmax(scores * scale, dim=-1)
+        out[s] = (probs @ c_kv).to(q_latent.dtype)
+    return out
+
+
+# ---- argument checks shared with the Triton wrappers ------------------------------------
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_tables(seq_lens: torch.Tensor, block_tables: torch.Tensor, num_seqs: int) -> None:
+    _require(seq_lens.dim() == 1 and seq_lens.shape[0] == num_seqs,
+             f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+    _require(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+             f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    _require(not seq_lens.is_floating_point() and not block_tables.is_floating_point(),
+             "seq_lens and block_tables must be integer tensors")
+
+
+def check_kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    _require(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
+             f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
+    _require(key.shape == value.shape and key.dim() == 3,
+             f"key/value must both be [T, Hkv, D], got {tuple(key.shape)}, {tuple(value.shape)}")
+    _require(key.shape[1:] == kv_cache.shape[3:],
+             f"key rows {tuple(key.shape[1:])} do not match the cache's {kv_cache.shape[3:]}")
+    _require(slot_mapping.shape == (key.shape[0],) and not slot_mapping.is_floating_point(),
+             f"slot_mapping must be integer [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def check_latent_cache_write(latent: torch.Tensor, latent_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+    _require(latent_cache.dim() == 3,
+             f"latent_cache must be [blocks, block_size, R + P], got {tuple(latent_cache.shape)}")
+    _require(latent.dim() == 2 and latent.shape[1] == latent_cache.shape[2],
+             f"latent must be [T, {latent_cache.shape[2]}], got {tuple(latent.shape)}")
+    _require(slot_mapping.shape == (latent.shape[0],) and not slot_mapping.is_floating_point(),
+             f"slot_mapping must be integer [{latent.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def check_prefill(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  max_query_len: int) -> None:
+    _require(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
+             f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
+    _require(query.dim() == 3 and query.shape[2] == kv_cache.shape[4],
+             f"query must be [T, H, {kv_cache.shape[4]}], got {tuple(query.shape)}")
+    _require(query.shape[1] % kv_cache.shape[3] == 0,
+             f"{query.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _require(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] == num_seqs + 1,
+             f"cu_seqlens_q must be [{num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
+    _check_tables(seq_lens, block_tables, num_seqs)
+    _require(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
+
+
+def check_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor) -> None:
+    _require(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
+             f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
+    _require(query.dim() == 3 and query.shape[2] == kv_cache.shape[4],
+             f"query must be [S, H, {kv_cache.shape[4]}], got {tuple(query.shape)}")
+    _require(query.shape[1] % kv_cache.shape[3] == 0,
+             f"{query.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
+    _check_tables(seq_lens, block_tables, query.shape[0])
+
+
+def check_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+    _require(latent_cache.dim() == 3,
+             f"latent_cache must be [blocks, block_size, R + P], got {tuple(latent_cache.shape)}")
+    _require(q_latent.dim() == 3 and q_rope.dim() == 3
+             and q_latent.shape[:2] == q_rope.shape[:2],
+             f"q_latent [S, H, R] and q_rope [S, H, P] disagree: {tuple(q_latent.shape)}, "
+             f"{tuple(q_rope.shape)}")
+    _require(q_latent.shape[2] + q_rope.shape[2] == latent_cache.shape[2],
+             f"R + P = {q_latent.shape[2]} + {q_rope.shape[2]} != cache row "
+             f"{latent_cache.shape[2]}")
+    _check_tables(seq_lens, block_tables, q_latent.shape[0])

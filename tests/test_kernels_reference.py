@@ -1,0 +1,185 @@
+"""The plain-torch attention (kernels/reference.py) against dense attention on unpaged K/V.
+
+The paged cases built here (make_paged_case, make_mla_case) are shared with the Triton
+kernel tests. Each case scatters every sequence's K/V into randomly permuted cache blocks,
+pads block tables with garbage, and keeps the dense, unpaged K/V for the dense oracle.
+Tolerance: both sides compute in fp32 from the same fp32 inputs, so they differ only by
+summation order (~1e-6); 1e-5 leaves room for that and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from pdserve.kernels import get_attention_backend
+from pdserve.kernels import reference as ref
+
+
+@dataclass
+class PagedCase:
+    query: torch.Tensor  # [T, H, D], this step's queries, sequences back to back
+    keys: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], the whole context, unpaged
+    values: list[torch.Tensor]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
+    cu_seqlens_q: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with garbage
+    slot_mapping: torch.Tensor  # [sum(seq_lens)] int64, every context position's slot
+    max_query_len: int
+
+
+def _block_tables(seq_lens: list[int], block_size: int, gen: torch.Generator
+                  ) -> tuple[torch.Tensor, int]:
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq) + 2
+    # Padding entries hold out-of-range ids: kernels must never read past a sequence's blocks.
+    tables = torch.full((len(seq_lens), max_blocks), 10**6, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        used += n
+    return tables, num_blocks
+
+
+def _slots(tables: torch.Tensor, seq_lens: list[int], block_size: int) -> torch.Tensor:
+    slots = []
+    for s, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        slots.append(tables[s, pos // block_size].long() * block_size + pos % block_size)
+    return torch.cat(slots)
+
+
+def make_paged_case(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
+                    head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
+                    seed: int = 0) -> PagedCase:
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = _block_tables(seq_lens, block_size, gen)
+    slot_mapping = _slots(tables, seq_lens, block_size)
+    keys = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    kv_cache = kv_cache.to(dtype)
+    ref.write_kv_cache(torch.cat(keys), torch.cat(values), kv_cache, slot_mapping)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    return PagedCase(query, keys, values, kv_cache, cu, torch.tensor(seq_lens, dtype=torch.int32),
+                     tables, slot_mapping, max(q_lens))
+
+
+def dense_attention(case: PagedCase, scale: float) -> torch.Tensor:
+    """Attention written out with explicit scores on the unpaged K/V, in fp32."""
+    outs = []
+    num_heads = case.query.shape[1]
+    for s, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
+        q = case.query[case.cu_seqlens_q[s]:case.cu_seqlens_q[s + 1]].float()
+        q_len, seq_len = q.shape[0], k.shape[0]
+        group = num_heads // k.shape[1]
+        k = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v))
+    return torch.cat(outs)
+
+
+@dataclass
+class MlaCase:
+    q_latent: torch.Tensor  # [S, H, R]
+    q_rope: torch.Tensor  # [S, H, P]
+    rows: list[torch.Tensor]  # per sequence [seq_len, R + P], unpaged
+    latent_cache: torch.Tensor  # [num_blocks, block_size, R + P]
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def make_mla_case(seq_lens: list[int], num_heads: int, rank: int, rope_dim: int,
+                  block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> MlaCase:
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = _block_tables(seq_lens, block_size, gen)
+    slot_mapping = _slots(tables, seq_lens, block_size)
+    rows = [torch.randn(n, rank + rope_dim, generator=gen).to(dtype) for n in seq_lens]
+    latent_cache = torch.randn(num_blocks, block_size, rank + rope_dim, generator=gen).to(dtype)
+    ref.write_latent_cache(torch.cat(rows), latent_cache, slot_mapping)
+    num_seqs = len(seq_lens)
+    q_latent = torch.randn(num_seqs, num_heads, rank, generator=gen).to(dtype)
+    q_rope = torch.randn(num_seqs, num_heads, rope_dim, generator=gen).to(dtype)
+    return MlaCase(q_latent, q_rope, rows, latent_cache,
+                   torch.tensor(seq_lens, dtype=torch.int32), tables, slot_mapping)
+
+
+def dense_mla(case: MlaCase, scale: float) -> torch.Tensor:
+    """Un-absorbed view of the same math: concatenated [q_latent | q_rope] against each row."""
+    outs = []
+    rank = case.q_latent.shape[-1]
+    for s, rows in enumerate(case.rows):
+        q = torch.cat([case.q_latent[s], case.q_rope[s]], dim=-1).float()  # [H, R + P]
+        probs = torch.softmax(q @ rows.float().T * scale, dim=-1)
+        outs.append(probs @ rows.float()[:, :rank])
+    return torch.stack(outs)
+
+
+SHAPES = [  # (q_lens, seq_lens): fresh prefills, prefix + new tokens, decodes mixed in
+    ([7, 33, 1], [7, 33, 130]),
+    ([130, 1, 5], [130, 66, 40]),
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", SHAPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_reference_prefill_matches_dense(q_lens, seq_lens, num_heads, num_kv_heads, block_size):
+    case = make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, 32, block_size)
+    out = ref.prefill_attention(case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens,
+                                case.block_tables, 0.3, case.max_query_len)
+    torch.testing.assert_close(out, dense_attention(case, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_decode_is_last_row_of_prefill():
+    case = make_paged_case([1, 1, 1], [1, 7, 130], 8, 2, 32, 16)
+    out = ref.decode_attention(case.query, case.kv_cache, case.seq_lens, case.block_tables, 0.2)
+    torch.testing.assert_close(out, dense_attention(case, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_mla_matches_dense():
+    case = make_mla_case([1, 7, 33, 130], num_heads=4, rank=32, rope_dim=8, block_size=16)
+    out = ref.mla_decode_attention(case.q_latent, case.q_rope, case.latent_cache, case.seq_lens,
+                                   case.block_tables, 0.15)
+    torch.testing.assert_close(out, dense_mla(case, 0.15), atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_cache_places_rows_by_slot():
+    kv_cache = torch.zeros(2, 4, 16, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    ref.write_kv_cache(key, value, kv_cache, torch.tensor([0, 17, 63]))
+    torch.testing.assert_close(kv_cache[0, 1, 1], key[1])
+    torch.testing.assert_close(kv_cache[1, 3, 15], value[2])
+    assert int((kv_cache != 0).sum()) == 2 * 3 * 2 * 8
+
+
+def test_reference_keeps_query_dtype_bf16():
+    case = make_paged_case([5], [9], 4, 2, 16, 16, dtype=torch.bfloat16)
+    out = ref.prefill_attention(case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens,
+                                case.block_tables, 0.25, 5)
+    assert out.dtype == torch.bfloat16
+    # bf16 keeps 8 mantissa bits: output rounding alone is up to 2^-8 relative.
+    torch.testing.assert_close(out.float(), dense_attention(case, 0.25), atol=1e-2, rtol=1e-2)
+
+
+def test_backend_registry():
+    backend = get_attention_backend("torch")
+    assert backend.name == "torch" and backend.prefill_attention is ref.prefill_attention
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("cuda")
+
+
+def test_bad_shapes_raise():
+    case = make_paged_case([3], [3], 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="query heads"):
+        ref.prefill_attention(case.query[:, :3], case.kv_cache, case.cu_seqlens_q,
+                              case.seq_lens, case.block_tables, 1.0, 3)
