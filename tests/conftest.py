@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from pdserve.serve.default_model import build_random_model, build_tokenizer
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.kvstore.block_key import KVLayout, block_keys, next_key, root_key
 
 LAYOUT = KVLayout(dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
