@@ -1,0 +1,57 @@
+"""Router configuration (one frozen dataclass; `pdserve router` flags take defaults from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    """Local checkpoint directory: the router reads its tokenizer, chat template and config."""
+    served_model_name: str | None = None
+    """Name clients put in `model`; None takes the directory's base name."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_addrs: tuple[str, ...] = ()
+    """ZeroMQ addresses of prefill workers (tcp://host:port)."""
+    decode_addrs: tuple[str, ...] = ()
+    """ZeroMQ addresses of decode workers."""
+    colocated_addrs: tuple[str, ...] = ()
+    """ZeroMQ addresses of colocated workers (prefill and decode in one)."""
+    store_master_addr: str | None = None
+    """The KV store master's control address, for prefix lookups (None: no lookups)."""
+    api_key: str | None = None
+    """When set, every /v1 request needs `Authorization: Bearer <api_key>`."""
+    max_model_len: int | None = None
+    """Prompt + output token limit; None takes the checkpoint's max_position_embeddings."""
+    default_max_tokens: int = 16
+    """max_tokens when a request gives none (OpenAI's completions default)."""
+    max_inflight_per_worker: int = 256
+    """Admission: requests one worker may hold before new ones get HTTP 429."""
+    max_predicted_ttft_s: float | None = None
+    """Admission: reject with 429 when the predicted TTFT exceeds this."""
+    first_token_timeout_s: float = 120.0
+    """Longest wait for a worker's first output before the request fails."""
+    token_timeout_s: float = 60.0
+    """Longest wait between two outputs of a running request."""
+    heartbeat_timeout_s: float = 3.0
+    """A worker silent this long is dead: its requests fail (or move, if nothing was sent)."""
+    max_request_bytes: int = 8 * 1024 * 1024
+    """Bodies larger than this get HTTP 413."""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_addrs and self.decode_addrs) and not self.colocated_addrs:
+            raise ValueError(
+                "the router needs colocated workers, or both prefill and decode workers"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for name in ("first_token_timeout_s", "token_timeout_s", "heartbeat_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return bool(self.prefill_addrs and self.decode_addrs)

@@ -1,0 +1,169 @@
+"""A request's path through the workers (DESIGN.md, "A request's path").
+
+    colocated:  router -> colocated worker -> deltas
+    disagg:     router -> prefill worker -> first token + KVHandoff
+                       -> decode worker (loads the blocks from the store) -> deltas
+
+`Dispatcher.run` yields the worker outputs of one request as they come. Whatever way the
+request ends (finish, error, timeout, client disconnect: the generator is closed), every
+worker that still holds it is told to abort, so no blocks or leases outlive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+
+import zmq.asyncio
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.policies import (
+    AdmissionPolicy,
+    LeastLoadedPrefill,
+    MostFreeKVDecode,
+    NoWorkerAvailable,
+    RouteContext,
+)
+from pdserve.router.worker_client import WorkerClient, WorkerDied
+from pdserve.serve.protocol import GenerateRequest, Output, WireSampling
+
+logger = logging.getLogger(__name__)
+
+HANDOFF = "handoff"
+
+
+class RequestFailed(RuntimeError):
+    """A worker reported an error, died, or went silent past its timeout."""
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: RouterConfig,
+        prefill_policy: LeastLoadedPrefill | None = None,
+        decode_policy: MostFreeKVDecode | None = None,
+        admission: AdmissionPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.context = zmq.asyncio.Context()
+
+        def clients(addrs: Sequence[str], role: str) -> list[WorkerClient]:
+            return [WorkerClient(a, role, self.context,
+                                 heartbeat_timeout_s=config.heartbeat_timeout_s) for a in addrs]
+
+        self.colocated = clients(config.colocated_addrs, "colocated")
+        self.prefill = clients(config.prefill_addrs, "prefill")
+        self.decode = clients(config.decode_addrs, "decode")
+        self.prefill_policy = prefill_policy or LeastLoadedPrefill()
+        self.decode_policy = decode_policy or MostFreeKVDecode()
+        self.admission = admission or AdmissionPolicy(
+            max_inflight_per_worker=config.max_inflight_per_worker,
+            max_predicted_ttft_s=config.max_predicted_ttft_s,
+        )
+
+    @property
+    def workers(self) -> list[WorkerClient]:
+        return self.colocated + self.prefill + self.decode
+
+    def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            await worker.close()
+        self.context.term()
+
+    def is_ready(self) -> bool:
+        if self.config.is_disaggregated:
+            return any(w.is_ready for w in self.prefill) and any(w.is_ready for w in self.decode)
+        return any(w.is_ready for w in self.colocated)
+
+    def admit(self, ctx: RouteContext) -> WorkerClient:
+        """Pick the first worker for a request, or raise NoWorkerAvailable / Overloaded."""
+        pool = self.prefill if self.config.is_disaggregated else self.colocated
+        worker = self.prefill_policy.choose(pool, ctx)
+        self.admission.check(worker, ctx)
+        return worker
+
+    async def run(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: WireSampling,
+        cache_salt: str | None,
+        first_worker: WorkerClient,
+    ) -> AsyncIterator[Output]:
+        request = GenerateRequest(request_id, prompt_token_ids, sampling, cache_salt)
+        first: Output | None = None
+        async with aclosing(self._stream(first_worker, request)) as stream:
+            async for output in stream:
+                if output.finish_reason == HANDOFF and output.handoff is not None:
+                    first = output  # the stream ends here: prefill is done with it
+                else:
+                    yield output  # colocated, or prefill finished by itself (stop, length)
+        if first is None:
+            return
+        yield dataclasses.replace(first, finish_reason=None, handoff=None)
+        async with aclosing(self._decode(request, first)) as stream:
+            async for output in stream:
+                yield output
+
+    async def _decode(self, request: GenerateRequest, first: Output) -> AsyncIterator[Output]:
+        """Stream from a decode worker; move to another if one dies before its first delta."""
+        decode_request = dataclasses.replace(request, handoff=first.handoff)
+        tried: set[str] = set()
+        block_size = max((w.status.block_size for w in self.decode if w.status), default=16)
+        num_blocks = (len(request.prompt_token_ids) + request.sampling.max_tokens) // block_size
+        while True:
+            candidates = [w for w in self.decode if w.address not in tried]
+            worker = self.decode_policy.choose(candidates, num_blocks + 1)
+            tried.add(worker.address)
+            sent_any = False
+            try:
+                async with aclosing(self._stream(worker, decode_request)) as stream:
+                    async for output in stream:
+                        sent_any = True
+                        yield output
+                return
+            except RequestFailed as exc:
+                if sent_any or not isinstance(exc.__cause__, WorkerDied):
+                    raise
+                logger.warning("decode worker %s died before its first token of %s; "
+                               "moving the request", worker.address, request.request_id)
+                if all(w.address in tried for w in self.decode if w.is_ready):
+                    raise NoWorkerAvailable("no other decode worker is ready") from exc
+
+    async def _stream(self, worker: WorkerClient, request: GenerateRequest
+                      ) -> AsyncIterator[Output]:
+        queue = await worker.generate(request)
+        finished = False
+        timeout_s = self.config.first_token_timeout_s
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout_s)
+                except asyncio.TimeoutError:
+                    raise RequestFailed(
+                        f"worker {worker.address} sent nothing for {timeout_s:.0f}s"
+                    ) from None
+                if isinstance(item, BaseException):
+                    finished = True  # the worker is gone; nothing left to abort there
+                    raise RequestFailed(str(item)) from item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailed(item.error)
+                timeout_s = self.config.token_timeout_s
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if finished:
+                worker.finish(request.request_id)
+            else:  # closed early: client gone, timeout, or the caller stopped at the hand-off
+                await worker.abort(request.request_id)

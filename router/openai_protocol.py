@@ -1,0 +1,206 @@
+"""OpenAI-compatible request and response bodies, validated at the front door.
+
+Request fields follow the OpenAI API, plus vLLM's extra sampling fields (`ignore_eos`, `top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
+`cache_salt`), so clients written for vLLM work unchanged. Anything pdserve cannot honour
+(n > 1, echo, best_of, ...) is rejected with a 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    # Unknown fields are ignored, as OpenAI and vLLM do (clients send e.g. `user`).
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    user: str | None = None
+    # vLLM's extra sampling fields
+    ignore_eos: bool = False
+    top_k: int | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, top_k: int | None) -> int | None:
+        if top_k is not None and top_k < -1:
+            raise ValueError("top_k must be -1 (disabled), 0 (disabled) or positive")
+        return top_k
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, seed: int | None) -> int | None:
+        if seed is not None and not (-(2**63) <= seed < 2**64):
+            raise ValueError("seed must fit in 64 bits")
+        return seed
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: str | list[str] | None) -> list[str] | None:
+        if stop is None:
+            return None
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise ValueError("cache_salt must be a non-empty string when given")
+        return salt
+
+    def sampling_dict(self, max_tokens: int) -> dict[str, Any]:
+        """The engine's SamplingParams fields, as sent to workers."""
+        return {
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": 0 if self.top_k in (None, -1) else self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop": list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _single_prompt(self) -> CompletionRequest:
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(prompt[0], (str, list)):
+                if len(prompt) != 1:
+                    raise ValueError("batched prompts are not supported: send one prompt")
+                self.prompt = prompt[0]
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(self.prompt, list) and any(t < 0 for t in self.prompt):
+            raise ValueError("prompt token ids must be non-negative")
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())

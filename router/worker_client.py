@@ -1,0 +1,136 @@
+"""The router's side of one worker connection: a ZeroMQ DEALER socket, asyncio.
+
+One background task reads every message the worker sends and routes it: outputs to the
+queue of the request they belong to, status replies into `status`. A worker that misses
+heartbeats for `heartbeat_timeout_s` is marked dead and every request it held gets an error
+output, so no client waits forever on a crashed worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from pdserve.serve.protocol import (
+    WORKER_PROTOCOL,
+    AbortRequest,
+    GenerateRequest,
+    Output,
+    StatusRequest,
+    WorkerStatus,
+)
+from pdserve.wire import WireError
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDied(RuntimeError):
+    """The worker stopped answering while a request was in flight."""
+
+
+class WorkerClient:
+    def __init__(
+        self,
+        address: str,
+        role: str,
+        context: zmq.asyncio.Context,
+        heartbeat_interval_s: float = 0.5,
+        heartbeat_timeout_s: float = 3.0,
+    ) -> None:
+        self.address = address
+        self.role = role  # what the router expects it to be: prefill | decode | colocated
+        self.status: WorkerStatus | None = None
+        self.last_seen_s = 0.0
+        self.num_inflight = 0
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._socket = context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._queues: dict[str, asyncio.Queue[Output | BaseException]] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop()),
+                       asyncio.create_task(self._heartbeat_loop())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._socket.close(linger=0)
+
+    @property
+    def is_alive(self) -> bool:
+        return (self.status is not None
+                and time.monotonic() - self.last_seen_s < self._heartbeat_timeout_s)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.is_alive and self.status is not None and self.status.is_ready
+
+    @property
+    def worker_id(self) -> str:
+        return self.status.worker_id if self.status else self.address
+
+    async def generate(self, request: GenerateRequest) -> asyncio.Queue[Output | BaseException]:
+        """Send a request; its outputs (or a WorkerDied) arrive on the returned queue."""
+        queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self.num_inflight += 1
+        await self._socket.send(WORKER_PROTOCOL.encode(request))
+        return queue
+
+    def finish(self, request_id: str) -> None:
+        """Forget a request (after its last output, an abort or an error)."""
+        if self._queues.pop(request_id, None) is not None:
+            self.num_inflight -= 1
+
+    async def abort(self, request_id: str) -> None:
+        self.finish(request_id)
+        with contextlib.suppress(zmq.ZMQError):
+            await self._socket.send(WORKER_PROTOCOL.encode(AbortRequest(request_id)))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            raw = await self._socket.recv()
+            try:
+                message = WORKER_PROTOCOL.decode(raw)
+            except WireError as exc:
+                logger.warning("dropped a malformed message from %s: %s", self.address, exc)
+                continue
+            self.last_seen_s = time.monotonic()
+            if isinstance(message, WorkerStatus):
+                self.status = message
+            elif isinstance(message, Output):
+                queue = self._queues.get(message.request_id)
+                if queue is not None:  # else: aborted already; late outputs are dropped
+                    queue.put_nowait(message)
+            else:
+                logger.warning("unexpected %s from %s", type(message).__name__, self.address)
+
+    async def _heartbeat_loop(self) -> None:
+        was_alive = False
+        while True:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._socket.send(WORKER_PROTOCOL.encode(StatusRequest()))
+            await asyncio.sleep(self._heartbeat_interval_s)
+            alive = self.is_alive
+            if was_alive and not alive:
+                logger.error("worker %s (%s) stopped answering", self.address, self.role)
+                self._fail_inflight()
+            elif alive and not was_alive:
+                logger.info("worker %s (%s) is up", self.address, self.role)
+            was_alive = alive
+
+    def _fail_inflight(self) -> None:
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(WorkerDied(f"worker {self.address} ({self.role}) died"))
+            self.finish(request_id)

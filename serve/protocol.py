@@ -1,0 +1,134 @@
+"""Router <-> worker messages (ZeroMQ DEALER/ROUTER, msgpack; see pdserve/wire.py).
+
+    router --GenerateRequest--> prefill worker --Output(first token, KVHandoff)--> router
+    router --GenerateRequest(handoff)--> decode worker --Output(deltas)...--> router
+    router --AbortRequest--> any worker holding the request
+    router --StatusRequest--> worker --WorkerStatus--> router     (heartbeat, load, step times)
+
+The prefill -> decode hand-off travels through the router inside these messages: it names the
+prompt's KV blocks in the store (by block key) and the sampling state, never the bytes.
+This module imports neither torch nor model code, so the router can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.wire import Protocol
+
+WORKER_PROTOCOL = Protocol("worker")
+
+
+@dataclass(frozen=True)
+class WireSampling:
+    """The request's sampling parameters (the engine's SamplingParams fields)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """What a decode worker needs to continue a request that a prefill worker started."""
+
+    block_keys: list[bytes]
+    """Keys of the prompt's full blocks, saved in the KV store by the prefill worker."""
+    first_token_id: int
+    """The token prefill sampled (already streamed to the client)."""
+    num_output_tokens: int = 1
+    """Output tokens generated so far: seeded sampling resumes its draw at this index."""
+    prefill_worker_id: str = ""
+
+
+@WORKER_PROTOCOL.message("generate")
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: WireSampling
+    cache_salt: str | None = None
+    handoff: KVHandoff | None = None
+    """None: start from the prompt. Set: decode role, continue after the prefill worker."""
+
+    def __post_init__(self) -> None:
+        if not self.request_id or not self.prompt_token_ids:
+            raise ValueError("request_id and prompt_token_ids must not be empty")
+
+
+@WORKER_PROTOCOL.message("abort")
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@WORKER_PROTOCOL.message("status_request")
+@dataclass(frozen=True)
+class StatusRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@WORKER_PROTOCOL.message("output")
+@dataclass(frozen=True)
+class Output:
+    """A delta of one request's output, streamed as the worker produces it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    """stop | length | abort | error; None while running. Prefill's hand-off says 'handoff'."""
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    handoff: KVHandoff | None = None
+    error: str | None = None
+
+
+@WORKER_PROTOCOL.message("status")
+@dataclass(frozen=True)
+class WorkerStatus:
+    worker_id: str
+    role: str
+    model: str
+    max_model_len: int
+    is_ready: bool
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    kv_layout: dict[str, str | int] = field(default_factory=dict)
+    """KVLayout fields, so the router computes the same block keys as the workers."""
+    prefill_step_s: float = 0.0
+    """Mean recent step time of steps that carried prefill tokens."""
+    decode_step_s: float = 0.0
+    """Mean recent step time of decode-only steps."""
+    num_prefix_queries_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
