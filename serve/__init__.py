@@ -1,1 +1,32 @@
-"""pdserve.serve"""
+"""pdserve.serve: the engine inside every worker.
+
+`from pdserve.serve import LLM, SamplingParams` works without importing torch or transformers
+until one of them is used (names resolve lazily, PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.serve.engine import Engine
+    from pdserve.serve.llm import LLM
+    from pdserve.serve.request import CompletionOutput, RequestOutput
+    from pdserve.serve.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "pdserve.serve.llm",
+    "Engine": "pdserve.serve.engine",
+    "SamplingParams": "pdserve.serve.sampling_params",
+    "RequestOutput": "pdserve.serve.request",
+    "CompletionOutput": "pdserve.serve.request",
+}
+
+__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,242 @@
+"""The engine: requests in, one step at a time, streamed deltas out.
+
+    add_request ─► Scheduler.schedule ─► ModelRunner.execute ─► Sampler ─► stop checks
+                                                                              │
+    step() returns RequestOutput deltas (new token ids, new text, finish_reason) ◄┘
+
+The worker's role changes only a request's start and end:
+  colocated  a request runs from prompt to its last token here.
+  prefill    a request finishes after its first token (finish_reason 'handoff'); its output
+             carries a KVHandoff (block ids, block keys, sampling position) and the optional
+             handoff_hook sees it before the blocks are freed (a KV connector saves them there).
+  decode     add_prefilled_request admits a request whose prompt KV is (or will be, before
+             the next step) in the blocks it names; decoding starts at its next token.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.serve.block_manager import BlockManager
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.serve.detokenizer import IncrementalDetokenizer
+from pdserve.serve.request import (
+    CompletionOutput,
+    KVHandoff,
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
+from pdserve.serve.sampler import Sampler
+from pdserve.serve.sampling_params import SamplingParams
+from pdserve.serve.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+HandoffHook = Callable[[Request, KVHandoff], None]
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
+                 parallel_config: ParallelConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None, tokenizer: Any = None,
+                 runner: Any = None, handoff_hook: HandoffHook | None = None) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        if runner is None:
+            from pdserve.serve.model_runner import ModelRunner
+
+            runner = ModelRunner(model_config, self.cache_config,
+                                 parallel_config or ParallelConfig())
+        self.runner = runner
+        self.spec = runner.spec
+        self.tokenizer = tokenizer
+        self.handoff_hook = handoff_hook
+        self.max_model_len = self.spec.max_model_len
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.block_size, self.spec.model_id,
+            self.spec.kv_layout(runner.block_size), self.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(model_config.seed)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._num_reported_tokens: dict[str, int] = {}
+
+    @property
+    def role(self) -> str:
+        return self.scheduler_config.role
+
+    # ---- requests in --------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Tokenize and bound a request (nothing is queued)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer")
+            prompt_text: str | None = prompt
+            prompt_ids = list(self.tokenizer.encode(prompt))
+        else:
+            prompt_text, prompt_ids = None, [int(t) for t in prompt]
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        vocab_size = self.spec.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        room = max(1, self.max_model_len - len(prompt_ids))
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt_ids,
+                       sampling_params=params, max_tokens=max_tokens, prompt=prompt_text,
+                       eos_token_ids=tuple(self.spec.eos_token_ids))
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Queue a request; raises RequestRejectedError if it can never be served."""
+        request = self.make_request(prompt, params, request_id)
+        self.submit(request)
+        return request
+
+    def submit(self, request: Request) -> None:
+        """Queue a request made by make_request."""
+        self.scheduler.add_request(request)
+        self._start_tracking(request)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
+                              params: SamplingParams, output_token_ids: list[int],
+                              block_ids: list[int] | None = None) -> list[int]:
+        """Decode role: admit a request whose prompt KV another worker computed.
+
+        The prompt's KV must be in `block_ids` (or, if None, in the returned fresh blocks)
+        before the next step(); output_token_ids are the tokens sampled so far (at least the
+        first). Seeded sampling continues at output index len(output_token_ids)."""
+        if not output_token_ids:
+            raise ValueError("a prefilled request needs its first output token")
+        request = self.make_request(prompt_token_ids, params, request_id)
+        for token_id in output_token_ids:
+            request.append_output_token(int(token_id))
+        request.num_computed_tokens = request.num_tokens - 1
+        block_ids = self.scheduler.add_running_request(request, block_ids)
+        self._start_tracking(request)
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            detokenizer.update(list(output_token_ids))
+            detokenizer.take_delta(finished=False)  # the prefill worker streamed these
+        self._num_reported_tokens[request.request_id] = request.num_output_tokens
+        return block_ids
+
+    def _start_tracking(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer,
+                                                                            request)
+        self._num_reported_tokens[request.request_id] = 0
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort in any state and free its blocks; returns its final output (None if it is
+        unknown or already finished)."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        return self._make_output(request)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        logits = self.runner.execute(scheduled.step)  # [num chunks needing logits, vocab]
+        self.scheduler.update_after_step(scheduled)
+        to_sample = [request for (request, _), chunk in
+                     zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
+                     if chunk.need_logits]
+        if logits.shape[0] != len(to_sample):
+            raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for "
+                               f"{len(to_sample)} chunks that need logits")
+        if not to_sample:
+            return []
+        outputs = []
+        for request, result in zip(to_sample, self.sampler(logits, to_sample), strict=True):
+            request.append_output_token(result.token_id, result.logprobs)
+            finished_status = self._check_stop(request)
+            if finished_status is not None:
+                outputs.append(self._finish(request, finished_status))
+            else:
+                outputs.append(self._make_output(request))
+        return outputs
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        detokenizer = self._detokenizers.get(request.request_id)
+        status = None
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        if detokenizer is not None:
+            stop_str = detokenizer.update(
+                [token_id], stop_terminated=status is not None,
+                check_stop_strings=request.num_output_tokens >= params.min_tokens)
+            if stop_str is not None:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and request.num_output_tokens >= request.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None and self.role == "prefill":
+            status = RequestStatus.FINISHED_HANDOFF
+        return status
+
+    def _finish(self, request: Request, status: RequestStatus) -> RequestOutput:
+        handoff = None
+        if status is RequestStatus.FINISHED_HANDOFF:
+            block_ids, block_keys = self.block_manager.request_blocks(request)
+            handoff = KVHandoff(
+                block_ids=block_ids, block_keys=block_keys,
+                num_computed_tokens=request.num_computed_tokens,
+                seed=request.sampling_params.seed,
+                num_generated_tokens=request.num_output_tokens,
+                output_token_ids=list(request.output_token_ids))
+            if self.handoff_hook is not None:
+                self.handoff_hook(request, handoff)
+        self.scheduler.finish_request(request.request_id, status)
+        output = self._make_output(request)
+        output.kv_handoff = handoff
+        return output
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        """The delta since this request's last output; forgets a finished request."""
+        request_id = request.request_id
+        start = self._num_reported_tokens.get(request_id, 0)
+        self._num_reported_tokens[request_id] = request.num_output_tokens
+        detokenizer = self._detokenizers.get(request_id)
+        text = detokenizer.take_delta(request.is_finished) if detokenizer is not None else ""
+        logprobs, cumulative_logprob = None, None
+        if request.sampling_params.logprobs is not None:
+            logprobs = request.output_logprobs[start:]
+            # A prefilled request (decode role) has no logprobs for its handed-over tokens.
+            with_logprobs = request.output_token_ids[-len(request.output_logprobs):] \
+                if request.output_logprobs else []
+            cumulative_logprob = sum(entry[token_id].logprob for token_id, entry in
+                                     zip(with_logprobs, request.output_logprobs, strict=True))
+        if request.is_finished:
+            self._detokenizers.pop(request_id, None)
+            self._num_reported_tokens.pop(request_id, None)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=request.output_token_ids[start:],
+            cumulative_logprob=cumulative_logprob, logprobs=logprobs,
+            finish_reason=request.status.finish_reason, stop_reason=request.stop_reason)
+        return RequestOutput(
+            request_id=request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids, outputs=[completion],
+            finished=request.is_finished, num_cached_tokens=request.num_cached_tokens or 0)
+
+    # ---- state --------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        for request_id in list(self.scheduler.requests):
+            self.abort_request(request_id)
+        self.runner.shutdown()

@@ -1,0 +1,139 @@
+"""Offline inference in vLLM's style: `LLM(model_dir).generate(prompts, params)`.
+
+    from pdserve.serve import LLM, SamplingParams
+    llm = LLM("path/to/checkpoint")
+    outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.serve.engine import Engine
+from pdserve.serve.request import CompletionOutput, RequestOutput
+from pdserve.serve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike, tensor_parallel_size: int = 1,
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, dtype: str = "auto", seed: int = 0,
+                 max_model_len: int | None = None, enable_chunked_prefill: bool = True,
+                 kv_cache_memory_bytes: int | None = None, device: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        model_dir = str(model)
+        self.model_config = ModelConfig(model=model_dir, dtype=dtype, seed=seed,
+                                        max_model_len=max_model_len)
+        cache_kwargs: dict[str, Any] = dict(block_size=block_size, num_blocks=num_kv_blocks,
+                                            enable_prefix_caching=enable_prefix_caching)
+        if kv_cache_memory_bytes is not None:
+            cache_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.engine = Engine(
+            self.model_config, CacheConfig(**cache_kwargs),
+            ParallelConfig(tensor_parallel_size=tensor_parallel_size, device=device),
+            SchedulerConfig(max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            enable_chunked_prefill=enable_chunked_prefill),
+            tokenizer=self.tokenizer)
+        self._next_request_id = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(params_list)} sampling params for "
+                                 f"{len(prompt_list)} prompts")
+        # Validate every prompt before queueing any, so a rejection leaves the engine idle.
+        requests = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request = self.engine.make_request(prompt, params, self._new_request_id())
+            self.engine.scheduler.check_admissible(request)
+            requests.append(request)
+        finals: dict[str, RequestOutput] = {}
+        try:
+            for request in requests:
+                self.engine.submit(request)
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    _accumulate(finals, delta)
+        except BaseException:
+            for request in requests:
+                self.engine.abort_request(request.request_id)
+            raise
+        return [finals[request.request_id] for request in requests]
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        return self.generate(prompts, sampling_params)
+
+    def _new_request_id(self) -> str:
+        self._next_request_id += 1
+        return f"llm-{self._next_request_id}"
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _accumulate(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    """Fold a step's delta into the request's cumulative output."""
+    new = delta.outputs[0]
+    if delta.request_id not in finals:
+        finals[delta.request_id] = RequestOutput(
+            request_id=delta.request_id, prompt=delta.prompt,
+            prompt_token_ids=delta.prompt_token_ids,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[],
+                                      logprobs=[] if new.logprobs is not None else None)],
+            finished=False, num_cached_tokens=delta.num_cached_tokens)
+    final = finals[delta.request_id]
+    out = final.outputs[0]
+    out.text += new.text
+    out.token_ids.extend(new.token_ids)
+    if new.logprobs is not None and out.logprobs is not None:
+        out.logprobs.extend(new.logprobs)
+    out.cumulative_logprob = new.cumulative_logprob
+    out.finish_reason, out.stop_reason = new.finish_reason, new.stop_reason
+    final.finished = delta.finished
+    final.num_cached_tokens = delta.num_cached_tokens
+    final.kv_handoff = delta.kv_handoff

@@ -1,0 +1,167 @@
+"""A request inside the engine, and what the engine reports about it (vLLM's output shapes).
+
+A request's tokens are its prompt followed by what it generated so far; the scheduler only
+tracks how many of them are in the KV cache:
+
+    all_token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... o(k-1) ]
+                      prompt (P)          output (k)
+    num_computed_tokens <= len(all_token_ids); the gap is what the next steps compute.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.serve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV was freed (recompute)
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_HANDOFF = "finished_handoff"  # prefill role: first token sampled, KV handed off
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI / vLLM finish_reason string, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_HANDOFF}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_HANDOFF: "handoff",
+}
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    decoded_token: str | None = None
+
+
+# One entry per output token: token id -> its Logprob (top-n plus the sampled token).
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    """Effective cap: the params' max_tokens bounded by max_model_len - prompt length."""
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    """Prefix-cache hit of the first scheduling, in tokens (None until first scheduled)."""
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, if one did."""
+    block_keys: list[bytes] = field(default_factory=list)
+    """Chained keys of this request's full blocks, extended as tokens arrive (block manager)."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+        self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
+
+    def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+
+@dataclass
+class KVHandoff:
+    """What a prefill worker hands a decode worker about a request (besides its tokens).
+
+    block_ids are valid only inside the prefill worker and only until the engine frees them
+    right after its handoff hook returns; block_keys name the same KV anywhere (store)."""
+
+    block_ids: list[int]
+    block_keys: list[bytes]
+    num_computed_tokens: int
+    """Tokens whose KV exists: the prompt (the sampled first token's KV is not computed)."""
+    seed: int | None
+    num_generated_tokens: int
+    """Seeded sampling resumes at output index num_generated_tokens (see sampler.py)."""
+    output_token_ids: list[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    """'stop' | 'length' | 'abort' | 'handoff', None while running."""
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """One request's news from one engine step (a delta: new tokens and text only), or the
+    whole completion when returned by LLM.generate."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    kv_handoff: KVHandoff | None = None
+    """Set by a prefill-role engine on the request's last output."""

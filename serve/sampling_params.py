@@ -1,0 +1,104 @@
+"""How one request samples and when it stops, in vLLM's vocabulary.
+
+The field names and meanings follow vLLM's `SamplingParams` so client code ports unchanged;
+only n == 1 is supported (one completion per request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Completions per prompt; only 1 is supported."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability sums to >= top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 (or vLLM's -1) keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    seed: int | None = None
+    """Per-request seed: output token i draws from a generator seeded by (seed, i), so the
+    draw is reproducible and a decode worker can resume it knowing only i."""
+    presence_penalty: float = 0.0
+    """Subtract this from logits of tokens that appear in the output so far."""
+    frequency_penalty: float = 0.0
+    """Subtract this times the token's count in the output so far."""
+    repetition_penalty: float = 1.0
+    """Divide positive (multiply negative) logits of tokens in the prompt or output."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's max_model_len."""
+    min_tokens: int = 0
+    """Suppress eos and stop_token_ids until this many tokens are generated."""
+    ignore_eos: bool = False
+    """Keep generating past eos (stop only at max_tokens, stop strings or stop ids)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the output text is cut where the first one starts."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation (finish_reason 'stop')."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string (or stop token's text) in the output text."""
+    logprobs: int | None = None
+    """Return this many top log-probabilities per output token, plus the sampled one's."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenized text."""
+    cache_salt: str | None = None
+    """Tenant salt folded into the block-key root: salted prefixes never match unsalted."""
+    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    """Free-form annotations carried to the output untouched (e.g. the router's tags)."""
+
+    def __post_init__(self) -> None:
+        # vLLM accepts a bare string and lists; normalise to tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.n != 1:
+            raise ValueError(f"only n=1 is supported, got n={self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (or -1 for all), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
