@@ -1,0 +1,578 @@
+"""`pdserve bench`: goodput benchmark of any OpenAI-compatible server (pdserve, vLLM, SGLang).
+
+Flags that mean the same as `vllm bench serve`'s carry the same names, and the JSON result
+uses vLLM's field names, so a vLLM user needs nothing new. On top of vLLM it adds
+shared-prefix and Mooncake-trace workloads, SLO attainment, a rate sweep that finds the
+goodput rate (DistServe: the highest rate with >= 90% of requests meeting every SLO), a
+compare mode against a second server, and PNG plots.
+
+    pdserve bench --base-url http://127.0.0.1:8000 --model tiny --tokenizer DIR \\
+        --dataset-name random --random-input-len 128 --random-output-len 32 --ignore-eos \\
+        --num-prompts 64 --goodput ttft:500 tpot:50 --sweep-rates 1 2 4 8 --save-result
+
+It measures over HTTP only: no torch, no other pdserve part is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from pdserve.benchmarks.arrivals import ArrivalConfig, arrival_offsets_s
+from pdserve.benchmarks.client import (
+    EndpointConfig,
+    RequestOutcome,
+    ServerUnreachableError,
+    list_models,
+    send_request,
+)
+from pdserve.benchmarks.datasets import (
+    BenchRequest,
+    DatasetError,
+    TokenCodec,
+    TraceScaling,
+    load_mooncake_trace,
+    mooncake_requests,
+    random_requests,
+    shared_prefix_requests,
+)
+from pdserve.benchmarks.metrics import (
+    DEFAULT_TARGET_ATTAINMENT,
+    SLOConfig,
+    goodput_rate,
+    output_token_counts,
+    parse_goodput,
+    request_tpot_s,
+    summarize,
+)
+
+DATASETS = ("random", "shared-prefix", "mooncake")
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot proceed (server refused the test request, ...)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default=None,
+                        help="server URL, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--endpoint", default=None,
+                        help="/v1/completions (default) or /v1/chat/completions")
+    server.add_argument("--backend", choices=("openai", "openai-chat", "vllm"), default=None,
+                        help="vLLM-style API choice; openai-chat implies the chat endpoint")
+    server.add_argument("--model", default=None,
+                        help="model name to request (default: the server's first model)")
+    server.add_argument("--tokenizer", default=None,
+                        help="tokenizer name or dir for prompt lengths and token counting "
+                             "(default: --model when it is a local dir, else synthetic words)")
+    server.add_argument("--trust-remote-code", action="store_true")
+    server.add_argument("--request-timeout", type=float,
+                        default=EndpointConfig.request_timeout_s,
+                        help="seconds one streamed request may take")
+
+    data = parser.add_argument_group("workload")
+    data.add_argument("--dataset-name", choices=DATASETS, default="random")
+    data.add_argument("--dataset-path", default=None, help="Mooncake JSONL trace (mooncake)")
+    data.add_argument("--num-prompts", type=int, default=None,
+                      help="requests to send (random: default 1000; mooncake: the first N "
+                           "lines, default all; shared-prefix: prefixes x suffixes)")
+    data.add_argument("--seed", type=int, default=ArrivalConfig.seed)
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--shared-prefix-num-prefixes", type=int, default=8)
+    data.add_argument("--shared-prefix-num-suffixes", type=int, default=8)
+    data.add_argument("--shared-prefix-len", type=int, default=256)
+    data.add_argument("--shared-suffix-len", type=int, default=64)
+    data.add_argument("--shared-prefix-output-len", type=int, default=64)
+    data.add_argument("--time-scale", type=float, default=TraceScaling.time_scale,
+                      help="multiplies trace timestamps (0.1 = replay 10x faster)")
+    data.add_argument("--length-scale", type=float, default=None,
+                      help="multiplies trace input/output lengths and the block size")
+    data.add_argument("--block-size", type=int, default=None,
+                      help="tokens per trace block after scaling (sets --length-scale to "
+                           "block-size / trace-block-size)")
+    data.add_argument("--trace-block-size", type=int, default=TraceScaling.trace_block_size)
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=ArrivalConfig.request_rate,
+                      help="mean requests/s (inf = all at once)")
+    load.add_argument("--burstiness", type=float, default=ArrivalConfig.burstiness,
+                      help="gamma shape of arrivals: 1 = Poisson, <1 burstier")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--ignore-eos", action="store_true")
+    load.add_argument("--temperature", type=float, default=None)
+    load.add_argument("--extra-body", default=None, help="JSON merged into every request")
+
+    slo = parser.add_argument_group("SLOs and goodput")
+    slo.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                     help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
+    slo.add_argument("--sweep-rates", nargs="+", type=float, default=None, metavar="RATE",
+                     help="run each request rate; report the highest with enough attainment")
+    slo.add_argument("--sweep-refine-steps", type=int, default=0,
+                     help="bisection steps between the last passing and first failing rate")
+    slo.add_argument("--target-attainment", type=float, default=DEFAULT_TARGET_ATTAINMENT)
+    slo.add_argument("--num-workers", type=int, default=1,
+                     help="serving workers behind the URL, for goodput per worker")
+
+    cmp = parser.add_argument_group("compare")
+    cmp.add_argument("--compare-base-url", default=None, help="second server, same workload")
+    cmp.add_argument("--compare-model", default=None)
+    cmp.add_argument("--label", default=None)
+    cmp.add_argument("--compare-label", default=None)
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--save-result", action="store_true")
+    out.add_argument("--save-detailed", action="store_true",
+                     help="also save per-request ttfts, itls, lengths, errors")
+    out.add_argument("--result-dir", default=".")
+    out.add_argument("--result-filename", default=None)
+    out.add_argument("--no-plots", action="store_true", help="skip PNG plots on --save-result")
+    out.add_argument("--metric-percentiles", default="99")
+    out.add_argument("--disable-tqdm", action="store_true")
+
+
+@dataclass
+class RunResult:
+    """One load level against one server."""
+
+    label: str
+    request_rate: float
+    summary: dict[str, Any]
+    outcomes: list[RequestOutcome]
+    output_tokens: list[int]
+
+    def ttfts_ms(self) -> list[float]:
+        return [o.ttft_s * 1000.0 for o in self.outcomes if o.success]
+
+    def tpots_ms(self) -> list[float]:
+        tpots = (request_tpot_s(o, n) for o, n in zip(self.outcomes, self.output_tokens,
+                                                      strict=True))
+        return [t * 1000.0 for t in tpots if t is not None]
+
+
+@dataclass
+class ServerResult:
+    label: str
+    endpoint: EndpointConfig
+    runs: list[RunResult] = field(default_factory=list)
+    goodput_rate: float | None = None
+
+
+# -- setting up ------------------------------------------------------------------------------
+
+
+def _endpoint_path(args: argparse.Namespace) -> str:
+    if args.endpoint is not None:
+        return args.endpoint
+    return "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
+
+
+def _extra_body(args: argparse.Namespace) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--extra-body is not JSON: {e}") from e
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
+    if args.temperature is not None:
+        extra["temperature"] = args.temperature
+    return extra
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if args.num_workers < 1:
+        raise ValueError("--num-workers must be >= 1")
+    if args.sweep_refine_steps < 0:
+        raise ValueError("--sweep-refine-steps must be >= 0")
+    if args.sweep_rates is not None:
+        if any(not r > 0 for r in args.sweep_rates):
+            raise ValueError("--sweep-rates must all be > 0 (inf allowed)")
+        if not args.goodput:
+            raise ValueError("--sweep-rates needs SLOs: add --goodput ttft:MS tpot:MS")
+    if args.dataset_name == "mooncake":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name mooncake needs --dataset-path TRACE.jsonl")
+        if args.sweep_rates is not None or not math.isinf(args.request_rate):
+            raise ValueError("a trace replays its own timestamps: use --time-scale, not "
+                             "--request-rate / --sweep-rates")
+
+
+def _trace_scaling(args: argparse.Namespace) -> TraceScaling:
+    length_scale = args.length_scale
+    if args.block_size is not None:
+        if args.block_size < 1:
+            raise ValueError("--block-size must be >= 1")
+        from_block = args.block_size / args.trace_block_size
+        if length_scale is not None and not math.isclose(length_scale, from_block):
+            raise ValueError(f"--block-size {args.block_size} implies --length-scale "
+                             f"{from_block:g}, but --length-scale {length_scale:g} was given")
+        length_scale = from_block
+    return TraceScaling(time_scale=args.time_scale, length_scale=length_scale or 1.0,
+                        trace_block_size=args.trace_block_size)
+
+
+def build_requests(args: argparse.Namespace, codec: TokenCodec) -> list[BenchRequest]:
+    """The workload the flags describe (same seed -> same prompts)."""
+    if args.dataset_name == "random":
+        return random_requests(codec, args.num_prompts or 1000, args.random_input_len,
+                               args.random_output_len, args.random_range_ratio, args.seed)
+    if args.dataset_name == "shared-prefix":
+        requests = shared_prefix_requests(
+            codec, args.shared_prefix_num_prefixes, args.shared_prefix_num_suffixes,
+            args.shared_prefix_len, args.shared_suffix_len, args.shared_prefix_output_len,
+            args.seed)
+        return requests[: args.num_prompts] if args.num_prompts else requests
+    entries = load_mooncake_trace(args.dataset_path, args.num_prompts)
+    return mooncake_requests(codec, entries, _trace_scaling(args), args.seed)
+
+
+def _tokenizer_name(args: argparse.Namespace) -> str | None:
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.model is not None and Path(args.model).is_dir():
+        return args.model
+    return None
+
+
+# -- running load ----------------------------------------------------------------------------
+
+
+async def run_load(http: httpx.AsyncClient, endpoint: EndpointConfig,
+                   requests: Sequence[BenchRequest], offsets_s: Sequence[float],
+                   max_concurrency: int | None = None, disable_tqdm: bool = True,
+                   desc: str = "") -> tuple[list[RequestOutcome], float]:
+    """Send request i at offsets_s[i] after the start (open loop); returns outcomes, seconds.
+
+    With max_concurrency, a request whose time has come waits for a free slot (as vLLM does),
+    so the offered rate is capped by the server's speed.
+    """
+    from tqdm.asyncio import tqdm
+
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    progress = tqdm(total=len(requests), disable=disable_tqdm, desc=desc, file=sys.stderr)
+    start_s = time.perf_counter()
+
+    async def one(request: BenchRequest, offset_s: float) -> RequestOutcome:
+        delay_s = start_s + offset_s - time.perf_counter()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        if semaphore is None:
+            outcome = await send_request(http, endpoint, request)
+        else:
+            async with semaphore:
+                outcome = await send_request(http, endpoint, request)
+        progress.update(1)
+        return outcome
+
+    try:
+        outcomes = await asyncio.gather(*(one(r, float(o)) for r, o in
+                                          zip(requests, offsets_s, strict=True)))
+    finally:
+        progress.close()
+    return list(outcomes), time.perf_counter() - start_s
+
+
+def _offsets(requests: Sequence[BenchRequest], rate: float, args: argparse.Namespace
+             ) -> np.ndarray:
+    if requests and requests[0].arrival_offset_s is not None:
+        return np.array([r.arrival_offset_s for r in requests])
+    return arrival_offsets_s(len(requests), ArrivalConfig(rate, args.burstiness, args.seed))
+
+
+async def _run_level(http: httpx.AsyncClient, server: ServerResult,
+                     requests: Sequence[BenchRequest], rate: float, slo: SLOConfig,
+                     codec: TokenCodec, args: argparse.Namespace,
+                     percentiles: Sequence[float]) -> RunResult:
+    outcomes, duration_s = await run_load(
+        http, server.endpoint, requests, _offsets(requests, rate, args), args.max_concurrency,
+        args.disable_tqdm, desc=f"{server.label} @ {rate:g} req/s")
+    output_tokens = output_token_counts(outcomes, codec.count)
+    summary = summarize(outcomes, output_tokens, duration_s, slo, percentiles)
+    run = RunResult(server.label, rate, summary, outcomes, output_tokens)
+    server.runs.append(run)
+    return run
+
+
+async def _check_server(http: httpx.AsyncClient, endpoint: EndpointConfig,
+                        request: BenchRequest) -> None:
+    """One unmeasured request first: it fails fast with a clear message and warms the server."""
+    outcome = await send_request(http, endpoint, request)
+    if not outcome.success:
+        if outcome.error.startswith(("ConnectError", "ConnectTimeout")):
+            raise ServerUnreachableError(f"cannot reach {endpoint.url}: {outcome.error}")
+        raise BenchError(f"test request to {endpoint.url} failed: {outcome.error}")
+
+
+async def _bench_server(http: httpx.AsyncClient, server: ServerResult,
+                        requests: Sequence[BenchRequest], slo: SLOConfig, codec: TokenCodec,
+                        args: argparse.Namespace, percentiles: Sequence[float]) -> None:
+    await _check_server(http, server.endpoint, requests[0])
+    rates = sorted(args.sweep_rates) if args.sweep_rates else [args.request_rate]
+    for rate in rates:
+        await _run_level(http, server, requests, rate, slo, codec, args, percentiles)
+    if not args.sweep_rates:
+        return
+    points = [(r.request_rate, r.summary["slo_attainment"]) for r in server.runs]
+    best = goodput_rate(points, args.target_attainment)
+    # Bisect between the best passing rate and the next (failing) one for a finer answer.
+    for _ in range(args.sweep_refine_steps):
+        above = [r for r, _ in points if best is None or r > best]
+        if not above or best is None:
+            break
+        low, high = best, min(above)
+        mid = (low + high) / 2 if math.isfinite(high) else low * 2
+        run = await _run_level(http, server, requests, mid, slo, codec, args, percentiles)
+        points.append((mid, run.summary["slo_attainment"]))
+        best = goodput_rate(points, args.target_attainment)
+    server.runs.sort(key=lambda r: r.request_rate)
+    server.goodput_rate = best
+
+
+async def _resolve_model(http: httpx.AsyncClient, base_url: str, model: str | None) -> str:
+    if model is not None:
+        return model
+    models = await list_models(http, base_url)
+    if not models:
+        raise BenchError(f"{base_url} serves no model; pass --model")
+    return models[0]
+
+
+# -- reporting -------------------------------------------------------------------------------
+
+
+def _rate_json(rate: float) -> float | str:
+    return rate if math.isfinite(rate) else "inf"
+
+
+def run_json(run: RunResult, server: ServerResult, args: argparse.Namespace,
+             slo: SLOConfig, tokenizer_id: str | None) -> dict[str, Any]:
+    """One run in vLLM's result layout (plus slo, slo_attainment, dataset fields)."""
+    result: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai-chat" if server.endpoint.is_chat else "openai",
+        "backend": "openai-chat" if server.endpoint.is_chat else "openai",
+        "label": server.label,
+        "base_url": server.endpoint.base_url,
+        "endpoint": server.endpoint.endpoint,
+        "model_id": server.endpoint.model,
+        "tokenizer_id": tokenizer_id,
+        "num_prompts": len(run.outcomes),
+        "dataset_name": args.dataset_name,
+        "seed": args.seed,
+        "request_rate": _rate_json(run.request_rate),
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "goodput_slo_ms": slo.as_dict() or None,
+    }
+    result.update(run.summary)
+    if args.save_detailed:
+        result.update({
+            "input_lens": [o.prompt_len for o in run.outcomes],
+            "output_lens": run.output_tokens,
+            "ttfts": [o.ttft_s for o in run.outcomes],
+            "itls": [o.itl_s for o in run.outcomes],
+            "latencies": [o.latency_s for o in run.outcomes],
+            "start_times": [o.start_time_s for o in run.outcomes],
+            "errors": [o.error for o in run.outcomes],
+        })
+    return result
+
+
+def print_run(run: RunResult, percentiles: Sequence[float]) -> None:
+    s = run.summary
+    rows: list[tuple[str, str]] = [
+        ("Server", run.label),
+        ("Request rate (req/s)", f"{run.request_rate:g}"),
+        ("Successful requests", str(s["completed"])),
+        ("Failed requests", str(s["failed"])),
+        ("Benchmark duration (s)", f"{s['duration']:.2f}"),
+        ("Total input tokens", str(s["total_input_tokens"])),
+        ("Total generated tokens", str(s["total_output_tokens"])),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+    ]
+    if s["request_goodput"] is not None:
+        rows += [("Request goodput (req/s)", f"{s['request_goodput']:.2f}"),
+                 ("SLO attainment (%)", f"{100 * s['slo_attainment']:.1f}")]
+    rows += [("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
+             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
+    for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        rows += [(f"Mean {title} (ms)", f"{s[f'mean_{key}_ms']:.2f}"),
+                 (f"Median {title} (ms)", f"{s[f'median_{key}_ms']:.2f}")]
+        for p in percentiles:
+            word = str(int(p)) if int(p) == p else str(p)
+            rows.append((f"P{word} {title} (ms)", f"{s[f'p{word}_{key}_ms']:.2f}"))
+    print("{:=^54}".format(" Serving Benchmark Result "))
+    for name, value in rows:
+        print(f"{name + ':':<40} {value:>13}")
+    print("=" * 54)
+
+
+def print_sweep(server: ServerResult, args: argparse.Namespace) -> None:
+    header = (f"{'rate':>8} {'done':>5} {'req/s':>7} {'goodput':>8} {'attain%':>8} "
+              f"{'TTFT mean':>10} {'TTFT p99':>9} {'TPOT mean':>10} {'TPOT p99':>9}")
+    print(f"\n{server.label}: {server.endpoint.url}  (times in ms)")
+    print(header)
+    for run in server.runs:
+        s = run.summary
+        print(f"{run.request_rate:>8g} {s['completed']:>5} {s['request_throughput']:>7.2f} "
+              f"{s['request_goodput'] or 0.0:>8.2f} {100 * s['slo_attainment']:>8.1f} "
+              f"{s['mean_ttft_ms']:>10.1f} {s['p99_ttft_ms']:>9.1f} "
+              f"{s['mean_tpot_ms']:>10.1f} {s['p99_tpot_ms']:>9.1f}")
+    rate = server.goodput_rate
+    per_worker = "" if rate is None else f" ({rate / args.num_workers:g} per worker, " \
+        f"{args.num_workers} workers)"
+    print(f"goodput rate (>= {100 * args.target_attainment:.0f}% attainment): "
+          f"{'none (the lowest rate misses)' if rate is None else f'{rate:g} req/s'}"
+          f"{per_worker}")
+
+
+def compare_ratios(first: ServerResult, second: ServerResult) -> dict[str, float | None]:
+    """first / second for goodput rate and, at the lowest common rate, latency means."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b not in (None, 0) else None
+
+    ratios: dict[str, float | None] = {"goodput_rate": ratio(first.goodput_rate,
+                                                             second.goodput_rate)}
+    a, b = first.runs[0].summary, second.runs[0].summary
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
+                "p99_ttft_ms", "p99_tpot_ms"):
+        ratios[key] = ratio(a[key], b[key])
+    return ratios
+
+
+def _save(servers: list[ServerResult], args: argparse.Namespace, slo: SLOConfig,
+          tokenizer_id: str | None, ratios: dict[str, float | None] | None) -> list[Path]:
+    from pdserve.benchmarks import plots
+
+    result_dir = Path(args.result_dir)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    filename = args.result_filename or \
+        f"pdserve-bench-{servers[0].label}-{args.dataset_name}-{stamp}.json"
+    json_path = result_dir / filename
+    is_single = len(servers) == 1 and len(servers[0].runs) == 1 and not args.sweep_rates
+    if is_single:
+        document: dict[str, Any] = run_json(servers[0].runs[0], servers[0], args, slo,
+                                            tokenizer_id)
+    else:
+        document = {
+            "date": stamp,
+            "target_attainment": args.target_attainment,
+            "num_workers": args.num_workers,
+            "goodput_slo_ms": slo.as_dict() or None,
+            "servers": [{
+                "label": s.label,
+                "base_url": s.endpoint.base_url,
+                "goodput_rate": s.goodput_rate,
+                "goodput_rate_per_worker": None if s.goodput_rate is None
+                else s.goodput_rate / args.num_workers,
+                "runs": [run_json(r, s, args, slo, tokenizer_id) for r in s.runs],
+            } for s in servers],
+        }
+        if ratios is not None:
+            document["ratio"] = ratios
+    with open(json_path, "w") as f:
+        json.dump(document, f, indent=2)
+    written = [json_path]
+    if args.no_plots:
+        return written
+    stem = json_path.with_suffix("")
+    if not slo.is_empty:
+        written.append(plots.plot_attainment(
+            {s.label: [(r.request_rate, r.summary["slo_attainment"]) for r in s.runs]
+             for s in servers}, f"{stem}-attainment.png", args.target_attainment,
+            {s.label: s.goodput_rate for s in servers}))
+    for metric, values, slo_ms in (("TTFT", RunResult.ttfts_ms, slo.ttft_ms),
+                                   ("TPOT", RunResult.tpots_ms, slo.tpot_ms)):
+        series = {f"{r.label} @ {r.request_rate:g} req/s": values(r)
+                  for s in servers for r in s.runs}
+        written.append(plots.plot_cdf(series, f"{stem}-{metric.lower()}-cdf.png", metric,
+                                      slo_ms))
+    return written
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+
+async def _main(args: argparse.Namespace) -> int:
+    slo = parse_goodput(args.goodput) if args.goodput else SLOConfig()
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    if any(not 0 < p <= 100 for p in percentiles):
+        raise ValueError("--metric-percentiles must be in (0, 100]")
+    tokenizer_id = _tokenizer_name(args)
+    codec = TokenCodec.load(tokenizer_id, args.trust_remote_code)
+    if tokenizer_id is None:
+        print("pdserve bench: no --tokenizer: prompts use synthetic words, input lengths are "
+              "nominal; output tokens come from the server's usage", file=sys.stderr)
+    requests = build_requests(args, codec)
+    base_urls = [args.base_url or f"http://{args.host}:{args.port}"]
+    models, labels = [args.model], [args.label]
+    if args.compare_base_url:
+        base_urls.append(args.compare_base_url)
+        models.append(args.compare_model or args.model)
+        labels.append(args.compare_label)
+    limits = httpx.Limits(max_connections=args.max_concurrency,
+                          max_keepalive_connections=args.max_concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=args.request_timeout) as http:
+        servers = []
+        for base_url, model, label in zip(base_urls, models, labels, strict=True):
+            EndpointConfig(base_url, model or "-")  # validates the URL before any network
+            model = await _resolve_model(http, base_url, model)
+            endpoint = EndpointConfig(base_url, model, _endpoint_path(args), args.ignore_eos,
+                                      args.request_timeout, _extra_body(args))
+            servers.append(ServerResult(label or urlsplit(base_url).netloc, endpoint))
+        for server in servers:
+            await _bench_server(http, server, requests, slo, codec, args, percentiles)
+    for server in servers:
+        for run in server.runs:
+            print_run(run, percentiles)
+        if args.sweep_rates:
+            print_sweep(server, args)
+    ratios = compare_ratios(servers[0], servers[1]) if len(servers) == 2 else None
+    if ratios is not None:
+        print(f"\n{servers[0].label} / {servers[1].label}:")
+        for key, value in ratios.items():
+            print(f"  {key:<20} {'n/a' if value is None else f'{value:.3f}'}")
+    if args.save_result:
+        for path in _save(servers, args, slo, tokenizer_id, ratios):
+            print(f"wrote {path}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """`pdserve bench`: 0 on success, 2 on bad flags or workload, 1 when the server fails."""
+    # httpx logs every request at INFO: thousands of lines that would bury the summary.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        _validate(args)
+        return asyncio.run(_main(args))
+    except (ValueError, DatasetError) as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 2
+    except (ServerUnreachableError, BenchError) as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,186 @@
+"""Streaming OpenAI client: sends one request and times every token chunk as it arrives.
+
+Timing follows vLLM's `bench serve` so numbers from the two agree on the same server:
+- TTFT = first chunk carrying a choice minus the send time;
+- ITL = gaps between successive token chunks (a chunk holding several tokens is one gap);
+- latency (E2EL) = last token chunk minus the send time (the trailing usage chunk and
+  `[DONE]` carry no token, so they do not stretch it).
+One difference: on /v1/chat/completions a chunk whose delta holds only the role (no content)
+is not a token, so it does not start the TTFT clock early.
+
+Output token counts come from the stream's `usage` (requested with `include_usage`), else from
+counting the generated text with the harness's tokenizer (done by the caller).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pdserve.benchmarks.datasets import BenchRequest
+
+
+class ServerUnreachableError(RuntimeError):
+    """The server did not answer at all (connection refused, DNS, timeout)."""
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """Where and how requests are sent."""
+
+    base_url: str
+    model: str
+    # /v1/completions or /v1/chat/completions (any path containing "chat" is the chat API).
+    endpoint: str = "/v1/completions"
+    ignore_eos: bool = False
+    # Per-request wall-clock limit (seconds) for the whole streamed response.
+    request_timeout_s: float = 3600.0
+    # Sampling fields and any other JSON merged into every request body.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got "
+                             f"{self.base_url!r}")
+        if not self.endpoint.startswith("/"):
+            raise ValueError(f"--endpoint must start with '/', got {self.endpoint!r}")
+        if not self.model:
+            raise ValueError("a model name is required")
+        if not self.request_timeout_s > 0:
+            raise ValueError("request timeout must be > 0")
+
+    @property
+    def is_chat(self) -> bool:
+        return "chat" in self.endpoint
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + self.endpoint
+
+
+@dataclass
+class RequestOutcome:
+    """What one request measured (times in seconds, perf_counter clock)."""
+
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    start_time_s: float = 0.0
+    generated_text: str = ""
+    # From the server's usage; None when it reported none.
+    output_tokens: int | None = None
+    num_token_chunks: int = 0
+
+
+def request_body(endpoint: EndpointConfig, request: BenchRequest) -> dict[str, Any]:
+    """The JSON body for `request` on `endpoint` (streaming, usage included)."""
+    body: dict[str, Any] = {
+        "model": endpoint.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": request.expected_output_len,
+    }
+    if endpoint.is_chat:
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+        # The current OpenAI name; servers that only know max_tokens read that one.
+        body["max_completion_tokens"] = request.expected_output_len
+    else:
+        body["prompt"] = request.prompt
+    if endpoint.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(endpoint.extra_body)
+    return body
+
+
+def _token_text(choice: dict[str, Any], is_chat: bool) -> str | None:
+    """The text a choice carries, or None when the chunk holds no token (chat role-only)."""
+    if not is_chat:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    if text:
+        return text
+    # A finish chunk without content still closes a token (some servers send it last).
+    return None
+
+
+async def send_request(http: httpx.AsyncClient, endpoint: EndpointConfig,
+                       request: BenchRequest) -> RequestOutcome:
+    """Send `request`, stream the answer, and time it. Never raises for server-side errors."""
+    outcome = RequestOutcome(prompt_len=request.prompt_len)
+    body = request_body(endpoint, request)
+    text_parts: list[str] = []
+    start_s = time.perf_counter()
+    outcome.start_time_s = start_s
+    last_token_s = start_s
+    try:
+        async with http.stream("POST", endpoint.url, json=body,
+                               timeout=endpoint.request_timeout_s) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:300]
+                outcome.error = f"HTTP {response.status_code}: {detail}"
+                return outcome
+            async for line in response.aiter_lines():
+                # SSE: "data: <json>" lines; blank separators and ":" comments carry nothing.
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:"):].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk and not chunk.get("choices"):
+                    outcome.error = f"server error in stream: {str(chunk['error'])[:300]}"
+                    return outcome
+                now_s = time.perf_counter()
+                choices = chunk.get("choices")
+                if choices:
+                    token_text = _token_text(choices[0], endpoint.is_chat)
+                    if token_text is not None:
+                        if outcome.num_token_chunks == 0:
+                            outcome.ttft_s = now_s - start_s
+                        else:
+                            outcome.itl_s.append(now_s - last_token_s)
+                        last_token_s = now_s
+                        outcome.num_token_chunks += 1
+                        text_parts.append(token_text)
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    outcome.output_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        outcome.prompt_len = int(usage["prompt_tokens"])
+    except httpx.HTTPError as e:
+        outcome.error = f"{type(e).__name__}: {e}"
+        return outcome
+    except (json.JSONDecodeError, TypeError, AttributeError, KeyError, ValueError) as e:
+        outcome.error = f"malformed stream chunk: {e}"
+        return outcome
+    outcome.generated_text = "".join(text_parts)
+    if outcome.num_token_chunks == 0:
+        outcome.error = "the stream carried no token"
+        return outcome
+    outcome.latency_s = last_token_s - start_s
+    outcome.success = True
+    return outcome
+
+
+async def list_models(http: httpx.AsyncClient, base_url: str, timeout_s: float = 10.0
+                      ) -> list[str]:
+    """Model ids the server serves (GET /v1/models); raises ServerUnreachableError."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        response = await http.get(url, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise ServerUnreachableError(f"cannot reach {url}: {type(e).__name__}: {e}") from e
+    if response.status_code != 200:
+        raise ServerUnreachableError(f"{url} answered HTTP {response.status_code}")
+    try:
+        return [str(m["id"]) for m in response.json().get("data", [])]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ServerUnreachableError(f"{url} did not return an OpenAI model list: {e}") from e

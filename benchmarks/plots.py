@@ -1,0 +1,77 @@
+"""PNG plots of a benchmark: SLO attainment vs request rate, and TTFT / TPOT CDFs.
+
+matplotlib is imported inside each function with the Agg backend, so the harness runs headless
+and `pdserve bench --help` does not pay for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_attainment(attainment_by_label: Mapping[str, Sequence[tuple[float, float]]],
+                    path: str | Path, target: float = 0.9,
+                    goodput_by_label: Mapping[str, float | None] | None = None) -> Path:
+    """One line per server: SLO attainment (%) against offered request rate (req/s)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, points in attainment_by_label.items():
+        points = sorted(points)
+        rates = [r for r, _ in points]
+        ax.plot(rates, [100.0 * a for _, a in points], marker="o", label=label)
+        rate = (goodput_by_label or {}).get(label)
+        if rate is not None:
+            ax.axvline(rate, linestyle=":", color=ax.lines[-1].get_color(), alpha=0.6)
+    ax.axhline(100.0 * target, color="grey", linestyle="--", linewidth=1,
+               label=f"{100 * target:.0f}% target")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(0, 105)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("SLO attainment vs request rate")
+    return _save(fig, plt, path)
+
+
+def plot_cdf(values_ms_by_label: Mapping[str, Sequence[float]], path: str | Path,
+             metric_name: str, slo_ms: float | None = None) -> Path:
+    """Empirical CDF of one latency metric (ms), one line per run, the SLO as a vertical line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, values_ms in values_ms_by_label.items():
+        if len(values_ms) == 0:
+            continue
+        xs = np.sort(np.asarray(values_ms, dtype=np.float64))
+        ys = np.arange(1, xs.size + 1) / xs.size
+        ax.step(xs, 100.0 * ys, where="post", label=label)
+    if slo_ms is not None:
+        ax.axvline(slo_ms, color="grey", linestyle="--", linewidth=1,
+                   label=f"SLO {slo_ms:g} ms")
+    ax.set_xlabel(f"{metric_name} (ms)")
+    ax.set_ylabel("requests (%)")
+    ax.set_ylim(0, 101)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(f"{metric_name} CDF")
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
