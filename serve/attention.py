@@ -1,0 +1,109 @@
+"""The engine's one attention dispatch point: step metadata in, paged-KV attention out.
+
+A step is a ragged batch of chunks (see serve/batch.py). Its metadata, built once per step
+and shared by every layer:
+
+    chunks:        A: start 0, 5 tokens       B: start 9, 1 token (decode)
+    positions      [0 1 2 3 4                 9]
+    cu_seqlens_q   [0, 5, 6]                  query rows of chunk s: [cu[s], cu[s+1])
+    seq_lens       [5, 10]                    context INCLUDING this step's tokens
+    slot_mapping   slot = block_table[pos // block_size] * block_size + pos % block_size
+    block_tables   [num_seqs, max_blocks] int32, rows padded with 0 (never read past seq_len)
+
+The attention math itself lives in pdserve.kernels (Triton on CUDA, plain torch on CPU);
+this module only picks the backend and calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pdserve import envs
+from pdserve.serve.batch import StepInput
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # int64 [num_tokens]: absolute position of each token
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    max_query_len: int
+    is_decode_only: bool  # every chunk is exactly one token: the decode kernel applies
+
+
+def build_attention_metadata(step: StepInput, block_size: int, device: torch.device
+                             ) -> AttentionMetadata:
+    """Metadata for one step; per-chunk Python work only, never per token."""
+    chunks = step.chunks
+    query_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64,
+                             count=len(chunks))
+    start_pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
+    seq_lens = start_pos + query_lens
+    blocks_needed = -(-seq_lens // block_size)
+    for chunk, needed in zip(chunks, blocks_needed.tolist(), strict=True):
+        if len(chunk.block_table) < needed:
+            raise ValueError(f"request {chunk.request_id}: block_table has "
+                             f"{len(chunk.block_table)} blocks, positions need {needed}")
+    max_blocks = max((len(c.block_table) for c in chunks), default=0)
+    block_tables = np.zeros((len(chunks), max(1, max_blocks)), dtype=np.int64)
+    for s, chunk in enumerate(chunks):
+        block_tables[s, : len(chunk.block_table)] = chunk.block_table
+    cu_seqlens_q = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu_seqlens_q[1:])
+    num_tokens = int(cu_seqlens_q[-1])
+    # Token t of chunk s sits at position start_pos[s] + (t - cu_seqlens_q[s]).
+    seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+        start_pos - cu_seqlens_q[:-1], query_lens
+    )
+    slot_mapping = (block_tables[seq_of_token, positions // block_size] * block_size
+                    + positions % block_size)
+    return AttentionMetadata(
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+        max_query_len=int(query_lens.max(initial=0)),
+        is_decode_only=bool(len(chunks) > 0 and (query_lens == 1).all()),
+    )
+
+
+def default_backend_name(device: torch.device) -> str:
+    """PDSERVE_ATTENTION_BACKEND if set, else triton on CUDA and torch elsewhere."""
+    return envs.attention_backend() or ("triton" if device.type == "cuda" else "torch")
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the layer's paged cache, then attends over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend_name: str) -> None:
+        super().__init__()
+        from pdserve.kernels import get_attention_backend  # lazy: Triton only when chosen
+
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend: Any = get_attention_backend(backend_name)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D], kv_cache [2, blocks, bs, Hkv, D] -> [T, H, D]."""
+        self.backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self.backend.decode_attention(
+                query, kv_cache, meta.seq_lens, meta.block_tables, self.scale
+            )
+        return self.backend.prefill_attention(
+            query, kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale,
+            meta.max_query_len,
+        )

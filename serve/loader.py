@@ -1,0 +1,245 @@
+"""Read a local Hugging Face checkpoint: its config into a ModelSpec, its weights into a model.
+
+Weights come only from safetensors (never torch.load / pickle): a single model.safetensors,
+or shards listed in model.safetensors.index.json. Each checkpoint tensor goes to the
+parameter of the same name through that parameter's `weight_loader`, which cuts this TP
+rank's shard; tensors the model fuses (q/k/v, gate/up) are routed by the model class's
+`packed_modules_mapping`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pdserve.kvstore.block_key import KVLayout
+from pdserve.serve.config import ModelConfig
+from pdserve.serve.models import get_model_class, is_supported
+from pdserve.serve.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Checkpoints this large (or sharded) get a progress bar while loading.
+PROGRESS_MIN_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the rest of the engine needs to know about the loaded model (discovered, not set)."""
+
+    architecture: str
+    model_id: str  # the served name
+    model_dir: str
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16": weights, activations and KV cache
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    hf_config: Mapping[str, Any] = field(compare=False, repr=False)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    def kv_layout(self, block_size: int) -> KVLayout:
+        return KVLayout(dtype=self.dtype, block_size=block_size, num_layers=self.num_layers,
+                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _as_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]  # type: ignore[union-attr]
+
+
+def load_model_spec(model_config: ModelConfig) -> ModelSpec:
+    """Validate the checkpoint directory and read its config (no weights are touched)."""
+    model_dir = Path(model_config.model)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{str(model_dir)!r} has no config.json: not a Hugging Face "
+                                "checkpoint directory")
+    hf = _read_json(config_path)
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
+    architecture = architectures[0]
+    if not is_supported(architecture):
+        get_model_class(architecture)  # raises the ValueError listing what is supported
+
+    checkpoint_dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    dtype = checkpoint_dtype if model_config.dtype == "auto" else model_config.dtype
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)")
+
+    num_heads = int(hf["num_attention_heads"])
+    max_positions = int(hf.get("max_position_embeddings", 2048))
+    max_model_len = model_config.max_model_len or max_positions
+    if max_model_len > max_positions:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={max_positions}")
+    window = hf.get("sliding_window")
+    if window and (architecture == "MistralForCausalLM" or hf.get("use_sliding_window")):
+        # The attention kernels see the whole context; up to the window that is exact.
+        if model_config.max_model_len and model_config.max_model_len > window:
+            raise ValueError(f"max_model_len={max_model_len} exceeds sliding_window={window},"
+                             " which pdserve's attention does not implement")
+        if max_model_len > window:
+            logger.warning("capping max_model_len at the sliding window (%d)", window)
+            max_model_len = int(window)
+
+    eos = _as_ids(hf.get("eos_token_id"))
+    generation_path = model_dir / "generation_config.json"
+    if generation_path.is_file():
+        eos += [i for i in _as_ids(_read_json(generation_path).get("eos_token_id"))
+                if i not in eos]
+    return ModelSpec(
+        architecture=architecture,
+        model_id=model_config.served_model_name or model_dir.resolve().name,
+        model_dir=str(model_dir),
+        vocab_size=int(hf["vocab_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        hidden_size=int(hf["hidden_size"]),
+        dtype=dtype,
+        max_model_len=int(max_model_len),
+        eos_token_ids=tuple(eos),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hf_config=hf,
+    )
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in shard order."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r} (pickled "
+                                ".bin checkpoints are not loaded, for safety)")
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint shard {str(path)!r} is missing")
+    return files
+
+
+@contextlib.contextmanager
+def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its (sharded) parameter; fail on gaps or extras."""
+    files = checkpoint_files(model_dir)
+    packed: Mapping[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    params = dict(model.named_parameters())
+    expected_shards: dict[str, int] = {}
+    for target, _ in packed.values():
+        expected_shards[target] = expected_shards.get(target, 0) + 1
+    loaded_shards: dict[str, set[object]] = {}
+
+    total_bytes = sum(path.stat().st_size for path in files)
+    from tqdm.auto import tqdm
+
+    progress = tqdm(total=len(files), unit="shard", desc="loading weights",
+                    disable=not show_progress or (len(files) == 1
+                                                  and total_bytes < PROGRESS_MIN_BYTES))
+    with progress:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                progress.set_postfix_str(path.name)
+                for name in names:
+                    if name.endswith("rotary_emb.inv_freq") or (
+                        tied and name == "lm_head.weight"
+                    ):
+                        continue  # recomputed / shared with the embedding
+                    _load_one(params, packed, loaded_shards, name, f.get_tensor(name))
+            progress.update(1)
+
+    # A fused parameter is complete once every one of its checkpoint parts arrived.
+    missing = sorted(
+        name for name in params
+        if len(loaded_shards.get(name, ())) < expected_shards.get(name.split(".")[-2], 1)
+    )
+    if missing:
+        raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors for: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _load_one(params: Mapping[str, nn.Parameter], packed: Mapping[str, tuple[str, str | int]],
+              loaded_shards: dict[str, set[object]], name: str, tensor: torch.Tensor) -> None:
+    for checkpoint_part, (fused_part, shard_id) in packed.items():
+        if f".{checkpoint_part}." in name:
+            target = name.replace(f".{checkpoint_part}.", f".{fused_part}.")
+            param = params.get(target)
+            if param is None:
+                break
+            param.weight_loader(param, tensor, shard_id)
+            loaded_shards.setdefault(target, set()).add(shard_id)
+            return
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
+    getattr(param, "weight_loader", _default_weight_loader)(param, tensor)
+    loaded_shards.setdefault(name, set()).add(None)
+
+
+def load_model(spec: ModelSpec, tp: TPGroup, device: torch.device, backend_name: str,
+               show_progress: bool = True) -> nn.Module:
+    """Build the spec's architecture for this TP rank on `device` and load its weights."""
+    model_cls = get_model_class(spec.architecture)
+    with _default_dtype_and_device(spec.torch_dtype, device):
+        model = model_cls(spec.hf_config, spec.max_model_len, tp, backend_name)
+    load_weights(model, spec.model_dir, show_progress=show_progress)
+    return model.eval()

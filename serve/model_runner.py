@@ -1,0 +1,324 @@
+"""ModelRunner: runs one step (a ragged batch of chunks) on every TP rank, returns logits.
+
+    engine process                           worker processes (spawned here)
+    ┌──────────────────────────┐             ┌─────────────────────────┐
+    │ ModelRunner (rank 0)      │ broadcast   │ rank 1..N-1 loop:        │
+    │  execute(step):           │────────────►│  receive step            │
+    │   send step (msgpack)     │ len, bytes  │  forward (all-reduces)   │
+    │   forward + gather logits │◄═══════════►│  (no logits: rank 0 has) │
+    └──────────────────────────┘ collectives └─────────────────────────┘
+
+Steps go to workers as msgpack bytes in a uint8 tensor over a gloo "control" group (length
+first, then bytes), never pickled. The control group is separate from the compute group so
+a heartbeat (sent while the engine is idle, so workers' receive never times out) cannot
+interleave with a step's all-reduces. A dead rank turns into an exception on the others:
+gloo notices the closed connection, and every collective has a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pdserve import envs
+from pdserve.serve.attention import build_attention_metadata, default_backend_name
+from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.kv_cache import KVCachePool, num_blocks_for
+from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
+from pdserve.serve.parallel import TPGroup, init_tp_group
+
+logger = logging.getLogger(__name__)
+
+DIST_TIMEOUT_S = 600.0  # rendezvous, weight loading barrier, and every collective
+JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for a worker before terminating it
+MAX_MESSAGE_BYTES = 1 << 30
+
+
+# ---- the rank 0 -> workers message: msgpack, validated on decode ------------------------
+
+
+def encode_step(step: StepInput | None) -> bytes:
+    """A step, or None for "stop"."""
+    if step is None:
+        return msgpack.packb({"kind": "stop"})
+    chunks = [[c.request_id, c.token_ids, c.start_pos, c.block_table, c.need_logits]
+              for c in step.chunks]
+    return msgpack.packb({"kind": "step", "chunks": chunks})
+
+
+PING = msgpack.packb({"kind": "ping"})
+
+
+def decode_message(data: bytes) -> StepInput | str:
+    """StepInput for a step, or the kind ("stop" / "ping"); ValueError when malformed."""
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"undecodable control message: {exc}") from exc
+    if not isinstance(message, dict) or message.get("kind") not in ("step", "stop", "ping"):
+        raise ValueError("control message must be a map with kind step|stop|ping")
+    if message["kind"] != "step":
+        return message["kind"]
+    chunks = []
+    for raw in message.get("chunks", []):
+        if not (isinstance(raw, list) and len(raw) == 5 and isinstance(raw[0], str)
+                and isinstance(raw[1], list) and isinstance(raw[2], int)
+                and isinstance(raw[3], list) and isinstance(raw[4], bool)):
+            raise ValueError("malformed chunk in step message")
+        if not all(isinstance(x, int) for x in raw[1]) or not all(
+            isinstance(x, int) for x in raw[3]
+        ):
+            raise ValueError("token ids and block ids must be integers")
+        chunks.append(SeqChunk(raw[0], raw[1], raw[2], raw[3], raw[4]))
+    return StepInput(chunks=chunks)
+
+
+# ---- what every rank holds ---------------------------------------------------------------
+
+
+class _Rank:
+    """One TP rank's model and KV pool, and the step it runs (identical on every rank)."""
+
+    def __init__(self, spec: ModelSpec, cache_config: CacheConfig, tp: TPGroup,
+                 device: torch.device, tp_size: int) -> None:
+        self.spec = spec
+        self.tp = tp
+        self.device = device
+        self.block_size = cache_config.block_size
+        backend_name = default_backend_name(device)
+        self.model = load_model(spec, tp, device, backend_name, show_progress=tp.rank == 0)
+        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        # Sized from configs and the spec only, so every rank gets the same count.
+        self.num_blocks = num_blocks_for(cache_config, spec.num_layers, kv_heads,
+                                         spec.head_dim, spec.torch_dtype)
+        self.pool = KVCachePool(spec.num_layers, self.num_blocks, self.block_size, kv_heads,
+                                spec.head_dim, spec.torch_dtype, device)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        meta = build_attention_metadata(step, self.block_size, self.device)
+        token_ids = np.fromiter(
+            (t for c in step.chunks for t in c.token_ids), dtype=np.int64, count=step.num_tokens
+        )
+        input_ids = torch.from_numpy(token_ids).to(self.device)
+        need = torch.tensor([c.need_logits for c in step.chunks], dtype=torch.bool)
+        # The last row of each chunk that samples: [number of chunks with need_logits]
+        logits_rows = (meta.cu_seqlens_q[1:].cpu().long() - 1)[need].to(self.device)
+        hidden = self.model(input_ids, self.pool.kv_caches, meta)  # [T, hidden]
+        if logits_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, logits_rows))
+
+    def validate(self, step: StepInput) -> None:
+        """Reject a step rank 0 cannot run before any rank starts it (no half-done steps)."""
+        max_slot = self.num_blocks
+        for c in step.chunks:
+            if not c.token_ids:
+                raise ValueError(f"request {c.request_id}: empty chunk")
+            if c.start_pos < 0 or c.start_pos + len(c.token_ids) > self.spec.max_model_len:
+                raise ValueError(f"request {c.request_id}: positions up to "
+                                 f"{c.start_pos + len(c.token_ids)} exceed max_model_len="
+                                 f"{self.spec.max_model_len}")
+            if min(c.token_ids) < 0 or max(c.token_ids) >= self.spec.vocab_size:
+                raise ValueError(f"request {c.request_id}: token id out of vocabulary")
+            if c.block_table and (min(c.block_table) < 0 or max(c.block_table) >= max_slot):
+                raise ValueError(f"request {c.request_id}: block id out of [0, {max_slot})")
+
+
+def _device_for(parallel_config: ParallelConfig, rank: int) -> torch.device:
+    kind = parallel_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
+                parallel_config: ParallelConfig, timeout_s: float
+                ) -> tuple[_Rank, Any]:
+    """Join the group, load this rank's shard; returns the rank and its control group."""
+    size = parallel_config.tensor_parallel_size
+    device = _device_for(parallel_config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    backend = parallel_config.backend or ("nccl" if device.type == "cuda" else "gloo")
+    assert parallel_config.master_port is not None
+    tp = init_tp_group(rank, size, backend, parallel_config.master_addr,
+                       parallel_config.master_port, timeout_s)
+    control = None
+    if size > 1:
+        import datetime
+
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    spec = load_model_spec(model_config)
+    state = _Rank(spec, cache_config, tp, device, size)
+    if control is not None:
+        dist.barrier(group=control)  # every rank loaded: the first step cannot wait on loading
+    return state, control
+
+
+def _receive(control: Any) -> bytes:
+    length = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(length, src=0, group=control)
+    num_bytes = int(length.item())
+    if not 0 < num_bytes <= MAX_MESSAGE_BYTES:
+        raise ValueError(f"bad control message length {num_bytes}")
+    data = torch.empty(num_bytes, dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=control)
+    return data.numpy().tobytes()
+
+
+def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
+                 parallel_config: ParallelConfig, timeout_s: float) -> None:
+    logging.basicConfig(level=envs.log_level())
+    state, control = _setup_rank(rank, model_config, cache_config, parallel_config, timeout_s)
+    try:
+        while True:
+            message = decode_message(_receive(control))
+            if message == "stop":
+                break
+            if isinstance(message, StepInput):
+                state.execute(message)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the engine-facing runner ------------------------------------------------------------
+
+
+class ModelRunner:
+    """Loads the model on every TP rank and runs steps; rank 0 lives in this process."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 parallel_config: ParallelConfig | None = None,
+                 dist_timeout_s: float = DIST_TIMEOUT_S) -> None:
+        parallel_config = parallel_config or ParallelConfig()
+        size = parallel_config.tensor_parallel_size
+        if parallel_config.master_port is None:
+            parallel_config = dataclasses.replace(
+                parallel_config, master_port=_free_port(parallel_config.master_addr)
+            )
+        self._workers: list[Any] = []
+        self._closed = False
+        self._send_lock = threading.Lock()
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._heartbeat_s = dist_timeout_s / 4
+        self._last_send_s = time.monotonic()
+        self._tp_size = size
+        self._num_threads = torch.get_num_threads()  # _setup_rank lowers it under CPU TP
+        try:
+            context = mp.get_context("spawn")
+            for rank in range(1, size):
+                worker = context.Process(
+                    target=_worker_main, name=f"pdserve-tp{rank}", daemon=True,
+                    args=(rank, model_config, cache_config, parallel_config, dist_timeout_s),
+                )
+                worker.start()
+                self._workers.append(worker)
+            self._rank, self._control = _setup_rank(0, model_config, cache_config,
+                                                    parallel_config, dist_timeout_s)
+        except BaseException:
+            self._stop_workers(send_stop=False)
+            raise
+        self.spec: ModelSpec = self._rank.spec
+        self.num_blocks: int = self._rank.num_blocks
+        self.block_size: int = cache_config.block_size
+        self.device: torch.device = self._rank.device
+        self.kv_pool: KVCachePool = self._rank.pool
+        self.kv_caches: list[torch.Tensor] = self._rank.pool.kv_caches
+        if size > 1:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop,
+                                               name="pdserve-tp-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """float32 CPU logits [number of chunks with need_logits, vocab_size], in chunk order."""
+        if self._closed:
+            raise RuntimeError("ModelRunner is shut down")
+        self._rank.validate(step)
+        if step.chunks:
+            if self._tp_size > 1:
+                self._check_workers()
+                self._send(encode_step(step))
+            logits = self._rank.execute(step)
+            if logits is not None:
+                return logits.float().cpu()
+        return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
+
+    def shutdown(self) -> None:
+        """Stop workers (stop message, join, terminate) and leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_workers(send_stop=True)
+
+    def __enter__(self) -> ModelRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _send(self, payload: bytes) -> None:
+        with self._send_lock:
+            dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0,
+                           group=self._control)
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0,
+                           group=self._control)
+            self._last_send_s = time.monotonic()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop_heartbeat.wait(self._heartbeat_s / 2):
+            if time.monotonic() - self._last_send_s < self._heartbeat_s:
+                continue
+            try:
+                self._send(PING)
+            except Exception:  # a dead worker: execute() reports it
+                logger.exception("TP heartbeat failed")
+                return
+
+    def _check_workers(self) -> None:
+        dead = [w.name for w in self._workers if not w.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died")
+
+    def _stop_workers(self, send_stop: bool) -> None:
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=JOIN_TIMEOUT_S)
+        if send_stop and self._workers and all(w.is_alive() for w in self._workers):
+            try:
+                self._send(encode_step(None))
+            except Exception:
+                logger.exception("could not send stop to TP workers")
+        for worker in self._workers:
+            worker.join(timeout=JOIN_TIMEOUT_S)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=JOIN_TIMEOUT_S)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        self._workers = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self._num_threads)

@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flattened ragged batch.
+
+Parameter names are the checkpoint's (model.layers.N.self_attn.o_proj.weight, ...). Two
+projections are fused for speed; `packed_modules_mapping` tells the loader where the
+checkpoint's separate tensors go:
+
+    q_proj | k_proj | v_proj  ->  qkv_proj   (shard "q", "k", "v")
+    gate_proj | up_proj       ->  gate_up_proj (shard 0, 1)
+
+The model holds no parallelism code beyond choosing parallel layers; their weight_loaders
+cut each rank's shard. Activations are [num_tokens, hidden]: every chunk of a step goes
+through one forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pdserve.serve.attention import Attention, AttentionMetadata
+from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.serve.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+
+
+def head_dim_of(hf_config: Mapping[str, Any]) -> int:
+    return int(hf_config.get("head_dim")
+               or hf_config["hidden_size"] // hf_config["num_attention_heads"])
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Mapping[str, Any], rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, tp: TPGroup, backend_name: str) -> None:
+        super().__init__()
+        hidden = hf_config["hidden_size"]
+        num_heads = hf_config["num_attention_heads"]
+        num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
+        head_dim = head_dim_of(hf_config)
+        o_bias = bool(hf_config.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads,
+                                          qkv_bias, tp)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, tp)
+        self.rotary_emb = rotary_emb  # one cos/sin table shared by every layer
+        self.num_heads = self.qkv_proj.num_heads_per_rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
+        self.head_dim = head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
+                              backend_name)
+
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D] for this rank's heads
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(meta.positions, q, k)
+        out = self.attn(q, k, v.contiguous(), kv_cache, meta)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Mapping[str, Any], tp: TPGroup) -> None:
+        super().__init__()
+        hidden, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
+        bias = bool(hf_config.get("mlp_bias", False))
+        act = hf_config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r} (silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Mapping[str, Any], rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, tp: TPGroup, backend_name: str) -> None:
+        super().__init__()
+        eps = float(hf_config.get("rms_norm_eps", 1e-6))
+        self.self_attn = LlamaAttention(hf_config, rotary_emb, qkv_bias, tp, backend_name)
+        self.mlp = LlamaMLP(hf_config, tp)
+        self.input_layernorm = RMSNorm(hf_config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(hf_config["hidden_size"], eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Mapping[str, Any], max_positions: int, qkv_bias: bool,
+                 tp: TPGroup, backend_name: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config["vocab_size"],
+                                                   hf_config["hidden_size"], tp)
+        rotary_emb = RotaryEmbedding(head_dim_of(hf_config), max_positions, hf_config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, rotary_emb, qkv_bias, tp, backend_name)
+            for _ in range(hf_config["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qkv_bias: ClassVar[bool] = False
+
+    def __init__(self, hf_config: Mapping[str, Any], max_positions: int, tp: TPGroup,
+                 backend_name: str) -> None:
+        super().__init__()
+        qkv_bias = self.qkv_bias or bool(hf_config.get("attention_bias", False))
+        self.model = LlamaModel(hf_config, max_positions, qkv_bias, tp, backend_name)
+        self.lm_head = ParallelLMHead(hf_config["vocab_size"], hf_config["hidden_size"], tp)
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""
+        return self.lm_head(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 is Llama with a bias on Q, K and V (and usually tied embeddings)."""
+
+    qkv_bias: ClassVar[bool] = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral's weights and math are Llama's (sliding window aside: see the loader)."""

@@ -1,0 +1,213 @@
+"""Tensor parallelism after Megatron-LM: the only place that knows a model is split.
+
+A model file builds its blocks from these layers with checkpoint parameter names; each layer
+allocates just its rank's shard and its `weight_loader` cuts that shard out of the full
+checkpoint tensor. Per decoder block there are exactly two all-reduces (after O and after down):
+
+    x ─► QKV (column: heads split) ─► attention (local heads) ─► O (row) ─► all-reduce
+      ─► gate|up (column) ─► silu*mul ─► down (row) ─► all-reduce
+
+The TP group is a small value (`TPGroup`) handed to every layer, not a module global, so two
+engines in one process (tests) cannot clash.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size <= 0 or not 0 <= self.rank < self.size:
+            raise ValueError(f"bad TP rank {self.rank} of {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+
+def init_tp_group(rank: int, size: int, backend: str, master_addr: str, master_port: int,
+                  timeout_s: float) -> TPGroup:
+    """Join the process group (a timeout bounds both rendezvous and every collective)."""
+    if size > 1:
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+            world_size=size, timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return TPGroup(rank=rank, size=size)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size="
+                         f"{denominator}")
+    return numerator // denominator
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by its weight_loader.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks; output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.output_size_per_rank = _divide(output_size, tp.size, "output_size")
+        self.weight = _new_param(self.output_size_per_rank, input_size)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _new_param(self.output_size_per_rank) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate|up); each part split on its own.
+
+        full:   [ gate (I) | up (I) ]         rank r holds [ gate_r | up_r ]
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup
+                 ) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+        self.output_sizes = output_sizes
+        for size in output_sizes:
+            _divide(size, tp.size, "merged output size")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0
+                      ) -> None:
+        part = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, part).copy_(loaded.narrow(0, self.tp.rank * part, part))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K, V projections with attention heads split across ranks.
+
+    Q heads split evenly. KV heads split evenly when tp <= num_kv_heads; past that each KV head
+    is replicated on tp / num_kv_heads consecutive ranks (GQA groups stay rank-local):
+
+        num_kv_heads=2, tp=4:  rank 0,1 -> kv head 0;  rank 2,3 -> kv head 1
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPGroup) -> None:
+        self.head_dim = head_dim
+        self.num_heads_per_rank = _divide(num_heads, tp.size, "num_attention_heads")
+        if tp.size <= num_kv_heads:
+            self.num_kv_heads_per_rank = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+        else:
+            _divide(tp.size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+            self.num_kv_heads_per_rank = 1
+        self.num_kv_replicas = max(1, tp.size // num_kv_heads)
+        out_per_rank = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * head_dim
+        super().__init__(hidden_size, out_per_rank * tp.size, bias, tp)
+        self.q_size = self.num_heads_per_rank * head_dim
+        self.kv_size = self.num_kv_heads_per_rank * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q"
+                      ) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        else:
+            kv_shard = self.tp.rank // self.num_kv_replicas
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, start = self.kv_size, kv_shard * self.kv_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b, with W's input columns split; input arrives sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_rank = _divide(input_size, tp.size, "input_size")
+        self.weight = _new_param(output_size, self.input_size_per_rank)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _new_param(output_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: added once, after the reduce
+            param.data.copy_(loaded)
+            return
+        shard = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp.rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary range; ids outside a rank's range read zeros.
+
+    The vocabulary is padded up to a multiple of tp, so a vocab_size like 1001 splits as
+    501 + 501 rows with the last (padding) row never indexed.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.vocab_per_rank
+        self.weight = _new_param(self.vocab_per_rank, hidden_size)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = max(0, min(self.vocab_per_rank, loaded.shape[0] - self.vocab_start))
+        param.data.zero_()
+        param.data.narrow(0, 0, rows).copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the full vocabulary: each rank scores its vocabulary slice, rank 0 gathers.
+
+    Only rank 0 samples, so the others return None (a gather, not an all-gather).
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        logits = F.linear(hidden, self.weight)  # [N, vocab_per_rank]
+        if self.tp.size == 1:
+            return logits[:, : self.vocab_size]
+        logits = logits.contiguous()
+        parts = [torch.empty_like(logits) for _ in range(self.tp.size)] if self.tp.rank == 0 \
+            else None
+        dist.gather(logits, parts, dst=0)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
