@@ -92,7 +92,7 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
+            return _error(400, "the request body is not valid JSON")
         return _error(400, f"{where + ': ' if where else ''}{message}", where or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -123,6 +123,21 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
         if dispatcher.is_ready():
             return JSONResponse({"status": "ok"})
         return _error(503, "not ready: waiting for workers")
+
+    @app.get("/status")
+    async def status() -> dict[str, Any]:
+        """Every worker as the router sees it (the launcher prints this while starting)."""
+        workers = []
+        for w in dispatcher.workers:
+            entry: dict[str, Any] = {"address": w.address, "role": w.role,
+                                     "worker_id": w.worker_id, "is_alive": w.is_alive,
+                                     "is_ready": w.is_ready, "num_inflight": w.num_inflight}
+            if w.status is not None:
+                entry.update(num_running=w.status.num_running, num_waiting=w.status.num_waiting,
+                             num_free_blocks=w.status.num_free_blocks,
+                             num_total_blocks=w.status.num_total_blocks)
+            workers.append(entry)
+        return {"ready": dispatcher.is_ready(), "workers": workers}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -19,6 +19,11 @@ from pdserve import __version__, envs
 
 # name -> (module, one-line description). Add a role here when its module exists.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("pdserve.serve.launcher", "start store, workers and router on this host"),
+    "router": ("pdserve.router.server", "OpenAI-compatible HTTP router"),
+    "prefill": ("pdserve.serve.worker", "prefill worker (stops after the first token)"),
+    "decode": ("pdserve.serve.worker", "decode worker (continues from the KV store)"),
+    "colocated": ("pdserve.serve.worker", "worker that runs prefill and decode"),
     "bench": ("pdserve.benchmarks.bench_serve", "goodput benchmark against any OpenAI server"),
     "store": ("pdserve.kvstore.server", "tiered KV store: master and/or data server"),
 }
@@ -48,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=description)
     module.add_arguments(parser)
+    parser.set_defaults(command=name)
     args = parser.parse_args(argv[1:])
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

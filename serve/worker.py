@@ -1,0 +1,258 @@
+"""`pdserve prefill | decode | colocated`: one engine behind a ZeroMQ ROUTER socket.
+
+    router (DEALER) ──GenerateRequest/AbortRequest/StatusRequest──► worker (ROUTER)
+                    ◄─────────────── Output deltas / WorkerStatus ──
+
+One thread runs everything: it drains the socket (without blocking while the engine has
+work), runs one engine step, and sends each request's delta to the router that owns it. The
+engine is never touched from two threads. The role changes only a request's ends:
+  prefill    the engine stops after the first token; the KV transfer saves the prompt's blocks
+             to the store before they are freed, and the output carries the hand-off.
+  decode     a request that comes with a hand-off loads its prompt KV from the store into fresh
+             blocks and joins the running batch; if the store misses, it recomputes the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+
+import zmq
+
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.serve.protocol import (
+    WORKER_PROTOCOL,
+    AbortRequest,
+    GenerateRequest,
+    KVHandoff,
+    Output,
+    StatusRequest,
+    TokenLogprob,
+    WorkerStatus,
+)
+from pdserve.serve.request import RequestOutput
+from pdserve.serve.sampling_params import SamplingParams
+from pdserve.wire import WireError
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 20
+
+
+class Worker:
+    def __init__(self, engine, role: str, address: str, worker_id: str,
+                 kv_transfer=None) -> None:
+        self.engine = engine
+        self.role = role
+        self.worker_id = worker_id
+        self.kv_transfer = kv_transfer
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted router takes over
+        self._socket.bind(address)
+        self._owners: dict[str, bytes] = {}
+        self._step_times_s: deque[float] = deque(maxlen=32)
+        self.stop_event = threading.Event()
+        if role == "prefill" and kv_transfer is not None:
+            engine.handoff_hook = kv_transfer.save_handoff
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self.stop_event.is_set():
+            busy = self.engine.has_unfinished_requests()
+            if poller.poll(0 if busy else IDLE_POLL_MS):
+                self._drain()
+            if self.engine.has_unfinished_requests():
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                self._step_times_s.append(time.perf_counter() - start)
+                for output in outputs:
+                    self._send_output(output)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self._socket.close(linger=0)
+        self._context.term()
+
+    # ---- messages in -------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            try:
+                identity, raw = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not exactly [identity, payload]
+                logger.warning("dropped a message with unexpected framing")
+                continue
+            try:
+                message = WORKER_PROTOCOL.decode(raw)
+            except WireError as exc:
+                logger.warning("dropped a malformed message: %s", exc)
+                continue
+            if isinstance(message, GenerateRequest):
+                self._on_generate(identity, message)
+            elif isinstance(message, AbortRequest):
+                self._owners.pop(message.request_id, None)
+                self.engine.abort_request(message.request_id)
+            elif isinstance(message, StatusRequest):
+                self._reply(identity, self.status())
+            else:
+                logger.warning("unexpected %s", type(message).__name__)
+
+    def _on_generate(self, identity: bytes, message: GenerateRequest) -> None:
+        request_id = message.request_id
+        if request_id in self._owners:
+            self._reply(identity, Output(request_id, [], "", "error",
+                                         error=f"request id {request_id} is already running"))
+            return
+        try:
+            params = SamplingParams(**asdict(message.sampling), cache_salt=message.cache_salt)
+            if message.handoff is None:
+                self.engine.add_request(message.prompt_token_ids, params, request_id)
+            else:
+                self._add_handed_off(message, params)
+        except Exception as exc:  # any rejection is this request's error, not the worker's
+            logger.info("rejected %s: %s", request_id, exc)
+            self._reply(identity, Output(request_id, [], "", "error", error=str(exc)))
+            return
+        self._owners[request_id] = identity
+
+    def _add_handed_off(self, message: GenerateRequest, params: SamplingParams) -> None:
+        """Decode role: continue a request that a prefill worker started."""
+        handoff = message.handoff
+        outputs_so_far = [handoff.first_token_id]
+        if self.kv_transfer is not None:
+            block_ids = self.kv_transfer.load_prompt(
+                message.request_id, message.prompt_token_ids, handoff.block_keys)
+            if block_ids is not None:
+                self.engine.add_prefilled_request(
+                    message.request_id, message.prompt_token_ids, params, outputs_so_far,
+                    block_ids=block_ids)
+                return
+        # No store, or it missed: the KV cache is a cache, so recompute the prompt here.
+        self.engine.add_continued_request(
+            message.request_id, message.prompt_token_ids, params, outputs_so_far)
+
+    # ---- messages out ------------------------------------------------------------------
+    def _send_output(self, output: RequestOutput) -> None:
+        identity = self._owners.get(output.request_id)
+        if identity is None:
+            return  # aborted meanwhile
+        completion = output.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [
+                TokenLogprob(token_id, entry[token_id].logprob,
+                             {t: lp.logprob for t, lp in entry.items()})
+                for token_id, entry in zip(completion.token_ids, completion.logprobs,
+                                           strict=False)
+            ]
+        handoff = None
+        if output.kv_handoff is not None:
+            handoff = KVHandoff(
+                block_keys=self.kv_transfer.handoff_keys(output.request_id)
+                if self.kv_transfer is not None else [],
+                first_token_id=output.kv_handoff.output_token_ids[0],
+                num_output_tokens=output.kv_handoff.num_generated_tokens,
+                prefill_worker_id=self.worker_id)
+        self._reply(identity, Output(
+            output.request_id, list(completion.token_ids), completion.text,
+            completion.finish_reason, logprobs, len(output.prompt_token_ids),
+            output.num_cached_tokens, handoff))
+        if output.finished:
+            self._owners.pop(output.request_id, None)
+
+    def _reply(self, identity: bytes, message) -> None:
+        try:
+            self._socket.send_multipart([identity, WORKER_PROTOCOL.encode(message)],
+                                        zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("router %r is not reading; dropped a %s", identity,
+                           type(message).__name__)
+
+    def status(self) -> WorkerStatus:
+        engine = self.engine
+        scheduler, bm = engine.scheduler, engine.block_manager
+        step_s = sum(self._step_times_s) / len(self._step_times_s) if self._step_times_s else 0
+        num_running = len(scheduler.running)
+        return WorkerStatus(
+            worker_id=self.worker_id, role=self.role, model=engine.spec.model_id,
+            max_model_len=engine.max_model_len, is_ready=True, num_running=num_running,
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            kv_layout={k: v for k, v in asdict(engine.spec.kv_layout(bm.block_size)).items()},
+            prefill_step_s=step_s if self.role != "decode" else 0.0,
+            decode_step_s=step_s if self.role != "prefill" else 0.0,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+
+# ---- the command ---------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cache, sched = CacheConfig(), SchedulerConfig()
+    parser.add_argument("--model", required=True, help="local Hugging Face checkpoint dir")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, required=True, help="ZeroMQ port for the router")
+    parser.add_argument("--worker-id", default=None, help="name in status and metrics")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16",
+                                                             "float16"))
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=cache.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=sched.max_num_batched_tokens)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store", default=None, metavar="ADDR",
+                        help="KV store address (prefill saves, decode loads); none: recompute")
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from pdserve.serve.engine import Engine
+
+    role = args.command
+    try:
+        model_config = ModelConfig(model=args.model, dtype=args.dtype,
+                                   max_model_len=args.max_model_len, seed=args.seed)
+        cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                                   enable_prefix_caching=not args.no_prefix_caching)
+        parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size)
+        scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens,
+                                           role=role)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        engine = Engine(model_config, cache_config, parallel_config, scheduler_config,
+                        tokenizer=tokenizer)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        logger.error("cannot start the %s worker: %s", role, exc)
+        return 2
+    kv_transfer = None
+    if args.store is not None and role != "colocated":
+        from pdserve.serve.kv_transfer import KVTransfer
+
+        kv_transfer = KVTransfer.connect(engine, args.store)
+    worker_id = args.worker_id or f"{role}-{args.port}"
+    worker = Worker(engine, role, f"tcp://{args.host}:{args.port}", worker_id, kv_transfer)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop_event.set())
+    logger.info("%s worker %s ready on tcp://%s:%d", role, worker_id, args.host, args.port)
+    try:
+        worker.serve_forever()
+    finally:
+        worker.close()
+        if kv_transfer is not None:
+            kv_transfer.close()
+    return 0
+
