@@ -8,6 +8,7 @@ the TieredStore above it.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -18,19 +19,22 @@ BytesLike = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 
 
 def as_uint8_tensor(data: BytesLike) -> torch.Tensor:
-    """A flat uint8 view (no copy where possible) of any bytes-like block payload."""
+    """A flat uint8 view (no copy where possible) of a block payload; may alias a read-only
+    buffer, so treat it as read-only."""
     if isinstance(data, torch.Tensor):
         return data.detach().reshape(-1).view(torch.uint8) if data.is_contiguous() else (
             data.detach().contiguous().reshape(-1).view(torch.uint8)
         )
     if isinstance(data, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    # bytes are immutable: torch warns on a non-writable buffer, so view a writable copy-free
-    # memoryview only when it is writable, else copy once.
     view = memoryview(data)
-    if view.readonly:
-        return torch.frombuffer(bytearray(view), dtype=torch.uint8)
-    return torch.frombuffer(view, dtype=torch.uint8)
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # torch warns that a read-only buffer (bytes, a ZeroMQ frame) is not writable; every
+        # tier copies on insert, so the view is only ever read.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 class MemoryTier:

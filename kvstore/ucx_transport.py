@@ -1,0 +1,95 @@
+"""The UCX data plane (ucxx core API): one worker, polling progress, endpoints from addresses.
+
+Why this shape (FACTS.md): endpoints made from an exchanged *worker address* (sent over the
+ZeroMQ control channel) with error handling off are what let UCX pick shared memory / CMA on
+one host; the listener path always runs over tcp. The core API's progress thread hung with
+sm/cma, so the caller drives progress by polling inside `wait`, with a timeout. UCX_TLS must be
+set before ucxx is imported, so ucxx is imported here, lazily, on first use.
+
+A UcxDataPlane is not thread-safe: its owner (server loop or client) serialises calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class UcxUnavailable(RuntimeError):
+    """UCX could not start (ucxx missing, no usable transport); use the TCP/ZeroMQ path."""
+
+
+class UcxDataPlane:
+    """A UCX worker that sends and receives tagged uint8 buffers."""
+
+    def __init__(self, tls: str = "sm,cma,tcp,self"):
+        # ucxx reads UCX_* at import; only the first data plane in a process sets them.
+        os.environ.setdefault("UCX_TLS", tls)
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        try:
+            import ucxx._lib.libucxx as ucx_api
+            from ucxx._lib.arr import Array
+        except Exception as e:  # ImportError, or a broken native library
+            raise UcxUnavailable(f"cannot import ucxx: {e}") from e
+        self._api = ucx_api
+        self._array = Array
+        try:
+            self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+            self._worker = ucx_api.UCXWorker(self._context)
+            self.address = bytes(self._worker.address.tobytes())
+        except Exception as e:
+            raise UcxUnavailable(f"UCX context/worker failed: {e}") from e
+        self._endpoints: dict[int, Any] = {}
+        self._next_endpoint_id = 0
+        self.tls = os.environ["UCX_TLS"]
+
+    def connect(self, peer_address: bytes) -> int:
+        """An endpoint to the peer whose worker address we were sent; returns its handle."""
+        address = self._api.UCXAddress.create_from_buffer(np.frombuffer(peer_address, np.uint8))
+        endpoint = self._api.UCXEndpoint.create_from_worker_address(
+            self._worker, address, endpoint_error_handling=False)
+        handle = self._next_endpoint_id
+        self._next_endpoint_id += 1
+        self._endpoints[handle] = endpoint
+        return handle
+
+    def disconnect(self, handle: int) -> None:
+        endpoint = self._endpoints.pop(handle, None)
+        if endpoint is not None:
+            try:
+                endpoint.close()
+            except Exception:  # a peer that already went away; nothing left to free
+                logger.debug("ucx endpoint close failed", exc_info=True)
+
+    def send(self, handle: int, buffer: np.ndarray, tag: int) -> Any:
+        """Start sending a contiguous uint8 buffer; keep `buffer` alive until waited on."""
+        return self._endpoints[handle].tag_send(self._array(buffer), tag=self._api.UCXXTag(tag))
+
+    def recv(self, buffer: np.ndarray, tag: int) -> Any:
+        """Start receiving a message with `tag` (from any peer) into a uint8 buffer."""
+        return self._worker.tag_recv(self._array(buffer), tag=self._api.UCXXTag(tag))
+
+    def progress(self) -> None:
+        self._worker.progress()
+
+    def wait(self, requests: list[Any], timeout_s: float) -> None:
+        """Drive progress until every request completes; TimeoutError (after cancelling the
+        worker's in-flight requests) if they do not within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not all(r.completed for r in requests):
+            self._worker.progress()
+            if time.monotonic() > deadline:
+                self._worker.cancel_inflight_requests()
+                raise TimeoutError(f"UCX transfer did not finish within {timeout_s} s")
+        for r in requests:
+            r.check_error()
+
+    def close(self) -> None:
+        for handle in list(self._endpoints):
+            self.disconnect(handle)
