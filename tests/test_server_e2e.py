@@ -1,0 +1,147 @@
+"""End to end through `pdserve up`: HTTP in, the same greedy tokens out as the offline engine
+and Hugging Face, in colocated and disaggregated (1 prefill + 1 decode over the KV store) mode.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from cluster_util import start_cluster
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.serve import LLM, SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:", "x"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Greedy completions from the offline engine, checked against HF transformers."""
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    llm = LLM(str(llama_dir), num_kv_blocks=256)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    finally:
+        llm.shutdown()
+    texts = {}
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        hf_ids = hf.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS,
+                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == hf_ids[:len(out.outputs[0].token_ids)]
+        texts[prompt] = out.outputs[0].text
+    return texts
+
+
+@pytest.fixture(scope="module", params=["colocated", "disagg"])
+def cluster(request, llama_dir, tmp_path_factory):
+    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("logs"), "--mode", request.param,
+                            "--num-kv-blocks", "512")
+    yield cluster
+    assert cluster.stop() == 0, cluster.log()
+
+
+def _complete(base_url: str, **body) -> dict:
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(base_url: str, path: str, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def test_completions_match_reference(cluster, reference):
+    for prompt in PROMPTS:
+        body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert body["choices"][0]["text"] == reference[prompt]
+        chunks = _stream(cluster.base_url, "/v1/completions",
+                         {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == reference[prompt]
+        assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
+
+
+def test_chat_stream_equals_non_stream(cluster, llama_dir):
+    messages = [{"role": "user", "content": "Write a loop."}]
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    full = r.json()["choices"][0]["message"]["content"]
+    chunks = _stream(cluster.base_url, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == full
+    # the same prompt through the offline engine's chat path
+    llm = LLM(str(llama_dir), num_kv_blocks=128)
+    try:
+        [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].text == full
+
+
+def test_shared_prefix_reports_cached_tokens(cluster):
+    prefix = "# a long shared system prompt that spans several KV blocks\n" * 4
+    first = _complete(cluster.base_url, prompt=prefix + "first", max_tokens=2, temperature=0)
+    second = _complete(cluster.base_url, prompt=prefix + "second", max_tokens=2, temperature=0)
+    assert first["usage"]["prompt_tokens"] > 32
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
+def test_openai_client_works_unchanged(cluster, reference):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused")
+    [model] = client.models.list().data
+    completion = client.completions.create(model=model.id, prompt=PROMPTS[0],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    assert completion.choices[0].text == reference[PROMPTS[0]]
+    stream = client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400),
+    ("/v1/completions", {"prompt": "hi " * 3000, "max_tokens": 4}, 400),
+    ("/v1/completions", {"prompt": "hi", "temperature": 7}, 400),
+    ("/v1/completions", {"prompt": 12}, 400),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400),
+    ("/v1/completions", {"prompt": [10**9]}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"messages": "hello"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "min_tokens": 9, "max_tokens": 2}, 400),
+]
+
+
+def test_bad_requests_get_openai_errors(cluster):
+    for path, body, status in BAD_REQUESTS:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(f"{cluster.base_url}{path}", timeout=30, **kwargs)
+        assert r.status_code == status, (body, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["code"] == status and error["message"], r.text
+    r = httpx.post(f"{cluster.base_url}/v1/completions", timeout=30,
+                   content=b"x" * (9 * 1024 * 1024), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # and the server still serves
+    assert _complete(cluster.base_url, prompt="ok", max_tokens=2)["usage"]["completion_tokens"]
