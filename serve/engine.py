@@ -119,19 +119,34 @@ class Engine:
             request.append_output_token(int(token_id))
         request.num_computed_tokens = request.num_tokens - 1
         block_ids = self.scheduler.add_running_request(request, block_ids)
-        self._start_tracking(request)
-        detokenizer = self._detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            detokenizer.update(list(output_token_ids))
-            detokenizer.take_delta(finished=False)  # the prefill worker streamed these
-        self._num_reported_tokens[request.request_id] = request.num_output_tokens
+        self._start_tracking(request, already_streamed=output_token_ids)
         return block_ids
 
-    def _start_tracking(self, request: Request) -> None:
+    def add_continued_request(self, request_id: str, prompt_token_ids: list[int],
+                              params: SamplingParams, output_token_ids: list[int]) -> Request:
+        """Decode role when the prompt's KV could not be loaded (the KV cache is a cache):
+        queue the request to recompute its prompt and the outputs so far, then continue
+        sampling at output index len(output_token_ids), exactly where prefill stopped."""
+        if not output_token_ids:
+            raise ValueError("a continued request needs its first output token")
+        request = self.make_request(prompt_token_ids, params, request_id)
+        for token_id in output_token_ids:
+            request.append_output_token(int(token_id))
+        self.scheduler.add_request(request)
+        self._start_tracking(request, already_streamed=output_token_ids)
+        return request
+
+    def _start_tracking(self, request: Request, already_streamed: list[int] | None = None
+                        ) -> None:
+        """Track text and reported tokens; `already_streamed` outputs (sent to the client by
+        another worker) only advance the detokenizer and are not reported again."""
         if self.tokenizer is not None:
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer,
-                                                                            request)
-        self._num_reported_tokens[request.request_id] = 0
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request)
+            if already_streamed:
+                detokenizer.update(list(already_streamed))
+                detokenizer.take_delta(finished=False)
+            self._detokenizers[request.request_id] = detokenizer
+        self._num_reported_tokens[request.request_id] = len(already_streamed or [])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state and free its blocks; returns its final output (None if it is

@@ -1,0 +1,72 @@
+"""Prefill -> decode hand-off at the engine level: a prefill-role engine stops after the first
+token, a decode-role engine continues (from copied KV, or by recomputing when the KV is
+missing), and the tokens equal a colocated run, greedy and seeded."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from pdserve.serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.serve.engine import Engine
+from pdserve.serve.sampling_params import SamplingParams
+
+PROMPTS = [list(range(5, 5 + n)) for n in (1, 7, 16, 33)]
+
+
+def _engine(model_dir, role: str) -> Engine:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=8, num_blocks=64),
+                  scheduler_config=SchedulerConfig(role=role), tokenizer=tokenizer)
+
+
+def _run(engine: Engine) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    engines = {role: _engine(llama_dir, role) for role in ("colocated", "prefill", "decode")}
+    yield engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=10),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=10),
+], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("with_kv", [True, False], ids=["kv-copied", "recompute"])
+def test_handoff_continues_exactly(engines, params, with_kv):
+    colocated, prefill, decode = engines["colocated"], engines["prefill"], engines["decode"]
+    for i, prompt in enumerate(PROMPTS):
+        colocated.add_request(prompt, params, f"c{i}")
+        prefill.add_request(prompt, params, f"p{i}")
+    expected = {rid: [t for o in outs for t in o.outputs[0].token_ids]
+                for rid, outs in _run(colocated).items()}
+    prefilled = _run(prefill)
+    for i, prompt in enumerate(PROMPTS):
+        [last] = prefilled[f"p{i}"]
+        assert last.outputs[0].finish_reason == "handoff"
+        handoff = last.kv_handoff
+        assert handoff.num_computed_tokens == len(prompt)
+        assert len(handoff.block_keys) == len(prompt) // 8  # full blocks only
+        first = handoff.output_token_ids
+        if with_kv:
+            kv = prefill.runner.kv_pool.read_blocks(handoff.block_ids)
+            block_ids = decode.add_prefilled_request(f"d{i}", prompt, params, first)
+            decode.runner.kv_pool.write_blocks(block_ids, kv)
+        else:
+            decode.add_continued_request(f"d{i}", prompt, params, first)
+    decoded = _run(decode)
+    for i in range(len(PROMPTS)):
+        first = prefilled[f"p{i}"][0].outputs[0].token_ids
+        rest = [t for o in decoded[f"d{i}"] for t in o.outputs[0].token_ids]
+        assert first + rest == expected[f"c{i}"]
+    for engine in engines.values():
+        engine.block_manager.check_integrity()
+        assert engine.block_manager.num_used_blocks == 0
