@@ -63,6 +63,15 @@ class IncrementalDetokenizer:
             return None
         return self._find_stop(num_chars_before)
 
+    def flush(self) -> None:
+        """The request ended (not at a stop string): keep an incomplete last character as
+        U+FFFD, as a full decode would."""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        if len(full_text) > len(prefix_text):
+            self.text += full_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset = len(self._ids)
+
     def _find_stop(self, num_chars_before: int) -> str | None:
         # A stop string ending in the new text starts at most max_len - 1 chars before it.
         search_from = max(0, num_chars_before - self.params.max_stop_str_len + 1)

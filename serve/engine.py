@@ -215,6 +215,9 @@ class Engine:
                 output_token_ids=list(request.output_token_ids))
             if self.handoff_hook is not None:
                 self.handoff_hook(request, handoff)
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None and not isinstance(request.stop_reason, str):
+            detokenizer.flush()
         self.scheduler.finish_request(request.request_id, status)
         output = self._make_output(request)
         output.kv_handoff = handoff
