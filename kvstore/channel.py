@@ -10,7 +10,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -46,15 +46,22 @@ class ControlChannel:
         with self.lock:
             return self.request_locked(type_, frames, **fields)
 
-    def request_locked(self, type_: str, frames: Sequence[Any] = (), **fields: Any
+    def request_locked(self, type_: str, frames: Sequence[Any] = (),
+                       progress: Callable[[], None] | None = None, **fields: Any
                        ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """request() for a caller holding self.lock; `progress` runs while waiting (a UCX
+        rendezvous send only completes while the sender's worker makes progress)."""
         request_id = next(self._ids)
         header = messages.encode(type_, request_id, **fields)
         self._socket.send_multipart([header, *frames], copy=False)
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._socket.poll(remaining_ms, zmq.POLLIN):
+            if progress is not None and remaining_ms > 0:
+                progress()
+                if not self._socket.poll(0, zmq.POLLIN):
+                    continue
+            elif remaining_ms <= 0 or not self._socket.poll(remaining_ms, zmq.POLLIN):
                 raise StoreUnavailable(
                     f"{type_} to {self.address}: no reply within {self.timeout_s} s")
             reply_frames = self._socket.recv_multipart(copy=False)

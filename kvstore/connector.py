@@ -1,0 +1,264 @@
+"""The KV connector: the only way a worker touches the store (lookup, load, save, poll).
+
+The worker's device pool is one tensor per layer (serve/kv_cache.py):
+
+    kv_caches[l]   [2, num_pool_blocks, block_size, num_kv_heads_per_rank, head_dim]
+
+A stored block holds *all* layers and *all* KV heads, so blocks are independent of the TP
+degree that wrote or reads them:
+
+    stored block   [num_layers, 2, block_size, num_kv_heads (all ranks), head_dim]  (bytes)
+
+A reader at TP rank r of t takes heads [r*H/t, (r+1)*H/t) of each layer on load (a decode pool
+at another TP degree re-lays blocks out for free). Saving from a TP>1 worker needs all heads,
+so the caller gathers heads to one rank first (or saves at TP=1); a sharded save raises.
+
+Loads and saves run on one background thread; the engine polls for completions. The KV cache
+is a cache: a load that fails (store down, timeout, missing or malformed block) reports the
+blocks it did place, possibly none, and the engine recomputes the rest.
+
+    lookup(keys) -> n          start_load(req, keys[:n], block_ids, kv_caches)
+    wait_for_layer_load(req, l)   save_layer(req, l, keys, block_ids, kv_caches[l])
+    poll() -> [TransferResult]
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from pdserve.kvstore.block_key import KVLayout
+from pdserve.kvstore.master import PrefixLookup
+from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
+from pdserve.kvstore.tiered_store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+
+class BlockBackend(Protocol):
+    """What the connector needs of a store: a TieredStore (in process) or a StoreClient."""
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int | PrefixLookup: ...
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]: ...
+    def get_many(self, keys: Sequence[bytes]) -> Sequence[BytesLike | None]: ...
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    request_id: str
+    kind: str  # "load" | "save"
+    num_blocks: int
+    """Leading blocks placed in the pool (load) or stored (save)."""
+    error: str | None = None
+
+
+@dataclass
+class _Load:
+    num_layers: int
+    layer_done: list[threading.Event] = field(default_factory=list)
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.layer_done = [threading.Event() for _ in range(self.num_layers)]
+
+
+@dataclass
+class _Save:
+    keys: list[bytes]
+    staging: torch.Tensor  # [num_blocks, num_layers, 2, block_size, H, D] on the host
+    layers_saved: set[int] = field(default_factory=set)
+    copy_done: list[Any] = field(default_factory=list)  # CUDA events of the async copies
+
+
+class KVConnector:
+    def __init__(self, backend: BlockBackend, layout: KVLayout, tp_rank: int = 0,
+                 tp_size: int = 1, timeout_s: float = 10.0):
+        if layout.kind != "mha":
+            raise NotImplementedError("the connector moves MHA blocks; MLA is not wired yet")
+        if not 0 <= tp_rank < tp_size or layout.num_kv_heads % tp_size:
+            raise ValueError(f"bad TP rank {tp_rank}/{tp_size} for {layout.num_kv_heads} heads")
+        self.backend = backend
+        self.layout = layout
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.timeout_s = timeout_s
+        self.dtype: torch.dtype = getattr(torch, layout.dtype)
+        # [num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                            layout.head_dim)
+        self.block_bytes = torch.empty(self.block_shape, dtype=self.dtype).nbytes
+        heads = layout.num_kv_heads // tp_size
+        self._heads = slice(tp_rank * heads, (tp_rank + 1) * heads)
+        self._loads: dict[str, _Load] = {}
+        self._saves: dict[str, _Save] = {}
+        self._results: list[TransferResult] = []
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._run_jobs, name="kv-connector", daemon=True)
+        self._worker.start()
+
+    # ---- lookup -----------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks the store holds (0 when it cannot be asked)."""
+        try:
+            found = self.backend.lookup_prefix(list(keys))
+        except Exception as e:  # a cache lookup must never fail a request
+            logger.warning("kv connector: lookup failed (%s); treating as a miss", e)
+            return 0
+        return found if isinstance(found, int) else found.num_blocks
+
+    # ---- load -------------------------------------------------------------------------------
+    def start_load(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
+                   kv_caches: Sequence[torch.Tensor]) -> None:
+        """Fetch blocks `keys` into pool blocks `block_ids` of every layer, asynchronously."""
+        if len(keys) != len(block_ids) or len(kv_caches) != self.layout.num_layers:
+            raise ValueError("start_load: one block id per key and one cache per layer")
+        with self._lock:
+            if request_id in self._loads:
+                raise ValueError(f"request {request_id!r} already has a load in flight")
+            load = self._loads[request_id] = _Load(self.layout.num_layers)
+        keys, block_ids = list(keys), list(block_ids)
+        self._jobs.put(lambda: self._load(request_id, load, keys, block_ids, kv_caches))
+
+    def _load(self, request_id: str, load: _Load, keys: list[bytes], block_ids: list[int],
+              kv_caches: Sequence[torch.Tensor]) -> None:
+        error = None
+        try:
+            blocks = self.backend.get_many(keys) if keys else []
+            usable = []
+            for block in blocks:  # the leading run of present, well-formed blocks
+                data = None if block is None else as_uint8_tensor(block)
+                if data is None or data.numel() != self.block_bytes:
+                    break
+                usable.append(data)
+            if len(usable) < len(keys):
+                error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
+            if usable:
+                device = kv_caches[0].device
+                # [n, num_layers, 2, block_size, H, D] -> per layer [2, n, block_size, h, D]
+                stacked = torch.stack(usable).to(device).view(self.dtype).view(
+                    len(usable), *self.block_shape)
+                index = torch.tensor(block_ids[: len(usable)], dtype=torch.int64, device=device)
+                for layer, cache in enumerate(kv_caches):
+                    src = stacked[:, layer, :, :, self._heads].transpose(0, 1)
+                    cache.index_copy_(1, index, src.to(cache.dtype))
+                    if device.type == "cuda":
+                        torch.cuda.current_stream(device).synchronize()
+                    load.layer_done[layer].set()
+            load.num_blocks = len(usable)
+        except Exception as e:  # failure is a miss: the engine recomputes
+            logger.warning("kv connector: load of %s failed (%s); recomputing", request_id, e)
+            error, load.num_blocks = repr(e), 0
+        finally:
+            for event in load.layer_done:
+                event.set()
+            with self._lock:
+                self._results.append(TransferResult(request_id, "load", load.num_blocks, error))
+
+    def wait_for_layer_load(self, request_id: str, layer: int,
+                            timeout_s: float | None = None) -> int:
+        """Block until layer `layer` of the load is in place; the number of leading blocks
+        placed (0 on failure or timeout, and then the engine recomputes them)."""
+        with self._lock:
+            load = self._loads.get(request_id)
+        if load is None:
+            raise KeyError(f"no load for request {request_id!r}")
+        if not load.layer_done[layer].wait(self.timeout_s if timeout_s is None else timeout_s):
+            return 0
+        return load.num_blocks
+
+    # ---- save -------------------------------------------------------------------------------
+    def save_layer(self, request_id: str, layer: int, keys: Sequence[bytes],
+                   block_ids: Sequence[int], kv_cache: torch.Tensor) -> None:
+        """Stage layer `layer` of blocks `block_ids` (named `keys`); the put goes out once
+        every layer is staged. The pool blocks may be reused as soon as this returns."""
+        if self.tp_size != 1:
+            raise NotImplementedError("save needs all KV heads: gather to one rank first")
+        if len(keys) != len(block_ids):
+            raise ValueError("save_layer: one block id per key")
+        with self._lock:
+            save = self._saves.get(request_id)
+            if save is None:
+                staging = torch.empty((len(keys), *self.block_shape), dtype=self.dtype,
+                                      pin_memory=kv_cache.is_cuda)
+                save = self._saves[request_id] = _Save(list(keys), staging)
+        if list(keys) != save.keys or layer in save.layers_saved:
+            raise ValueError(f"save_layer: keys changed or layer {layer} saved twice")
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
+        # [2, n, block_size, H, D] -> staging[:, layer] [n, 2, block_size, H, D]
+        layer_blocks = kv_cache.index_select(1, index).transpose(0, 1)
+        save.staging[:, layer].copy_(layer_blocks, non_blocking=kv_cache.is_cuda)
+        if kv_cache.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            save.copy_done.append(event)
+        save.layers_saved.add(layer)
+        if len(save.layers_saved) == self.layout.num_layers:
+            with self._lock:
+                del self._saves[request_id]
+            self._jobs.put(lambda: self._put(request_id, save))
+
+    def _put(self, request_id: str, save: _Save) -> None:
+        num_stored, error = 0, None
+        try:
+            for event in save.copy_done:
+                event.synchronize()
+            blocks = [save.staging[i].view(-1).view(torch.uint8) for i in range(len(save.keys))]
+            stored = self.backend.put_many(save.keys, blocks)
+            num_stored = next((i for i, ok in enumerate(stored) if not ok), len(stored))
+        except Exception as e:  # a lost save only costs a future recompute
+            logger.warning("kv connector: save of %s failed (%s)", request_id, e)
+            error = repr(e)
+        with self._lock:
+            self._results.append(TransferResult(request_id, "save", num_stored, error))
+
+    # ---- completion -------------------------------------------------------------------------
+    def poll(self) -> list[TransferResult]:
+        """Transfers finished since the last poll; a reported load's state is freed."""
+        with self._lock:
+            results, self._results = self._results, []
+            for r in results:
+                if r.kind == "load":
+                    self._loads.pop(r.request_id, None)
+        return results
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request's partial save (a finished load is freed by poll)."""
+        with self._lock:
+            self._saves.pop(request_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._loads) + len(self._saves) + self._jobs.qsize()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued job ran; False on timeout."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        return done.wait(self.timeout_s if timeout_s is None else timeout_s)
+
+    def close(self) -> None:
+        self.drain()
+        self._jobs.put(None)
+        self._worker.join(timeout=self.timeout_s)
+
+    def _run_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+
+def make_in_process_connector(layout: KVLayout, dram_capacity_blocks: int,
+                              disk_capacity_blocks: int = 0, disk_dir: str | None = None,
+                              **kwargs: Any) -> KVConnector:
+    """A connector over a private in-process TieredStore (tests, single-process runs)."""
+    store = TieredStore.build(dram_capacity_blocks, disk_capacity_blocks, disk_dir)
+    return KVConnector(store, layout, **kwargs)

@@ -1,0 +1,261 @@
+"""The store server over real sockets on 127.0.0.1: clients, concurrency, hostile input."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from pdserve.kvstore import server as server_module
+from pdserve.kvstore.channel import StoreRequestError
+from pdserve.kvstore.client import StoreClient
+from pdserve.kvstore.config import StoreConfig
+from pdserve.kvstore.server import StoreServer
+from pdserve.kvstore.ucx_transport import UcxUnavailable
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def block(i: int, num_bytes: int = 256) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, num_bytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def make_server():
+    servers: list[StoreServer] = []
+
+    def make(**overrides) -> StoreServer:
+        config = StoreConfig(**{"master_port": 0, "data_port": 0, "transport": "zmq",
+                                "request_timeout_s": 5.0, **overrides})
+        servers.append(StoreServer(config).start())
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def finish(server: StoreServer, *clients: StoreClient) -> None:
+    """Every test ends here: invariants hold, nothing pinned, no lease left."""
+    clients[0].check_integrity()
+    stats = clients[0].stats()
+    assert stats["num_pinned"] == 0 and stats["num_leases"] == 0
+    for c in clients:
+        c.close()
+    server.check_integrity()
+
+
+def test_put_get_pin_evict_over_zmq(make_server):
+    server = make_server(dram_capacity_blocks=4)
+    client = StoreClient(server.data_address, server.master_address, transport="zmq")
+    keys = [key(i) for i in range(6)]
+    assert client.put_many(keys, [block(i) for i in range(6)]) == [True] * 6
+    got = client.get_many(keys)
+    assert [g is None for g in got] == [True, True, False, False, False, False]
+    assert all(np.array_equal(got[i], block(i)) for i in range(2, 6))
+    assert client.lookup_prefix(keys[2:] + keys[:2]).num_blocks == 4
+    lease_id, pinned = client.pin(keys[2:4], ttl_s=30)
+    assert pinned == [True, True]
+    assert client.evict(keys[2:]) == 2  # pinned 2 and 3 stay
+    assert client.exists(keys[2:]) == [True, True, False, False]
+    assert client.release(lease_id) and not client.release(lease_id)
+    assert client.nodes() == {"store-0": server.data_address}
+    finish(server, client)
+
+
+def test_lease_expires_on_the_server(make_server):
+    server = make_server(dram_capacity_blocks=2)
+    client = StoreClient(server.data_address, transport="zmq")
+    client.put_many([key(0), key(1)], [block(0), block(1)])
+    client.pin([key(0)], ttl_s=0.2)  # the client "crashes": never releases
+    deadline = time.monotonic() + 5
+    while client.stats()["num_pinned"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats()["num_leases"] == 0
+    client.put_many([key(2), key(3)], [block(2), block(3)])  # 0 is evictable again
+    assert client.exists([key(0)]) == [False]
+    finish(server, client)
+
+
+def test_disk_tier_behind_the_server_survives_restart(make_server, tmp_path):
+    kwargs = dict(dram_capacity_blocks=1, disk_capacity_blocks=8, disk_dir=str(tmp_path))
+    server = make_server(**kwargs)
+    client = StoreClient(server.data_address, transport="zmq")
+    client.put_many([key(i) for i in range(4)], [block(i) for i in range(4)])
+    client.close()
+    server.stop()
+    server = make_server(**kwargs)
+    client = StoreClient(server.data_address, server.master_address, transport="zmq")
+    assert client.lookup_prefix([key(i) for i in range(4)]).num_blocks == 3  # dram was lost
+    got = client.get_many([key(0), key(2)])
+    assert np.array_equal(got[0], block(0)) and np.array_equal(got[1], block(2))
+    finish(server, client)
+
+
+def test_two_clients_concurrently_lose_nothing(make_server):
+    server = make_server(dram_capacity_blocks=4096)
+    clients = [StoreClient(server.data_address, transport="zmq") for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def work(c: int) -> None:
+        try:
+            ids = range(c * 1000, (c + 1) * 1000)
+            for start in range(0, 1000, 100):
+                batch = list(ids)[start:start + 100]
+                assert clients[c].put_many([key(i) for i in batch],
+                                           [block(i, 64) for i in batch]) == [True] * 100
+                got = clients[c].get_many([key(i) for i in batch])
+                assert all(np.array_equal(g, block(i, 64)) for g, i in zip(got, batch, strict=True))
+        except BaseException as e:  # noqa: BLE001 - surfaced in the main thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    all_keys = [key(i) for i in range(2000)]
+    assert clients[0].exists(all_keys) == [True] * 2000
+    assert clients[1].stats()["num_blocks_dram"] == 2000
+    finish(server, *clients)
+
+
+class _Exploit:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))  # unpickling this would create the file
+
+
+def test_garbage_and_pickle_are_rejected_and_server_keeps_serving(make_server, tmp_path,
+                                                                  caplog):
+    server = make_server(dram_capacity_blocks=8)
+    client = StoreClient(server.data_address, server.master_address, transport="zmq")
+    client.put_many([key(0)], [block(0)])
+    marker = tmp_path / "pwned"
+    hostile = [
+        b"",
+        os.urandom(64),
+        pickle.dumps(_Exploit(str(marker))),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"type": "get", "request_id": 7}),  # missing fields
+        msgpack.packb({"type": "get", "request_id": 7, "keys": [b"k"], "ucx_tag": None,
+                       "extra": 1}),
+        msgpack.packb({"type": "get", "request_id": 7, "keys": ["not-bytes"], "ucx_tag": None}),
+        msgpack.packb({"type": "put", "request_id": 7, "keys": [key(1)], "sizes": [5],
+                       "ucx_tag": None}),  # no payload frame
+        msgpack.packb({"type": "__import__", "request_id": 1}),
+        msgpack.packb({"type": "pin", "request_id": 1, "keys": [key(0)] * 5000,
+                       "holder": "x", "ttl_s": 1.0}),  # too many keys
+    ]
+    ctx = zmq.Context()
+    for address in (server.data_address, server.master_address):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        for payload in hostile:
+            sock.send_multipart([payload])
+            assert sock.poll(5000), "the server stopped answering"
+            reply = msgpack.unpackb(sock.recv_multipart()[0])
+            assert reply["ok"] is False and reply["error"]
+        sock.close()
+    ctx.term()
+    assert not marker.exists()
+    assert server.num_rejected >= len(hostile)
+    got = client.get_many([key(0)])  # still serving
+    assert np.array_equal(got[0], block(0))
+    with pytest.raises(StoreRequestError):
+        client._data_channel().request("join", node_id="x", address="y")  # master verb
+    finish(server, client)
+
+
+def test_data_node_reports_to_a_separate_master(make_server):
+    master = make_server(role="master", node_ttl_s=1.0, heartbeat_interval_s=0.1)
+    data = make_server(role="data", master_address=master.master_address, node_id="d1",
+                       node_ttl_s=1.0, heartbeat_interval_s=0.1)
+    client = StoreClient(data.data_address, master.master_address, transport="zmq")
+    client.put_many([key(0), key(1)], [block(0), block(1)])
+    deadline = time.monotonic() + 5
+    while client.lookup_prefix([key(0), key(1)]).num_blocks < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = client.lookup_prefix([key(0), key(1), key(2)])
+    assert found.num_blocks == 2 and found.holders[0] == [("d1", "dram")]
+    assert client.nodes() == {"d1": data.data_address}
+    client.close()
+    data.stop()  # leaves the master
+    deadline = time.monotonic() + 5
+    while master.master.nodes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert master.master.nodes() == {} and master.master.num_blocks == 0
+    master.check_integrity()
+
+
+def test_ucx_data_path(make_server):
+    pytest.importorskip("ucxx")
+    server = make_server(transport="ucx", dram_capacity_blocks=16)
+    client = StoreClient(server.data_address, transport="ucx")
+    assert client.transport == "ucx"
+    blocks = [block(i, 70_000) for i in range(5)]  # above UCX's eager threshold too
+    assert client.put_many([key(i) for i in range(5)], blocks) == [True] * 5
+    got = client.get_many([key(i) for i in [0, 9, 4]])
+    assert np.array_equal(got[0], blocks[0]) and got[1] is None
+    assert np.array_equal(got[2], blocks[4])
+    finish(server, client)
+
+
+def test_ucx_unavailable_falls_back_to_zmq_loudly(make_server, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise UcxUnavailable("no transports")
+
+    monkeypatch.setattr(server_module, "UcxDataPlane", broken)
+    with caplog.at_level(logging.WARNING):
+        server = make_server(transport="ucx")
+    assert any("fall back to ZeroMQ" in r.getMessage() for r in caplog.records)
+    client = StoreClient(server.data_address, transport="ucx")
+    assert client.transport == "zmq"  # the server said it has no UCX
+    assert client.put_many([key(0)], [block(0)]) == [True]
+    assert np.array_equal(client.get_many([key(0)])[0], block(0))
+    finish(server, client)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serves_and_stops_on_sigterm(tmp_path):
+    master_port, data_port = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.serve.cli", "store", "--transport", "zmq",
+         "--master-port", str(master_port), "--data-port", str(data_port),
+         "--dram-blocks", "8", "--disk-blocks", "8", "--disk-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = StoreClient(f"tcp://127.0.0.1:{data_port}",
+                             f"tcp://127.0.0.1:{master_port}", transport="zmq", timeout_s=30)
+        assert client.put_many([key(0)], [block(0)]) == [True]
+        assert client.lookup_prefix([key(0)]).num_blocks == 1
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (tmp_path / (key(0).hex() + ".kv")).exists() is False  # still in DRAM, not spilled
