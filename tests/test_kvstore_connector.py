@@ -1,0 +1,149 @@
+"""The KV connector against the engine's pool layout, in process and over a store server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kvstore.block_key import KVLayout, block_keys, root_key
+from pdserve.kvstore.client import StoreClient
+from pdserve.kvstore.config import StoreConfig
+from pdserve.kvstore.connector import KVConnector, make_in_process_connector
+from pdserve.kvstore.server import StoreServer
+
+LAYOUT = KVLayout(dtype="float32", block_size=4, num_layers=3, num_kv_heads=4, head_dim=8)
+
+
+def make_pool(num_blocks: int, num_heads: int = 4, seed: int | None = None) -> list[torch.Tensor]:
+    """kv_caches[l]: [2, num_blocks, block_size, num_heads, head_dim] like serve/kv_cache.py."""
+    shape = (2, num_blocks, LAYOUT.block_size, num_heads, LAYOUT.head_dim)
+    if seed is None:
+        return [torch.zeros(shape) for _ in range(LAYOUT.num_layers)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(LAYOUT.num_layers)]
+
+
+def request_keys(num_blocks: int, salt: str | None = None) -> list[bytes]:
+    tokens = list(range(100, 100 + num_blocks * LAYOUT.block_size))
+    return block_keys(tokens, LAYOUT.block_size, root_key("tiny", LAYOUT, salt))
+
+
+def save_all_layers(connector: KVConnector, rid: str, keys, block_ids, pool) -> None:
+    for layer in range(LAYOUT.num_layers):
+        connector.save_layer(rid, layer, keys, block_ids, pool[layer])
+
+
+def wait_results(connector: KVConnector, n: int):
+    assert connector.drain(10)
+    results = connector.poll()
+    assert len(results) == n
+    return results
+
+
+def test_save_then_load_round_trips_into_other_block_ids():
+    connector = make_in_process_connector(LAYOUT, dram_capacity_blocks=16)
+    prefill = make_pool(8, seed=0)
+    keys = request_keys(3)
+    save_all_layers(connector, "r1", keys, [5, 1, 6], prefill)
+    assert wait_results(connector, 1)[0].num_blocks == 3
+    assert connector.lookup(keys + request_keys(4, salt="other")) == 3
+    decode = make_pool(8)
+    connector.start_load("r1", keys[:2], [0, 7], decode)
+    for layer in range(LAYOUT.num_layers):
+        assert connector.wait_for_layer_load("r1", layer, timeout_s=10) == 2
+    (result,) = wait_results(connector, 1)
+    assert (result.kind, result.num_blocks, result.error) == ("load", 2, None)
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(decode[layer][:, 0], prefill[layer][:, 5])
+        assert torch.equal(decode[layer][:, 7], prefill[layer][:, 1])
+        assert decode[layer][:, 1:7].abs().sum() == 0  # nothing else touched
+    assert connector.num_in_flight == 0
+    connector.backend.check_integrity()
+    assert connector.backend.num_pinned_blocks == 0
+    connector.close()
+
+
+def test_tp2_reader_takes_its_heads():
+    store_side = make_in_process_connector(LAYOUT, dram_capacity_blocks=4)
+    pool = make_pool(2, seed=1)
+    keys = request_keys(2)
+    save_all_layers(store_side, "w", keys, [0, 1], pool)
+    wait_results(store_side, 1)
+    rank1 = KVConnector(store_side.backend, LAYOUT, tp_rank=1, tp_size=2)
+    half = make_pool(2, num_heads=2)
+    rank1.start_load("r", keys, [1, 0], half)
+    assert wait_results(rank1, 1)[0].num_blocks == 2
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(half[layer][:, 1], pool[layer][:, 0, :, 2:4])
+        assert torch.equal(half[layer][:, 0], pool[layer][:, 1, :, 2:4])
+    with pytest.raises(NotImplementedError):
+        rank1.save_layer("s", 0, keys, [0, 1], half[0])
+    rank1.close()
+    store_side.close()
+
+
+def test_missing_and_corrupt_blocks_load_as_a_miss():
+    connector = make_in_process_connector(LAYOUT, dram_capacity_blocks=8)
+    pool = make_pool(4, seed=2)
+    keys = request_keys(3)
+    save_all_layers(connector, "w", keys[:1], [0], pool)
+    wait_results(connector, 1)
+    connector.backend.put(keys[2], b"short")  # the wrong size: never copied into a pool
+    dst = make_pool(4)
+    connector.start_load("r", keys, [1, 2, 3], dst)
+    (result,) = wait_results(connector, 1)
+    assert result.num_blocks == 1 and "missing" in result.error
+    assert torch.equal(dst[0][:, 1], pool[0][:, 0]) and dst[0][:, 2:].abs().sum() == 0
+    connector.close()
+
+
+class BrokenBackend:
+    def lookup_prefix(self, keys):
+        raise ConnectionError("store down")
+
+    def put_many(self, keys, blocks):
+        raise ConnectionError("store down")
+
+    def get_many(self, keys):
+        raise ConnectionError("store down")
+
+
+def test_a_failing_store_is_a_miss_not_an_error():
+    connector = KVConnector(BrokenBackend(), LAYOUT)
+    keys = request_keys(2)
+    assert connector.lookup(keys) == 0
+    pool = make_pool(2)
+    connector.start_load("r", keys, [0, 1], pool)
+    assert connector.wait_for_layer_load("r", 2, timeout_s=10) == 0
+    save_all_layers(connector, "s", keys, [0, 1], make_pool(2, seed=3))
+    results = {r.kind: r for r in wait_results(connector, 2)}
+    assert results["load"].num_blocks == 0 and results["save"].num_blocks == 0
+    assert results["load"].error and results["save"].error
+    connector.close()
+
+
+def test_connector_over_the_store_server(tmp_path):
+    config = StoreConfig(master_port=0, data_port=0, transport="zmq", dram_capacity_blocks=2,
+                         disk_capacity_blocks=4, disk_dir=str(tmp_path))
+    server = StoreServer(config).start()
+    client = StoreClient(server.data_address, server.master_address, transport="zmq")
+    try:
+        connector = KVConnector(client, LAYOUT)
+        pool = make_pool(6, seed=4)
+        keys = request_keys(5)
+        save_all_layers(connector, "p", keys, [0, 1, 2, 3, 4], pool)  # spills 3 to disk
+        assert wait_results(connector, 1)[0].num_blocks == 5
+        assert connector.lookup(keys) == 5
+        assert client.prefetch(keys[:2]) == 2  # queued request: bring its head up to DRAM
+        dst = make_pool(6)
+        connector.start_load("d", keys, [5, 4, 3, 2, 1], dst)
+        assert wait_results(connector, 1)[0].num_blocks == 5
+        for layer in range(LAYOUT.num_layers):
+            for src, dst_id in zip(range(5), [5, 4, 3, 2, 1], strict=True):
+                assert torch.equal(dst[layer][:, dst_id], pool[layer][:, src])
+        connector.close()
+        client.check_integrity()
+        assert client.stats()["num_pinned"] == 0
+    finally:
+        client.close()
+        server.stop()
