@@ -1,0 +1,173 @@
+"""Offline engine throughput: pdserve's LLM beside Hugging Face generate, same prompts.
+
+    python -m pdserve.benchmarks.engine_throughput --output engine_throughput.json
+
+A seeded random Llama (~0.1B parameters by default) is built in a temporary directory. For
+each batch size both systems get the same random prompts (fixed length, fixed seed) and
+run twice per measurement after a warm-up:
+
+    prefill tokens/s = batch * prompt_len / t(generate 1 token)
+    decode tokens/s  = batch * (output_len - 1) / (t(generate output_len) - t(generate 1))
+
+Both forced to exactly output_len tokens (pdserve: ignore_eos; HF: min_new_tokens). The
+best of the repeats is kept (the machine is shared: the minimum is the least disturbed).
+Prints a table, then one JSON object as the last line, and writes it to --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--intermediate-size", type=int, default=2816)
+    parser.add_argument("--num-heads", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="measure pdserve only")
+    parser.add_argument("--output", type=str, default=None, help="write the JSON here")
+
+
+def _best_time_s(fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _rates(batch: int, prompt_len: int, output_len: int, t_first_s: float,
+           t_all_s: float) -> dict[str, float]:
+    decode_s = max(t_all_s - t_first_s, 1e-9)
+    return {
+        "prefill_tokens_per_s": batch * prompt_len / t_first_s,
+        "decode_tokens_per_s": batch * (output_len - 1) / decode_s,
+        "t_prefill_s": t_first_s,
+        "t_total_s": t_all_s,
+    }
+
+
+def measure_pdserve(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+                    ) -> dict[str, float]:
+    from pdserve.serve import LLM, SamplingParams
+
+    batch, total = len(prompts), args.prompt_len + args.output_len
+    num_blocks = batch * (-(-total // args.block_size)) + 8
+    with LLM(model_dir, block_size=args.block_size, num_kv_blocks=num_blocks,
+             max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * total),
+             enable_prefix_caching=False, seed=args.seed) as llm:
+        def run(num_tokens: int) -> None:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_tokens,
+                                                 ignore_eos=True))
+
+        run(2)  # warm-up
+        t_first = _best_time_s(lambda: run(1), args.repeats)
+        t_all = _best_time_s(lambda: run(args.output_len), args.repeats)
+    return _rates(batch, args.prompt_len, args.output_len, t_first, t_all)
+
+
+def measure_hf(model: Any, prompts: list[list[int]], args: argparse.Namespace
+               ) -> dict[str, float]:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def run(num_tokens: int) -> None:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_tokens,
+                           min_new_tokens=num_tokens)
+
+    run(2)  # warm-up
+    t_first = _best_time_s(lambda: run(1), args.repeats)
+    t_all = _best_time_s(lambda: run(args.output_len), args.repeats)
+    return _rates(len(prompts), args.prompt_len, args.output_len, t_first, t_all)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.serve.default_model import build_random_model
+
+    torch.manual_seed(args.seed)
+    results: dict[str, Any] = {
+        "benchmark": "engine_throughput",
+        "config": {k: v for k, v in vars(args).items() if k != "output"},
+        "torch_threads": torch.get_num_threads(),
+        "device": "cpu",
+        "results": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
+        model_dir = build_random_model(
+            tmp, "llama", seed=args.seed, hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
+            num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+            initializer_range=0.02)
+        hf_model = None
+        if not args.skip_hf:
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                            dtype=torch.float32).eval()
+            results["num_params"] = sum(p.numel() for p in hf_model.parameters())
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(args.seed)
+        for batch in args.batch_sizes:
+            prompts = torch.randint(0, vocab_size, (batch, args.prompt_len),
+                                    generator=gen).tolist()
+            row: dict[str, Any] = {"batch": batch, "pdserve": measure_pdserve(model_dir,
+                                                                             prompts, args)}
+            if hf_model is not None:
+                row["hf"] = measure_hf(hf_model, prompts, args)
+            results["results"].append(row)
+            print(_format_row(row), flush=True)
+    print(_table(results))
+    text = json.dumps(results)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    parts = [f"batch {row['batch']}:"]
+    for system in ("pdserve", "hf"):
+        if system in row:
+            r = row[system]
+            parts.append(f"{system} prefill {r['prefill_tokens_per_s']:.0f} tok/s, "
+                         f"decode {r['decode_tokens_per_s']:.1f} tok/s;")
+    return " ".join(parts)
+
+
+def _table(results: dict[str, Any]) -> str:
+    lines = ["", f"{'batch':>5} | {'pdserve prefill':>15} {'hf prefill':>11} | "
+             f"{'pdserve decode':>14} {'hf decode':>10}   (tokens/s)"]
+    for row in results["results"]:
+        p, h = row["pdserve"], row.get("hf")
+        hf_prefill = f"{h['prefill_tokens_per_s']:11.0f}" if h else f"{'-':>11}"
+        hf_decode = f"{h['decode_tokens_per_s']:10.1f}" if h else f"{'-':>10}"
+        lines.append(f"{row['batch']:>5} | {p['prefill_tokens_per_s']:15.0f} {hf_prefill} | "
+                     f"{p['decode_tokens_per_s']:14.1f} {hf_decode}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
