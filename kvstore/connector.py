@@ -138,6 +138,7 @@ class KVConnector:
                 usable.append(data)
             if len(usable) < len(keys):
                 error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
+            load.num_blocks = len(usable)  # before any layer is signalled as done
             if usable:
                 device = kv_caches[0].device
                 # [n, num_layers, 2, block_size, H, D] -> per layer [2, n, block_size, h, D]
@@ -150,7 +151,6 @@ class KVConnector:
                     if device.type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                     load.layer_done[layer].set()
-            load.num_blocks = len(usable)
         except Exception as e:  # failure is a miss: the engine recomputes
             logger.warning("kv connector: load of %s failed (%s); recomputing", request_id, e)
             error, load.num_blocks = repr(e), 0
@@ -163,7 +163,8 @@ class KVConnector:
     def wait_for_layer_load(self, request_id: str, layer: int,
                             timeout_s: float | None = None) -> int:
         """Block until layer `layer` of the load is in place; the number of leading blocks
-        placed (0 on failure or timeout, and then the engine recomputes them)."""
+        placed (0 on failure or timeout, and then the engine recomputes them). The load's
+        TransferResult from poll() is authoritative (a later layer can still fail)."""
         with self._lock:
             load = self._loads.get(request_id)
         if load is None:

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
+
 from pdserve.kvstore.memory_tier import as_uint8_tensor
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class DiskTier:
         return key in self._index
 
     def keys_oldest_first(self) -> Iterator[bytes]:
-        return iter(list(self._index))
+        """A live iterator: stop iterating before changing the tier."""
+        return iter(self._index)
 
     def touch(self, key: bytes) -> None:
         self._index.move_to_end(key)

@@ -61,7 +61,8 @@ class MemoryTier:
         return key in self._blocks
 
     def keys_oldest_first(self) -> Iterator[bytes]:
-        return iter(list(self._blocks))
+        """A live iterator: stop iterating before changing the tier."""
+        return iter(self._blocks)
 
     def insert(self, key: bytes, data: torch.Tensor) -> None:
         """Store a copy of `data` as the most recently used block (caller made room)."""
