@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -133,7 +134,11 @@ class _Rank:
                                  f"{self.spec.max_model_len}")
             if min(c.token_ids) < 0 or max(c.token_ids) >= self.spec.vocab_size:
                 raise ValueError(f"request {c.request_id}: token id out of vocabulary")
-            if c.block_table and (min(c.block_table) < 0 or max(c.block_table) >= max_slot):
+            needed = -(-(c.start_pos + len(c.token_ids)) // self.block_size)
+            if len(c.block_table) < needed:
+                raise ValueError(f"request {c.request_id}: block_table has "
+                                 f"{len(c.block_table)} blocks, positions need {needed}")
+            if min(c.block_table) < 0 or max(c.block_table) >= max_slot:
                 raise ValueError(f"request {c.request_id}: block id out of [0, {max_slot})")
 
 
@@ -149,8 +154,8 @@ def _free_port(host: str) -> int:
 
 
 def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
-                parallel_config: ParallelConfig, timeout_s: float
-                ) -> tuple[_Rank, Any]:
+                parallel_config: ParallelConfig, timeout_s: float,
+                peers_alive: Callable[[], bool] | None = None) -> tuple[_Rank, Any]:
     """Join the group, load this rank's shard; returns the rank and its control group."""
     size = parallel_config.tensor_parallel_size
     device = _device_for(parallel_config, rank)
@@ -161,7 +166,7 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
     backend = parallel_config.backend or ("nccl" if device.type == "cuda" else "gloo")
     assert parallel_config.master_port is not None
     tp = init_tp_group(rank, size, backend, parallel_config.master_addr,
-                       parallel_config.master_port, timeout_s)
+                       parallel_config.master_port, timeout_s, peers_alive)
     control = None
     if size > 1:
         import datetime
@@ -217,6 +222,7 @@ class ModelRunner:
             )
         self._workers: list[Any] = []
         self._closed = False
+        self._is_broken = False
         self._send_lock = threading.Lock()
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -233,8 +239,10 @@ class ModelRunner:
                 )
                 worker.start()
                 self._workers.append(worker)
-            self._rank, self._control = _setup_rank(0, model_config, cache_config,
-                                                    parallel_config, dist_timeout_s)
+            self._rank, self._control = _setup_rank(
+                0, model_config, cache_config, parallel_config, dist_timeout_s,
+                peers_alive=lambda: all(w.is_alive() for w in self._workers),
+            )
         except BaseException:
             self._stop_workers(send_stop=False)
             raise
@@ -254,14 +262,22 @@ class ModelRunner:
         if self._closed:
             raise RuntimeError("ModelRunner is shut down")
         self._rank.validate(step)
-        if step.chunks:
+        if not step.chunks:
+            return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
+        if self._tp_size > 1:
+            self._check_workers()
+        try:
             if self._tp_size > 1:
-                self._check_workers()
                 self._send(encode_step(step))
             logits = self._rank.execute(step)
-            if logits is not None:
-                return logits.float().cpu()
-        return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
+        except BaseException:
+            # Ranks may now be out of step (a worker mid-collective): never talk to them
+            # again; shutdown terminates them.
+            self._is_broken = True
+            raise
+        if logits is None:
+            return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
+        return logits.float().cpu()
 
     def shutdown(self) -> None:
         """Stop workers (stop message, join, terminate) and leave the process group."""
@@ -305,7 +321,8 @@ class ModelRunner:
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=JOIN_TIMEOUT_S)
-        if send_stop and self._workers and all(w.is_alive() for w in self._workers):
+        if (send_stop and not self._is_broken and self._workers
+                and all(w.is_alive() for w in self._workers)):
             try:
                 self._send(encode_step(None))
             except Exception:

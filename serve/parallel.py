@@ -14,6 +14,8 @@ engines in one process (tests) cannot clash.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +42,31 @@ class TPGroup:
 
 
 def init_tp_group(rank: int, size: int, backend: str, master_addr: str, master_port: int,
-                  timeout_s: float) -> TPGroup:
-    """Join the process group (a timeout bounds both rendezvous and every collective)."""
-    if size > 1:
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-            world_size=size, timeout=datetime.timedelta(seconds=timeout_s),
-        )
+                  timeout_s: float, peers_alive: Callable[[], bool] | None = None) -> TPGroup:
+    """Join the process group; a timeout bounds the rendezvous and every collective.
+
+    Rank 0 hosts the rendezvous store and waits until every worker has checked in, polling
+    `peers_alive` so a worker that dies while starting fails the wait at once instead of
+    after the timeout.
+    """
+    if size == 1:
+        return TPGroup(rank=0, size=1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size=size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        ready_keys = [f"pdserve/tp_ready/{r}" for r in range(1, size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(ready_keys):
+            if peers_alive is not None and not peers_alive():
+                raise RuntimeError("a tensor-parallel worker died while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TP workers did not start within {timeout_s:.0f} s")
+            time.sleep(0.05)
+    else:
+        store.set(f"pdserve/tp_ready/{rank}", "1")
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size,
+                            timeout=timeout)
     return TPGroup(rank=rank, size=size)
 
 

@@ -1,0 +1,164 @@
+"""Loader, ModelSpec, rope config forms, KV pool and the runner's control-message codec."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from pdserve.kvstore.block_key import KVLayout
+from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.serve.config import CacheConfig, ModelConfig
+from pdserve.serve.kv_cache import KVCachePool, bytes_per_block, num_blocks_for
+from pdserve.serve.layers import rope_parameters
+from pdserve.serve.loader import checkpoint_files, load_model_spec
+from pdserve.serve.model_runner import ModelRunner, decode_message, encode_step
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _last_logits(model_dir: Path, token_ids: list[int], dtype: str = "auto") -> torch.Tensor:
+    with ModelRunner(ModelConfig(str(model_dir), dtype=dtype),
+                     CacheConfig(block_size=16, num_blocks=8)) as runner:
+        return runner.execute(StepInput([SeqChunk("a", token_ids, 0, [3, 1], True)]))[0]
+
+
+def test_spec_reads_gqa_head_dim_eos_and_layout(llama_dir: Path) -> None:
+    spec = load_model_spec(ModelConfig(str(llama_dir), served_model_name="tiny"))
+    assert (spec.architecture, spec.model_id, spec.dtype) == ("LlamaForCausalLM", "tiny",
+                                                              "float32")
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (2, 4, 2, 16)
+    assert spec.hidden_size == 64 and spec.max_model_len == 2048
+    assert spec.eos_token_ids == (2,)  # <|im_end|>, from config and generation_config
+    assert not spec.tie_word_embeddings
+    assert spec.kv_layout(16) == KVLayout(dtype="float32", block_size=16, num_layers=2,
+                                          num_kv_heads=2, head_dim=16)
+    assert load_model_spec(ModelConfig(str(llama_dir))).model_id == llama_dir.name
+
+
+def test_eos_ids_merge_generation_config(llama_dir: Path, tmp_path: Path) -> None:
+    model_dir = _copy_checkpoint(llama_dir, tmp_path / "m")
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    spec = load_model_spec(ModelConfig(str(model_dir), max_model_len=100))
+    assert spec.eos_token_ids == (2, 7) and spec.max_model_len == 100
+
+
+def test_sharded_checkpoint_loads_and_matches(llama_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(llama_dir)).save_pretrained(
+        str(sharded), max_shard_size="40KB"
+    )
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(checkpoint_files(sharded)) > 1
+    tokens = list(range(5, 25))
+    torch.testing.assert_close(_last_logits(sharded, tokens), _last_logits(llama_dir, tokens),
+                               atol=0, rtol=0)
+
+
+def test_bf16_checkpoint_loads_as_bf16(make_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
+    tokens = list(range(30, 50))
+    with ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4)) as runner:
+        assert runner.spec.dtype == "bfloat16"
+        assert all(p.dtype == torch.bfloat16 for p in runner._rank.model.parameters())
+        assert runner.kv_caches[0].dtype == torch.bfloat16
+        logits = runner.execute(StepInput([SeqChunk("a", tokens, 0, [2, 0], True)]))[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0, -1].float()
+    # bf16 keeps ~3 significant digits; the two attention paths round differently.
+    torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.02)
+    # dtype="float32" upcasts the same checkpoint.
+    assert load_model_spec(ModelConfig(str(model_dir), dtype="float32")).dtype == "float32"
+    assert _last_logits(model_dir, tokens, dtype="float32").dtype == torch.float32
+
+
+def test_missing_directory_and_config_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model_spec(ModelConfig(str(tmp_path / "nope")))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model_spec(ModelConfig(str(tmp_path)))
+
+
+def test_unknown_architecture_is_rejected(llama_dir: Path, tmp_path: Path) -> None:
+    model_dir = _copy_checkpoint(llama_dir, tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model_spec(ModelConfig(str(model_dir)))
+
+
+def test_missing_weights_and_bad_lengths_are_rejected(llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        load_model_spec(ModelConfig(str(llama_dir), max_model_len=4096))
+    model_dir = _copy_checkpoint(llama_dir, tmp_path / "m")
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4))
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(llama_dir / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight"):
+        ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4))
+
+
+def test_rope_config_forms() -> None:
+    new = rope_parameters({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5,
+                                               "factor": 8.0}})
+    old = rope_parameters({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2}})
+    plain = rope_parameters({})
+    assert (new["rope_type"], new["rope_theta"], new["factor"]) == ("llama3", 5e5, 8.0)
+    assert (old["rope_type"], old["rope_theta"], old["factor"]) == ("linear", 5e5, 2)
+    assert (plain["rope_type"], plain["rope_theta"]) == ("default", 10000.0)
+
+
+def test_kv_pool_shape_sizing_and_block_copies() -> None:
+    per_block = bytes_per_block(2, 4, 2, 8, torch.float32)
+    assert per_block == 2 * 2 * 4 * 2 * 8 * 4
+    assert num_blocks_for(CacheConfig(block_size=4, kv_cache_memory_bytes=10 * per_block + 1),
+                          2, 2, 8, torch.float32) == 10
+    assert num_blocks_for(CacheConfig(block_size=4, num_blocks=3), 2, 2, 8, torch.float32) == 3
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        num_blocks_for(CacheConfig(block_size=4, kv_cache_memory_bytes=1), 2, 2, 8,
+                       torch.float32)
+
+    pool = KVCachePool(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert pool.kv_caches[0].shape == (2, 6, 4, 2, 8) and pool.num_bytes == 6 * per_block
+    blocks = [torch.randn(2, 2, 4, 2, 8) for _ in range(2)]
+    pool.write_blocks([4, 1], blocks)
+    assert torch.equal(pool.kv_caches[1][:, 4], blocks[1][:, 0])
+    read = pool.read_blocks([1, 4])
+    assert torch.equal(read[0][:, 0], blocks[0][:, 1]) and torch.equal(read[0][:, 1],
+                                                                       blocks[0][:, 0])
+    assert torch.count_nonzero(pool.kv_caches[0][:, [0, 2, 3, 5]]) == 0
+    with pytest.raises(IndexError):
+        pool.read_blocks([6])
+    with pytest.raises(ValueError, match="blocks must be"):
+        pool.write_blocks([0], blocks)
+
+
+def test_control_message_roundtrip_and_validation() -> None:
+    step = StepInput([SeqChunk("a", [1, 2], 3, [7], True), SeqChunk("b", [9], 0, [2], False)])
+    decoded = decode_message(encode_step(step))
+    assert isinstance(decoded, StepInput) and decoded == step
+    assert decode_message(encode_step(None)) == "stop"
+    for bad in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"kind": "exec"}),
+                msgpack.packb({"kind": "step", "chunks": [["a", [1.5], 0, [0], True]]}),
+                msgpack.packb({"kind": "step", "chunks": [["a", [1], 0, [0]]]})):
+        with pytest.raises(ValueError):
+            decode_message(bad)

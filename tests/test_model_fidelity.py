@@ -1,0 +1,162 @@
+"""The runner's logits against Hugging Face transformers on the same tiny seeded checkpoints.
+
+Tolerance 1e-4 (fp32): both sides compute the same float32 math in a different order
+(paged gather + SDPA vs HF's eager attention), which moves logits by ~1e-6 here.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.serve.config import CacheConfig, ModelConfig
+from pdserve.serve.default_model import build_random_model
+from pdserve.serve.model_runner import ModelRunner
+
+ATOL = 1e-4
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def hf_models():
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[Path, torch.nn.Module] = {}
+
+    def get(model_dir: Path) -> torch.nn.Module:
+        if model_dir not in cache:
+            cache[model_dir] = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=torch.float32
+            ).eval()
+        return cache[model_dir]
+
+    return get
+
+
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] logits for every position of one unpadded sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+class BlockAllocator:
+    """Hands out shuffled (non-contiguous) block ids, as a long-running block manager would."""
+
+    def __init__(self, num_blocks: int, seed: int = 0) -> None:
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def table(self, num_tokens: int, block_size: int) -> list[int]:
+        count = -(-num_tokens // block_size)
+        table, self.free = self.free[:count], self.free[count:]
+        return table
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model_dir(request, llama_dir: Path, qwen2_dir: Path) -> Path:
+    return llama_dir if request.param == "llama" else qwen2_dir
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_mixed_batch_prefill_then_batched_decode(model_dir: Path, block_size: int,
+                                                 hf_models) -> None:
+    hf = hf_models(model_dir)
+    num_decodes = 3
+    lengths = [5, 17, 40]
+    with ModelRunner(ModelConfig(str(model_dir)),
+                     CacheConfig(block_size=block_size, num_blocks=NUM_BLOCKS)) as runner:
+        full = random_prompts([n + num_decodes for n in lengths], runner.spec.vocab_size)
+        alloc = BlockAllocator(NUM_BLOCKS)
+        tables = [alloc.table(len(seq), block_size) for seq in full]
+        expected = [hf_logits(hf, seq) for seq in full]
+
+        # One step: three prompts of mixed lengths, flattened into one forward.
+        step = StepInput([SeqChunk(f"r{i}", seq[:n], 0, tables[i], True)
+                          for i, (seq, n) in enumerate(zip(full, lengths, strict=True))])
+        logits = runner.execute(step)
+        assert logits.shape == (3, runner.spec.vocab_size) and logits.dtype == torch.float32
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(logits[i], expected[i][n - 1], atol=ATOL, rtol=0)
+
+        # Then decode steps: one token per sequence (the decode kernel path).
+        for d in range(num_decodes):
+            step = StepInput([SeqChunk(f"r{i}", [seq[n + d]], n + d, tables[i], True)
+                              for i, (seq, n) in enumerate(zip(full, lengths, strict=True))])
+            logits = runner.execute(step)
+            for i, n in enumerate(lengths):
+                torch.testing.assert_close(logits[i], expected[i][n + d], atol=ATOL, rtol=0)
+                assert logits[i].argmax() == expected[i][n + d].argmax()
+
+
+def test_prompt_chunked_over_two_steps_with_decode_rows(llama_dir: Path, hf_models) -> None:
+    """Chunk 1 samples nothing; chunk 2 attends to chunk 1's KV through a scattered table,
+    sharing its step with another request's decode row."""
+    block_size = 8
+    hf = hf_models(llama_dir)
+    with ModelRunner(ModelConfig(str(llama_dir)),
+                     CacheConfig(block_size=block_size, num_blocks=NUM_BLOCKS)) as runner:
+        prompt, other = random_prompts([29, 12], runner.spec.vocab_size, seed=3)
+        table = [41, 3, 17, 8]  # 29 tokens -> 4 blocks, deliberately out of order
+        other_table = [5, 60]
+        assert runner.execute(StepInput([
+            SeqChunk("a", prompt[:11], 0, table, False),  # ends mid-block
+            SeqChunk("b", other[:11], 0, other_table, True),
+        ])).shape == (1, runner.spec.vocab_size)
+        logits = runner.execute(StepInput([
+            SeqChunk("b", other[11:12], 11, other_table, True),
+            SeqChunk("a", prompt[11:], 11, table, True),
+        ]))
+        torch.testing.assert_close(logits[0], hf_logits(hf, other)[11], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[1], hf_logits(hf, prompt)[28], atol=ATOL, rtol=0)
+
+
+def test_step_without_sampling_returns_no_rows(llama_dir: Path) -> None:
+    with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(num_blocks=8)) as runner:
+        empty = runner.execute(StepInput([]))
+        assert empty.shape == (0, runner.spec.vocab_size)
+        out = runner.execute(StepInput([SeqChunk("a", [1, 2, 3], 0, [0], False)]))
+        assert out.shape == (0, runner.spec.vocab_size)
+
+
+def test_step_validation_rejects_bad_ids(llama_dir: Path) -> None:
+    with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(num_blocks=4)) as runner:
+        vocab = runner.spec.vocab_size
+        with pytest.raises(ValueError, match="vocabulary"):
+            runner.execute(StepInput([SeqChunk("a", [vocab], 0, [0], True)]))
+        with pytest.raises(ValueError, match="block id"):
+            runner.execute(StepInput([SeqChunk("a", [1], 0, [4], True)]))
+        with pytest.raises(ValueError, match="block_table"):
+            runner.execute(StepInput([SeqChunk("a", [1] * 17, 0, [0], True)]))
+    with pytest.raises(RuntimeError, match="shut down"):
+        runner.execute(StepInput([]))
+
+
+def test_tied_embeddings_share_one_tensor(qwen2_dir: Path) -> None:
+    with ModelRunner(ModelConfig(str(qwen2_dir)), CacheConfig(num_blocks=4)) as runner:
+        model = runner._rank.model
+        assert runner.spec.tie_word_embeddings
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_llama3_rope_scaling_matches_hf(tmp_path: Path, tokenizer_dir: Path, hf_models) -> None:
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    model_dir = build_random_model(tmp_path / "llama3", "llama", seed=2,
+                                   tokenizer_dir=tokenizer_dir, rope_parameters=rope)
+    hf = hf_models(model_dir)
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    with ModelRunner(ModelConfig(str(model_dir)),
+                     CacheConfig(block_size=16, num_blocks=NUM_BLOCKS)) as runner:
+        (prompt,) = random_prompts([70], runner.spec.vocab_size, seed=5)
+        logits = runner.execute(StepInput([SeqChunk("a", prompt, 0, [9, 1, 30, 4, 2], True)]))
+        torch.testing.assert_close(logits[0], hf_logits(hf, prompt)[-1], atol=ATOL, rtol=0)

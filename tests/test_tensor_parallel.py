@@ -1,0 +1,131 @@
+"""TP=2 (two gloo processes) against TP=1, and the shard arithmetic of each parallel layer.
+
+Tolerance 1e-4: TP sums the O/down partial products in a different order (all-reduce of two
+halves), which moves fp32 logits by ~1e-6 on these models.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.model_runner import ModelRunner
+from pdserve.serve.parallel import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+
+ATOL = 1e-4
+
+
+def _steps(vocab_size: int) -> list[StepInput]:
+    """Two prefills (one chunked), then a step mixing a decode row and the prompt's tail."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in (23, 9))
+    return [
+        StepInput([SeqChunk("a", a[:13], 0, [5, 2], True), SeqChunk("b", b, 0, [7, 8], True)]),
+        StepInput([SeqChunk("b", [b[0]], 9, [7, 8], True),
+                   SeqChunk("a", a[13:], 13, [5, 2, 9], True)]),
+        StepInput([SeqChunk("b", [b[1]], 10, [7, 8], True),
+                   SeqChunk("a", [a[0]], 23, [5, 2, 9], True)]),
+    ]
+
+
+def _run(model_dir: Path, tp: int) -> list[torch.Tensor]:
+    with ModelRunner(ModelConfig(str(model_dir)), CacheConfig(block_size=8, num_blocks=16),
+                     ParallelConfig(tensor_parallel_size=tp, device="cpu")) as runner:
+        assert runner.kv_caches[0].shape[3] == max(1, runner.spec.num_kv_heads // tp)
+        return [runner.execute(step) for step in _steps(runner.spec.vocab_size)]
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2_odd_vocab_one_kv_head"])
+def test_tp2_matches_tp1(variant: str, llama_dir: Path, make_model_dir) -> None:
+    if variant == "llama":
+        model_dir = llama_dir  # 2 KV heads: split one per rank
+    else:
+        # 1 KV head is replicated on both ranks; vocab 1001 pads the vocab split to 501 + 501;
+        # qkv bias and tied embeddings go through the sharded loaders too.
+        model_dir = make_model_dir("qwen2", seed=7, num_key_value_heads=1, vocab_size=1001,
+                                   tie_word_embeddings=True)
+    tp1, tp2 = _run(model_dir, 1), _run(model_dir, 2)
+    for one, two in zip(tp1, tp2, strict=True):
+        assert one.shape == two.shape and one.shape[0] == 2
+        torch.testing.assert_close(two, one, atol=ATOL, rtol=0)
+        assert torch.equal(two.argmax(-1), one.argmax(-1))
+    assert multiprocessing.active_children() == []  # workers joined
+    assert not dist.is_initialized()
+
+
+def test_dead_worker_is_reported_and_shutdown_is_clean(llama_dir: Path) -> None:
+    runner = ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(block_size=8, num_blocks=8),
+                         ParallelConfig(tensor_parallel_size=2, device="cpu"))
+    try:
+        (worker,) = runner._workers
+        worker.kill()
+        worker.join(timeout=10)
+        with pytest.raises(RuntimeError, match="died"):
+            runner.execute(StepInput([SeqChunk("a", [1, 2], 0, [0], True)]))
+    finally:
+        runner.shutdown()
+        runner.shutdown()  # idempotent
+    assert multiprocessing.active_children() == []
+    assert not dist.is_initialized()
+
+
+# ---- shard arithmetic, one rank at a time (no process group needed) ----------------------
+
+
+def _shards(make, loader_calls, size: int) -> list[torch.nn.Module]:
+    layers = []
+    for rank in range(size):
+        layer = make(TPGroup(rank, size))
+        for param_name, tensor, *shard_id in loader_calls:
+            param = getattr(layer, param_name)
+            param.weight_loader(param, tensor, *shard_id)
+        layers.append(layer)
+    return layers
+
+
+def test_qkv_split_and_kv_head_replication() -> None:
+    head_dim, hidden = 2, 3
+    q = torch.arange(8 * head_dim * hidden, dtype=torch.float32).view(8 * head_dim, hidden)
+    k = -torch.arange(2 * head_dim * hidden, dtype=torch.float32).view(2 * head_dim, hidden)
+    v = k - 1000
+    calls = [("weight", q, "q"), ("weight", k, "k"), ("weight", v, "v")]
+    # tp=4 > 2 KV heads: ranks 0,1 hold KV head 0; ranks 2,3 hold KV head 1.
+    layers = _shards(lambda tp: QKVParallelLinear(hidden, head_dim, 8, 2, False, tp), calls, 4)
+    for rank, layer in enumerate(layers):
+        w = layer.weight
+        assert w.shape == ((2 + 2 * 1) * head_dim, hidden)
+        assert torch.equal(w[: 2 * head_dim], q[rank * 4 : (rank + 1) * 4])
+        kv_head = rank // 2
+        assert torch.equal(w[4:6], k[kv_head * 2 : kv_head * 2 + 2])
+        assert torch.equal(w[6:8], v[kv_head * 2 : kv_head * 2 + 2])
+    with pytest.raises(ValueError, match="not divisible"):
+        QKVParallelLinear(hidden, head_dim, 8, 3, False, TPGroup(0, 2))
+
+
+def test_merged_row_and_vocab_shards_reassemble() -> None:
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    merged = _shards(lambda tp: MergedColumnParallelLinear(4, [6, 6], False, tp),
+                     [("weight", gate, 0), ("weight", up, 1)], 2)
+    assert torch.equal(torch.cat([m.weight[:3] for m in merged]), gate)
+    assert torch.equal(torch.cat([m.weight[3:] for m in merged]), up)
+
+    down = torch.randn(4, 6)
+    rows = _shards(lambda tp: RowParallelLinear(6, 4, False, tp), [("weight", down)], 2)
+    assert torch.equal(torch.cat([r.weight for r in rows], dim=1), down)
+
+    table = torch.randn(5, 3)  # vocab 5 over 2 ranks: 3 + 3 rows, the last one zero padding
+    emb = _shards(lambda tp: VocabParallelEmbedding(5, 3, tp), [("weight", table)], 2)
+    assert torch.equal(torch.cat([e.weight for e in emb])[:5], table)
+    assert torch.count_nonzero(emb[1].weight[2]) == 0
