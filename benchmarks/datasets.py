@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+_WORD = re.compile(r" [A-Za-z]{2,}")
 
 
 class DatasetError(ValueError):
@@ -52,17 +55,46 @@ def _synthetic_words(num_words: int = 1024) -> list[str]:
             for i in range(num_words)]
 
 
+def _word_token_ids(tokenizer: Any, min_words: int = 32) -> np.ndarray | None:
+    """Ids of whole-word tokens (" word") whose any sequence re-tokenizes to itself, or None.
+
+    Random token ids decode to text that re-tokenizes into a different number of tokens
+    (BPE merges across ids). Tokens that are one space plus ASCII letters do not: GPT-style
+    pre-tokenizers split before every space, so " foo bar" always encodes back to its ids.
+    The property is checked on a sample, since tokenizers (SentencePiece) differ.
+    """
+    num_ids = len(tokenizer)
+    texts = tokenizer.batch_decode([[i] for i in range(num_ids)])
+    candidates = [i for i, text in enumerate(texts) if _WORD.fullmatch(text)]
+    if len(candidates) < min_words:
+        return None
+    encoded = tokenizer([texts[i] for i in candidates], add_special_tokens=False)["input_ids"]
+    words = np.array([i for i, ids in zip(candidates, encoded, strict=True) if ids == [i]])
+    if words.size < min_words:
+        return None
+    sample = [int(i) for i in np.random.default_rng(0).choice(words, 256)]
+    if tokenizer.encode(tokenizer.decode(sample), add_special_tokens=False) != sample:
+        return None
+    return words
+
+
 class TokenCodec:
     """Token ids <-> text, with a Hugging Face tokenizer or a synthetic word vocabulary."""
 
     def __init__(self, tokenizer: Any | None = None) -> None:
         self.tokenizer = tokenizer
+        self.is_exact = False
         if tokenizer is None:
             self._words = _synthetic_words()
             self.vocab_ids = np.arange(len(self._words))
         else:
-            special = set(getattr(tokenizer, "all_special_ids", []) or [])
-            self.vocab_ids = np.array([i for i in range(len(tokenizer)) if i not in special])
+            self.vocab_ids = _word_token_ids(tokenizer)
+            # Exact round trips: every prompt is exactly as long as asked and every trace
+            # block is exactly block_size server tokens, so block boundaries line up.
+            self.is_exact = self.vocab_ids is not None
+            if self.vocab_ids is None:
+                special = set(getattr(tokenizer, "all_special_ids", []) or [])
+                self.vocab_ids = np.array([i for i in range(len(tokenizer)) if i not in special])
         if self.vocab_ids.size == 0:
             raise DatasetError("the tokenizer has no non-special tokens")
 
@@ -164,9 +196,11 @@ def shared_prefix_requests(codec: TokenCodec, num_prefixes: int, num_suffixes: i
         prefix_text, prefix_tokens = codec.text_of_length(rng, prefix_len)
         for _ in range(num_suffixes):
             suffix_text, suffix_tokens = codec.text_of_length(rng, suffix_len)
-            # A space keeps the boundary from merging the prefix's last token with the suffix.
-            requests.append(BenchRequest(prefix_text + " " + suffix_text,
-                                         prefix_tokens + suffix_tokens + 1, output_len))
+            prompt = prefix_text + suffix_text
+            # Only an inexact tokenizer can merge tokens across the join: count again then.
+            prompt_len = prefix_tokens + suffix_tokens if codec.is_exact or \
+                not codec.has_tokenizer else codec.count(prompt)
+            requests.append(BenchRequest(prompt, prompt_len, output_len))
     order = rng.permutation(len(requests))
     return [requests[i] for i in order]
 
@@ -252,5 +286,8 @@ def mooncake_requests(codec: TokenCodec, entries: Sequence[dict], scaling: Trace
         tail = input_len - (len(hash_ids) - 1) * block_size
         pieces.append(codec.decode(block_token_ids(codec, hash_ids[-1], block_size, seed)[:tail]))
         output_len = max(1, round(int(entry["output_length"]) * scaling.length_scale))
-        requests.append(BenchRequest("".join(pieces), input_len, output_len, float(offset_s)))
+        prompt = "".join(pieces)
+        if codec.has_tokenizer and not codec.is_exact:
+            input_len = codec.count(prompt)  # blocks re-tokenize to other lengths: measure
+        requests.append(BenchRequest(prompt, input_len, output_len, float(offset_s)))
     return requests

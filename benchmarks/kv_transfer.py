@@ -1,0 +1,231 @@
+"""KV block transfer bandwidth between two processes: UCX (shared memory, TCP), ZeroMQ, memcpy.
+
+For each block size, a sender process streams blocks to a receiver process, which lands each
+in a preallocated buffer (as a decode worker would into its pool); after the last block the
+receiver acknowledges over ZeroMQ, and GB/s = bytes / (first send -> ack). In-process memcpy
+into an existing buffer is the ceiling. UCX runs twice in fresh processes (UCX_TLS is read once
+at import): `sm,self` (shared memory / CMA, endpoints from worker addresses exchanged over
+ZeroMQ) and `tcp,self`. ZeroMQ is PUSH/PULL over tcp://127.0.0.1.
+
+    python -m pdserve.benchmarks.kv_transfer [--sizes-kib 64,256,1024,4096,16384]
+
+The last line printed is one JSON object: {"results": [{"block_bytes", "ucx_shm_gbps",
+"ucx_tcp_gbps", "zmq_gbps", "memcpy_gbps"}, ...], ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT_MS = 60_000
+_TARGET_BYTES = 256 * 1024 * 1024  # per size and transport: enough to amortise setup
+_WINDOW = 8  # transfers in flight per direction, as a batched load would have
+_TLS = {"ucx_shm": "sm,self", "ucx_tcp": "tcp,self"}
+
+
+def num_iters(block_bytes: int) -> int:
+    return max(10, min(400, _TARGET_BYTES // block_bytes))
+
+
+def pattern(block_bytes: int) -> np.ndarray:
+    return (np.arange(block_bytes, dtype=np.int64) % 251).astype(np.uint8)
+
+
+def memcpy_gbps(block_bytes: int, warmup: int = 3) -> float:
+    src, dst = pattern(block_bytes), np.empty(block_bytes, np.uint8)
+    n = num_iters(block_bytes)
+    for _ in range(warmup):
+        np.copyto(dst, src)
+    start = time.perf_counter()
+    for _ in range(n):
+        np.copyto(dst, src)
+    return n * block_bytes / (time.perf_counter() - start) / 1e9
+
+
+# ---- the two ends (run as separate processes) ------------------------------------------------
+def _control(ctx: zmq.Context, role: str, port: int) -> zmq.Socket:
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, _TIMEOUT_MS)
+    sock.setsockopt(zmq.SNDTIMEO, _TIMEOUT_MS)
+    if role == "recv":
+        sock.bind(f"tcp://127.0.0.1:{port}")
+    else:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def run_ucx_end(role: str, port: int, tls: str, sizes: list[int], warmup: int) -> dict:
+    os.environ["UCX_TLS"] = tls  # before ucxx is imported (inside UcxDataPlane)
+    from pdserve.kvstore.ucx_transport import UcxDataPlane
+
+    ctx = zmq.Context()
+    control = _control(ctx, role, port)
+    plane = UcxDataPlane(tls)
+    control.send(plane.address)
+    peer = plane.connect(control.recv())
+    out: dict = {}
+    for size in sizes:
+        n = num_iters(size) + warmup
+        window = min(_WINDOW, n)
+        in_flight: deque = deque()
+        if role == "recv":
+            # A ring of `window` landing buffers (pool blocks); a buffer is reposted only
+            # after the receive that used it completed.
+            bufs = [np.empty(size, np.uint8) for _ in range(window)]
+            for i in range(n):
+                if len(in_flight) == window:
+                    plane.wait([in_flight.popleft()], _TIMEOUT_MS / 1000)
+                in_flight.append(plane.recv(bufs[i % window], 1))
+            plane.wait(list(in_flight), _TIMEOUT_MS / 1000)
+            expected = pattern(size)
+            out[str(size)] = all(np.array_equal(b[::997], expected[::997]) for b in bufs)
+            control.send(b"ack")
+        else:
+            data = pattern(size)
+            for i in range(n):
+                if i == warmup:
+                    plane.wait(list(in_flight), _TIMEOUT_MS / 1000)
+                    in_flight.clear()
+                    start = time.perf_counter()
+                if len(in_flight) == window:
+                    plane.wait([in_flight.popleft()], _TIMEOUT_MS / 1000)
+                in_flight.append(plane.send(peer, data, 1))
+            plane.wait(list(in_flight), _TIMEOUT_MS / 1000)
+            while not control.poll(0):
+                plane.progress()  # the receiver may still be pulling the last block from us
+            control.recv()
+            out[str(size)] = (n - warmup) * size / (time.perf_counter() - start) / 1e9
+    plane.close()
+    ctx.destroy(linger=0)
+    return out
+
+
+def run_zmq_end(role: str, port: int, sizes: list[int], warmup: int) -> dict:
+    ctx = zmq.Context()
+    control = _control(ctx, role, port)
+    data_sock = ctx.socket(zmq.PULL if role == "recv" else zmq.PUSH)
+    data_sock.setsockopt(zmq.LINGER, 0)
+    data_sock.setsockopt(zmq.RCVTIMEO, _TIMEOUT_MS)
+    if role == "recv":
+        data_port = data_sock.bind_to_random_port("tcp://127.0.0.1")
+        control.send(str(data_port).encode())
+    else:
+        data_sock.connect(f"tcp://127.0.0.1:{int(control.recv())}")
+    out: dict = {}
+    for size in sizes:
+        n = num_iters(size) + warmup
+        if role == "recv":
+            buf = np.empty(size, np.uint8)
+            for _ in range(n):
+                frame = data_sock.recv(copy=False)
+                np.copyto(buf, np.frombuffer(frame.buffer, np.uint8))  # into the "pool"
+            out[str(size)] = bool(np.array_equal(buf[::997], pattern(size)[::997]))
+            control.send(b"ack")
+        else:
+            data = pattern(size)
+            for i in range(n):
+                if i == warmup:
+                    start = time.perf_counter()
+                data_sock.send(data, copy=False)
+            control.recv()
+            out[str(size)] = (n - warmup) * size / (time.perf_counter() - start) / 1e9
+    ctx.destroy(linger=0)
+    return out
+
+
+# ---- orchestration ---------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(transport: str, sizes: list[int], warmup: int) -> dict[int, float | None]:
+    """GB/s per block size for one transport, from two fresh processes."""
+    port = _free_port()
+    base = [sys.executable, "-m", "pdserve.benchmarks.kv_transfer", "--transport", transport,
+            "--port", str(port), "--sizes-bytes", ",".join(map(str, sizes)),
+            "--warmup", str(warmup)]
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    recv = subprocess.Popen([*base, "--role", "recv"], stdout=subprocess.PIPE, env=env)
+    send = subprocess.Popen([*base, "--role", "send"], stdout=subprocess.PIPE, env=env)
+    try:
+        send_out, _ = send.communicate(timeout=600)
+        recv_out, _ = recv.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        send.kill()
+        recv.kill()
+        logger.warning("%s: timed out", transport)
+        return dict.fromkeys(sizes)
+    if send.returncode or recv.returncode:
+        logger.warning("%s: an end failed (rc %s/%s); UCX may be unavailable here", transport,
+                       send.returncode, recv.returncode)
+        return dict.fromkeys(sizes)
+    gbps = json.loads(send_out.decode().strip().splitlines()[-1])
+    verified = json.loads(recv_out.decode().strip().splitlines()[-1])
+    if not all(verified.values()):
+        raise AssertionError(f"{transport}: received bytes differ from those sent")
+    return {s: gbps[str(s)] for s in sizes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-kib", default="64,256,1024,4096,16384")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/kv_transfer.json")
+    # internal: one end of a pair
+    parser.add_argument("--role", choices=("send", "recv"), help=argparse.SUPPRESS)
+    parser.add_argument("--transport", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes-bytes", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.role is not None:
+        sizes = [int(s) for s in args.sizes_bytes.split(",")]
+        if args.transport == "zmq":
+            out = run_zmq_end(args.role, args.port, sizes, args.warmup)
+        else:
+            out = run_ucx_end(args.role, args.port, _TLS[args.transport], sizes, args.warmup)
+        print(json.dumps(out))
+        return 0
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
+    by_transport = {t: run_pair(t, sizes, args.warmup) for t in ("ucx_shm", "ucx_tcp", "zmq")}
+    results = []
+    for size in sizes:
+        row = {"block_bytes": size}
+        for transport, gbps in by_transport.items():
+            row[f"{transport}_gbps"] = None if gbps[size] is None else round(gbps[size], 3)
+        row["memcpy_gbps"] = round(memcpy_gbps(size), 3)
+        if row["ucx_shm_gbps"] is not None:
+            row["ucx_shm_vs_memcpy"] = round(row["ucx_shm_gbps"] / row["memcpy_gbps"], 3)
+        results.append(row)
+        print(f"{size // 1024:>6} KiB  " + "  ".join(
+            f"{k}={v}" for k, v in row.items() if k != "block_bytes"), flush=True)
+    summary = {"benchmark": "kv_transfer", "results": results,
+               "note": "two processes on one host; GB/s = 1e9 bytes/s"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# pdserve bench vs `vllm bench serve` on the same vLLM server, workload and seed, back to back.
+#   benchmarks/results/compare_vllm.sh BASE_URL MODEL_NAME TOKENIZER_DIR [OUT_DIR] [REPS]
+# The server: /work/shared/tools/vllm-peer serve MODEL_DIR PORT MODEL_NAME
+# Rates are chosen so the arrival draw barely matters (the two tools draw different Poisson
+# sequences): 2 req/s (requests rarely overlap) and inf (all at once). The order alternates
+# per repetition so a drift in the shared box's load does not favour either tool.
+set -euo pipefail
+base_url=$1; model=$2; tokenizer=$3; out=${4:-benchmarks/results}; reps=${5:-3}
+peer=${VLLM_PEER:-/work/shared/tools/vllm-peer}
+common=(--base-url "$base_url" --model "$model" --tokenizer "$tokenizer" --dataset-name random
+        --random-input-len 128 --random-output-len 32 --seed 0 --ignore-eos
+        --goodput ttft:200 tpot:50 --metric-percentiles 50,99 --disable-tqdm --save-result
+        --result-dir "$out")
+mkdir -p "$out"
+ours() {
+  .venv/bin/pdserve bench "${common[@]}" --num-prompts "$2" --request-rate "$1" --no-plots \
+    --result-filename "pdserve-bench-rate$1-rep$3.json"
+}
+# setsid: vLLM's CLI signals its whole process group on exit, which would end this script.
+theirs() {
+  setsid "$peer" bench "${common[@]}" --num-prompts "$2" --request-rate "$1" \
+    --percentile-metrics ttft,tpot,itl,e2el --result-filename "vllm-bench-serve-rate$1-rep$3.json"
+}
+for rep in $(seq 1 "$reps"); do
+  for spec in "2 32" "inf 64"; do
+    set -- $spec
+    if (( rep % 2 )); then ours "$1" "$2" "$rep"; theirs "$1" "$2" "$rep"
+    else theirs "$1" "$2" "$rep"; ours "$1" "$2" "$rep"; fi
+  done
+done
+# The goodput sweep with plots (attainment vs rate, TTFT/TPOT CDFs).
+.venv/bin/pdserve bench "${common[@]}" --num-prompts 64 --sweep-rates 4 16 64 \
+  --label vllm-cpu --result-filename pdserve-bench-vllm-sweep.json

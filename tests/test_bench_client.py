@@ -1,0 +1,325 @@
+"""The harness's client and CLI against a scripted in-process OpenAI-style SSE server.
+
+It runs in the test's own event loop on 127.0.0.1 with an ephemeral port. Each request gets a
+script (delay before the first token, gaps between tokens), and the server records on the same
+perf_counter clock the client uses when it received the request and when each chunk was
+written. Tests then compare the client's measurements with these recorded times, so their
+tolerance covers only event-loop wake-up jitter, never the server's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from pdserve.benchmarks import bench_serve
+from pdserve.benchmarks.bench_serve import run_load
+from pdserve.benchmarks.client import EndpointConfig
+from pdserve.benchmarks.datasets import BenchRequest
+from pdserve.benchmarks.metrics import SLOConfig, output_token_counts, summarize
+
+
+@dataclass(frozen=True)
+class TokenScript:
+    """How one request is answered: wait ttft_delay_s, then one chunk per gap."""
+
+    ttft_delay_s: float
+    # Gaps between successive token chunks; len + 1 tokens in all.
+    itl_delays_s: tuple[float, ...]
+    send_usage: bool = True
+    status: int = 200
+
+
+@dataclass
+class ServedRequest:
+    path: str
+    body: dict
+    received_s: float
+    chunk_sent_s: list[float] = field(default_factory=list)
+
+
+class ScriptedSSEServer:
+    def __init__(self, script_for: Callable[[dict], TokenScript], model: str = "scripted"):
+        self.script_for = script_for
+        self.model = model
+        self.served: list[ServedRequest] = []
+        self._server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> ScriptedSSEServer:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    @property
+    def base_url(self) -> str:
+        assert self._server is not None
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await self._serve_one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _serve_one(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> bool:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        method, path, _ = lines[0].split(" ", 2)
+        headers = {k.lower(): v.strip()
+                   for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        body_bytes = await reader.readexactly(int(headers.get("content-length", "0")))
+        received_s = time.perf_counter()
+        if method == "GET" and path == "/v1/models":
+            payload = json.dumps({"object": "list", "data": [{"id": self.model}]}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            await writer.drain()
+            return True
+        body = json.loads(body_bytes)
+        served = ServedRequest(path, body, received_s)
+        self.served.append(served)
+        script = self.script_for(body)
+        if script.status != 200:
+            payload = b'{"error": {"message": "scripted failure"}}'
+            writer.write(b"HTTP/1.1 %d Error\r\nContent-Length: %d\r\n\r\n"
+                         % (script.status, len(payload)) + payload)
+            await writer.drain()
+            return True
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        is_chat = "chat" in path
+        if is_chat:  # OpenAI's first chat chunk carries only the role: not a token.
+            await self._event(writer, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        delays_s = (script.ttft_delay_s, *script.itl_delays_s)
+        for i, delay_s in enumerate(delays_s):
+            await asyncio.sleep(delay_s)
+            text = f" t{i}"
+            choice = {"index": 0, "delta": {"content": text}} if is_chat else \
+                {"index": 0, "text": text}
+            await self._event(writer, {"choices": [choice]})
+            served.chunk_sent_s.append(time.perf_counter())
+        if script.send_usage:
+            await self._event(writer, {"choices": [], "usage": {
+                "prompt_tokens": 7, "completion_tokens": len(delays_s),
+                "total_tokens": 7 + len(delays_s)}})
+        await self._write_chunk(writer, b"data: [DONE]\n\n")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async def _event(self, writer: asyncio.StreamWriter, data: dict) -> None:
+        await self._write_chunk(writer, b"data: " + json.dumps(data).encode() + b"\n\n")
+
+    @staticmethod
+    async def _write_chunk(writer: asyncio.StreamWriter, payload: bytes) -> None:
+        writer.write(b"%x\r\n" % len(payload) + payload + b"\r\n")
+        await writer.drain()
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+# Client-observed times trail the server's write times by one event-loop wake-up (both run in
+# this process, on one perf_counter clock). On an idle core that is ~0.1 ms; 30 ms covers a
+# loaded 2-core box. Scripted delays are 100+ ms apart, so the tolerance cannot hide a wrong
+# metric (e.g. TTFT that included the role chunk, or TPOT that included the first token).
+JITTER_S = 0.03
+
+
+def by_prompt(scripts: dict[str, TokenScript]) -> Callable[[dict], TokenScript]:
+    def script_for(body: dict) -> TokenScript:
+        prompt = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
+        return scripts[prompt]
+    return script_for
+
+
+async def test_completions_timings_match_the_scripted_server() -> None:
+    scripts = {"a": TokenScript(0.15, (0.05, 0.05, 0.05)),
+               "b": TokenScript(0.02, (0.10, 0.02, 0.02, 0.02))}
+    async with ScriptedSSEServer(by_prompt(scripts)) as server, httpx.AsyncClient() as http:
+        endpoint = EndpointConfig(server.base_url, "scripted", ignore_eos=True)
+        requests = [BenchRequest("a", 3, 4), BenchRequest("b", 3, 5)]
+        outcomes, duration_s = await run_load(http, endpoint, requests, [0.0, 0.0])
+    assert [s.body["max_tokens"] for s in server.served] == [4, 5]
+    assert all(s.body["ignore_eos"] and s.body["stream"] for s in server.served)
+    for outcome, served in zip(outcomes, sorted(server.served, key=lambda s: s.body["prompt"]),
+                               strict=True):
+        sent = served.chunk_sent_s
+        assert outcome.success and outcome.output_tokens == len(sent)
+        assert outcome.prompt_len == 7  # the server's usage replaces the nominal length
+        # Each client time is at or just after the server's write of that chunk.
+        expected_ttft_s = sent[0] - outcome.start_time_s
+        assert expected_ttft_s <= outcome.ttft_s + 1e-3 <= expected_ttft_s + JITTER_S
+        expected_itl_s = np.diff(sent)
+        np.testing.assert_allclose(outcome.itl_s, expected_itl_s, atol=JITTER_S)
+        assert outcome.latency_s == pytest.approx(sent[-1] - outcome.start_time_s,
+                                                  abs=JITTER_S)
+        assert outcome.generated_text == "".join(f" t{i}" for i in range(len(sent)))
+    a, b = outcomes
+    assert a.ttft_s >= 0.15 and b.ttft_s >= 0.02 and b.itl_s[0] >= 0.10
+    tokens = output_token_counts(outcomes, lambda text: None)
+    s = summarize(outcomes, tokens, duration_s, SLOConfig(ttft_ms=100))
+    # TPOT of "a" spans its three 50 ms gaps; "b" spans 100 + 3 x 20 ms over 4 gaps.
+    tpot_a_s = (a.latency_s - a.ttft_s) / 3
+    tpot_b_s = (b.latency_s - b.ttft_s) / 4
+    assert tpot_a_s == pytest.approx(0.05, abs=JITTER_S)
+    assert tpot_b_s == pytest.approx(0.04, abs=JITTER_S)
+    assert s["mean_tpot_ms"] == pytest.approx(500 * (tpot_a_s + tpot_b_s))
+    assert s["mean_ttft_ms"] == pytest.approx(500 * (a.ttft_s + b.ttft_s))
+    assert s["mean_itl_ms"] == pytest.approx(1000 * np.mean(a.itl_s + b.itl_s))
+    assert s["slo_attainment"] == 0.5  # "a" waits 150 ms > 100 ms for its first token
+
+
+async def test_chat_role_chunk_is_not_a_token() -> None:
+    scripts = {"hi": TokenScript(0.12, (0.03, 0.03), send_usage=False)}
+    async with ScriptedSSEServer(by_prompt(scripts)) as server, httpx.AsyncClient() as http:
+        endpoint = EndpointConfig(server.base_url, "scripted", "/v1/chat/completions")
+        outcomes, _ = await run_load(http, endpoint, [BenchRequest("hi", 1, 3)], [0.0])
+    (outcome,), (served,) = outcomes, server.served
+    assert served.path == "/v1/chat/completions"
+    assert served.body["messages"] == [{"role": "user", "content": "hi"}]
+    assert served.body["max_completion_tokens"] == 3
+    # The role chunk went out at once; TTFT waits for the first content (>= 120 ms).
+    assert outcome.ttft_s >= 0.12
+    assert outcome.num_token_chunks == 3 and len(outcome.itl_s) == 2
+    assert outcome.output_tokens is None  # no usage: the caller counts the text
+    assert output_token_counts(outcomes, lambda t: len(t.split())) == [3]
+
+
+async def test_goodput_counts_requests_meeting_every_slo() -> None:
+    # 2 slow-first-token, 1 slow-decode, 3 fast: only the 3 fast meet ttft:100 tpot:60.
+    scripts = {f"slow{i}": TokenScript(0.25, (0.01,)) for i in range(2)}
+    scripts["slowdecode"] = TokenScript(0.0, (0.15, 0.15))
+    scripts.update({f"fast{i}": TokenScript(0.0, (0.01, 0.01)) for i in range(3)})
+    async with ScriptedSSEServer(by_prompt(scripts)) as server, httpx.AsyncClient() as http:
+        endpoint = EndpointConfig(server.base_url, "scripted")
+        requests = [BenchRequest(p, 1, 3) for p in scripts]
+        outcomes, duration_s = await run_load(http, endpoint, requests, [0.0] * len(requests),
+                                              max_concurrency=6)
+    tokens = output_token_counts(outcomes, lambda text: None)
+    s = summarize(outcomes, tokens, duration_s, SLOConfig(ttft_ms=100, tpot_ms=60))
+    assert s["completed"] == 6
+    assert s["slo_attainment"] == pytest.approx(3 / 6)
+    assert s["request_goodput"] == pytest.approx(3 / duration_s)
+
+
+async def test_http_errors_are_failed_requests() -> None:
+    scripts = {"ok": TokenScript(0.0, (0.0,)), "bad": TokenScript(0.0, (), status=500)}
+    async with ScriptedSSEServer(by_prompt(scripts)) as server, httpx.AsyncClient() as http:
+        endpoint = EndpointConfig(server.base_url, "scripted")
+        outcomes, duration_s = await run_load(
+            http, endpoint, [BenchRequest("ok", 1, 2), BenchRequest("bad", 1, 2)], [0.0, 0.0])
+    ok, bad = outcomes
+    assert ok.success and not bad.success and bad.error.startswith("HTTP 500")
+    s = summarize(outcomes, output_token_counts(outcomes, lambda t: None), duration_s,
+                  SLOConfig(ttft_ms=1000))
+    assert (s["completed"], s["failed"], s["slo_attainment"]) == (1, 1, 0.5)
+
+
+# -- the CLI end to end (server on its own thread: the CLI runs its own event loop) ----------
+
+
+@pytest.fixture
+def threaded_server() -> Iterator[ScriptedSSEServer]:
+    # Every request: 20 ms to the first token, then 3 tokens 10 ms apart.
+    server = ScriptedSSEServer(lambda body: TokenScript(0.02, (0.01, 0.01, 0.01)))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(timeout=10)
+    yield server
+    asyncio.run_coroutine_threadsafe(server.__aexit__(None, None, None), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    return bench_serve.run(parser.parse_args(list(argv)))
+
+
+# vLLM's `bench serve` result fields that mean the same here (checked against vLLM 0.32).
+VLLM_FIELDS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput",
+    *(f"{stat}_{metric}_ms" for stat in ("mean", "median", "std", "p99")
+      for metric in ("ttft", "tpot", "itl", "e2el")),
+}
+
+
+def test_cli_single_run_writes_vllm_shaped_json(threaded_server: ScriptedSSEServer,
+                                                tmp_path: Path, capsys) -> None:
+    rc = cli("--base-url", threaded_server.base_url, "--num-prompts", "4",
+             "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos",
+             "--request-rate", "50", "--goodput", "ttft:5000", "tpot:5000", "--save-result",
+             "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+             "--disable-tqdm")
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Mean TTFT (ms)" in out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert VLLM_FIELDS <= set(result)
+    assert result["model_id"] == "scripted"  # taken from /v1/models
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 16 and result["slo_attainment"] == 1.0
+    assert len(result["ttfts"]) == 4 and all(len(itl) == 3 for itl in result["itls"])
+    # 5 requests reached the server: one unmeasured test request, then the 4 measured.
+    assert len(threaded_server.served) == 5
+    for name in ("r-attainment.png", "r-ttft-cdf.png", "r-tpot-cdf.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_sweep_and_compare(threaded_server: ScriptedSSEServer, tmp_path: Path,
+                               capsys) -> None:
+    url = threaded_server.base_url
+    rc = cli("--base-url", url, "--compare-base-url", url, "--label", "one",
+             "--compare-label", "two", "--num-prompts", "3", "--random-input-len", "8",
+             "--random-output-len", "4", "--goodput", "ttft:5000", "--sweep-rates", "20", "40",
+             "--num-workers", "2", "--save-result", "--no-plots", "--result-dir",
+             str(tmp_path), "--result-filename", "s.json", "--disable-tqdm")
+    assert rc == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert [s["label"] for s in result["servers"]] == ["one", "two"]
+    for server in result["servers"]:
+        assert [r["request_rate"] for r in server["runs"]] == [20, 40]
+        assert server["goodput_rate"] == 40 and server["goodput_rate_per_worker"] == 20
+    assert result["ratio"]["goodput_rate"] == 1.0
+    assert "one / two" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("argv, rc, message", [
+    (["--goodput", "ttft"], 2, "KEY:MS"),
+    (["--sweep-rates", "1", "2"], 2, "needs SLOs"),
+    (["--dataset-name", "mooncake"], 2, "--dataset-path"),
+    (["--base-url", "localhost:8000"], 2, "http://"),
+    (["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--random-input-len", "4"],
+     1, "cannot reach"),
+])
+def test_cli_errors_are_messages_not_tracebacks(argv: list[str], rc: int, message: str,
+                                                capsys) -> None:
+    assert cli(*argv, "--model", "m") == rc
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
