@@ -59,8 +59,8 @@ class ControlChannel:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if progress is not None and remaining_ms > 0:
                 progress()
-                if not self._socket.poll(0, zmq.POLLIN):
-                    continue
+                if not self._socket.poll(min(1, remaining_ms), zmq.POLLIN):
+                    continue  # 1 ms slices: progress often enough, without spinning a core
             elif remaining_ms <= 0 or not self._socket.poll(remaining_ms, zmq.POLLIN):
                 raise StoreUnavailable(
                     f"{type_} to {self.address}: no reply within {self.timeout_s} s")

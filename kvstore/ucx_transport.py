@@ -3,7 +3,8 @@
 Why this shape (FACTS.md): endpoints made from an exchanged *worker address* (sent over the
 ZeroMQ control channel) with error handling off are what let UCX pick shared memory / CMA on
 one host; the listener path always runs over tcp. The core API's progress thread hung with
-sm/cma, so the caller drives progress by polling inside `wait`, with a timeout. UCX_TLS must be
+sm/cma, so the caller drives progress inside `wait`, with a timeout: by default in blocking
+mode (epoll with a 1 ms cap), else by busy polling. UCX_TLS must be
 set before ucxx is imported, so ucxx is imported here, lazily, on first use.
 
 A UcxDataPlane is not thread-safe: its owner (server loop or client) serialises calls.
@@ -28,7 +29,7 @@ class UcxUnavailable(RuntimeError):
 class UcxDataPlane:
     """A UCX worker that sends and receives tagged uint8 buffers."""
 
-    def __init__(self, tls: str = "sm,cma,tcp,self"):
+    def __init__(self, tls: str = "sm,cma,tcp,self", blocking: bool = True):
         # ucxx reads UCX_* at import; only the first data plane in a process sets them.
         os.environ.setdefault("UCX_TLS", tls)
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -40,11 +41,16 @@ class UcxDataPlane:
         self._api = ucx_api
         self._array = Array
         try:
-            self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+            features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP) if blocking else (
+                ucx_api.Feature.TAG,)
+            self._context = ucx_api.UCXContext(feature_flags=features)
             self._worker = ucx_api.UCXWorker(self._context)
+            if blocking:
+                self._worker.init_blocking_progress_mode()
             self.address = bytes(self._worker.address.tobytes())
         except Exception as e:
             raise UcxUnavailable(f"UCX context/worker failed: {e}") from e
+        self._blocking = blocking
         self._endpoints: dict[int, Any] = {}
         self._next_endpoint_id = 0
         self.tls = os.environ["UCX_TLS"]
@@ -83,7 +89,12 @@ class UcxDataPlane:
         worker's in-flight requests) if they do not within timeout_s."""
         deadline = time.monotonic() + timeout_s
         while not all(r.completed for r in requests):
-            self._worker.progress()
+            if self._blocking:
+                # Sleep in epoll (at most 1 ms) instead of spinning: on a few shared cores a
+                # spinning receiver starves the very sender it waits for.
+                self._worker.progress_worker_event(1)
+            else:
+                self._worker.progress()
             if time.monotonic() > deadline:
                 self._worker.cancel_inflight_requests()
                 raise TimeoutError(f"UCX transfer did not finish within {timeout_s} s")
