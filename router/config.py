@@ -35,8 +35,9 @@ class RouterConfig:
     """Longest wait for a worker's first output before the request fails."""
     token_timeout_s: float = 60.0
     """Longest wait between two outputs of a running request."""
-    heartbeat_timeout_s: float = 3.0
-    """A worker silent this long is dead: its requests fail (or move, if nothing was sent)."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker silent this long is hung: its requests fail (or move, if nothing was sent).
+    A worker whose connection drops (it died) is failed at once, without this wait."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Bodies larger than this get HTTP 413."""
     extra: dict[str, str] = field(default_factory=dict)

@@ -86,6 +86,8 @@ class Dispatcher:
         """Pick the first worker for a request, or raise NoWorkerAvailable / Overloaded."""
         pool = self.prefill if self.config.is_disaggregated else self.colocated
         worker = self.prefill_policy.choose(pool, ctx)
+        if self.config.is_disaggregated and not any(w.is_ready for w in self.decode):
+            raise NoWorkerAvailable("no decode worker is ready")
         self.admission.check(worker, ctx)
         return worker
 

@@ -15,6 +15,7 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.serve.protocol import (
     WORKER_PROTOCOL,
@@ -40,7 +41,7 @@ class WorkerClient:
         role: str,
         context: zmq.asyncio.Context,
         heartbeat_interval_s: float = 0.5,
-        heartbeat_timeout_s: float = 3.0,
+        heartbeat_timeout_s: float = 30.0,
     ) -> None:
         self.address = address
         self.role = role  # what the router expects it to be: prefill | decode | colocated
@@ -57,7 +58,8 @@ class WorkerClient:
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive_loop()),
-                       asyncio.create_task(self._heartbeat_loop())]
+                       asyncio.create_task(self._heartbeat_loop()),
+                       asyncio.create_task(self._monitor_loop())]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -65,6 +67,8 @@ class WorkerClient:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        with contextlib.suppress(zmq.ZMQError):
+            self._socket.disable_monitor()
         self._socket.close(linger=0)
 
     @property
@@ -129,6 +133,20 @@ class WorkerClient:
             elif alive and not was_alive:
                 logger.info("worker %s (%s) is up", self.address, self.role)
             was_alive = alive
+
+    async def _monitor_loop(self) -> None:
+        """A dropped connection means a dead (or restarted) worker: fail its requests now
+        rather than after the heartbeat timeout, which is for workers that hang."""
+        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = await recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.status is not None:
+                    logger.error("worker %s (%s) disconnected", self.address, self.role)
+                    self.status = None
+                    self._fail_inflight()
+        finally:
+            monitor.close(linger=0)
 
     def _fail_inflight(self) -> None:
         for request_id, queue in list(self._queues.items()):

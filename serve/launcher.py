@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-base-port", type=int, default=18100,
                         help="workers listen on consecutive ports from here")
     parser.add_argument("--store-port", type=int, default=18050,
-                        help="KV store control port (its data ports follow)")
+                        help="KV store master port (the data server takes the next one)")
     parser.add_argument("--no-store", action="store_true",
                         help="run without the KV store (decode recomputes the prompt)")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
@@ -82,9 +82,11 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
     cluster = Cluster()
     store_addr = None
     if args.mode == "disagg" and not args.no_store:
-        store_addr = f"tcp://127.0.0.1:{args.store_port}"
-        cluster.children.append(Child("store", ["store", "--role", "all",
-                                                "--port", str(args.store_port)]))
+        master_addr = f"tcp://127.0.0.1:{args.store_port}"
+        store_addr = f"tcp://127.0.0.1:{args.store_port + 1}"
+        cluster.children.append(Child("store", [
+            "store", "--role", "all", "--master-port", str(args.store_port),
+            "--data-port", str(args.store_port + 1)]))
     router_argv = ["router", "--model", model_dir, "--host", args.host, "--port", str(args.port)]
     port = args.worker_base_port
     roles = ([("colocated", 1, args.prefill_tp)] if args.mode == "colocated" else
@@ -95,7 +97,7 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
             argv = [role, "--model", model_dir, "--port", str(port),
                     "--tensor-parallel-size", str(tp), "--worker-id", f"{role}-{i}"]
             if store_addr:
-                argv += ["--store", store_addr]
+                argv += ["--store", store_addr, "--store-master", master_addr]
             if args.num_kv_blocks:
                 argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
             cluster.children.append(Child(f"{role}-{i}", argv))

@@ -57,6 +57,8 @@ class Worker:
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted router takes over
         self._socket.bind(address)
         self._owners: dict[str, bytes] = {}
+        self._held_handoffs: dict[str, RequestOutput] = {}  # prefill: waiting for the save
+        self._loading: dict[str, tuple[GenerateRequest, SamplingParams]] = {}  # decode
         self._step_times_s: deque[float] = deque(maxlen=32)
         self.stop_event = threading.Event()
         if role == "prefill" and kv_transfer is not None:
@@ -66,9 +68,12 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self.stop_event.is_set():
-            busy = self.engine.has_unfinished_requests()
+            busy = (self.engine.has_unfinished_requests() or self._held_handoffs
+                    or self._loading)
             if poller.poll(0 if busy else IDLE_POLL_MS):
                 self._drain()
+            if self.kv_transfer is not None:
+                self._finish_transfers()
             if self.engine.has_unfinished_requests():
                 start = time.perf_counter()
                 outputs = self.engine.step()
@@ -99,8 +104,7 @@ class Worker:
             if isinstance(message, GenerateRequest):
                 self._on_generate(identity, message)
             elif isinstance(message, AbortRequest):
-                self._owners.pop(message.request_id, None)
-                self.engine.abort_request(message.request_id)
+                self._abort(message.request_id)
             elif isinstance(message, StatusRequest):
                 self._reply(identity, self.status())
             else:
@@ -125,26 +129,68 @@ class Worker:
         self._owners[request_id] = identity
 
     def _add_handed_off(self, message: GenerateRequest, params: SamplingParams) -> None:
-        """Decode role: continue a request that a prefill worker started."""
+        """Decode role: continue a request that a prefill worker started. With a store, its
+        KV loads in the background and the request joins the batch once it has arrived."""
         handoff = message.handoff
-        outputs_so_far = [handoff.first_token_id]
-        if self.kv_transfer is not None:
-            block_ids = self.kv_transfer.load_prompt(
-                message.request_id, message.prompt_token_ids, handoff.block_keys)
-            if block_ids is not None:
-                self.engine.add_prefilled_request(
-                    message.request_id, message.prompt_token_ids, params, outputs_so_far,
-                    block_ids=block_ids)
-                return
-        # No store, or it missed: the KV cache is a cache, so recompute the prompt here.
+        if self.kv_transfer is not None and handoff.block_keys:
+            self.engine.make_request(message.prompt_token_ids, params)  # validate it now
+            self.kv_transfer.start_load(message.request_id, list(handoff.block_keys))
+            self._loading[message.request_id] = (message, params)
+            return
+        # No store, or prefill could not save: recompute the prompt here.
         self.engine.add_continued_request(
-            message.request_id, message.prompt_token_ids, params, outputs_so_far)
+            message.request_id, message.prompt_token_ids, params, [handoff.first_token_id])
+
+    def _finish_transfers(self) -> None:
+        """Prefill: send hand-offs whose save ended. Decode: admit requests whose KV came."""
+        for done in self.kv_transfer.poll():
+            if done.kind == "save":
+                output = self._held_handoffs.pop(done.request_id, None)
+                if output is not None:
+                    self._send_output(output, done.keys if done.ok else [])
+                continue
+            entry = self._loading.pop(done.request_id, None)
+            if entry is None:
+                continue
+            message, params = entry
+            first = [message.handoff.first_token_id]
+            try:
+                if done.ok:
+                    block_ids = self.engine.add_prefilled_request(
+                        done.request_id, message.prompt_token_ids, params, first)
+                    self.kv_transfer.install(block_ids, done.staging)
+                else:  # a miss: the KV cache is a cache, recompute
+                    logger.info("KV of %s not in the store; recomputing", done.request_id)
+                    self.engine.add_continued_request(
+                        done.request_id, message.prompt_token_ids, params, first)
+            except Exception as exc:  # e.g. no free blocks: this request's error
+                logger.warning("could not admit %s: %s", done.request_id, exc)
+                self.engine.abort_request(done.request_id)
+                identity = self._owners.pop(done.request_id, None)
+                if identity is not None:
+                    self._reply(identity, Output(done.request_id, [], "", "error",
+                                                 error=str(exc)))
+
+    def _abort(self, request_id: str) -> None:
+        self._owners.pop(request_id, None)
+        self._held_handoffs.pop(request_id, None)
+        self._loading.pop(request_id, None)
+        if self.kv_transfer is not None:
+            self.kv_transfer.forget(request_id)
+        self.engine.abort_request(request_id)
 
     # ---- messages out ------------------------------------------------------------------
-    def _send_output(self, output: RequestOutput) -> None:
+    def _send_output(self, output: RequestOutput, saved_keys: list[bytes] | None = None
+                     ) -> None:
+        """Send a delta. A prefill hand-off waits for its save (`saved_keys`: the keys
+        decode loads; empty when the save failed and decode must recompute)."""
         identity = self._owners.get(output.request_id)
         if identity is None:
             return  # aborted meanwhile
+        if output.kv_handoff is not None and self.kv_transfer is not None \
+                and saved_keys is None:
+            self._held_handoffs[output.request_id] = output
+            return
         completion = output.outputs[0]
         logprobs = None
         if completion.logprobs is not None:
@@ -157,8 +203,7 @@ class Worker:
         handoff = None
         if output.kv_handoff is not None:
             handoff = KVHandoff(
-                block_keys=self.kv_transfer.handoff_keys(output.request_id)
-                if self.kv_transfer is not None else [],
+                block_keys=saved_keys or [],
                 first_token_id=output.kv_handoff.output_token_ids[0],
                 num_output_tokens=output.kv_handoff.num_generated_tokens,
                 prefill_worker_id=self.worker_id)
@@ -214,7 +259,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store", default=None, metavar="ADDR",
-                        help="KV store address (prefill saves, decode loads); none: recompute")
+                        help="KV store data server (prefill saves, decode loads); "
+                             "none: decode recomputes the prompt")
+    parser.add_argument("--store-master", default=None, metavar="ADDR",
+                        help="KV store master (metadata service)")
+    parser.add_argument("--store-timeout-s", type=float, default=10.0,
+                        help="longest wait on the store; past it a transfer is a miss")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,7 +292,12 @@ def run(args: argparse.Namespace) -> int:
     if args.store is not None and role != "colocated":
         from pdserve.serve.kv_transfer import KVTransfer
 
-        kv_transfer = KVTransfer.connect(engine, args.store)
+        try:
+            kv_transfer = KVTransfer.connect(engine, args.store, args.store_master,
+                                             timeout_s=args.store_timeout_s)
+        except Exception as exc:  # the KV cache is a cache: serve by recomputing
+            logger.warning("KV store at %s unreachable (%s): decode will recompute prompts",
+                           args.store, exc)
     worker_id = args.worker_id or f"{role}-{args.port}"
     worker = Worker(engine, role, f"tcp://{args.host}:{args.port}", worker_id, kv_transfer)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())

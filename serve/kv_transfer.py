@@ -1,0 +1,148 @@
+"""The worker's side of the prefill -> decode KV hand-off, through the KV connector.
+
+    prefill worker                          store                        decode worker
+    engine samples the first token ─► save_handoff: gather the prompt's blocks (all TP
+      ranks' heads) and save them layer by layer through the connector; the hand-off goes
+      to the router once the save completed (`poll`)
+                                                   GenerateRequest + hand-off ─► start_load
+                                                   into a staging area (background thread);
+                                                   once complete: fresh blocks, scatter to
+                                                   this worker's TP ranks, join the batch
+
+Stored blocks are TP-independent ([num_layers, 2, block_size, all KV heads, head_dim], see
+kvstore/connector.py), and this side always moves whole-head blocks through the runner's
+gather/scatter, so prefill and decode may run different TP degrees. Every full prompt block
+is stored under its chained block key; the last, partial block too, under the chain's next
+key over its tokens, so decode recomputes nothing. A failed or partial load is a miss: the
+decode worker recomputes the prompt (the KV cache is a cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kvstore.block_key import next_key
+from pdserve.kvstore.connector import KVConnector, TransferResult
+from pdserve.serve.request import KVHandoff, Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingLoad:
+    num_blocks: int
+    staging: list[torch.Tensor]  # per layer [2, num_blocks, block_size, all heads, head_dim]
+
+
+@dataclass
+class TransferDone:
+    request_id: str
+    kind: str  # "save" | "load"
+    ok: bool
+    keys: list[bytes]
+    staging: list[torch.Tensor] | None = None
+
+
+class KVTransfer:
+    def __init__(self, engine, connector: KVConnector) -> None:
+        self.engine = engine
+        self.connector = connector
+        self._save_keys: dict[str, list[bytes]] = {}
+        self._loads: dict[str, tuple[list[bytes], PendingLoad]] = {}
+        self._failed: list[TransferDone] = []
+        self.num_bytes_saved = 0
+        self.num_bytes_loaded = 0
+
+    @classmethod
+    def connect(cls, engine, data_address: str, master_address: str | None = None,
+                timeout_s: float = 10.0) -> KVTransfer:
+        from pdserve.kvstore.client import StoreClient
+
+        client = StoreClient(data_address, master_address, timeout_s=timeout_s,
+                             holder=f"worker-{id(engine):x}")
+        logger.info("KV store at %s (KV bytes over %s)", data_address, client.transport)
+        layout = engine.spec.kv_layout(engine.runner.block_size)
+        return cls(engine, KVConnector(client, layout, timeout_s=timeout_s))
+
+    def prompt_keys(self, request: Request, block_keys: list[bytes]) -> list[bytes]:
+        """Keys of every block holding the prompt: the full ones, then the partial tail."""
+        bm = self.engine.block_manager
+        tail = request.prompt_token_ids[len(block_keys) * bm.block_size:]
+        if not tail:
+            return list(block_keys)
+        parent = block_keys[-1] if block_keys else bm.root(request.cache_salt)
+        return list(block_keys) + [next_key(parent, tail)]
+
+    # ---- prefill side ----------------------------------------------------------------------
+    def save_handoff(self, request: Request, handoff: KVHandoff) -> None:
+        """Engine hook, called before the request's blocks are freed: stage them (a copy)
+        and let the connector put them in the background."""
+        keys = self.prompt_keys(request, handoff.block_keys)
+        try:
+            staged = self.engine.runner.read_kv_blocks(handoff.block_ids[:len(keys)])
+            local_ids = list(range(len(keys)))
+            for layer, layer_blocks in enumerate(staged):  # [2, n, bs, all heads, D]
+                self.connector.save_layer(request.request_id, layer, keys, local_ids,
+                                          layer_blocks)
+        except Exception as exc:  # never let a transfer stop the engine: decode recomputes
+            logger.warning("saving the KV of %s failed: %s", request.request_id, exc)
+            self.connector.abort(request.request_id)
+            self._failed.append(TransferDone(request.request_id, "save", False, keys))
+            return
+        self._save_keys[request.request_id] = keys
+        self.num_bytes_saved += sum(t.nbytes for t in staged)
+
+    # ---- decode side -----------------------------------------------------------------------
+    def start_load(self, request_id: str, keys: list[bytes]) -> None:
+        spec, block_size = self.engine.spec, self.engine.runner.block_size
+        shape = (2, len(keys), block_size, spec.num_kv_heads, spec.head_dim)
+        staging = [torch.zeros(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
+        self._loads[request_id] = (keys, PendingLoad(len(keys), staging))
+        self.connector.start_load(request_id, keys, list(range(len(keys))), staging)
+
+    def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
+        """Scatter a completed load into this worker's pool (every TP rank)."""
+        self.engine.runner.write_kv_blocks(block_ids, staging)
+        self.num_bytes_loaded += sum(t.nbytes for t in staging)
+
+    # ---- completions -----------------------------------------------------------------------
+    def poll(self) -> list[TransferDone]:
+        done, self._failed = self._failed, []
+        for result in self.connector.poll():
+            finished = self._finish(result)
+            if finished is not None:
+                done.append(finished)
+        return done
+
+    def _finish(self, result: TransferResult) -> TransferDone | None:
+        if result.kind == "save":
+            keys = self._save_keys.pop(result.request_id, None)
+            if keys is None:
+                return None
+            ok = result.error is None and result.num_blocks == len(keys)
+            return TransferDone(result.request_id, "save", ok, keys)
+        entry = self._loads.pop(result.request_id, None)
+        if entry is None:
+            return None
+        keys, pending = entry
+        ok = result.error is None and result.num_blocks == pending.num_blocks
+        return TransferDone(result.request_id, "load", ok, keys, pending.staging)
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: drop its transfers' results when they come."""
+        self._save_keys.pop(request_id, None)
+        self._loads.pop(request_id, None)
+        self.connector.abort(request_id)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._save_keys) + len(self._loads)
+
+    def close(self) -> None:
+        self.connector.close()
+        backend = self.connector.backend
+        if hasattr(backend, "close"):
+            backend.close()

@@ -1,0 +1,183 @@
+"""Failures, bounded: disconnecting clients, a decode worker killed mid-stream, a store that
+goes away. Each role runs as its own `pdserve <role>` process, as in a real cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from cluster_util import free_port_block
+
+from pdserve.kvstore.client import StoreClient
+
+NUM_BLOCKS = 256
+
+
+class Roles:
+    def __init__(self, model_dir, log_dir) -> None:
+        self.model_dir, self.log_dir = str(model_dir), log_dir
+        base = free_port_block(10)
+        self.router_port, self.master_port, self.data_port = base, base + 1, base + 2
+        self.prefill_port, self.decode_port = base + 3, base + 4
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def start(self, name: str, *argv: str) -> None:
+        log = open(self.log_dir / f"{name}-{len(self.processes)}.log", "ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.serve.cli", *argv], stdout=log,
+            stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="INFO"))
+
+    def start_worker(self, role: str) -> None:
+        port = self.prefill_port if role == "prefill" else self.decode_port
+        self.start(role, role, "--model", self.model_dir, "--port", str(port),
+                   "--num-kv-blocks", str(NUM_BLOCKS), "--worker-id", role,
+                   "--store", f"tcp://127.0.0.1:{self.data_port}",
+                   "--store-master", f"tcp://127.0.0.1:{self.master_port}",
+                   "--store-timeout-s", "2")
+
+    def start_all(self) -> None:
+        self.start("store", "store", "--role", "all", "--master-port", str(self.master_port),
+                   "--data-port", str(self.data_port), "--transport", "zmq")
+        self.start_worker("prefill")
+        self.start_worker("decode")
+        self.start("router", "router", "--model", self.model_dir, "--port",
+                   str(self.router_port), "--prefill", f"tcp://127.0.0.1:{self.prefill_port}",
+                   "--decode", f"tcp://127.0.0.1:{self.decode_port}")
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("cluster not ready")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+    def store_client(self) -> StoreClient:
+        return StoreClient(f"tcp://127.0.0.1:{self.data_port}",
+                           f"tcp://127.0.0.1:{self.master_port}", transport="zmq")
+
+
+@pytest.fixture(scope="module")
+def roles(llama_dir, tmp_path_factory):
+    roles = Roles(llama_dir, tmp_path_factory.mktemp("fault-logs"))
+    roles.start_all()
+    try:
+        roles.wait_ready()
+        yield roles
+    finally:
+        roles.stop()
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.25)
+    return predicate()
+
+
+def _workers_idle(roles: Roles) -> bool:
+    status = httpx.get(f"{roles.base_url}/status", timeout=5).json()
+    return all(w.get("num_free_blocks") == w.get("num_total_blocks") and w["num_inflight"] == 0
+               for w in status["workers"])
+
+
+async def _one_stream(client: httpx.AsyncClient, url: str, i: int, disconnect: bool) -> int:
+    body = {"prompt": f"request {i}: " + "word " * (5 + i % 40), "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    num_chunks = 0
+    async with client.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                assert "error" not in json.loads(line[6:]), line
+                num_chunks += 1
+                if disconnect and num_chunks == 3:
+                    return -1  # leaving the block closes the connection midway
+    return num_chunks
+
+
+def test_concurrent_streams_with_disconnects_leak_nothing(roles):
+    async def run() -> list[int]:
+        url = f"{roles.base_url}/v1/completions"
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[
+                _one_stream(client, url, i, disconnect=i % 5 == 0) for i in range(50)])
+
+    results = asyncio.run(run())
+    assert results.count(-1) == 10
+    assert all(n == 24 for n in results if n != -1)  # one chunk per token, all delivered
+    assert _wait_until(lambda: _workers_idle(roles)), httpx.get(f"{roles.base_url}/status").json()
+    client = roles.store_client()
+    try:
+        assert client.stats()["num_leases"] == 0
+        client.check_integrity()
+    finally:
+        client.close()
+
+
+def _pid_of(roles: Roles, role: str) -> int:
+    return roles.processes[role].pid
+
+
+def test_decode_killed_mid_stream_errors_fast_then_recovers(roles):
+    url = f"{roles.base_url}/v1/completions"
+    body = {"prompt": "long story", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    killed_at = None
+    error_after_s = None
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if killed_at is None:
+                os.kill(_pid_of(roles, "decode"), signal.SIGKILL)
+                killed_at = time.monotonic()
+            if line != "data: [DONE]" and "error" in json.loads(line[6:]):
+                error_after_s = time.monotonic() - killed_at
+    assert error_after_s is not None and error_after_s < 10.0
+    roles.processes["decode"].wait(10)
+    # no decode worker: a clear 503, not a hang
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["message"]
+    roles.start_worker("decode")
+    assert _wait_until(lambda: httpx.get(f"{roles.base_url}/health").status_code == 200, 120)
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_store_down_requests_still_complete_by_recompute(roles):
+    url = f"{roles.base_url}/v1/completions"
+    body = {"prompt": "def main():\n    return 1\n" * 3, "max_tokens": 12, "temperature": 0}
+    before = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    roles.processes["store"].kill()
+    roles.processes["store"].wait(10)
+    after = httpx.post(url, json={**body, "cache_salt": "fresh"}, timeout=120)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["text"] == before
