@@ -155,12 +155,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(transport: str, sizes: list[int], warmup: int) -> dict[int, float | None]:
+def run_pair(transport: str, sizes: list[int], warmup: int,
+             tls: str | None = None) -> dict[int, float | None]:
     """GB/s per block size for one transport, from two fresh processes."""
     port = _free_port()
     base = [sys.executable, "-m", "pdserve.benchmarks.kv_transfer", "--transport", transport,
             "--port", str(port), "--sizes-bytes", ",".join(map(str, sizes)),
-            "--warmup", str(warmup)]
+            "--warmup", str(warmup), "--tls", tls or ""]
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
     recv = subprocess.Popen([*base, "--role", "recv"], stdout=subprocess.PIPE, env=env)
     send = subprocess.Popen([*base, "--role", "send"], stdout=subprocess.PIPE, env=env)
@@ -187,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-kib", default="64,256,1024,4096,16384")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--shm-tls", default=_TLS["ucx_shm"], help="UCX_TLS of the shm run")
+    parser.add_argument("--tcp-tls", default=_TLS["ucx_tcp"], help="UCX_TLS of the tcp run")
     parser.add_argument("--out", default="benchmarks/results/kv_transfer.json")
     # internal: one end of a pair
     parser.add_argument("--role", choices=("send", "recv"), help=argparse.SUPPRESS)
     parser.add_argument("--transport", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sizes-bytes", help=argparse.SUPPRESS)
+    parser.add_argument("--tls", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.role is not None:
@@ -200,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.transport == "zmq":
             out = run_zmq_end(args.role, args.port, sizes, args.warmup)
         else:
-            out = run_ucx_end(args.role, args.port, _TLS[args.transport], sizes, args.warmup)
+            out = run_ucx_end(args.role, args.port, args.tls, sizes, args.warmup)
         print(json.dumps(out))
         return 0
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
-    by_transport = {t: run_pair(t, sizes, args.warmup) for t in ("ucx_shm", "ucx_tcp", "zmq")}
+    tls = {"ucx_shm": args.shm_tls, "ucx_tcp": args.tcp_tls, "zmq": None}
+    by_transport = {t: run_pair(t, sizes, args.warmup, tls[t]) for t in tls}
     results = []
     for size in sizes:
         row = {"block_bytes": size}
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(f"{size // 1024:>6} KiB  " + "  ".join(
             f"{k}={v}" for k, v in row.items() if k != "block_bytes"), flush=True)
-    summary = {"benchmark": "kv_transfer", "results": results,
+    summary = {"benchmark": "kv_transfer", "results": results, "ucx_tls": tls,
                "note": "two processes on one host; GB/s = 1e9 bytes/s"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ class BlockBackend(Protocol):
     def lookup_prefix(self, keys: Sequence[bytes]) -> int | PrefixLookup: ...
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]: ...
     def get_many(self, keys: Sequence[bytes]) -> Sequence[BytesLike | None]: ...
+    def prefetch(self, keys: Sequence[bytes]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,19 @@ class KVConnector:
             logger.warning("kv connector: lookup failed (%s); treating as a miss", e)
             return 0
         return found if isinstance(found, int) else found.num_blocks
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Ask the store to bring a queued request's blocks up to DRAM before its load (fire
+        and forget: a failure only means the load reads from disk)."""
+        keys = list(keys)
+
+        def job() -> None:
+            try:
+                self.backend.prefetch(keys)
+            except Exception as e:  # a hint, never an error
+                logger.debug("kv connector: prefetch failed (%s)", e)
+
+        self._jobs.put(job)
 
     # ---- load -------------------------------------------------------------------------------
     def start_load(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int],

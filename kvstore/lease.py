@@ -33,6 +33,11 @@ class LeaseTable:
     def num_leases(self) -> int:
         return len(self._leases)
 
+    @property
+    def num_leased_keys(self) -> int:
+        """Keys summed over leases (a key in two leases counts twice, like its pins)."""
+        return sum(len(lease.keys) for lease in self._leases.values())
+
     def acquire(self, holder: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")

@@ -310,11 +310,11 @@ class StoreServer:
         return {"problem": None}, []
 
     def check_integrity(self) -> None:
-        """Store, master and leases agree: every pin is held by exactly one live lease."""
+        """Store, master and leases agree: every pin is held by exactly one live lease.
+        Runs on the server thread for a `check` request; call it directly only when idle."""
         if self.store is not None:
             self.store.check_integrity()
-            held = sum(len(lease.keys) for lease in self.leases._leases.values())
-            pins = sum(self.store._pins.values())
+            held, pins = self.leases.num_leased_keys, self.store.num_pins
             if held != pins:
                 raise AssertionError(f"{pins} pins but leases hold {held}")
         if self.master is not None:

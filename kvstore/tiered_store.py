@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
+
 from pdserve.kvstore.disk_tier import DiskTier
 from pdserve.kvstore.memory_tier import MemoryTier, as_uint8_tensor
 
@@ -218,6 +219,12 @@ class TieredStore:
     def num_pinned_blocks(self) -> int:
         with self._lock:
             return sum(1 for c in self._pins.values() if c > 0)
+
+    @property
+    def num_pins(self) -> int:
+        """Pins summed over blocks (a block pinned twice counts twice)."""
+        with self._lock:
+            return sum(self._pins.values())
 
     def keys_in(self, tier: str) -> list[bytes]:
         """Keys of one tier, least recently used first (tests check exact LRU order)."""

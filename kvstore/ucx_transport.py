@@ -21,6 +21,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+_SPIN_S = 200e-6  # poll this long before sleeping in epoll: short transfers finish spinning
+
 
 class UcxUnavailable(RuntimeError):
     """UCX could not start (ucxx missing, no usable transport); use the TCP/ZeroMQ path."""
@@ -87,11 +89,12 @@ class UcxDataPlane:
     def wait(self, requests: list[Any], timeout_s: float) -> None:
         """Drive progress until every request completes; TimeoutError (after cancelling the
         worker's in-flight requests) if they do not within timeout_s."""
-        deadline = time.monotonic() + timeout_s
+        start_s = time.monotonic()
+        deadline = start_s + timeout_s
         while not all(r.completed for r in requests):
-            if self._blocking:
-                # Sleep in epoll (at most 1 ms) instead of spinning: on a few shared cores a
-                # spinning receiver starves the very sender it waits for.
+            if self._blocking and time.monotonic() - start_s > _SPIN_S:
+                # Then sleep in epoll (at most 1 ms) instead of spinning on: on a few shared
+                # cores a spinning receiver starves the very sender it waits for.
                 self._worker.progress_worker_event(1)
             else:
                 self._worker.progress()

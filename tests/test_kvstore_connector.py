@@ -107,11 +107,15 @@ class BrokenBackend:
     def get_many(self, keys):
         raise ConnectionError("store down")
 
+    def prefetch(self, keys):
+        raise ConnectionError("store down")
+
 
 def test_a_failing_store_is_a_miss_not_an_error():
     connector = KVConnector(BrokenBackend(), LAYOUT)
     keys = request_keys(2)
     assert connector.lookup(keys) == 0
+    connector.prefetch(keys)  # swallowed: a hint
     pool = make_pool(2)
     connector.start_load("r", keys, [0, 1], pool)
     assert connector.wait_for_layer_load("r", 2, timeout_s=10) == 0
@@ -134,7 +138,11 @@ def test_connector_over_the_store_server(tmp_path):
         save_all_layers(connector, "p", keys, [0, 1, 2, 3, 4], pool)  # spills 3 to disk
         assert wait_results(connector, 1)[0].num_blocks == 5
         assert connector.lookup(keys) == 5
-        assert client.prefetch(keys[:2]) == 2  # queued request: bring its head up to DRAM
+        assert client.stats()["num_blocks_disk"] == 3
+        connector.prefetch(keys[:2])  # a queued request: bring its head up to DRAM
+        assert connector.drain(10)
+        assert client.stats()["num_hits_disk"] == 0  # moved by prefetch, not by a get
+        assert [server.store.tier_of(k) for k in keys[:2]] == ["dram", "dram"]
         dst = make_pool(6)
         connector.start_load("d", keys, [5, 4, 3, 2, 1], dst)
         assert wait_results(connector, 1)[0].num_blocks == 5
