@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from pdserve.kernels import get_attention_backend
 from pdserve.kernels import reference as ref
 
@@ -28,6 +29,11 @@ class PagedCase:
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with garbage
     slot_mapping: torch.Tensor  # [sum(seq_lens)] int64, every context position's slot
     max_query_len: int
+
+    def to(self, device: str) -> PagedCase:
+        return PagedCase(**{k: v.to(device) if isinstance(v, torch.Tensor) else
+                            [t.to(device) for t in v] if isinstance(v, list) else v
+                            for k, v in vars(self).items()})
 
 
 def _block_tables(seq_lens: list[int], block_size: int, gen: torch.Generator
@@ -96,6 +102,10 @@ class MlaCase:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
+
+    def to(self, device: str) -> MlaCase:
+        return MlaCase(**{k: v.to(device) if isinstance(v, torch.Tensor) else
+                          [t.to(device) for t in v] for k, v in vars(self).items()})
 
 
 def make_mla_case(seq_lens: list[int], num_heads: int, rank: int, rope_dim: int,

@@ -1,0 +1,154 @@
+"""Prefill attention over the paged KV cache (FlashAttention-2 forward, causal, GQA, ragged).
+
+One program computes BLOCK_M query rows of one query head. The ragged batch is flattened
+into query tiles without a host-side schedule: sequence s owns program ids
+[first_tile(s), first_tile(s + 1)) where
+
+    first_tile(s) = cu_seqlens_q[s] // BLOCK_M + s
+
+which is strictly increasing and leaves every sequence at least ceil(q_len / BLOCK_M) ids, so
+a program finds its sequence by binary search over cu_seqlens_q and the grid is
+T // BLOCK_M + S tiles wide (a few programs exit at once).
+
+Each query row i of sequence s sits at position p_i = seq_len - q_len + i (a cached prefix
+and this step's new tokens are one call). Key tiles split in two loops:
+
+    keys  0 ............ full_end ........ last_q_pos
+          [ every row sees all ][ causal-masked tiles ]
+
+Keys below the tile's first query position are visible to all rows, so those tiles skip
+the mask arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_tile import (
+    MASK_CAUSAL,
+    MASK_NONE,
+    attend_paged_tile,
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+)
+from .reference import check_prefill
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_seqs, num_queries_per_kv,
+    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_block, stride_slot, stride_kv_head, stride_table,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    # Largest s with first_tile(s) <= tile (see the module docstring).
+    lo = tl.zeros((), dtype=tl.int32)
+    hi = tl.zeros((), dtype=tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_block = tile - (q_start // BLOCK_M + seq)
+    if m_block * BLOCK_M >= q_len:
+        return
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // num_queries_per_kv
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < q_len
+    io_mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    token = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :],
+                mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    q_pos = seq_len - q_len + offs_m  # [BM]; rows past q_len sit past seq_len and see all
+    first_q_pos = seq_len - q_len + m_block * BLOCK_M
+    kv_end = tl.minimum(first_q_pos + BLOCK_M, seq_len)
+    full_end = ((first_q_pos + 1) // BLOCK_N) * BLOCK_N
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_paged_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, start_n, seq_len, q_pos,
+            kv_head, stride_block, stride_slot, stride_kv_head, qk_scale,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, MASK_NONE, UPCAST, DOT_PRECISION,
+        )
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_paged_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, start_n, seq_len, q_pos,
+            kv_head, stride_block, stride_slot, stride_kv_head, qk_scale,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, MASK_CAUSAL, UPCAST, DOT_PRECISION,
+        )
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + token[:, None] * stride_out_token + head * stride_out_head
+             + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _launch_config(head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter's cost is per program and
+    per loop step, so it gets 64x64 tiles. On sm90, 128 query rows per program amortise each
+    gathered K/V tile over more rows; ptxas reports 196 registers and no spills for head_dim
+    128 (8 warps, 3 stages, ~96 KiB shared memory) and 128 registers for head_dim 64, while
+    4 warps or 128-wide K/V tiles spill (see tests/test_kernels_compile.py)."""
+    if interpreted:
+        return 64, 64, 4, 1
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      max_query_len: int, block_m: int | None = None,
+                      block_n: int | None = None) -> torch.Tensor:
+    """Triton version of reference.prefill_attention (same arguments and result).
+
+    block_m / block_n override the tile sizes (tests and benchmarks)."""
+    check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
+    interpreted = check_launchable(query, kv_cache, cu_seqlens_q, seq_lens, block_tables)
+    check_last_dim_contiguous(query=query, kv_cache=kv_cache, block_tables=block_tables)
+    if kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache is {kv_cache.dtype} but query is {query.dtype}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    config_m, config_n, num_warps, num_stages = _launch_config(head_dim, interpreted)
+    block_m, block_n = block_m or config_m, block_n or config_n
+    block_tables = block_tables.to(torch.int32)
+    grid = (num_tokens // block_m + num_seqs, num_heads)
+    _prefill_attention_kernel[grid](
+        query, kv_cache[0], kv_cache[1], out,
+        cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32), block_tables,
+        scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=interpreted,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

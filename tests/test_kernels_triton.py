@@ -1,0 +1,158 @@
+"""Triton attention kernels against their plain-torch references (kernels/reference.py).
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 must
+be set before the kernel modules are defined, so it is set here, at import, and only when
+there is no GPU (the other test files use the torch backend and never read it). Shapes are
+small, tiles 64 wide, so the whole file stays within a minute or two on 2 cores.
+
+Tolerances, per dtype, for the kernel against the reference (both accumulate in fp32):
+- fp32: the kernel sums K/V tiles with an online softmax, the reference in one softmax;
+  only summation order differs, ~1e-6 here, so 2e-5.
+- fp16: identical fp16 inputs; the output is rounded to fp16 (half an ulp, 2^-11 relative,
+  <= 1.5e-3 for |out| < 3), and on GPU P is rounded to fp16 before the P.V product: 4e-3.
+- bf16: 8-bit mantissa; rounding the output (the interpreter's fp32->bf16 cast truncates: a
+  full ulp, 2^-7 relative) and, on GPU, P: 3e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_kernels_reference import make_mla_case, make_paged_case  # noqa: E402
+
+from pdserve.kernels import get_attention_backend  # noqa: E402
+from pdserve.kernels import reference as ref  # noqa: E402
+from pdserve.kernels.decode_attention import choose_num_splits  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+triton_backend = get_attention_backend("triton")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+GQA = [(2, 2), (8, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 4, 8
+PREFILL_SHAPES = [  # (q_lens, seq_lens)
+    ([7, 33, 1], [7, 33, 130]),  # fresh prefills beside a decode row
+    ([130, 1, 5, 33], [130, 66, 40, 33]),  # prefix + new tokens; q_len 130 spans 3 tiles
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", PREFILL_SHAPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_matches_reference(q_lens, seq_lens, num_heads, num_kv_heads, block_size):
+    case = make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, 32, block_size).to(DEVICE)
+    args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
+            0.2, case.max_query_len)
+    assert_close(triton_backend.prefill_attention(*args), ref.prefill_attention(*args))
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float16, 64), (torch.bfloat16, 128),
+                                            (torch.float16, 80)])  # 80 pads to 128
+def test_prefill_half_precision_and_padded_head_dim(dtype, head_dim):
+    case = make_paged_case([33, 1, 7], [97, 130, 7], 4, 2, head_dim, 16, dtype).to(DEVICE)
+    args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
+            head_dim ** -0.5, case.max_query_len)
+    assert_close(triton_backend.prefill_attention(*args), ref.prefill_attention(*args))
+
+
+def test_prefill_small_tiles_and_empty_sequence():
+    # 16-row tiles: many tiles per sequence, binary search over a sequence with no queries.
+    case = make_paged_case([40, 0, 17], [40, 9, 70], 4, 1, 16, 16).to(DEVICE)
+    args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
+            0.25, case.max_query_len)
+    out = triton_backend.prefill_attention(*args, block_m=16, block_n=32)
+    assert_close(out, ref.prefill_attention(*args))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_splits):
+    seq_lens = [1, 7, 33, 130]
+    case = make_paged_case([1] * 4, seq_lens, num_heads, num_kv_heads, 32, block_size)
+    case = case.to(DEVICE)
+    args = (case.query, case.kv_cache, case.seq_lens, case.block_tables, 0.2)
+    out = triton_backend.decode_attention(*args, num_splits=num_splits)
+    assert_close(out, ref.decode_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_half_precision_default_splits(dtype):
+    case = make_paged_case([1] * 3, [300, 1, 64], 8, 2, 64, 16, dtype).to(DEVICE)
+    args = (case.query, case.kv_cache, case.seq_lens, case.block_tables, 0.125)
+    assert_close(triton_backend.decode_attention(*args), ref.decode_attention(*args))
+
+
+def test_choose_num_splits_fills_gpu_but_not_short_contexts():
+    assert choose_num_splits(num_seqs=256, num_programs_per_seq=8, max_context_len=32768) == 1
+    assert choose_num_splits(num_seqs=1, num_programs_per_seq=8, max_context_len=100) == 1
+    assert choose_num_splits(num_seqs=2, num_programs_per_seq=8, max_context_len=32768) == 32
+    assert choose_num_splits(num_seqs=4, num_programs_per_seq=8, max_context_len=2000) == 8
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_decode_matches_reference(block_size, num_splits):
+    # 20 heads: two head blocks of 16, the second mostly padding.
+    case = make_mla_case([1, 7, 33, 130], 20, 64, 16, block_size).to(DEVICE)
+    args = (case.q_latent, case.q_rope, case.latent_cache, case.seq_lens, case.block_tables,
+            0.1)
+    out = triton_backend.mla_decode_attention(*args, num_splits=num_splits)
+    assert_close(out, ref.mla_decode_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mla_decode_half_precision_padded_dims(dtype):
+    case = make_mla_case([130, 5], 4, 48, 8, 16, dtype).to(DEVICE)  # R 48 -> 64, P 8 -> 16
+    args = (case.q_latent, case.q_rope, case.latent_cache, case.seq_lens, case.block_tables,
+            0.1)
+    assert_close(triton_backend.mla_decode_attention(*args), ref.mla_decode_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_from_fused_qkv_views(dtype):
+    num_tokens, num_kv_heads, head_dim = 9, 3, 24
+    qkv = torch.randn(num_tokens, 4 * num_kv_heads * head_dim + 8, device=DEVICE).to(dtype)
+    width = num_kv_heads * head_dim
+    key = qkv[:, :width].view(num_tokens, num_kv_heads, head_dim)  # strided rows
+    value = qkv[:, width:2 * width].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(6 * 16, device=DEVICE)[:num_tokens]
+    expected = torch.randn(2, 6, 16, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    actual = expected.clone()
+    ref.write_kv_cache(key, value, expected, slots)
+    triton_backend.write_kv_cache(key, value, actual, slots)
+    assert torch.equal(actual, expected)
+
+
+def test_write_latent_cache_matches_reference():
+    latent = torch.randn(7, 72, device=DEVICE)  # R + P = 64 + 8: padded to 128 lanes
+    slots = torch.tensor([0, 1, 31, 32, 47, 63, 5], device=DEVICE)
+    expected = torch.zeros(4, 16, 72, device=DEVICE)
+    actual = expected.clone()
+    ref.write_latent_cache(latent, expected, slots)
+    triton_backend.write_latent_cache(latent, actual, slots)
+    assert torch.equal(actual, expected)
+
+
+def test_triton_backend_checks_arguments():
+    assert triton_backend.name == "triton"
+    case = make_paged_case([3], [3], 4, 2, 16, 16).to(DEVICE)
+    with pytest.raises(ValueError, match="but query is torch.float16"):
+        triton_backend.decode_attention(case.query[:1].half(), case.kv_cache, case.seq_lens,
+                                        case.block_tables, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_backend.prefill_attention(case.query.transpose(1, 2).contiguous().transpose(1, 2),
+                                         case.kv_cache, case.cu_seqlens_q, case.seq_lens,
+                                         case.block_tables, 1.0, 3)
