@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from pdserve.kvstore.channel import ControlChannel
+from pdserve.kvstore.channel import ControlChannel, StoreRequestError
 from pdserve.kvstore.master import PrefixLookup
 from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
@@ -52,7 +52,13 @@ class StoreClient:
         except UcxUnavailable as e:
             logger.warning("store client: UCX cannot start (%s); KV bytes go over ZeroMQ/TCP", e)
             return
-        reply, _ = self._data.request("hello", ucx_address=ucx.address)
+        try:
+            reply, _ = self._data.request("hello", ucx_address=ucx.address)
+        except StoreRequestError as e:
+            logger.warning("store client: the server refused UCX (%s); KV bytes go over "
+                           "ZeroMQ/TCP", e)
+            ucx.close()
+            return
         address = reply.get("ucx_address")
         if not isinstance(address, bytes):
             logger.warning("store client: the server at %s has no UCX; KV bytes go over "

@@ -28,7 +28,7 @@ from pdserve.kvstore.master import Master
 from pdserve.kvstore.master_reporter import MasterReporter
 from pdserve.kvstore.memory_tier import as_uint8_tensor
 from pdserve.kvstore.tiered_store import TieredStore
-from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
+from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable, is_connectable
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,10 @@ class StoreServer:
             except zmq.ZMQError:
                 break
             for socket in ready:
-                self._serve_one(socket)
+                try:
+                    self._serve_one(socket)
+                except Exception:  # never let one request end the server
+                    logger.exception("store: request handling failed")
             for lease in self.leases.expire():
                 logger.info("store: lease %d of %s expired; unpinning %d blocks",
                             lease.lease_id, lease.holder, len(lease.keys))
@@ -206,6 +209,8 @@ class StoreServer:
     def _hello(self, identity: bytes, f: dict, _: list) -> tuple[dict, list]:
         if self._ucx is None or f["ucx_address"] is None:
             return {"ucx_address": None, "client_no": 0}, []
+        if not is_connectable(f["ucx_address"], self._ucx.tls, self.config.request_timeout_s):
+            raise ValueError("hello: not a usable UCX worker address")
         if identity in self._ucx_clients:
             self._ucx.disconnect(self._ucx_clients.pop(identity)[1])
         client_no = self._next_client_no

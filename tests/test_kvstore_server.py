@@ -215,6 +215,19 @@ def test_ucx_data_path(make_server):
     got = client.get_many([key(i) for i in [0, 9, 4]])
     assert np.array_equal(got[0], blocks[0]) and got[1] is None
     assert np.array_equal(got[2], blocks[4])
+    # UCX aborts a process on a malformed worker address: the server must refuse it unharmed
+    hostile = msgpack.packb({"type": "hello", "request_id": 3, "ucx_address": os.urandom(217)})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.data_address)
+    sock.send_multipart([hostile])
+    assert sock.poll(30_000)
+    reply = msgpack.unpackb(sock.recv_multipart()[0])
+    assert reply["ok"] is False and "UCX" in reply["error"]
+    sock.close()
+    ctx.term()
+    assert np.array_equal(client.get_many([key(1)])[0], blocks[1])
     finish(server, client)
 
 
