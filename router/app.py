@@ -32,7 +32,7 @@ from pdserve.router.openai_protocol import (
     new_id,
     now_s,
 )
-from pdserve.router.policies import NoWorkerAvailable, Overloaded, RouteContext
+from pdserve.router.policies import NoWorkerAvailable, Overloaded
 from pdserve.serve.protocol import Output, WireSampling
 
 logger = logging.getLogger(__name__)
@@ -180,8 +180,11 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
             sampling = WireSampling(**body.sampling_dict(max_tokens), logprobs=num_logprobs)
             if sampling.min_tokens > sampling.max_tokens:
                 raise ValueError("min_tokens must not exceed max_tokens")
-            ctx = RouteContext(num_prompt_tokens=len(prompt_ids), num_store_cached_tokens=0)
-            first_worker = dispatcher.admit(ctx)
+            ctx, keys = await dispatcher.route_context(prompt_ids, body.cache_salt)
+            if dispatcher.store_lookup is not None:
+                metrics.labels(metrics.external_queries).inc(len(prompt_ids))
+                metrics.labels(metrics.external_hits).inc(ctx.num_store_cached_tokens)
+            first_worker = dispatcher.admit(ctx, keys)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:

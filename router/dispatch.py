@@ -22,11 +22,12 @@ import zmq.asyncio
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import (
     AdmissionPolicy,
-    LeastLoadedPrefill,
+    CacheAwarePrefill,
     MostFreeKVDecode,
     NoWorkerAvailable,
     RouteContext,
 )
+from pdserve.router.prefix_index import PrefixIndex, StoreLookup, request_block_keys
 from pdserve.router.worker_client import WorkerClient, WorkerDied
 from pdserve.serve.protocol import GenerateRequest, Output, WireSampling
 
@@ -43,7 +44,7 @@ class Dispatcher:
     def __init__(
         self,
         config: RouterConfig,
-        prefill_policy: LeastLoadedPrefill | None = None,
+        prefill_policy: CacheAwarePrefill | None = None,
         decode_policy: MostFreeKVDecode | None = None,
         admission: AdmissionPolicy | None = None,
     ) -> None:
@@ -57,7 +58,10 @@ class Dispatcher:
         self.colocated = clients(config.colocated_addrs, "colocated")
         self.prefill = clients(config.prefill_addrs, "prefill")
         self.decode = clients(config.decode_addrs, "decode")
-        self.prefill_policy = prefill_policy or LeastLoadedPrefill()
+        self.prefill_policy = prefill_policy or CacheAwarePrefill()
+        self.prefix_index = PrefixIndex()
+        self.store_lookup = (StoreLookup(config.store_master_addr)
+                             if config.store_master_addr else None)
         self.decode_policy = decode_policy or MostFreeKVDecode()
         self.admission = admission or AdmissionPolicy(
             max_inflight_per_worker=config.max_inflight_per_worker,
@@ -75,6 +79,8 @@ class Dispatcher:
     async def close(self) -> None:
         for worker in self.workers:
             await worker.close()
+        if self.store_lookup is not None:
+            self.store_lookup.close()
         self.context.term()
 
     def is_ready(self) -> bool:
@@ -82,13 +88,33 @@ class Dispatcher:
             return any(w.is_ready for w in self.prefill) and any(w.is_ready for w in self.decode)
         return any(w.is_ready for w in self.colocated)
 
-    def admit(self, ctx: RouteContext) -> WorkerClient:
+    @property
+    def first_pool(self) -> list[WorkerClient]:
+        """Where requests start: prefill workers, or colocated ones."""
+        return self.prefill if self.config.is_disaggregated else self.colocated
+
+    async def route_context(self, prompt_token_ids: list[int], cache_salt: str | None
+                            ) -> tuple[RouteContext, list[bytes]]:
+        """How much of the prompt is cached, in the store and on each first-pool worker."""
+        status = next((w.status for w in self.first_pool if w.is_ready and w.status), None)
+        if status is None or not status.kv_layout:
+            return RouteContext(len(prompt_token_ids)), []
+        keys = request_block_keys(prompt_token_ids, status.kv_layout, status.model, cache_salt)
+        block_size = int(status.kv_layout["block_size"])
+        num_store = 0
+        if self.store_lookup is not None:
+            num_store = await self.store_lookup.num_cached_blocks(keys) * block_size
+        per_worker = {w.address: self.prefix_index.num_leading_blocks(keys, w.address)
+                      * block_size for w in self.first_pool}
+        return RouteContext(len(prompt_token_ids), num_store, per_worker), keys
+
+    def admit(self, ctx: RouteContext, keys: list[bytes]) -> WorkerClient:
         """Pick the first worker for a request, or raise NoWorkerAvailable / Overloaded."""
-        pool = self.prefill if self.config.is_disaggregated else self.colocated
-        worker = self.prefill_policy.choose(pool, ctx)
+        worker = self.prefill_policy.choose(self.first_pool, ctx)
         if self.config.is_disaggregated and not any(w.is_ready for w in self.decode):
             raise NoWorkerAvailable("no decode worker is ready")
         self.admission.check(worker, ctx)
+        self.prefix_index.record(keys, worker.address)  # it is about to compute them
         return worker
 
     async def run(

@@ -45,6 +45,10 @@ class RouterMetrics:
         self.generation_tokens = counter("pdserve:generation_tokens_total", "Generated tokens")
         self.cached_tokens = counter("pdserve:prompt_tokens_cached_total",
                                      "Prompt tokens served from a prefix cache")
+        self.external_queries = counter("pdserve:external_prefix_cache_queries_total",
+                                        "Prompt tokens looked up in the KV store")
+        self.external_hits = counter("pdserve:external_prefix_cache_hits_total",
+                                     "Prompt tokens the KV store already held")
         self.success = counter("pdserve:request_success_total", "Finished requests",
                                ["finished_reason"])
         self.rejected = counter("pdserve:request_rejected_total",

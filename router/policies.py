@@ -1,15 +1,16 @@
 """Routing and admission policies: objects the router is given, not flags in its loop.
 
-Prefill workers are scored by the prompt's cached prefix (from the store master, and in the
-future each worker's own prefix cache) and by load; decode workers by free KV blocks and
-batch size. Admission predicts a request's TTFT from the chosen prefill worker's queue and
-measured step times and rejects early (HTTP 429/503) instead of queueing without bound.
+Prefill workers are scored by the prompt's cached prefix (the store master's answer and the
+router's index of what each worker recently computed) and by load; decode workers by free KV
+blocks and batch size. Admission predicts a request's TTFT from the chosen prefill worker's
+queue and measured step times and rejects early (HTTP 429/503) instead of queueing without
+bound.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.router.worker_client import WorkerClient
 
@@ -25,19 +26,35 @@ class Overloaded(RuntimeError):
 @dataclass(frozen=True)
 class RouteContext:
     num_prompt_tokens: int
-    num_store_cached_tokens: int
-    """Leading prompt tokens whose KV blocks the store already holds."""
+    num_store_cached_tokens: int = 0
+    """Leading prompt tokens whose KV blocks the fleet-wide store already holds."""
+    num_worker_cached_tokens: dict[str, int] = field(default_factory=dict)
+    """Per prefill worker address: leading prompt tokens it recently computed."""
+
+    def num_cached_tokens(self, worker: WorkerClient) -> int:
+        return max(self.num_worker_cached_tokens.get(worker.address, 0),
+                   self.num_store_cached_tokens)
 
 
-class LeastLoadedPrefill:
-    """Prefill score: fewer queued prompt tokens first; a shared-store hit helps every worker
-    alike, so it lowers the predicted work rather than picking a worker."""
+@dataclass(frozen=True)
+class CacheAwarePrefill:
+    """Prefill score: the tokens this worker would have to compute (prompt minus the prefix
+    it or the store already holds) plus a penalty per request already on it. With no cache
+    information it is least-loaded routing."""
+
+    load_penalty_tokens: int = 512
+    """How many prompt tokens of prefix reuse one queued request is worth."""
 
     def choose(self, workers: Sequence[WorkerClient], ctx: RouteContext) -> WorkerClient:
         ready = [w for w in workers if w.is_ready]
         if not ready:
             raise NoWorkerAvailable("no prefill worker is ready")
-        return min(ready, key=lambda w: (w.num_inflight + _queued(w), w.address))
+
+        def cost(w: WorkerClient) -> tuple[int, str]:
+            compute = ctx.num_prompt_tokens - ctx.num_cached_tokens(w)
+            return compute + self.load_penalty_tokens * (w.num_inflight + _queued(w)), w.address
+
+        return min(ready, key=cost)
 
 
 class MostFreeKVDecode:
@@ -81,9 +98,11 @@ class AdmissionPolicy:
 
 
 def predicted_ttft_s(worker: WorkerClient, ctx: RouteContext) -> float:
-    """Queue ahead (in steps) times the measured prefill step time, plus this prompt's own."""
+    """Requests ahead times the measured prefill step time, plus this prompt's own share
+    (scaled by the fraction of it that is not cached)."""
     status = worker.status
     if status is None or status.prefill_step_s <= 0:
         return 0.0
-    steps_ahead = worker.num_inflight + status.num_waiting
-    return (steps_ahead + 1) * status.prefill_step_s
+    ahead = worker.num_inflight + status.num_waiting
+    uncached = 1.0 - ctx.num_cached_tokens(worker) / max(ctx.num_prompt_tokens, 1)
+    return (ahead + uncached) * status.prefill_step_s

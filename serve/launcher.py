@@ -88,6 +88,8 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
             "store", "--role", "all", "--master-port", str(args.store_port),
             "--data-port", str(args.store_port + 1)]))
     router_argv = ["router", "--model", model_dir, "--host", args.host, "--port", str(args.port)]
+    if store_addr:
+        router_argv += ["--store-master", master_addr]
     port = args.worker_base_port
     roles = ([("colocated", 1, args.prefill_tp)] if args.mode == "colocated" else
              [("prefill", args.num_prefill, args.prefill_tp),

@@ -145,3 +145,18 @@ def test_bad_requests_get_openai_errors(cluster):
     assert r.status_code == 413
     # and the server still serves
     assert _complete(cluster.base_url, prompt="ok", max_tokens=2)["usage"]["completion_tokens"]
+
+
+def test_metrics_exposed(cluster):
+    _complete(cluster.base_url, prompt=PROMPTS[1], max_tokens=4)
+    text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+    for name in ("pdserve:time_to_first_token_seconds_bucket",
+                 "pdserve:request_time_per_output_token_seconds_bucket",
+                 "pdserve:e2e_request_latency_seconds_count", "pdserve:kv_cache_usage_perc",
+                 "pdserve:num_requests_waiting", "pdserve:prompt_tokens_total"):
+        assert name in text, name
+    if any(w["role"] == "prefill" for w in cluster.status()["workers"]):
+        # the shared-prefix requests found their prefix in the fleet-wide store
+        hits = [line for line in text.splitlines()
+                if line.startswith("pdserve:external_prefix_cache_hits_total{")]
+        assert hits and float(hits[0].split()[-1]) > 0, hits
