@@ -18,6 +18,7 @@ gloo notices the closed connection, and every collective has a timeout.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import socket
@@ -38,11 +39,12 @@ from pdserve.serve.batch import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.kv_cache import KVCachePool, num_blocks_for
 from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
-from pdserve.serve.parallel import TPGroup, init_tp_group
+from pdserve.serve.parallel import Rendezvous, TPGroup, init_tp_group
 
 logger = logging.getLogger(__name__)
 
-DIST_TIMEOUT_S = 600.0  # rendezvous, weight loading barrier, and every collective
+DIST_TIMEOUT_S = 300.0  # every collective (a step, a heartbeat) must finish within this
+START_TIMEOUT_S = 1800.0  # spawning workers and loading weights on every rank
 JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for a worker before terminating it
 MAX_MESSAGE_BYTES = 1 << 30
 
@@ -62,14 +64,33 @@ def encode_step(step: StepInput | None) -> bytes:
 PING = msgpack.packb({"kind": "ping"})
 
 
-def decode_message(data: bytes) -> StepInput | str:
-    """StepInput for a step, or the kind ("stop" / "ping"); ValueError when malformed."""
+@dataclasses.dataclass(frozen=True)
+class KVCommand:
+    """Rank 0 asks every rank to take part in moving whole-head KV blocks (hand-off)."""
+
+    kind: str  # "read_kv" (gather to rank 0) | "write_kv" (broadcast from rank 0)
+    block_ids: list[int]
+
+
+def encode_kv_command(command: KVCommand) -> bytes:
+    return msgpack.packb({"kind": command.kind, "block_ids": command.block_ids})
+
+
+def decode_message(data: bytes) -> StepInput | KVCommand | str:
+    """StepInput for a step, a KVCommand, or the kind ("stop" / "ping"); ValueError when
+    malformed."""
     try:
         message = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ValueError(f"undecodable control message: {exc}") from exc
-    if not isinstance(message, dict) or message.get("kind") not in ("step", "stop", "ping"):
-        raise ValueError("control message must be a map with kind step|stop|ping")
+    kinds = ("step", "stop", "ping", "read_kv", "write_kv")
+    if not isinstance(message, dict) or message.get("kind") not in kinds:
+        raise ValueError(f"control message must be a map with kind in {kinds}")
+    if message["kind"] in ("read_kv", "write_kv"):
+        block_ids = message.get("block_ids")
+        if not isinstance(block_ids, list) or not all(isinstance(b, int) for b in block_ids):
+            raise ValueError("a KV command needs a list of integer block_ids")
+        return KVCommand(message["kind"], block_ids)
     if message["kind"] != "step":
         return message["kind"]
     chunks = []
@@ -93,7 +114,7 @@ class _Rank:
     """One TP rank's model and KV pool, and the step it runs (identical on every rank)."""
 
     def __init__(self, spec: ModelSpec, cache_config: CacheConfig, tp: TPGroup,
-                 device: torch.device, tp_size: int) -> None:
+                 device: torch.device) -> None:
         self.spec = spec
         self.tp = tp
         self.device = device
@@ -121,6 +142,27 @@ class _Rank:
         if logits_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, logits_rows))
+
+    def read_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's heads of the blocks: [layers, 2, n, block_size, local heads, dim]."""
+        return torch.stack(self.pool.read_blocks(block_ids))
+
+    def write_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
+        """Write this rank's head slice of whole-head blocks [layers, 2, n, bs, heads, dim]."""
+        heads = self.pool.kv_caches[0].shape[3]
+        mine = full[:, :, :, :, self.tp.rank * heads:(self.tp.rank + 1) * heads]
+        self.pool.write_blocks(block_ids, list(mine.unbind(0)))
+
+    def serve_kv_command(self, command: KVCommand, control: Any) -> None:
+        """A non-zero rank's part of ModelRunner.read_kv_blocks / write_kv_blocks."""
+        if command.kind == "read_kv":
+            dist.gather(self.read_kv(command.block_ids).cpu(), None, dst=0, group=control)
+        else:
+            spec = self.spec
+            full = torch.empty(spec.num_layers, 2, len(command.block_ids), self.block_size,
+                               spec.num_kv_heads, spec.head_dim, dtype=spec.torch_dtype)
+            dist.broadcast(full, src=0, group=control)
+            self.write_kv(command.block_ids, full.to(self.device))
 
     def validate(self, step: StepInput) -> None:
         """Reject a step rank 0 cannot run before any rank starts it (no half-done steps)."""
@@ -154,7 +196,7 @@ def _free_port(host: str) -> int:
 
 
 def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
-                parallel_config: ParallelConfig, timeout_s: float,
+                parallel_config: ParallelConfig, timeout_s: float, start_timeout_s: float,
                 peers_alive: Callable[[], bool] | None = None) -> tuple[_Rank, Any]:
     """Join the group, load this rank's shard; returns the rank and its control group."""
     size = parallel_config.tensor_parallel_size
@@ -164,18 +206,21 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
     elif size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     backend = parallel_config.backend or ("nccl" if device.type == "cuda" else "gloo")
-    assert parallel_config.master_port is not None
-    tp = init_tp_group(rank, size, backend, parallel_config.master_addr,
-                       parallel_config.master_port, timeout_s, peers_alive)
-    control = None
+    rendezvous = None
     if size > 1:
-        import datetime
-
-        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        assert parallel_config.master_port is not None
+        rendezvous = Rendezvous(rank, size, parallel_config.master_addr,
+                                parallel_config.master_port, start_timeout_s)
+    tp = init_tp_group(rendezvous, backend, timeout_s, peers_alive)
+    control = None
+    if rendezvous is not None:
+        control = dist.new_group(backend="gloo",
+                                 timeout=datetime.timedelta(seconds=timeout_s))
     spec = load_model_spec(model_config)
-    state = _Rank(spec, cache_config, tp, device, size)
-    if control is not None:
-        dist.barrier(group=control)  # every rank loaded: the first step cannot wait on loading
+    state = _Rank(spec, cache_config, tp, device)
+    if rendezvous is not None:
+        # Every rank loaded before any waits on a step: loading may outlast a collective.
+        rendezvous.arrive_and_wait("loaded", peers_alive)
     return state, control
 
 
@@ -191,9 +236,11 @@ def _receive(control: Any) -> bytes:
 
 
 def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
-                 parallel_config: ParallelConfig, timeout_s: float) -> None:
+                 parallel_config: ParallelConfig, timeout_s: float, start_timeout_s: float
+                 ) -> None:
     logging.basicConfig(level=envs.log_level())
-    state, control = _setup_rank(rank, model_config, cache_config, parallel_config, timeout_s)
+    state, control = _setup_rank(rank, model_config, cache_config, parallel_config, timeout_s,
+                                 start_timeout_s)
     try:
         while True:
             message = decode_message(_receive(control))
@@ -201,6 +248,8 @@ def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig
                 break
             if isinstance(message, StepInput):
                 state.execute(message)
+            elif isinstance(message, KVCommand):
+                state.serve_kv_command(message, control)
     finally:
         dist.destroy_process_group()
 
@@ -213,7 +262,8 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  parallel_config: ParallelConfig | None = None,
-                 dist_timeout_s: float = DIST_TIMEOUT_S) -> None:
+                 dist_timeout_s: float = DIST_TIMEOUT_S,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         parallel_config = parallel_config or ParallelConfig()
         size = parallel_config.tensor_parallel_size
         if parallel_config.master_port is None:
@@ -235,12 +285,13 @@ class ModelRunner:
             for rank in range(1, size):
                 worker = context.Process(
                     target=_worker_main, name=f"pdserve-tp{rank}", daemon=True,
-                    args=(rank, model_config, cache_config, parallel_config, dist_timeout_s),
+                    args=(rank, model_config, cache_config, parallel_config, dist_timeout_s,
+                          start_timeout_s),
                 )
                 worker.start()
                 self._workers.append(worker)
             self._rank, self._control = _setup_rank(
-                0, model_config, cache_config, parallel_config, dist_timeout_s,
+                0, model_config, cache_config, parallel_config, dist_timeout_s, start_timeout_s,
                 peers_alive=lambda: all(w.is_alive() for w in self._workers),
             )
         except BaseException:
@@ -279,6 +330,37 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         return logits.float().cpu()
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Copies of the blocks with every KV head (all ranks' shards gathered), per layer
+        [2, n, block_size, num_kv_heads, head_dim] on the host: the TP-independent layout
+        the KV hand-off moves."""
+        local = self._rank.read_kv(list(block_ids))  # [L, 2, n, bs, local heads, D]
+        if self._tp_size == 1:
+            return list(local.cpu().unbind(0))
+        self._check_kv_split()
+        with self._send_lock:
+            self._send_locked(encode_kv_command(KVCommand("read_kv", list(block_ids))))
+            parts = [torch.empty_like(local, device="cpu") for _ in range(self._tp_size)]
+            dist.gather(local.cpu(), parts, dst=0, group=self._control)
+        return list(torch.cat(parts, dim=4).unbind(0))
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
+        """Inverse of read_kv_blocks: per layer [2, n, block_size, num_kv_heads, head_dim];
+        every rank keeps its own heads (so the writer's TP degree does not matter)."""
+        full = torch.stack([b.to(self.spec.torch_dtype) for b in blocks]).cpu().contiguous()
+        if self._tp_size > 1:
+            self._check_kv_split()
+            with self._send_lock:
+                self._send_locked(encode_kv_command(KVCommand("write_kv", list(block_ids))))
+                dist.broadcast(full, src=0, group=self._control)
+        self._rank.write_kv(list(block_ids), full.to(self.device))
+
+    def _check_kv_split(self) -> None:
+        self._check_workers()
+        if self.spec.num_kv_heads % self._tp_size:
+            raise ValueError(f"moving KV blocks needs num_kv_heads ({self.spec.num_kv_heads}) "
+                             f"divisible by the TP size ({self._tp_size})")
+
     def shutdown(self) -> None:
         """Stop workers (stop message, join, terminate) and leave the process group."""
         if self._closed:
@@ -296,11 +378,14 @@ class ModelRunner:
 
     def _send(self, payload: bytes) -> None:
         with self._send_lock:
-            dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0,
-                           group=self._control)
-            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0,
-                           group=self._control)
-            self._last_send_s = time.monotonic()
+            self._send_locked(payload)
+
+    def _send_locked(self, payload: bytes) -> None:
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0,
+                       group=self._control)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0,
+                       group=self._control)
+        self._last_send_s = time.monotonic()
 
     def _heartbeat_loop(self) -> None:
         while not self._stop_heartbeat.wait(self._heartbeat_s / 2):
