@@ -106,16 +106,17 @@ def _prefill_attention_kernel(
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _launch_config(head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
+def _launch_config(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter's cost is per program and
-    per loop step, so it gets 64x64 tiles. On sm90, 128 query rows per program amortise each
-    gathered K/V tile over more rows; ptxas reports 196 registers and no spills for head_dim
-    128 (8 warps, 3 stages, ~96 KiB shared memory) and 128 registers for head_dim 64, while
-    4 warps or 128-wide K/V tiles spill (see tests/test_kernels_compile.py)."""
-    if interpreted:
+    per loop step, so it gets 64x64 tiles. On GPU, 128 query rows per program amortise each
+    gathered K/V tile over more rows. ptxas, for head_dim 128 with 8 warps: sm90 196
+    registers, no spills, ~96 KiB shared memory with 3 stages; sm80 needs 2 stages to stay
+    unspilled; 4 warps or 128-wide K/V tiles spill (tests/test_kernels_compile.py)."""
+    if device.type != "cuda":
         return 64, 64, 4, 1
+    num_stages = 3 if torch.cuda.get_device_capability(device)[0] >= 9 else 2
     if head_dim <= 128:
-        return 128, 64, 8, 3
+        return 128, 64, 8, num_stages
     return 64, 32, 8, 2
 
 
@@ -137,7 +138,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config_m, config_n, num_warps, num_stages = _launch_config(head_dim, interpreted)
+    config_m, config_n, num_warps, num_stages = _launch_config(head_dim, query.device)
     block_m, block_n = block_m or config_m, block_n or config_n
     block_tables = block_tables.to(torch.int32)
     grid = (num_tokens // block_m + num_seqs, num_heads)

@@ -1,0 +1,124 @@
+"""The Triton kernels compile for real GPUs, checked on a machine without one.
+
+The interpreter tests (test_kernels_triton.py) check values but never run Triton's compiler,
+which rejects things the interpreter accepts (types of loop-carried values, early returns,
+dot shapes). Triton compiles ahead of time for a named target with its bundled ptxas and no
+driver, so this file compiles every kernel, with the tile sizes its wrapper uses on GPU, for
+sm_90 (H100/H200) and sm_80 (A100), and asks ptxas whether registers spill.
+
+The compiler must run without TRITON_INTERPRET, which test_kernels_triton.py sets in this
+process, so the work happens in a child process running this file as a script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+# (kernel, dtype, constexprs, num_warps, num_stages, sm): the wrappers' GPU launch configs.
+PREFILL = "prefill_attention._prefill_attention_kernel"
+DECODE = "decode_attention._decode_attention_kernel"
+COMBINE = "decode_attention.combine_splits_kernel"
+MLA = "mla_decode._mla_decode_kernel"
+SCATTER = "kv_cache_write._scatter_rows_kernel"
+CASES = [
+    (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
+                           UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90),
+    (PREFILL, "fp16", dict(PAGE_SIZE=32, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=64, BLOCK_D=64,
+                           UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90),
+    (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
+                           UPCAST=False, DOT_PRECISION="tf32"), 8, 2, 80),
+    (DECODE, "bf16", dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
+                          IS_SPLIT=True, UPCAST=False, DOT_PRECISION="tf32"), 4, 2, 90),
+    (COMBINE, "bf16", dict(BLOCK_SPLITS=32, HEAD_DIM=128, BLOCK_D=128), 4, 2, 90),
+    (MLA, "bf16", dict(PAGE_SIZE=64, BLOCK_H=16, BLOCK_N=32, RANK=512, ROPE_DIM=64,
+                       BLOCK_R=512, BLOCK_P=64, IS_SPLIT=True, UPCAST=False,
+                       DOT_PRECISION="tf32"), 8, 2, 90),
+    (SCATTER, "bf16", dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), 4, 2, 90),
+]
+FLOAT_ARGS = ("qk_scale",)
+INT64_POINTERS = ("slot_mapping_ptr",)
+INT32_POINTERS = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
+FP32_POINTERS = ("partial_out_ptr", "partial_lse_ptr")
+
+
+def _compile_all() -> list[dict]:
+    """Child process: compile CASES, return ptxas' register and spill counts per case."""
+    import importlib
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results = []
+    for name, dtype, constexprs, num_warps, num_stages, sm in CASES:
+        module_name, kernel_name = name.split(".")
+        kernel = getattr(importlib.import_module(f"pdserve.kernels.{module_name}"), kernel_name)
+        signature, attrs = {}, {}
+        for i, arg in enumerate(inspect.signature(kernel.fn).parameters):
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+                continue
+            if arg.endswith("_ptr"):
+                signature[arg] = ("*i64" if arg in INT64_POINTERS else "*i32"
+                                  if arg in INT32_POINTERS else "*fp32"
+                                  if arg in FP32_POINTERS else f"*{dtype}")
+            else:
+                signature[arg] = "fp32" if arg in FLOAT_ARGS else "i32"
+            if arg.endswith("_ptr") or arg.startswith("stride"):
+                # What Triton's launcher specialises for 16-byte aligned pointers and strides
+                # divisible by 16 (every cache layout with head_dim 64/128): vector loads.
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", sm, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+        results.append({"kernel": name, "sm": sm, "shared_bytes": compiled.metadata.shared,
+                        **_ptxas_usage(compiled.asm["ptx"], sm)})
+    return results
+
+
+def _ptxas_usage(ptx: str, sm: int) -> dict:
+    import triton
+
+    tool = triton.knobs.nvidia.ptxas_blackwell if sm >= 90 else triton.knobs.nvidia.ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch = f"sm_{sm}a" if sm >= 90 else f"sm_{sm}"
+        log = subprocess.run([tool.path, "-v", f"--gpu-name={arch}", src, "-o",
+                              os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spill_bytes": int(spills.group(1)) if spills else 0}
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_and_sm80_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
+                          timeout=240)
+    if done.returncode != 0 and "ptxas" in done.stderr and "No such file" in done.stderr:
+        pytest.skip("this Triton install has no bundled ptxas")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["kernel"] for r in results] == [c[0] for c in CASES]
+    for r in results:
+        assert r["spill_bytes"] == 0, r
+        assert r["shared_bytes"] <= 227 * 1024, r  # sm90's per-block shared memory limit
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
