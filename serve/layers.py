@@ -118,14 +118,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, H, D]; key [T, Hkv, D] -> rotated (query, key)."""
-        cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
-        sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
-        return _apply_rotary(query, cos, sin, self.rotary_dim), _apply_rotary(
-            key, cos, sin, self.rotary_dim
-        )
+        """cos, sin [T, 1, rotary_dim] for positions [T]: gathered once per step, not per layer."""
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, H, D], key [T, Hkv, D] -> rotated (query, key)."""
+        cos, sin = cos_sin
+        return (_apply_rotary(query, cos, sin, self.rotary_dim),
+                _apply_rotary(key, cos, sin, self.rotary_dim))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

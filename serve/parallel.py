@@ -41,33 +41,53 @@ class TPGroup:
         return x
 
 
-def init_tp_group(rank: int, size: int, backend: str, master_addr: str, master_port: int,
-                  timeout_s: float, peers_alive: Callable[[], bool] | None = None) -> TPGroup:
-    """Join the process group; a timeout bounds the rendezvous and every collective.
+class Rendezvous:
+    """The TP group's key-value store (hosted by rank 0) and the stages every rank passes.
 
-    Rank 0 hosts the rendezvous store and waits until every worker has checked in, polling
-    `peers_alive` so a worker that dies while starting fails the wait at once instead of
-    after the timeout.
+    Starting can take long (spawning, importing torch, reading a big checkpoint), far longer
+    than a collective should ever wait, so the start is synchronised here with its own
+    timeout and not with collectives. Rank 0 polls `peers_alive`, so a worker that dies
+    while starting fails the wait at once; workers notice a dead rank 0 by its store closing.
     """
-    if size == 1:
-        return TPGroup(rank=0, size=1)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size=size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
-    if rank == 0:
-        ready_keys = [f"pdserve/tp_ready/{r}" for r in range(1, size)]
-        deadline = time.monotonic() + timeout_s
-        while not store.check(ready_keys):
+
+    def __init__(self, rank: int, size: int, master_addr: str, master_port: int,
+                 start_timeout_s: float) -> None:
+        self.rank = rank
+        self.size = size
+        self.start_timeout_s = start_timeout_s
+        self.store = dist.TCPStore(
+            master_addr, master_port, world_size=size, is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False,
+        )
+
+    def arrive_and_wait(self, stage: str, peers_alive: Callable[[], bool] | None = None
+                        ) -> None:
+        """Mark this rank at `stage`, then wait until every rank is there."""
+        self.store.set(f"pdserve/{stage}/{self.rank}", "1")
+        keys = [f"pdserve/{stage}/{r}" for r in range(self.size)]
+        if self.rank != 0:
+            self.store.wait(keys)  # bounded by the store's timeout
+            return
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.store.check(keys):
             if peers_alive is not None and not peers_alive():
-                raise RuntimeError("a tensor-parallel worker died while starting")
+                raise RuntimeError(f"a tensor-parallel worker died before {stage!r}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"TP workers did not start within {timeout_s:.0f} s")
+                raise TimeoutError(f"TP workers did not reach {stage!r} within "
+                                   f"{self.start_timeout_s:.0f} s")
             time.sleep(0.05)
-    else:
-        store.set(f"pdserve/tp_ready/{rank}", "1")
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size,
-                            timeout=timeout)
-    return TPGroup(rank=rank, size=size)
+
+
+def init_tp_group(rendezvous: Rendezvous | None, backend: str, timeout_s: float,
+                  peers_alive: Callable[[], bool] | None = None) -> TPGroup:
+    """Join the process group (None: a single rank); every collective times out."""
+    if rendezvous is None or rendezvous.size == 1:
+        return TPGroup(rank=0, size=1)
+    rendezvous.arrive_and_wait("started", peers_alive)
+    dist.init_process_group(backend=backend, store=rendezvous.store, rank=rendezvous.rank,
+                            world_size=rendezvous.size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(rank=rendezvous.rank, size=rendezvous.size)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:

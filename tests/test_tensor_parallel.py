@@ -7,6 +7,7 @@ halves), which moves fp32 logits by ~1e-6 on these models.
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,16 @@ def test_merged_row_and_vocab_shards_reassemble() -> None:
     emb = _shards(lambda tp: VocabParallelEmbedding(5, 3, tp), [("weight", table)], 2)
     assert torch.equal(torch.cat([e.weight for e in emb])[:5], table)
     assert torch.count_nonzero(emb[1].weight[2]) == 0
+
+
+def test_idle_longer_than_collective_timeout_keeps_workers(llama_dir: Path) -> None:
+    """Workers block in a receive between steps; heartbeats keep that under the timeout."""
+    step = StepInput([SeqChunk("a", [1, 2, 3], 0, [0], True)])
+    with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(block_size=8, num_blocks=4),
+                     ParallelConfig(tensor_parallel_size=2, device="cpu"),
+                     dist_timeout_s=3.0) as runner:
+        first = runner.execute(step)
+        time.sleep(4.5)  # > dist_timeout_s with no step: only heartbeats cross
+        runner._check_workers()
+        torch.testing.assert_close(runner.execute(step), first, atol=0, rtol=0)
+    assert multiprocessing.active_children() == []

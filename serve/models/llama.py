@@ -56,8 +56,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
                               backend_name)
 
-    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-                ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D] for this rank's heads
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(meta.positions, q, k)
+        q, k = self.rotary_emb(cos_sin, q, k)
         out = self.attn(q, k, v.contiguous(), kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -97,10 +97,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config["hidden_size"], eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, kv_cache, meta)
+        hidden = self.self_attn(hidden, kv_cache, meta, cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -112,6 +112,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf_config["vocab_size"],
                                                    hf_config["hidden_size"], tp)
         rotary_emb = RotaryEmbedding(head_dim_of(hf_config), max_positions, hf_config)
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, rotary_emb, qkv_bias, tp, backend_name)
             for _ in range(hf_config["num_hidden_layers"])
@@ -121,9 +122,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
