@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.serve.block_manager import BlockManager
@@ -37,6 +38,26 @@ from pdserve.serve.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 HandoffHook = Callable[[Request, KVHandoff], None]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics and load reports (counters are totals since start)."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    """Allocatable blocks: free plus evictable cached ones."""
+    num_cached_blocks: int
+    num_preemptions: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the pool held by requests (vLLM's kv_cache_usage_perc / 100)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
 
 class Engine:
@@ -251,6 +272,15 @@ class Engine:
             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens or 0)
 
     # ---- state --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        scheduler, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks, num_preemptions=scheduler.num_preemptions,
+            num_prefix_queried_tokens=scheduler.num_prefix_queried_tokens,
+            num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -73,7 +73,11 @@ class LLM:
             for request in requests:
                 self.engine.submit(request)
             while self.engine.has_unfinished_requests():
-                for delta in self.engine.step():
+                deltas = self.engine.step()
+                if not deltas and not self.engine.scheduler.running:
+                    raise RuntimeError("the engine made no progress: waiting requests fit "
+                                       "no free KV blocks")
+                for delta in deltas:
                     _accumulate(finals, delta)
         except BaseException:
             for request in requests:

@@ -53,6 +53,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Prefix-cache counters in tokens (vLLM's prefix_cache_queries / _hits), per admission.
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     # ---- admission ----------------------------------------------------------------------
     def check_admissible(self, request: Request) -> None:
@@ -155,6 +158,8 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             bm.allocate(request, num_cached + num_new)
             request.num_computed_tokens = num_cached
+            self.num_prefix_queried_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING

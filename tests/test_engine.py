@@ -63,6 +63,7 @@ def assert_all_free(engine: Engine) -> None:
     assert not engine.has_unfinished_requests()
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    assert engine.stats().kv_usage == 0.0
     bm.check_integrity()
 
 
@@ -102,7 +103,7 @@ def test_preemption_gives_the_same_tokens(reference) -> None:
     # the longest request needs ceil((100 + 32 - 1) / 8) = 17 blocks; the batch needs ~60
     with LLM(model_dir, block_size=8, num_kv_blocks=20, enable_prefix_caching=False) as llm:
         assert token_ids(llm.generate(prompts, GREEDY)) == expected
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.stats().num_preemptions > 0
         assert_all_free(llm.engine)
 
 
@@ -127,6 +128,9 @@ def test_prefix_caching_reuses_blocks_and_keeps_output(reference) -> None:
             outputs += engine.step()
         assert [t for o in outputs for t in o.outputs[0].token_ids] == expected[1]
         assert outputs[-1].num_cached_tokens == 48
+        stats = engine.stats()
+        assert (stats.num_prefix_hit_tokens, stats.num_prefix_queried_tokens) == \
+            (48, len(first) + len(second))
         assert out_first.outputs[0].token_ids == expected[0]
         assert_all_free(engine)
 
