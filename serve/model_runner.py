@@ -135,9 +135,10 @@ class _Rank:
             (t for c in step.chunks for t in c.token_ids), dtype=np.int64, count=step.num_tokens
         )
         input_ids = torch.from_numpy(token_ids).to(self.device)
-        need = torch.tensor([c.need_logits for c in step.chunks], dtype=torch.bool)
         # The last row of each chunk that samples: [number of chunks with need_logits]
-        logits_rows = (meta.cu_seqlens_q[1:].cpu().long() - 1)[need].to(self.device)
+        chunk_ends = np.cumsum([len(c.token_ids) for c in step.chunks]) - 1
+        need = np.array([c.need_logits for c in step.chunks], dtype=bool)
+        logits_rows = torch.from_numpy(chunk_ends[need]).to(self.device)
         hidden = self.model(input_ids, self.pool.kv_caches, meta)  # [T, hidden]
         if logits_rows.numel() == 0:
             return None
