@@ -407,14 +407,18 @@ class ModelRunner:
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=JOIN_TIMEOUT_S)
-        if (send_stop and not self._is_broken and self._workers
-                and all(w.is_alive() for w in self._workers)):
+        graceful = (send_stop and not self._is_broken and bool(self._workers)
+                    and all(w.is_alive() for w in self._workers))
+        if graceful:
             try:
                 self._send(encode_step(None))
             except Exception:
                 logger.exception("could not send stop to TP workers")
+                graceful = False
         for worker in self._workers:
-            worker.join(timeout=JOIN_TIMEOUT_S)
+            # Without a stop message a worker may sit in a wait that only a timeout ends.
+            if graceful:
+                worker.join(timeout=JOIN_TIMEOUT_S)
             if worker.is_alive():
                 worker.terminate()
                 worker.join(timeout=JOIN_TIMEOUT_S)

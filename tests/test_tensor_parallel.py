@@ -143,3 +143,14 @@ def test_idle_longer_than_collective_timeout_keeps_workers(llama_dir: Path) -> N
         runner._check_workers()
         torch.testing.assert_close(runner.execute(step), first, atol=0, rtol=0)
     assert multiprocessing.active_children() == []
+
+
+def test_failed_start_leaves_no_workers(llama_dir: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "no-weights"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4),
+                    ParallelConfig(tensor_parallel_size=2, device="cpu"))
+    assert multiprocessing.active_children() == []
+    assert not dist.is_initialized()
