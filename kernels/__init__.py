@@ -41,7 +41,7 @@ def default_backend_name() -> str:
 
 def _enable_interpreter_without_cuda() -> None:
     """Without CUDA, Triton kernels can only run interpreted, and `triton.jit` decides that
-    when a kernel is defined, so the flag must be set before the kernel modules import."""
+    when a function is defined, so the flag must be set before the kernel modules import."""
     if torch.cuda.is_available():
         return
     already = [m for m in _TRITON_MODULES if f"{__name__}.{m}" in sys.modules]
@@ -51,6 +51,28 @@ def _enable_interpreter_without_cuda() -> None:
             "without CUDA; set TRITON_INTERPRET=1 before importing pdserve.kernels.* modules"
         )
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" in sys.modules:
+        _reinterpret_triton_language()
+
+
+def _reinterpret_triton_language() -> None:
+    """Redefine Triton's own @jit library functions (tl.max, tl.sum, tl.zeros, tl.cdiv, ...)
+    as interpreted ones. Like every @jit function they chose compiled or interpreted when
+    defined, and torch._dynamo (which transformers pulls in) imports triton long before an
+    engine picks its attention backend; called from an interpreted kernel, a compiled one
+    raises "Cannot call @triton.jit'd outside of the scope of a kernel". Reloading re-runs
+    their definitions with the flag now set; tl's re-exports are then pointed at them."""
+    import importlib
+
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(tl.standard.zeros, InterpretedFunction):
+        return
+    for module in (tl.standard, tl.random):
+        for name, value in vars(importlib.reload(module)).items():
+            if isinstance(value, InterpretedFunction) and hasattr(tl, name):
+                setattr(tl, name, value)
 
 
 @functools.cache

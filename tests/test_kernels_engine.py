@@ -1,0 +1,74 @@
+"""The engine gives the same greedy tokens with the Triton attention backend as with torch.
+
+Without CUDA the Triton kernels run in the interpreter (get_attention_backend sets
+TRITON_INTERPRET=1 before defining them), so the model and the run are tiny: the conftest
+Llama (4 query heads, 2 KV heads, head_dim 16), two short prompts that share a prefix (the
+second request reuses cached blocks: prefill over a cached prefix plus new tokens), 8 tokens.
+Every call is counted, so the test fails if the Triton path was not the one that ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import pdserve.kernels
+from pdserve.serve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def counting_backends(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Wrap get_attention_backend so every backend call is tallied as 'backend.operation'."""
+    calls: Counter = Counter()
+    original = pdserve.kernels.get_attention_backend
+
+    def counted(name: str) -> pdserve.kernels.AttentionBackend:
+        backend = original(name)
+
+        def wrap(op: str):
+            fn = getattr(backend, op)
+
+            def call(*args, **kwargs):
+                calls[f"{name}.{op}"] += 1
+                return fn(*args, **kwargs)
+
+            return call
+
+        ops = ("write_kv_cache", "prefill_attention", "decode_attention")
+        return dataclasses.replace(backend, **{op: wrap(op) for op in ops})
+
+    monkeypatch.setattr(pdserve.kernels, "get_attention_backend", counted)
+    return calls
+
+
+def greedy_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    with LLM(model_dir, block_size=16, num_kv_blocks=32, max_num_seqs=4) as llm:
+        first = llm.generate(prompts[:1], GREEDY)  # leaves its full blocks in the prefix cache
+        rest = llm.generate(prompts[1:], GREEDY)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        llm.engine.block_manager.check_integrity()
+    return [out.outputs[0].token_ids for out in first + rest]
+
+
+def test_triton_backend_gives_torch_backend_tokens(llama_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(5, 200, (37,), generator=gen).tolist()
+    prompts = [shared, shared + torch.randint(5, 200, (6,), generator=gen).tolist(),
+               torch.randint(5, 200, (3,), generator=gen).tolist()]
+    calls = counting_backends(monkeypatch)
+
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
+    expected = greedy_tokens(llama_dir, prompts)
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "triton")
+    actual = greedy_tokens(llama_dir, prompts)
+
+    assert actual == expected
+    assert all(len(tokens) > 0 for tokens in actual)
+    for op in ("write_kv_cache", "prefill_attention", "decode_attention"):
+        assert calls[f"triton.{op}"] > 0 and calls[f"torch.{op}"] > 0, calls
