@@ -33,6 +33,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# Older configs without `architectures` still name their model_type.
+MODEL_TYPES: dict[str | None, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 # Checkpoints this large (or sharded) get a progress bar while loading.
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 
@@ -89,9 +95,10 @@ def load_model_spec(model_config: ModelConfig) -> ModelSpec:
                                 "checkpoint directory")
     hf = _read_json(config_path)
     architectures = hf.get("architectures") or []
-    if not architectures:
-        raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
-    architecture = architectures[0]
+    architecture = architectures[0] if architectures else MODEL_TYPES.get(hf.get("model_type"))
+    if architecture is None:
+        raise ValueError(f"{config_path} names no architecture ('architectures' is empty and "
+                         f"model_type {hf.get('model_type')!r} is not one pdserve knows)")
     if not is_supported(architecture):
         get_model_class(architecture)  # raises the ValueError listing what is supported
 

@@ -98,6 +98,13 @@ def test_unknown_architecture_is_rejected(llama_dir: Path, tmp_path: Path) -> No
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_model_spec(ModelConfig(str(model_dir)))
+    del config["architectures"]  # falls back to model_type
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert load_model_spec(ModelConfig(str(model_dir))).architecture == "LlamaForCausalLM"
+    config["model_type"] = "gpt2"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="names no architecture"):
+        load_model_spec(ModelConfig(str(model_dir)))
 
 
 def test_missing_weights_and_bad_lengths_are_rejected(llama_dir: Path, tmp_path: Path) -> None:
