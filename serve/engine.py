@@ -237,7 +237,8 @@ class Engine:
             if self.handoff_hook is not None:
                 self.handoff_hook(request, handoff)
         detokenizer = self._detokenizers.get(request.request_id)
-        if detokenizer is not None and not isinstance(request.stop_reason, str):
+        ends_text = status is not RequestStatus.FINISHED_HANDOFF
+        if detokenizer is not None and ends_text and not isinstance(request.stop_reason, str):
             detokenizer.flush()
         self.scheduler.finish_request(request.request_id, status)
         output = self._make_output(request)
@@ -250,7 +251,11 @@ class Engine:
         start = self._num_reported_tokens.get(request_id, 0)
         self._num_reported_tokens[request_id] = request.num_output_tokens
         detokenizer = self._detokenizers.get(request_id)
-        text = detokenizer.take_delta(request.is_finished) if detokenizer is not None else ""
+        # A hand-off is not the end of the text: hold back what the decode worker's own
+        # detokenizer will also hold back (a possible stop-string start), so the two workers'
+        # streams join without a gap or a repeat.
+        ends_text = request.is_finished and request.status is not RequestStatus.FINISHED_HANDOFF
+        text = detokenizer.take_delta(ends_text) if detokenizer is not None else ""
         logprobs, cumulative_logprob = None, None
         if request.sampling_params.logprobs is not None:
             logprobs = request.output_logprobs[start:]

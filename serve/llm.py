@@ -18,6 +18,7 @@ from pdserve.serve.request import CompletionOutput, RequestOutput
 from pdserve.serve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+PromptInput = str | list[int] | dict[str, Any]  # dicts as vLLM's TextPrompt / TokensPrompt
 ChatMessages = list[dict[str, str]]
 
 
@@ -50,9 +51,9 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -69,6 +70,11 @@ class LLM:
             self.engine.scheduler.check_admissible(request)
             requests.append(request)
         finals: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(requests), desc="requests", unit="req")
         try:
             for request in requests:
                 self.engine.submit(request)
@@ -79,15 +85,21 @@ class LLM:
                                        "no free KV blocks")
                 for delta in deltas:
                     _accumulate(finals, delta)
+                    if progress is not None and delta.finished:
+                        progress.update(1)
         except BaseException:
             for request in requests:
                 self.engine.abort_request(request.request_id)
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [finals[request.request_id] for request in requests]
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False
+             ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
@@ -95,7 +107,7 @@ class LLM:
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
             prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _new_request_id(self) -> str:
         self._next_request_id += 1
@@ -111,13 +123,26 @@ class LLM:
         self.shutdown()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+    """Strings, token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]  # one prompt given as token ids
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(prompt: object) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return str(prompt["prompt"])
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return [int(t) for t in prompt]  # type: ignore[union-attr]
 
 
 def _accumulate(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:

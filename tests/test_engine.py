@@ -166,7 +166,8 @@ def test_sampling_seeded_logprobs_chat_and_rejection(llama_dir: Path) -> None:
         seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=42, max_tokens=12,
                                 logprobs=3)
         alone = llm.generate([[5, 6, 7]], seeded)[0].outputs[0]
-        batched = llm.generate([[9] * 30, [5, 6, 7], [1, 2]], seeded)[1].outputs[0]
+        batched = llm.generate([{"prompt_token_ids": [9] * 30}, [5, 6, 7], "text"],
+                               seeded, use_tqdm=True)[1].outputs[0]
         assert alone.token_ids == batched.token_ids  # the seed, not the batch, decides
         assert len(alone.logprobs) == len(alone.token_ids)
         for token_id, entry in zip(alone.token_ids, alone.logprobs, strict=True):
@@ -195,16 +196,21 @@ def test_prefill_handoff_then_decode_equals_colocated(llama_dir: Path) -> None:
     def save_kv(request: Request, handoff: KVHandoff) -> None:
         saved[request.request_id] = prefill.runner.kv_pool.read_blocks(handoff.block_ids)
 
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
     model_config = ModelConfig(model=str(llama_dir))
     cache_config = CacheConfig(num_blocks=64)
     prefill = Engine(model_config, cache_config, scheduler_config=SchedulerConfig(
-        role="prefill"), handoff_hook=save_kv)
+        role="prefill"), tokenizer=tokenizer, handoff_hook=save_kv)
     decode = Engine(model_config, cache_config, scheduler_config=SchedulerConfig(
-        role="decode"))
+        role="decode"), tokenizer=tokenizer)
     try:
         with LLM(llama_dir, num_kv_blocks=64) as colocated:
-            for params in (GREEDY, SamplingParams(temperature=1.0, seed=7, max_tokens=20)):
-                expected = colocated.generate([prompt], params)[0].outputs[0].token_ids
+            for params in (GREEDY, SamplingParams(temperature=1.0, seed=7, max_tokens=20,
+                                                  stop=["never appears"])):
+                expected_out = colocated.generate([prompt], params)[0].outputs[0]
+                expected = expected_out.token_ids
                 prefill.add_request(prompt, params, request_id="r")
                 (first,) = prefill.step()
                 assert first.outputs[0].finish_reason == "handoff" and first.finished
@@ -215,10 +221,13 @@ def test_prefill_handoff_then_decode_equals_colocated(llama_dir: Path) -> None:
                 block_ids = decode.add_prefilled_request(
                     "r", prompt, params, handoff.output_token_ids)
                 decode.runner.kv_pool.write_blocks(block_ids, saved.pop("r"))
-                tokens = list(handoff.output_token_ids)
+                tokens, text = list(handoff.output_token_ids), first.outputs[0].text
                 while decode.has_unfinished_requests():
-                    tokens += [t for o in decode.step() for t in o.outputs[0].token_ids]
+                    for out in decode.step():
+                        tokens += out.outputs[0].token_ids
+                        text += out.outputs[0].text
                 assert tokens == expected
+                assert text == expected_out.text  # the two streams join seamlessly
                 assert_all_free(prefill)
                 assert_all_free(decode)
     finally:
