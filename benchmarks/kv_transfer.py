@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 _TIMEOUT_MS = 60_000
 _TARGET_BYTES = 256 * 1024 * 1024  # per size and transport: enough to amortise setup
-_WINDOW = 8  # transfers in flight per direction, as a batched load would have
 _TLS = {"ucx_shm": "sm,self", "ucx_tcp": "tcp,self"}
 
 
@@ -42,17 +41,25 @@ def num_iters(block_bytes: int) -> int:
 
 
 def pattern(block_bytes: int) -> np.ndarray:
-    return (np.arange(block_bytes, dtype=np.int64) % 251).astype(np.uint8)
+    return np.resize(np.arange(251, dtype=np.uint8), block_bytes)  # 0..250 repeating
+
+
+def landing_pool(block_bytes: int, n: int) -> list[np.ndarray]:
+    """One distinct, already touched buffer per transfer, like blocks of a large KV pool: the
+    copy lands in memory, not in a cache-resident buffer reused every time."""
+    return [np.ones(block_bytes, np.uint8) for _ in range(n)]
 
 
 def memcpy_gbps(block_bytes: int, warmup: int = 3) -> float:
-    src, dst = pattern(block_bytes), np.empty(block_bytes, np.uint8)
+    """The ceiling: one in-process copy per block into the same kind of landing pool."""
     n = num_iters(block_bytes)
-    for _ in range(warmup):
-        np.copyto(dst, src)
+    src = pattern(block_bytes)
+    pool = landing_pool(block_bytes, n + warmup)
+    for i in range(warmup):
+        np.copyto(pool[n + i], src)
     start = time.perf_counter()
-    for _ in range(n):
-        np.copyto(dst, src)
+    for i in range(n):
+        np.copyto(pool[i], src)
     return n * block_bytes / (time.perf_counter() - start) / 1e9
 
 
@@ -69,32 +76,32 @@ def _control(ctx: zmq.Context, role: str, port: int) -> zmq.Socket:
     return sock
 
 
-def run_ucx_end(role: str, port: int, tls: str, sizes: list[int], warmup: int) -> dict:
+def run_ucx_end(role: str, port: int, tls: str, sizes: list[int], warmup: int,
+                blocking: bool, window: int) -> dict:
     os.environ["UCX_TLS"] = tls  # before ucxx is imported (inside UcxDataPlane)
     from pdserve.kvstore.ucx_transport import UcxDataPlane
 
     ctx = zmq.Context()
     control = _control(ctx, role, port)
-    plane = UcxDataPlane(tls)
+    plane = UcxDataPlane(tls, blocking=blocking)
     control.send(plane.address)
     peer = plane.connect(control.recv())
     out: dict = {}
     for size in sizes:
         n = num_iters(size) + warmup
-        window = min(_WINDOW, n)
+        window = min(window, n)
         in_flight: deque = deque()
         if role == "recv":
-            # A ring of `window` landing buffers (pool blocks); a buffer is reposted only
-            # after the receive that used it completed.
-            bufs = [np.empty(size, np.uint8) for _ in range(window)]
+            pool = landing_pool(size, n)
             for i in range(n):
                 if len(in_flight) == window:
                     plane.wait([in_flight.popleft()], _TIMEOUT_MS / 1000)
-                in_flight.append(plane.recv(bufs[i % window], 1))
+                in_flight.append(plane.recv(pool[i], 1))
             plane.wait(list(in_flight), _TIMEOUT_MS / 1000)
-            expected = pattern(size)
-            out[str(size)] = all(np.array_equal(b[::997], expected[::997]) for b in bufs)
-            control.send(b"ack")
+            control.send(b"ack")  # before checking: the check is not part of the transfer
+            expected = pattern(size)[::997]
+            out[str(size)] = all(np.array_equal(b[::997], expected) for b in pool)
+            del pool
         else:
             data = pattern(size)
             for i in range(n):
@@ -130,12 +137,14 @@ def run_zmq_end(role: str, port: int, sizes: list[int], warmup: int) -> dict:
     for size in sizes:
         n = num_iters(size) + warmup
         if role == "recv":
-            buf = np.empty(size, np.uint8)
-            for _ in range(n):
+            pool = landing_pool(size, n)
+            for i in range(n):
                 frame = data_sock.recv(copy=False)
-                np.copyto(buf, np.frombuffer(frame.buffer, np.uint8))  # into the "pool"
-            out[str(size)] = bool(np.array_equal(buf[::997], pattern(size)[::997]))
+                np.copyto(pool[i], np.frombuffer(frame.buffer, np.uint8))
             control.send(b"ack")
+            expected = pattern(size)[::997]
+            out[str(size)] = all(np.array_equal(b[::997], expected) for b in pool)
+            del pool
         else:
             data = pattern(size)
             for i in range(n):
@@ -155,13 +164,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(transport: str, sizes: list[int], warmup: int,
-             tls: str | None = None) -> dict[int, float | None]:
+def run_pair(transport: str, sizes: list[int], warmup: int, tls: str | None = None,
+             progress: str = "blocking", window: int = 8) -> dict[int, float | None]:
     """GB/s per block size for one transport, from two fresh processes."""
     port = _free_port()
     base = [sys.executable, "-m", "pdserve.benchmarks.kv_transfer", "--transport", transport,
             "--port", str(port), "--sizes-bytes", ",".join(map(str, sizes)),
-            "--warmup", str(warmup), "--tls", tls or ""]
+            "--warmup", str(warmup), "--tls", tls or "", "--progress", progress,
+            "--window", str(window)]
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
     recv = subprocess.Popen([*base, "--role", "recv"], stdout=subprocess.PIPE, env=env)
     send = subprocess.Popen([*base, "--role", "send"], stdout=subprocess.PIPE, env=env)
@@ -190,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--shm-tls", default=_TLS["ucx_shm"], help="UCX_TLS of the shm run")
     parser.add_argument("--tcp-tls", default=_TLS["ucx_tcp"], help="UCX_TLS of the tcp run")
+    parser.add_argument("--progress", choices=("blocking", "polling"), default="blocking",
+                        help="UCX progress: epoll after a short spin, or pure busy polling")
+    parser.add_argument("--window", type=int, default=8,
+                        help="UCX transfers in flight per direction")
     parser.add_argument("--out", default="benchmarks/results/kv_transfer.json")
     # internal: one end of a pair
     parser.add_argument("--role", choices=("send", "recv"), help=argparse.SUPPRESS)
@@ -204,26 +218,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.transport == "zmq":
             out = run_zmq_end(args.role, args.port, sizes, args.warmup)
         else:
-            out = run_ucx_end(args.role, args.port, args.tls, sizes, args.warmup)
+            out = run_ucx_end(args.role, args.port, args.tls, sizes, args.warmup,
+                              args.progress == "blocking", args.window)
         print(json.dumps(out))
         return 0
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
     tls = {"ucx_shm": args.shm_tls, "ucx_tcp": args.tcp_tls, "zmq": None}
-    by_transport = {t: run_pair(t, sizes, args.warmup, tls[t]) for t in tls}
+    by_transport = {t: run_pair(t, sizes, args.warmup, tls[t], args.progress, args.window)
+                    for t in tls}
     results = []
     for size in sizes:
         row = {"block_bytes": size}
         for transport, gbps in by_transport.items():
             row[f"{transport}_gbps"] = None if gbps[size] is None else round(gbps[size], 3)
-        row["memcpy_gbps"] = round(memcpy_gbps(size), 3)
+        row["memcpy_gbps"] = round(memcpy_gbps(size, args.warmup), 3)
         if row["ucx_shm_gbps"] is not None:
             row["ucx_shm_vs_memcpy"] = round(row["ucx_shm_gbps"] / row["memcpy_gbps"], 3)
         results.append(row)
         print(f"{size // 1024:>6} KiB  " + "  ".join(
             f"{k}={v}" for k, v in row.items() if k != "block_bytes"), flush=True)
     summary = {"benchmark": "kv_transfer", "results": results, "ucx_tls": tls,
+               "ucx_progress": args.progress,
+               "window": args.window,
                "note": "two processes on one host; GB/s = 1e9 bytes/s"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
