@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,19 +16,17 @@ import httpx
 
 
 def free_port_block(count: int) -> int:
-    """A base port with `count` consecutive free ports after it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
+    """A base port with `count` consecutive free ports after it, below the kernel's ephemeral
+    range, so a port some process picks with bind(0) meanwhile cannot land inside it."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - count)
+        socks: list[socket.socket] = []
         try:
-            socks = []
-            for p in range(base, base + count):
+            for port in range(base, base + count):
                 sock = socket.socket()
-                sock.bind(("127.0.0.1", p))
                 socks.append(sock)
+                sock.bind(("127.0.0.1", port))
             return base
         except OSError:
             continue

@@ -160,3 +160,15 @@ def test_metrics_exposed(cluster):
         hits = [line for line in text.splitlines()
                 if line.startswith("pdserve:external_prefix_cache_hits_total{")]
         assert hits and float(hits[0].split()[-1]) > 0, hits
+
+
+def test_prefill_tp2_decode_tp1_same_tokens(llama_dir, reference, tmp_path_factory):
+    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("tp-logs"), "--mode", "disagg",
+                            "--prefill-tp", "2", "--decode-tp", "1", "--num-kv-blocks", "256")
+    try:
+        for prompt in PROMPTS:
+            body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,
+                             temperature=0)
+            assert body["choices"][0]["text"] == reference[prompt]
+    finally:
+        assert cluster.stop() == 0, cluster.log()
