@@ -155,3 +155,20 @@ def test_connector_over_the_store_server(tmp_path):
     finally:
         client.close()
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_round_trip_with_a_cuda_pool():
+    connector = make_in_process_connector(LAYOUT, dram_capacity_blocks=8)
+    prefill = [t.cuda() for t in make_pool(4, seed=5)]
+    keys = request_keys(2)
+    save_all_layers(connector, "p", keys, [3, 0], prefill)
+    assert wait_results(connector, 1)[0].num_blocks == 2
+    decode = [t.cuda() for t in make_pool(4)]
+    connector.start_load("d", keys, [1, 2], decode)
+    assert wait_results(connector, 1)[0].num_blocks == 2
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(decode[layer][:, 1], prefill[layer][:, 3])
+        assert torch.equal(decode[layer][:, 2], prefill[layer][:, 0])
+    connector.close()

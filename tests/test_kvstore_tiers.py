@@ -177,3 +177,18 @@ def test_master_lookup_prefix_heartbeats_and_leaving():
     master.leave("n1")
     assert master.num_blocks == 0 and master.nodes() == {}
     master.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tier_on_cuda_with_pinned_dram(tmp_path):
+    store = TieredStore.build(2, 2, str(tmp_path / "disk"), device_capacity_blocks=2,
+                              device="cuda")
+    for i in range(6):
+        assert store.put(key(i), block(i).cuda())
+    assert store.tiers[1].read(key(2)).is_pinned()  # DRAM is pinned host memory
+    for i in range(6):
+        got = store.get(key(i))
+        assert got.is_cuda and torch.equal(got.cpu(), block(i))
+    store.check_integrity()
+    store.close()
