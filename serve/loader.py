@@ -196,23 +196,26 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
     loaded_shards: dict[str, set[object]] = {}
 
     total_bytes = sum(path.stat().st_size for path in files)
+    num_tensors = 0
+    for path in files:  # headers only: sizes the progress bar
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            num_tensors += len(list(f.keys()))
     from tqdm.auto import tqdm
 
-    progress = tqdm(total=len(files), unit="shard", desc="loading weights",
+    progress = tqdm(total=num_tensors, unit="tensor", desc="loading weights",
                     disable=not show_progress or (len(files) == 1
                                                   and total_bytes < PROGRESS_MIN_BYTES))
     with progress:
         for path in files:
+            progress.set_postfix_str(path.name)
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                names = list(f.keys())
-                progress.set_postfix_str(path.name)
-                for name in names:
+                for name in f.keys():
+                    progress.update(1)
                     if name.endswith("rotary_emb.inv_freq") or (
                         tied and name == "lm_head.weight"
                     ):
                         continue  # recomputed / shared with the embedding
                     _load_one(params, packed, loaded_shards, name, f.get_tensor(name))
-            progress.update(1)
 
     # A fused parameter is complete once every one of its checkpoint parts arrived.
     missing = sorted(

@@ -97,6 +97,14 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src, refusing (with the shapes) what copy_ would broadcast or reject cryptically."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint shard {tuple(src.shape)} does not fit parameter shard "
+                         f"{tuple(dst.shape)}")
+    dst.copy_(src)
+
+
 def _new_param(*shape: int) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by its weight_loader.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -117,7 +125,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+        _copy_shard(param.data, loaded.narrow(0, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -140,7 +148,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                       ) -> None:
         part = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        param.data.narrow(0, offset, part).copy_(loaded.narrow(0, self.tp.rank * part, part))
+        _copy_shard(param.data.narrow(0, offset, part), loaded.narrow(0, self.tp.rank * part, part))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -175,7 +183,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_shard = self.tp.rank // self.num_kv_replicas
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, start = self.kv_size, kv_shard * self.kv_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        _copy_shard(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(nn.Module):
@@ -193,10 +201,10 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: added once, after the reduce
-            param.data.copy_(loaded)
+            _copy_shard(param.data, loaded)
             return
         shard = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * shard, shard))
+        _copy_shard(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(F.linear(x, self.weight))
@@ -222,7 +230,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rows = max(0, min(self.vocab_per_rank, loaded.shape[0] - self.vocab_start))
         param.data.zero_()
-        param.data.narrow(0, 0, rows).copy_(loaded.narrow(0, self.vocab_start, rows))
+        _copy_shard(param.data.narrow(0, 0, rows), loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

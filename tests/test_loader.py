@@ -50,7 +50,7 @@ def test_eos_ids_merge_generation_config(llama_dir: Path, tmp_path: Path) -> Non
     assert spec.eos_token_ids == (2, 7) and spec.max_model_len == 100
 
 
-def test_sharded_checkpoint_loads_and_matches(llama_dir: Path, tmp_path: Path) -> None:
+def test_sharded_checkpoint_loads_and_matches(llama_dir: Path, tmp_path: Path, capfd) -> None:
     from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
@@ -60,8 +60,10 @@ def test_sharded_checkpoint_loads_and_matches(llama_dir: Path, tmp_path: Path) -
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(checkpoint_files(sharded)) > 1
     tokens = list(range(5, 25))
-    torch.testing.assert_close(_last_logits(sharded, tokens), _last_logits(llama_dir, tokens),
-                               atol=0, rtol=0)
+    capfd.readouterr()
+    sharded_logits = _last_logits(sharded, tokens)
+    assert "loading weights" in capfd.readouterr().err  # progress bar over the shards
+    torch.testing.assert_close(sharded_logits, _last_logits(llama_dir, tokens), atol=0, rtol=0)
 
 
 def test_bf16_checkpoint_loads_as_bf16(make_model_dir) -> None:
@@ -121,6 +123,11 @@ def test_missing_weights_and_bad_lengths_are_rejected(llama_dir: Path, tmp_path:
     del tensors["model.layers.1.self_attn.v_proj.weight"]
     save_file(tensors, str(model_dir / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight"):
+        ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4))
+
+    tensors["model.layers.1.self_attn.v_proj.weight"] = torch.zeros(32, 63)  # wrong hidden size
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match="does not fit"):
         ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4))
 
 
