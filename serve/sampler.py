@@ -55,17 +55,24 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]],
     """
     num_rows, vocab_size = logits.shape
     output_counts = torch.zeros(num_rows, vocab_size, dtype=logits.dtype)
+    rows, ids = _flatten(output_ids)
+    output_counts.index_put_((rows, ids), torch.ones(len(ids), dtype=logits.dtype),
+                             accumulate=True)
     seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool)
-    for row in range(num_rows):
-        if output_ids[row]:
-            ids = torch.tensor(output_ids[row], dtype=torch.long)
-            output_counts[row].index_add_(0, ids, torch.ones(len(ids), dtype=logits.dtype))
-        seen[row, torch.tensor(prompt_ids[row], dtype=torch.long)] = True
+    seen[_flatten(prompt_ids)] = True
     seen |= output_counts > 0
     r = repetition.unsqueeze(1)
     logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
     logits = logits - frequency.unsqueeze(1) * output_counts
     return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def _flatten(rows_of_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of a ragged list of id lists, as two [N] long tensors."""
+    lengths = torch.tensor([len(ids) for ids in rows_of_ids], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(rows_of_ids)), lengths)
+    ids = torch.tensor([t for ids in rows_of_ids for t in ids], dtype=torch.long)
+    return rows, ids
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -77,10 +84,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Keep logits >= the k-th largest of the row (ties at the k-th are kept); 0 keeps all."""
-    vocab_size = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size).long()
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
+    k = top_k.long()
+    max_k = int(k.max().clamp(min=1, max=logits.shape[-1]))
+    top_values = logits.topk(max_k, dim=-1).values  # [B, max_k], descending
+    kth = top_values.gather(1, (k.clamp(1, max_k) - 1).unsqueeze(1))
+    kth = torch.where(k.unsqueeze(1) > 0, kth, float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
