@@ -39,7 +39,7 @@ from pdserve.serve.batch import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.kv_cache import KVCachePool, num_blocks_for
 from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
-from pdserve.serve.parallel import Rendezvous, TPGroup, init_tp_group
+from pdserve.serve.parallel import Rendezvous, TPGroup, init_tp_group, kv_heads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class _Rank:
         self.block_size = cache_config.block_size
         backend_name = default_backend_name(device)
         self.model = load_model(spec, tp, device, backend_name, show_progress=tp.rank == 0)
-        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        kv_heads = kv_heads_per_rank(spec.num_kv_heads, tp.size)
         # Sized from configs and the spec only, so every rank gets the same count.
         self.num_blocks = num_blocks_for(cache_config, spec.num_layers, kv_heads,
                                          spec.head_dim, spec.torch_dtype)

@@ -151,6 +151,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy_shard(param.data.narrow(0, offset, part), loaded.narrow(0, self.tp.rank * part, part))
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds (and caches): a split, or one replicated head past tp > heads."""
+    if tp_size <= num_kv_heads:
+        return _divide(num_kv_heads, tp_size, "num_key_value_heads")
+    _divide(tp_size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+    return 1
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused Q, K, V projections with attention heads split across ranks.
 
@@ -164,11 +172,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool, tp: TPGroup) -> None:
         self.head_dim = head_dim
         self.num_heads_per_rank = _divide(num_heads, tp.size, "num_attention_heads")
-        if tp.size <= num_kv_heads:
-            self.num_kv_heads_per_rank = _divide(num_kv_heads, tp.size, "num_key_value_heads")
-        else:
-            _divide(tp.size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
-            self.num_kv_heads_per_rank = 1
+        self.num_kv_heads_per_rank = kv_heads_per_rank(num_kv_heads, tp.size)
         self.num_kv_replicas = max(1, tp.size // num_kv_heads)
         out_per_rank = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * head_dim
         super().__init__(hidden_size, out_per_rank * tp.size, bias, tp)

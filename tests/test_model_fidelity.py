@@ -160,3 +160,21 @@ def test_llama3_rope_scaling_matches_hf(tmp_path: Path, tokenizer_dir: Path, hf_
         (prompt,) = random_prompts([70], runner.spec.vocab_size, seed=5)
         logits = runner.execute(StepInput([SeqChunk("a", prompt, 0, [9, 1, 30, 4, 2], True)]))
         torch.testing.assert_close(logits[0], hf_logits(hf, prompt)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_runner_matches_hf(llama_dir: Path, hf_models) -> None:
+    """The CUDA path (Triton kernels by default). Tolerance 2e-2: tl.dot may use TF32 for
+    fp32 inputs (10-bit mantissa), which moves these logits by up to ~1e-2."""
+    from pdserve.serve.config import ParallelConfig
+
+    hf = hf_models(llama_dir)
+    with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(block_size=16, num_blocks=16),
+                     ParallelConfig(device="cuda")) as runner:
+        assert runner.kv_caches[0].is_cuda
+        full = random_prompts([37], runner.spec.vocab_size, seed=9)[0]
+        logits = runner.execute(StepInput([SeqChunk("a", full[:36], 0, [4, 0, 7], True)]))
+        torch.testing.assert_close(logits[0], hf_logits(hf, full)[35], atol=2e-2, rtol=0)
+        logits = runner.execute(StepInput([SeqChunk("a", full[36:], 36, [4, 0, 7], True)]))
+        torch.testing.assert_close(logits[0], hf_logits(hf, full)[36], atol=2e-2, rtol=0)
