@@ -11,6 +11,9 @@ The worker's role changes only a request's start and end:
              handoff_hook sees it before the blocks are freed (a KV connector saves them there).
   decode     add_prefilled_request admits a request whose prompt KV is (or will be, before
              the next step) in the blocks it names; decoding starts at its next token.
+
+The engine is single-threaded: a worker calls add/abort/step from one thread (or under one
+lock), so nothing changes under a running step.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class Logprob:
 TokenLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared in queues, never by value
 class Request:
     request_id: str
     prompt_token_ids: list[int]
