@@ -158,6 +158,12 @@ class RunResult:
     summary: dict[str, Any]
     outcomes: list[RequestOutcome]
     output_tokens: list[int]
+    # Sent at a trace's timestamps (request_rate is then meaningless).
+    is_trace: bool = False
+
+    @property
+    def rate_text(self) -> str:
+        return "trace" if self.is_trace else f"{self.request_rate:g}"
 
     def ttfts_ms(self) -> list[float]:
         return [o.ttft_s * 1000.0 for o in self.outcomes if o.success]
@@ -312,7 +318,8 @@ async def _run_level(http: httpx.AsyncClient, server: ServerResult,
         args.disable_tqdm, desc=f"{server.label} @ {rate:g} req/s")
     output_tokens = output_token_counts(outcomes, codec.count)
     summary = summarize(outcomes, output_tokens, duration_s, slo, percentiles)
-    run = RunResult(server.label, rate, summary, outcomes, output_tokens)
+    is_trace = bool(requests) and requests[0].arrival_offset_s is not None
+    run = RunResult(server.label, rate, summary, outcomes, output_tokens, is_trace)
     server.runs.append(run)
     return run
 
@@ -383,7 +390,8 @@ def run_json(run: RunResult, server: ServerResult, args: argparse.Namespace,
         "num_prompts": len(run.outcomes),
         "dataset_name": args.dataset_name,
         "seed": args.seed,
-        "request_rate": _rate_json(run.request_rate),
+        "request_rate": "trace" if run.is_trace else _rate_json(run.request_rate),
+        "time_scale": args.time_scale if run.is_trace else None,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "goodput_slo_ms": slo.as_dict() or None,
@@ -406,7 +414,7 @@ def print_run(run: RunResult, percentiles: Sequence[float]) -> None:
     s = run.summary
     rows: list[tuple[str, str]] = [
         ("Server", run.label),
-        ("Request rate (req/s)", f"{run.request_rate:g}"),
+        ("Request rate (req/s)", run.rate_text),
         ("Successful requests", str(s["completed"])),
         ("Failed requests", str(s["failed"])),
         ("Benchmark duration (s)", f"{s['duration']:.2f}"),
@@ -508,7 +516,7 @@ def _save(servers: list[ServerResult], args: argparse.Namespace, slo: SLOConfig,
             {s.label: s.goodput_rate for s in servers}))
     for metric, values, slo_ms in (("TTFT", RunResult.ttfts_ms, slo.ttft_ms),
                                    ("TPOT", RunResult.tpots_ms, slo.tpot_ms)):
-        series = {f"{r.label} @ {r.request_rate:g} req/s": values(r)
+        series = {f"{r.label} @ {r.rate_text} req/s": values(r)
                   for s in servers for r in s.runs}
         written.append(plots.plot_cdf(series, f"{stem}-{metric.lower()}-cdf.png", metric,
                                       slo_ms))

@@ -323,3 +323,28 @@ def test_cli_errors_are_messages_not_tracebacks(argv: list[str], rc: int, messag
     assert cli(*argv, "--model", "m") == rc
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_cli_replays_a_mooncake_trace(threaded_server: ScriptedSSEServer, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(e) + "\n" for e in [
+        {"timestamp": 0, "input_length": 1024, "output_length": 64, "hash_ids": [0, 1]},
+        {"timestamp": 1000, "input_length": 1500, "output_length": 32, "hash_ids": [0, 1, 2]},
+        {"timestamp": 2000, "input_length": 512, "output_length": 32, "hash_ids": [3]},
+    ]))
+    rc = cli("--base-url", threaded_server.base_url, "--dataset-name", "mooncake",
+             "--dataset-path", str(trace), "--block-size", "8", "--time-scale", "0.05",
+             "--save-result", "--no-plots", "--result-dir", str(tmp_path),
+             "--result-filename", "t.json", "--disable-tqdm")
+    assert rc == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["request_rate"] == "trace" and result["completed"] == 3
+    measured = threaded_server.served[1:]  # after the unmeasured test request
+    prompts = [s.body["prompt"] for s in measured]
+    assert [s.body["max_tokens"] for s in measured] == [1, 1, 1]  # 64 / 64 rounds to 1
+    # Sent at the scaled timestamps 0, 50, 100 ms (never early; late only by loop jitter).
+    gaps_s = np.diff([s.received_s for s in measured])
+    assert np.all(gaps_s >= 0.045) and np.all(gaps_s <= 0.05 + JITTER_S)
+    # Ids 0, 1 are shared: the second prompt extends the first (two full 8-token blocks).
+    assert prompts[1].startswith(prompts[0]) and len(prompts[1]) > len(prompts[0])
+    assert not prompts[2].startswith(prompts[0][:8])

@@ -32,3 +32,26 @@ done
 # The goodput sweep with plots (attainment vs rate, TTFT/TPOT CDFs).
 .venv/bin/pdserve bench "${common[@]}" --num-prompts 64 --sweep-rates 4 16 64 \
   --label vllm-cpu --result-filename pdserve-bench-vllm-sweep.json
+# Per rate: each tool's TTFT / TPOT means averaged over the repetitions, and ours / theirs.
+.venv/bin/python - "$out" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+table = {}
+for rate in ("2", "inf"):
+    row = {}
+    for tool, pattern in (("pdserve", "pdserve-bench-rate{}-rep*.json"),
+                          ("vllm", "vllm-bench-serve-rate{}-rep*.json")):
+        runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, pattern.format(rate))))]
+        row[tool] = {k: sum(r[k] for r in runs) / len(runs) for k in
+                     ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+                      "mean_e2el_ms", "output_throughput")}
+        row[tool]["per_rep_mean_ttft_ms"] = [round(r["mean_ttft_ms"], 2) for r in runs]
+        row[tool]["per_rep_mean_tpot_ms"] = [round(r["mean_tpot_ms"], 2) for r in runs]
+    row["ratio_pdserve_over_vllm"] = {k: row["pdserve"][k] / row["vllm"][k] for k in
+                                      ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+                                       "median_tpot_ms", "mean_e2el_ms")}
+    table[f"rate_{rate}"] = row
+    print(f"rate {rate}: " + "  ".join(f"{k} {v:.3f}" for k, v in
+                                       row["ratio_pdserve_over_vllm"].items()))
+json.dump(table, open(os.path.join(out, "comparison.json"), "w"), indent=2)
+PY
