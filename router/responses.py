@@ -26,9 +26,11 @@ class Accumulated:
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
-        if output.num_prompt_tokens:
+        if not self.num_prompt_tokens:
+            # The first worker's count: a decode worker counts the handed-off KV as cached,
+            # but for usage "cached" means the prefix prefill did not have to compute.
             self.num_prompt_tokens = output.num_prompt_tokens
-        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+            self.num_cached_tokens = output.num_cached_tokens
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
 

@@ -30,7 +30,10 @@ class Child:
     state: str = "starting"
 
     def start(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "pdserve.serve.cli", *self.argv])
+        # A session of its own: Ctrl-C reaches only the launcher, which stops the children
+        # in order (router, workers, store), so none waits on a peer that is already gone.
+        self.process = subprocess.Popen([sys.executable, "-m", "pdserve.serve.cli", *self.argv],
+                                        start_new_session=True)
 
     @property
     def exited(self) -> bool:
@@ -41,19 +44,22 @@ class Child:
 class Cluster:
     children: list[Child] = field(default_factory=list)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for child in reversed(self.children):
-            if child.process and child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            if child.process is None:
-                continue
-            try:
-                child.process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait(5)
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the children in reverse start order, each group waited for in turn."""
+        groups = [[c for c in self.children if c.role == "router"],
+                  [c for c in self.children if c.role not in ("router", "store")],
+                  [c for c in self.children if c.role == "store"]]
+        for group in groups:
+            running = [c.process for c in group if c.process and c.process.poll() is None]
+            for process in running:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for process in running:
+                try:
+                    process.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(5)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"pdserve up: {model_dir} is not a checkpoint directory (no config.json)",
                   file=sys.stderr)
             return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
     cluster = plan(args, model_dir)
     base_url = f"http://{args.host}:{args.port}"
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

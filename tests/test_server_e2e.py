@@ -96,6 +96,7 @@ def test_shared_prefix_reports_cached_tokens(cluster):
     first = _complete(cluster.base_url, prompt=prefix + "first", max_tokens=2, temperature=0)
     second = _complete(cluster.base_url, prompt=prefix + "second", max_tokens=2, temperature=0)
     assert first["usage"]["prompt_tokens"] > 32
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
 
 
