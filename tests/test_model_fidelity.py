@@ -178,3 +178,23 @@ def test_cuda_runner_matches_hf(llama_dir: Path, hf_models) -> None:
         torch.testing.assert_close(logits[0], hf_logits(hf, full)[35], atol=2e-2, rtol=0)
         logits = runner.execute(StepInput([SeqChunk("a", full[36:], 36, [4, 0, 7], True)]))
         torch.testing.assert_close(logits[0], hf_logits(hf, full)[36], atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"attention_bias": True, "mlp_bias": True},  # Llama's optional biases (O and MLP too)
+    {"head_dim": 32},  # head_dim from config, not hidden_size / num_heads
+    {"num_key_value_heads": 4},  # plain multi-head attention
+    {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}},
+], ids=["bias", "head_dim", "mha", "linear_rope"])
+def test_llama_config_variants_match_hf(overrides: dict, tmp_path: Path, tokenizer_dir: Path,
+                                        hf_models) -> None:
+    model_dir = build_random_model(tmp_path / "m", "llama", seed=6, tokenizer_dir=tokenizer_dir,
+                                   **overrides)
+    hf = hf_models(model_dir)
+    with ModelRunner(ModelConfig(str(model_dir)),
+                     CacheConfig(block_size=8, num_blocks=NUM_BLOCKS)) as runner:
+        prompts = random_prompts([9, 20], runner.spec.vocab_size, seed=8)
+        logits = runner.execute(StepInput([SeqChunk("a", prompts[0], 0, [3, 11], True),
+                                           SeqChunk("b", prompts[1], 0, [0, 7, 2], True)]))
+        for row, prompt in zip(logits, prompts, strict=True):
+            torch.testing.assert_close(row, hf_logits(hf, prompt)[-1], atol=ATOL, rtol=0)
