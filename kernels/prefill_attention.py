@@ -23,6 +23,7 @@ the mask arithmetic.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -106,27 +107,42 @@ def _prefill_attention_kernel(
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _launch_config(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter's cost is per program and
-    per loop step, so it gets 64x64 tiles. On GPU, 128 query rows per program amortise each
-    gathered K/V tile over more rows. ptxas, for head_dim 128 with 8 warps: sm90 196
-    registers, no spills, ~96 KiB shared memory with 3 stages; sm80 needs 2 stages to stay
-    unspilled; 4 warps or 128-wide K/V tiles spill (tests/test_kernels_compile.py)."""
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Launch shape of the prefill kernel."""
+
+    block_m: int  # query rows per program
+    block_n: int  # context positions per K/V tile
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+def default_tiles(head_dim: int, device: torch.device) -> PrefillTiles:
+    """The interpreter's cost is per program and per loop step, so it gets 64x64 tiles. On
+    GPU, 128 query rows per program amortise each gathered K/V tile over more rows. ptxas,
+    for head_dim 128 with 8 warps: sm90 196 registers, no spills, ~96 KiB shared memory with 3
+    stages; sm80 needs 2 stages to stay unspilled; 4 warps or 128-wide K/V tiles spill
+    (tests/test_kernels_compile.py)."""
     if device.type != "cuda":
-        return 64, 64, 4, 1
+        return PrefillTiles(64, 64, 4, 1)
     num_stages = 3 if torch.cuda.get_device_capability(device)[0] >= 9 else 2
     if head_dim <= 128:
-        return 128, 64, 8, num_stages
-    return 64, 32, 8, 2
+        return PrefillTiles(128, 64, 8, num_stages)
+    return PrefillTiles(64, 32, 8, 2)
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      max_query_len: int, block_m: int | None = None,
-                      block_n: int | None = None) -> torch.Tensor:
+                      max_query_len: int, tiles: PrefillTiles | None = None) -> torch.Tensor:
     """Triton version of reference.prefill_attention (same arguments and result).
 
-    block_m / block_n override the tile sizes (tests and benchmarks)."""
+    tiles overrides the launch shape (tests and benchmarks)."""
     check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
     interpreted = check_launchable(query, kv_cache, cu_seqlens_q, seq_lens, block_tables)
     check_last_dim_contiguous(query=query, kv_cache=kv_cache, block_tables=block_tables)
@@ -138,18 +154,18 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config_m, config_n, num_warps, num_stages = _launch_config(head_dim, query.device)
-    block_m, block_n = block_m or config_m, block_n or config_n
+    tiles = tiles or default_tiles(head_dim, query.device)
     block_tables = block_tables.to(torch.int32)
-    grid = (num_tokens // block_m + num_seqs, num_heads)
+    grid = (num_tokens // tiles.block_m + num_seqs, num_heads)
     _prefill_attention_kernel[grid](
         query, kv_cache[0], kv_cache[1], out,
         cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32), block_tables,
         scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=interpreted,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

@@ -89,7 +89,9 @@ def _compile_all() -> list[dict]:
 def _ptxas_usage(ptx: str, sm: int) -> dict:
     import triton
 
-    tool = triton.knobs.nvidia.ptxas_blackwell if sm >= 90 else triton.knobs.nvidia.ptxas
+    # Triton 3.9 compiles sm90+ with its newer "ptxas-blackwell"; older releases have one.
+    tool = getattr(triton.knobs.nvidia, "ptxas_blackwell", None) if sm >= 90 else None
+    tool = tool or triton.knobs.nvidia.ptxas
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:

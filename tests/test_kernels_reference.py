@@ -193,3 +193,12 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="query heads"):
         ref.prefill_attention(case.query[:, :3], case.kv_cache, case.cu_seqlens_q,
                               case.seq_lens, case.block_tables, 1.0, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_bench_attention_without_gpu_says_so_and_exits_0(tmp_path, capsys):
+    from pdserve.benchmarks.kernels.bench_attention import main
+
+    assert main(["--output", str(tmp_path / "out.json")]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "out.json").exists()

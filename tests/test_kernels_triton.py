@@ -29,6 +29,7 @@ from test_kernels_reference import make_mla_case, make_paged_case  # noqa: E402
 from pdserve.kernels import get_attention_backend  # noqa: E402
 from pdserve.kernels import reference as ref  # noqa: E402
 from pdserve.kernels.decode_attention import choose_num_splits  # noqa: E402
+from pdserve.kernels.prefill_attention import PrefillTiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -72,7 +73,7 @@ def test_prefill_small_tiles_and_empty_sequence():
     case = make_paged_case([40, 0, 17], [40, 9, 70], 4, 1, 16, 16).to(DEVICE)
     args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
             0.25, case.max_query_len)
-    out = triton_backend.prefill_attention(*args, block_m=16, block_n=32)
+    out = triton_backend.prefill_attention(*args, tiles=PrefillTiles(16, 32, 4, 1))
     assert_close(out, ref.prefill_attention(*args))
 
 
@@ -156,3 +157,36 @@ def test_triton_backend_checks_arguments():
         triton_backend.prefill_attention(case.query.transpose(1, 2).contiguous().transpose(1, 2),
                                          case.kv_cache, case.cu_seqlens_q, case.seq_lens,
                                          case.block_tables, 1.0, 3)
+
+
+# ---- real shapes, compiled kernels: only with a GPU -------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_prefill_llama_shapes(block_size):
+    # A fresh 1k prompt, 2k new tokens over a 1k cached prefix, and a decode row at 4k.
+    case = make_paged_case([1024, 2000, 1], [1024, 3000, 4096], 32, 8, 128, block_size,
+                           torch.bfloat16).to("cuda")
+    args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
+            128 ** -0.5, case.max_query_len)
+    assert_close(triton_backend.prefill_attention(*args), ref.prefill_attention(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_decode_long_context(dtype):
+    case = make_paged_case([1] * 3, [32768, 5, 1000], 32, 8, 128, 16, dtype).to("cuda")
+    args = (case.query, case.kv_cache, case.seq_lens, case.block_tables, 128 ** -0.5)
+    assert_close(triton_backend.decode_attention(*args), ref.decode_attention(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_mla_decode_deepseek_shapes():
+    case = make_mla_case([8192, 3, 700], 16, 512, 64, 64, torch.bfloat16).to("cuda")
+    args = (case.q_latent, case.q_rope, case.latent_cache, case.seq_lens, case.block_tables,
+            (128 + 64) ** -0.5)
+    assert_close(triton_backend.mla_decode_attention(*args), ref.mla_decode_attention(*args))
