@@ -95,8 +95,12 @@ class StoreClient:
             else:
                 tag = self._next_tag(len(keys))
                 sends = [self._ucx.send(self._endpoint, a, tag + i) for i, a in enumerate(arrays)]
-                reply, _ = channel.request_locked("put", keys=list(keys), sizes=sizes,
-                                                  ucx_tag=tag, progress=self._ucx.progress)
+                try:
+                    reply, _ = channel.request_locked("put", keys=list(keys), sizes=sizes,
+                                                      ucx_tag=tag, progress=self._ucx.progress)
+                except Exception:
+                    self._ucx.cancel_in_flight()  # the server will not take these blocks
+                    raise
                 self._ucx.wait(sends, self.timeout_s)
         return _bools(reply, "stored", len(keys))
 

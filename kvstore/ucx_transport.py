@@ -110,6 +110,10 @@ class UcxDataPlane:
         """Start receiving a message with `tag` (from any peer) into a uint8 buffer."""
         return self._worker.tag_recv(self._array(buffer), tag=self._api.UCXXTag(tag))
 
+    def cancel_in_flight(self) -> None:
+        """Cancel every outstanding send and receive (after the peer gave up on them)."""
+        self._worker.cancel_inflight_requests()
+
     def progress(self) -> None:
         self._worker.progress()
 
@@ -126,7 +130,7 @@ class UcxDataPlane:
             else:
                 self._worker.progress()
             if time.monotonic() > deadline:
-                self._worker.cancel_inflight_requests()
+                self.cancel_in_flight()
                 raise TimeoutError(f"UCX transfer did not finish within {timeout_s} s")
         for r in requests:
             r.check_error()

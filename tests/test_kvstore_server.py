@@ -105,9 +105,13 @@ def test_disk_tier_behind_the_server_survives_restart(make_server, tmp_path):
     finish(server, client)
 
 
-def test_two_clients_concurrently_lose_nothing(make_server):
-    server = make_server(dram_capacity_blocks=4096)
-    clients = [StoreClient(server.data_address, transport="zmq") for _ in range(2)]
+@pytest.mark.parametrize("transport", ["zmq", "ucx"])
+def test_two_clients_concurrently_lose_nothing(make_server, transport):
+    if transport == "ucx":
+        pytest.importorskip("ucxx")
+    server = make_server(dram_capacity_blocks=4096, transport=transport)
+    clients = [StoreClient(server.data_address, transport=transport) for _ in range(2)]
+    assert all(c.transport == transport for c in clients)
     errors: list[BaseException] = []
 
     def work(c: int) -> None:
