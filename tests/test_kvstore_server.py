@@ -71,7 +71,9 @@ def test_put_get_pin_evict_over_zmq(make_server):
     assert pinned == [True, True]
     assert client.evict(keys[2:]) == 2  # pinned 2 and 3 stay
     assert client.exists(keys[2:]) == [True, True, False, False]
+    assert client.renew(lease_id, ttl_s=60)
     assert client.release(lease_id) and not client.release(lease_id)
+    assert not client.renew(lease_id, ttl_s=60)
     assert client.nodes() == {"store-0": server.data_address}
     finish(server, client)
 
