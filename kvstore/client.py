@@ -39,6 +39,7 @@ class StoreClient:
         self._master = None if master_address is None else ControlChannel(
             self._ctx, master_address, timeout_s)
         self._ucx: UcxDataPlane | None = None
+        self._endpoint = 0  # handle of our UCX endpoint to the server, once connected
         self._client_no = 0
         self._seq = 0
         if transport == "ucx" and self._data is not None:
