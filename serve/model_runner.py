@@ -17,6 +17,7 @@ gloo notices the closed connection, and every collective has a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -24,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -311,22 +312,14 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> torch.Tensor:
         """float32 CPU logits [number of chunks with need_logits, vocab_size], in chunk order."""
-        if self._closed:
-            raise RuntimeError("ModelRunner is shut down")
         self._rank.validate(step)
         if not step.chunks:
+            self._check_usable()
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
-        if self._tp_size > 1:
-            self._check_workers()
-        try:
+        with self._collective():
             if self._tp_size > 1:
                 self._send(encode_step(step))
             logits = self._rank.execute(step)
-        except BaseException:
-            # Ranks may now be out of step (a worker mid-collective): never talk to them
-            # again; shutdown terminates them.
-            self._is_broken = True
-            raise
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         return logits.float().cpu()
@@ -339,7 +332,7 @@ class ModelRunner:
         if self._tp_size == 1:
             return list(local.cpu().unbind(0))
         self._check_kv_split()
-        with self._send_lock:
+        with self._collective(), self._send_lock:
             self._send_locked(encode_kv_command(KVCommand("read_kv", list(block_ids))))
             parts = [torch.empty_like(local, device="cpu") for _ in range(self._tp_size)]
             dist.gather(local.cpu(), parts, dst=0, group=self._control)
@@ -351,13 +344,12 @@ class ModelRunner:
         full = torch.stack([b.to(self.spec.torch_dtype) for b in blocks]).cpu().contiguous()
         if self._tp_size > 1:
             self._check_kv_split()
-            with self._send_lock:
+            with self._collective(), self._send_lock:
                 self._send_locked(encode_kv_command(KVCommand("write_kv", list(block_ids))))
                 dist.broadcast(full, src=0, group=self._control)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:
-        self._check_workers()
         if self.spec.num_kv_heads % self._tp_size:
             raise ValueError(f"moving KV blocks needs num_kv_heads ({self.spec.num_kv_heads}) "
                              f"divisible by the TP size ({self._tp_size})")
@@ -376,6 +368,24 @@ class ModelRunner:
         self.shutdown()
 
     # ---- internals ---------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("ModelRunner is shut down")
+        if self._is_broken:
+            raise RuntimeError("ModelRunner failed in an earlier step; shut it down")
+        self._check_workers()
+
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        """Work every rank takes part in. A failure inside leaves the ranks out of step (a
+        worker may sit mid-collective), so the runner never talks to them again."""
+        self._check_usable()
+        try:
+            yield
+        except BaseException:
+            self._is_broken = True
+            raise
 
     def _send(self, payload: bytes) -> None:
         with self._send_lock:

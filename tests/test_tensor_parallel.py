@@ -154,3 +154,18 @@ def test_failed_start_leaves_no_workers(llama_dir: Path, tmp_path: Path) -> None
                     ParallelConfig(tensor_parallel_size=2, device="cpu"))
     assert multiprocessing.active_children() == []
     assert not dist.is_initialized()
+
+
+def test_runner_refuses_steps_after_a_failed_one(llama_dir: Path, monkeypatch) -> None:
+    """A step that fails midway may leave ranks mid-collective: no further step is sent."""
+    step = StepInput([SeqChunk("a", [1, 2], 0, [0], True)])
+    with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(num_blocks=4)) as runner:
+        def explode(*args: object) -> None:
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(runner._rank, "execute", explode)
+        with pytest.raises(RuntimeError, match="boom"):
+            runner.execute(step)
+        monkeypatch.undo()
+        with pytest.raises(RuntimeError, match="earlier step"):
+            runner.execute(step)
