@@ -5,9 +5,16 @@ KV usage and prefix-cache counts come from the workers' status heartbeats at scr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
 
 from pdserve.router.worker_client import WorkerClient
 
@@ -21,16 +28,13 @@ class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        self._model = model_name
+        self.model_name = model_name
 
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
         def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
             return Counter(name, doc, labels + list(extra), registry=self.registry)
-
-        def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> Gauge:
-            return Gauge(name, doc, labels + list(extra), registry=self.registry)
 
         self.ttft = hist("pdserve:time_to_first_token_seconds", "Time to first token",
                          LATENCY_BUCKETS_S)
@@ -54,40 +58,63 @@ class RouterMetrics:
         self.rejected = counter("pdserve:request_rejected_total",
                                 "Requests refused by admission control or for lack of workers",
                                 ["reason"])
-        self.running = gauge("pdserve:num_requests_running", "Requests running on workers",
-                             ["worker", "role"])
-        self.waiting = gauge("pdserve:num_requests_waiting", "Requests queued on workers",
-                             ["worker", "role"])
-        self.kv_usage = gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use",
-                              ["worker", "role"])
-        self.prefix_queries = gauge("pdserve:prefix_cache_queries",
-                                    "Prompt tokens looked up in the worker's prefix cache",
-                                    ["worker", "role"])
-        self.prefix_hits = gauge("pdserve:prefix_cache_hits",
-                                 "Prompt tokens found in the worker's prefix cache",
-                                 ["worker", "role"])
-        self.preemptions = gauge("pdserve:num_preemptions", "Preemptions on the worker",
-                                 ["worker", "role"])
-        self.kv_transfer_bytes = counter("pdserve:kv_transfer_bytes_total",
-                                         "KV bytes handed from prefill to decode", ["direction"])
-        self.kv_transfer_seconds = hist("pdserve:kv_transfer_seconds",
-                                        "Time from prefill hand-off to the decode's first delta",
-                                        LATENCY_BUCKETS_S)
+        self._workers: Sequence[WorkerClient] = ()
+        self.registry.register(_WorkerCollector(self))
 
     def labels(self, metric, *extra: str):
-        return metric.labels(self._model, *extra)
+        return metric.labels(self.model_name, *extra)
 
     def render(self, workers: Sequence[WorkerClient]) -> bytes:
-        for worker in workers:
+        self._workers = workers
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector(Collector):
+    """Metrics the workers report in their status heartbeats, read at scrape time."""
+
+    def __init__(self, owner: RouterMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name", "worker", "role"]
+
+        def family(kind, name: str, doc: str, extra: Sequence[str] = ()):
+            return kind(name, doc, labels=labels + list(extra))
+
+        running = family(GaugeMetricFamily, "pdserve:num_requests_running",
+                         "Requests in the worker's running batch")
+        waiting = family(GaugeMetricFamily, "pdserve:num_requests_waiting",
+                         "Requests queued on the worker (incl. those loading KV)")
+        usage = family(GaugeMetricFamily, "pdserve:kv_cache_usage_perc",
+                       "Fraction of the worker's KV blocks held by requests")
+        queries = family(CounterMetricFamily, "pdserve:prefix_cache_queries",
+                         "Prompt tokens looked up in the worker's prefix cache")
+        hits = family(CounterMetricFamily, "pdserve:prefix_cache_hits",
+                      "Prompt tokens found in the worker's prefix cache")
+        preemptions = family(CounterMetricFamily, "pdserve:num_preemptions",
+                             "Requests preempted (KV freed, recomputed later)")
+        kv_bytes = family(CounterMetricFamily, "pdserve:kv_transfer_bytes",
+                          "KV bytes moved through the KV store", ["direction"])
+        kv_seconds = family(SummaryMetricFamily, "pdserve:kv_transfer_seconds",
+                            "Time from starting a KV save/load to its completion",
+                            ["direction"])
+        for worker in self._owner._workers:
             status = worker.status
             if status is None:
                 continue
-            key = (worker.worker_id, worker.role)
-            self.labels(self.running, *key).set(status.num_running)
-            self.labels(self.waiting, *key).set(status.num_waiting)
+            key = [self._owner.model_name, worker.worker_id, worker.role]
+            running.add_metric(key, status.num_running)
+            waiting.add_metric(key, status.num_waiting)
             used = status.num_total_blocks - status.num_free_blocks
-            self.labels(self.kv_usage, *key).set(used / max(status.num_total_blocks, 1))
-            self.labels(self.prefix_queries, *key).set(status.num_prefix_queries_tokens)
-            self.labels(self.prefix_hits, *key).set(status.num_prefix_hit_tokens)
-            self.labels(self.preemptions, *key).set(status.num_preemptions)
-        return generate_latest(self.registry)
+            usage.add_metric(key, used / max(status.num_total_blocks, 1))
+            queries.add_metric(key, status.num_prefix_queried_tokens)
+            hits.add_metric(key, status.num_prefix_hit_tokens)
+            preemptions.add_metric(key, status.num_preemptions)
+            totals = status.kv_transfer
+            for direction, verb in (("save", "saved"), ("load", "loaded")):
+                if f"{direction}_count" not in totals:
+                    continue
+                kv_bytes.add_metric(key + [direction], totals[f"{verb}_bytes"])
+                kv_seconds.add_metric(key + [direction], count_value=totals[f"{direction}_count"],
+                                      sum_value=totals[f"{direction}_seconds"])
+        yield from (running, waiting, usage, queries, hits, preemptions, kv_bytes, kv_seconds)

@@ -20,6 +20,7 @@ decode worker recomputes the prompt (the KV cache is a cache).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,9 @@ class KVTransfer:
         self._save_keys: dict[str, list[bytes]] = {}
         self._loads: dict[str, tuple[list[bytes], PendingLoad]] = {}
         self._failed: list[TransferDone] = []
-        self.num_bytes_saved = 0
-        self.num_bytes_loaded = 0
+        self._started_s: dict[tuple[str, str], float] = {}
+        self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
+                        "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0}
 
     @classmethod
     def connect(cls, engine, data_address: str, master_address: str | None = None,
@@ -93,7 +95,8 @@ class KVTransfer:
             self._failed.append(TransferDone(request.request_id, "save", False, keys))
             return
         self._save_keys[request.request_id] = keys
-        self.num_bytes_saved += sum(t.nbytes for t in staged)
+        self._started_s["save", request.request_id] = time.monotonic()
+        self._totals["saved_bytes"] += sum(t.nbytes for t in staged)
 
     # ---- decode side -----------------------------------------------------------------------
     def start_load(self, request_id: str, keys: list[bytes]) -> None:
@@ -101,12 +104,13 @@ class KVTransfer:
         shape = (2, len(keys), block_size, spec.num_kv_heads, spec.head_dim)
         staging = [torch.zeros(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
         self._loads[request_id] = (keys, PendingLoad(len(keys), staging))
+        self._started_s["load", request_id] = time.monotonic()
         self.connector.start_load(request_id, keys, list(range(len(keys))), staging)
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank)."""
         self.engine.runner.write_kv_blocks(block_ids, staging)
-        self.num_bytes_loaded += sum(t.nbytes for t in staging)
+        self._totals["loaded_bytes"] += sum(t.nbytes for t in staging)
 
     # ---- completions -----------------------------------------------------------------------
     def poll(self) -> list[TransferDone]:
@@ -117,7 +121,15 @@ class KVTransfer:
                 done.append(finished)
         return done
 
+    def totals(self) -> dict[str, float]:
+        """Bytes moved and time spent since start (the worker reports them as metrics)."""
+        return dict(self._totals)
+
     def _finish(self, result: TransferResult) -> TransferDone | None:
+        started_s = self._started_s.pop((result.kind, result.request_id), None)
+        if started_s is not None:
+            self._totals[f"{result.kind}_seconds"] += time.monotonic() - started_s
+            self._totals[f"{result.kind}_count"] += 1
         if result.kind == "save":
             keys = self._save_keys.pop(result.request_id, None)
             if keys is None:
@@ -135,6 +147,8 @@ class KVTransfer:
         """The request was aborted: drop its transfers' results when they come."""
         self._save_keys.pop(request_id, None)
         self._loads.pop(request_id, None)
+        self._started_s.pop(("save", request_id), None)
+        self._started_s.pop(("load", request_id), None)
         self.connector.abort(request_id)
 
     @property

@@ -129,6 +129,8 @@ class WorkerStatus:
     """Mean recent step time of steps that carried prefill tokens."""
     decode_step_s: float = 0.0
     """Mean recent step time of decode-only steps."""
-    num_prefix_queries_tokens: int = 0
+    num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    kv_transfer: dict[str, float] = field(default_factory=dict)
+    """Totals since start: {saved,loaded}_bytes, {save,load}_seconds, {save,load}_count."""

@@ -224,19 +224,21 @@ class Worker:
 
     def status(self) -> WorkerStatus:
         engine = self.engine
-        scheduler, bm = engine.scheduler, engine.block_manager
+        stats = engine.stats()
         step_s = sum(self._step_times_s) / len(self._step_times_s) if self._step_times_s else 0
-        num_running = len(scheduler.running)
+        block_size = engine.block_manager.block_size
         return WorkerStatus(
             worker_id=self.worker_id, role=self.role, model=engine.spec.model_id,
-            max_model_len=engine.max_model_len, is_ready=True, num_running=num_running,
-            num_waiting=len(scheduler.waiting),
-            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
-            block_size=bm.block_size,
-            kv_layout={k: v for k, v in asdict(engine.spec.kv_layout(bm.block_size)).items()},
+            max_model_len=engine.max_model_len, is_ready=True, num_running=stats.num_running,
+            num_waiting=stats.num_waiting + len(self._loading),
+            num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_blocks,
+            block_size=block_size, kv_layout=asdict(engine.spec.kv_layout(block_size)),
             prefill_step_s=step_s if self.role != "decode" else 0.0,
             decode_step_s=step_s if self.role != "prefill" else 0.0,
-            num_preemptions=scheduler.num_preemptions,
+            num_prefix_queried_tokens=stats.num_prefix_queried_tokens,
+            num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+            num_preemptions=stats.num_preemptions,
+            kv_transfer=self.kv_transfer.totals() if self.kv_transfer is not None else {},
         )
 
 

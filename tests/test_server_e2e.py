@@ -149,7 +149,9 @@ def test_bad_requests_get_openai_errors(cluster):
 
 
 def test_metrics_exposed(cluster):
-    _complete(cluster.base_url, prompt=PROMPTS[1], max_tokens=4)
+    prompt = "# metrics: a prompt of a few KV blocks\n" * 5
+    for _ in range(2):  # the second finds the first's blocks in the store
+        _complete(cluster.base_url, prompt=prompt, max_tokens=4)
     text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
     for name in ("pdserve:time_to_first_token_seconds_bucket",
                  "pdserve:request_time_per_output_token_seconds_bucket",
@@ -161,6 +163,9 @@ def test_metrics_exposed(cluster):
         hits = [line for line in text.splitlines()
                 if line.startswith("pdserve:external_prefix_cache_hits_total{")]
         assert hits and float(hits[0].split()[-1]) > 0, hits
+        saved = [line for line in text.splitlines() if line.startswith(
+            "pdserve:kv_transfer_bytes_total{") and 'direction="save"' in line]
+        assert saved and float(saved[0].split()[-1]) > 0, saved
 
 
 def test_prefill_tp2_decode_tp1_same_tokens(llama_dir, reference, tmp_path_factory):
