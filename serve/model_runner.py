@@ -384,7 +384,8 @@ class ModelRunner:
         try:
             yield
         except BaseException:
-            self._is_broken = True
+            # One rank has nobody to fall out of step with: it stays usable.
+            self._is_broken = self._tp_size > 1
             raise
 
     def _send(self, payload: bytes) -> None:

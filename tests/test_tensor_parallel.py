@@ -157,15 +157,24 @@ def test_failed_start_leaves_no_workers(llama_dir: Path, tmp_path: Path) -> None
 
 
 def test_runner_refuses_steps_after_a_failed_one(llama_dir: Path, monkeypatch) -> None:
-    """A step that fails midway may leave ranks mid-collective: no further step is sent."""
+    """A TP step that fails on rank 0 leaves the worker mid-collective: no further step is
+    sent, and shutdown still ends the stuck worker. A single rank simply carries on."""
     step = StepInput([SeqChunk("a", [1, 2], 0, [0], True)])
-    with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(num_blocks=4)) as runner:
-        def explode(*args: object) -> None:
-            raise RuntimeError("boom")
 
-        monkeypatch.setattr(runner._rank, "execute", explode)
-        with pytest.raises(RuntimeError, match="boom"):
-            runner.execute(step)
-        monkeypatch.undo()
-        with pytest.raises(RuntimeError, match="earlier step"):
-            runner.execute(step)
+    def explode(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    for tp in (1, 2):
+        with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(num_blocks=4),
+                         ParallelConfig(tensor_parallel_size=tp, device="cpu")) as runner:
+            expected = runner.execute(step)
+            monkeypatch.setattr(runner._rank, "execute", explode)
+            with pytest.raises(RuntimeError, match="boom"):
+                runner.execute(step)
+            monkeypatch.undo()
+            if tp == 1:
+                torch.testing.assert_close(runner.execute(step), expected, atol=0, rtol=0)
+            else:
+                with pytest.raises(RuntimeError, match="earlier step"):
+                    runner.execute(step)
+        assert multiprocessing.active_children() == []
