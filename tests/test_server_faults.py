@@ -181,3 +181,18 @@ def test_store_down_requests_still_complete_by_recompute(roles):
     after = httpx.post(url, json={**body, "cache_salt": "fresh"}, timeout=120)
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["text"] == before
+
+
+def test_dead_prefill_is_not_routed_to(roles):
+    roles.processes["prefill"].kill()
+    roles.processes["prefill"].wait(10)
+
+    def prefill_down() -> bool:
+        status = httpx.get(f"{roles.base_url}/status", timeout=5).json()
+        return not any(w["is_alive"] for w in status["workers"] if w["role"] == "prefill")
+
+    assert _wait_until(prefill_down, 10)
+    r = httpx.post(f"{roles.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
+    assert httpx.get(f"{roles.base_url}/health", timeout=5).status_code == 503
