@@ -11,9 +11,9 @@ Paged layout (shared by every backend):
     position p of sequence s lives in block block_tables[s][p // block_size],
     row p % block_size. Entries past a sequence's last block may hold anything.
 
-Every function accumulates in fp32 and returns the query's dtype. Loops run per sequence,
-never per token: each sequence's context is gathered once and attended with one SDPA or
-matmul call.
+Every function accumulates in fp32 and returns the query's dtype. Nothing loops per token:
+decode rows are batched over sequences (contexts gathered, padded and masked, in chunks of
+bounded memory); a prefill sequence of several rows gets one SDPA call.
 """
 
 from __future__ import annotations
@@ -45,11 +45,70 @@ def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor,
     latent_cache[block_ids, offsets] = latent.to(latent_cache.dtype)
 
 
+# Batched paths gather every sequence's context, padded to the longest, in chunks of
+# sequences whose fp32 copy stays under this many elements (128 MiB).
+GATHER_BUDGET_ELEMENTS = 1 << 25
+
+
 def _context_blocks(block_tables: torch.Tensor, s: int, seq_len: int,
                     block_size: int) -> torch.Tensor:
     """Block ids holding positions [0, seq_len) of sequence s (no padding entries)."""
     num_blocks = (seq_len + block_size - 1) // block_size
     return block_tables[s, :num_blocks].long()
+
+
+def _padded_context(cache_rows: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[n, num_blocks * block_size, ...]: each sequence's first num_blocks blocks, in order.
+
+    cache_rows is [total_blocks, block_size, ...]. Table entries past a sequence's own
+    blocks may be anything, so they are replaced by block 0; callers mask those positions.
+    """
+    block_size = cache_rows.shape[1]
+    cols = torch.arange(num_blocks, device=block_tables.device)
+    owned = cols[None, :] * block_size < seq_lens[:, None]  # [n, num_blocks]
+    tables = torch.where(owned, block_tables[:, :num_blocks].long(), 0)
+    return cache_rows[tables].flatten(1, 2)
+
+
+def _sequence_chunks(seq_lens: torch.Tensor, block_size: int, row_elements: int
+                     ) -> list[tuple[slice, int]]:
+    """Split sequences into chunks whose padded fp32 context fits GATHER_BUDGET_ELEMENTS;
+    returns (sequence slice, blocks per sequence in the chunk)."""
+    lens = seq_lens.tolist()
+    chunks, start = [], 0
+    while start < len(lens):
+        end, longest = start, 0
+        while end < len(lens):
+            longest_next = max(longest, lens[end])
+            padded = -(-longest_next // block_size) * block_size
+            if end > start and (end - start + 1) * padded * row_elements > GATHER_BUDGET_ELEMENTS:
+                break
+            longest, end = longest_next, end + 1
+        chunks.append((slice(start, end), -(-longest // block_size)))
+        start = end
+    return chunks
+
+
+def _last_token_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each row of query ([n, H, D]) is its sequence's last token: it sees all seq_len keys.
+    Batched over sequences (padded and masked) so a decode step costs a few large ops."""
+    num_heads, head_dim = query.shape[1:]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(query)
+    lens = seq_lens.long()
+    for rows, num_blocks in _sequence_chunks(lens, block_size, 2 * num_kv_heads * head_dim):
+        k = _padded_context(kv_cache[0], block_tables[rows], lens[rows], num_blocks).float()
+        v = _padded_context(kv_cache[1], block_tables[rows], lens[rows], num_blocks).float()
+        # [n, Hkv, group, D]: query head h uses KV head h // group
+        q = query[rows].float().view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("nkgd,nlkd->nkgl", q, k) * scale  # [n, Hkv, group, L]
+        padding = torch.arange(k.shape[1], device=query.device)[None, :] >= lens[rows][:, None]
+        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+        o = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(scores, dim=-1), v)
+        out[rows] = o.reshape(-1, num_heads, head_dim).to(query.dtype)
+    return out
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -64,16 +123,25 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
         query 0   x x x x x . .        position 4
         query 1   x x x x x x .        position 5
         query 2   x x x x x x x        position 6
+
+    Sequences with one query row (decodes riding along with prefills) go through the batched
+    last-token path; the others get one SDPA call each.
     """
     check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    single = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    if single:
+        index = torch.tensor(single, device=query.device)
+        rows = cu_seqlens_q.long()[index]
+        out[rows] = _last_token_attention(query[rows], kv_cache, seq_lens[index],
+                                          block_tables[index], scale)
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len <= 1:
             continue
         blocks = _context_blocks(block_tables, s, seq_len, block_size)
         # [seq_len, Hkv, D] -> [Hkv, seq_len, D]
@@ -94,10 +162,10 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence ([S, H, D]) attending to its whole context."""
-    num_seqs = query.shape[0]
-    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
-    # A decode is a prefill of one token at the last position: one function serves both.
-    return prefill_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, scale, 1)
+    check_decode(query, kv_cache, seq_lens, block_tables)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    return _last_token_attention(query, kv_cache, seq_lens, block_tables, scale)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
@@ -112,13 +180,16 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
     _, block_size, latent_dim = latent_cache.shape
     rank = q_latent.shape[-1]
     out = torch.empty_like(q_latent)
-    for s, seq_len in enumerate(seq_lens.tolist()):
-        blocks = _context_blocks(block_tables, s, seq_len, block_size)
-        rows = latent_cache[blocks].reshape(-1, latent_dim)[:seq_len].float()  # [L, R + P]
-        c_kv, k_rope = rows[:, :rank], rows[:, rank:]
-        scores = q_latent[s].float() @ c_kv.T + q_rope[s].float() @ k_rope.T  # [H, L]
-        probs = torch.softmax(scores * scale, dim=-1)
-        out[s] = (probs @ c_kv).to(q_latent.dtype)
+    lens = seq_lens.long()
+    for rows, num_blocks in _sequence_chunks(lens, block_size, latent_dim):
+        context = _padded_context(latent_cache, block_tables[rows], lens[rows], num_blocks)
+        context = context.float()  # [n, L, R + P]
+        q = torch.cat([q_latent[rows], q_rope[rows]], dim=-1).float()  # [n, H, R + P]
+        scores = torch.einsum("nhc,nlc->nhl", q, context) * scale
+        padding = torch.arange(context.shape[1], device=q.device)[None, :] >= lens[rows][:, None]
+        scores.masked_fill_(padding[:, None, :], float("-inf"))
+        o = torch.einsum("nhl,nlr->nhr", torch.softmax(scores, dim=-1), context[..., :rank])
+        out[rows] = o.to(q_latent.dtype)
     return out
 
 

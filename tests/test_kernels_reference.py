@@ -156,6 +156,21 @@ def test_reference_decode_is_last_row_of_prefill():
     torch.testing.assert_close(out, dense_attention(case, 0.2), atol=1e-5, rtol=1e-5)
 
 
+def test_reference_batches_in_bounded_chunks(monkeypatch):
+    # A budget of two 160-row contexts (K and V, 2 heads x 32) forces two chunks.
+    monkeypatch.setattr(ref, "GATHER_BUDGET_ELEMENTS", 2 * 160 * 2 * 2 * 32)
+    case = make_paged_case([1] * 5, [150, 3, 40, 17, 66], 8, 2, 32, 16)
+    out = ref.decode_attention(case.query, case.kv_cache, case.seq_lens, case.block_tables, 0.2)
+    torch.testing.assert_close(out, dense_attention(case, 0.2), atol=1e-5, rtol=1e-5)
+    # [150, 3] pad to 10 blocks of 16 (2 x 160 rows fill the budget); [40, 17, 66] to 5.
+    chunks = ref._sequence_chunks(case.seq_lens, 16, 2 * 2 * 32)
+    assert chunks == [(slice(0, 2), 10), (slice(2, 5), 5)]
+    mla = make_mla_case([150, 3, 40, 17, 66], num_heads=4, rank=32, rope_dim=8, block_size=16)
+    out = ref.mla_decode_attention(mla.q_latent, mla.q_rope, mla.latent_cache, mla.seq_lens,
+                                   mla.block_tables, 0.15)
+    torch.testing.assert_close(out, dense_mla(mla, 0.15), atol=1e-5, rtol=1e-5)
+
+
 def test_reference_mla_matches_dense():
     case = make_mla_case([1, 7, 33, 130], num_heads=4, rank=32, rope_dim=8, block_size=16)
     out = ref.mla_decode_attention(case.q_latent, case.q_rope, case.latent_cache, case.seq_lens,
