@@ -28,11 +28,14 @@ _SEQ_MASK = (1 << 32) - 1
 class StoreClient:
     def __init__(self, data_address: str | None, master_address: str | None = None,
                  transport: str = "ucx", ucx_tls: str = "sm,cma,tcp,self",
-                 timeout_s: float = 10.0, holder: str | None = None):
+                 timeout_s: float = 10.0, holder: str | None = None,
+                 max_keys_per_request: int = 1024):
         if data_address is None and master_address is None:
             raise ValueError("a StoreClient needs a data or a master address")
         self._ctx = zmq.Context()
         self.timeout_s = timeout_s
+        # Larger batches are split (the server refuses more than its max_keys_per_message).
+        self.max_keys_per_request = max_keys_per_request
         self.holder = holder or f"client-{os.getpid()}-{id(self):x}"
         self._data = None if data_address is None else ControlChannel(
             self._ctx, data_address, timeout_s)
@@ -86,6 +89,10 @@ class StoreClient:
         """Store blocks; one bool per key (False: the server had no room)."""
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        if len(keys) > self.max_keys_per_request:
+            step = self.max_keys_per_request
+            return [ok for i in range(0, len(keys), step)
+                    for ok in self.put_many(keys[i:i + step], blocks[i:i + step])]
         channel = self._data_channel()
         arrays = [as_uint8_tensor(b).numpy() for b in blocks]
         sizes = [a.nbytes for a in arrays]
@@ -107,6 +114,10 @@ class StoreClient:
 
     def get_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """The blocks (uint8 arrays), None for each block the store does not have."""
+        if len(keys) > self.max_keys_per_request:
+            step = self.max_keys_per_request
+            return [b for i in range(0, len(keys), step)
+                    for b in self.get_many(keys[i:i + step])]
         channel = self._data_channel()
         with channel.lock:
             if self._ucx is None:

@@ -112,7 +112,8 @@ def test_two_clients_concurrently_lose_nothing(make_server, transport):
     if transport == "ucx":
         pytest.importorskip("ucxx")
     server = make_server(dram_capacity_blocks=4096, transport=transport)
-    clients = [StoreClient(server.data_address, transport=transport) for _ in range(2)]
+    clients = [StoreClient(server.data_address, transport=transport, max_keys_per_request=64)
+               for _ in range(2)]  # batches of 100 go out as 64 + 36
     assert all(c.transport == transport for c in clients)
     errors: list[BaseException] = []
 
