@@ -24,7 +24,7 @@ from torch import nn
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.serve.config import ModelConfig
 from pdserve.serve.models import get_model_class, is_supported
-from pdserve.serve.parallel import TPGroup
+from pdserve.serve.parallel import ShardSource, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -177,11 +177,23 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Itera
         torch.set_default_dtype(previous)
 
 
-def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+class _LazyCheckpointTensor:
+    """One safetensors entry, read on narrow(): a TP rank reads its shard, not the tensor."""
+
+    def __init__(self, safe_file: Any, name: str) -> None:
+        self._slice = safe_file.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: ShardSource) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint "
                          f"{tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded.narrow(0, 0, loaded.shape[0]))
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = True) -> None:
@@ -215,7 +227,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
                         tied and name == "lm_head.weight"
                     ):
                         continue  # recomputed / shared with the embedding
-                    _load_one(params, packed, loaded_shards, name, f.get_tensor(name))
+                    _load_one(params, packed, loaded_shards, name,
+                              _LazyCheckpointTensor(f, name))
 
     # A fused parameter is complete once every one of its checkpoint parts arrived.
     missing = sorted(
@@ -228,7 +241,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
 
 
 def _load_one(params: Mapping[str, nn.Parameter], packed: Mapping[str, tuple[str, str | int]],
-              loaded_shards: dict[str, set[object]], name: str, tensor: torch.Tensor) -> None:
+              loaded_shards: dict[str, set[object]], name: str, tensor: ShardSource) -> None:
     for checkpoint_part, (fused_part, shard_id) in packed.items():
         if f".{checkpoint_part}." in name:
             target = name.replace(f".{checkpoint_part}.", f".{fused_part}.")

@@ -17,6 +17,7 @@ import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,16 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+class ShardSource(Protocol):
+    """A checkpoint tensor as weight loaders see it: a torch.Tensor, or a lazy safetensors
+    view that reads from disk only the rows/columns narrow() asks for (one rank's shard)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
 def _copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src, refusing (with the shapes) what copy_ would broadcast or reject cryptically."""
     if dst.shape != src.shape:
@@ -123,7 +134,7 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: ShardSource) -> None:
         shard = param.shape[0]
         _copy_shard(param.data, loaded.narrow(0, self.tp.rank * shard, shard))
 
@@ -144,7 +155,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for size in output_sizes:
             _divide(size, tp.size, "merged output size")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0
+    def weight_loader(self, param: nn.Parameter, loaded: ShardSource, shard_id: int = 0
                       ) -> None:
         part = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
@@ -179,7 +190,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads_per_rank * head_dim
         self.kv_size = self.num_kv_heads_per_rank * head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q"
+    def weight_loader(self, param: nn.Parameter, loaded: ShardSource, shard_id: str = "q"
                       ) -> None:
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
@@ -203,9 +214,9 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: ShardSource) -> None:
         if param.dim() == 1:  # bias: added once, after the reduce
-            _copy_shard(param.data, loaded)
+            _copy_shard(param.data, loaded.narrow(0, 0, loaded.shape[0]))
             return
         shard = param.shape[1]
         _copy_shard(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
@@ -231,7 +242,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _new_param(self.vocab_per_rank, hidden_size)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: ShardSource) -> None:
         rows = max(0, min(self.vocab_per_rank, loaded.shape[0] - self.vocab_start))
         param.data.zero_()
         _copy_shard(param.data.narrow(0, 0, rows), loaded.narrow(0, self.vocab_start, rows))
