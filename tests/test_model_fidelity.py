@@ -198,3 +198,22 @@ def test_llama_config_variants_match_hf(overrides: dict, tmp_path: Path, tokeniz
                                            SeqChunk("b", prompts[1], 0, [0, 7, 2], True)]))
         for row, prompt in zip(logits, prompts, strict=True):
             torch.testing.assert_close(row, hf_logits(hf, prompt)[-1], atol=ATOL, rtol=0)
+
+
+def test_attention_metadata_of_a_mixed_step() -> None:
+    """The docstring's example in serve/attention.py, value by value (block_size 4)."""
+    from pdserve.serve.attention import build_attention_metadata
+
+    step = StepInput([SeqChunk("A", [7] * 5, 0, [3, 8], True),
+                      SeqChunk("B", [9], 9, [1, 0, 6], True)])
+    meta = build_attention_metadata(step, 4, torch.device("cpu"))
+    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 9]
+    # A: pos 0-3 in block 3 (slots 12-15), pos 4 in block 8 (slot 32); B: pos 9 -> block 6.
+    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 32, 25]
+    assert meta.cu_seqlens_q.tolist() == [0, 5, 6] and meta.cu_seqlens_q.dtype == torch.int32
+    assert meta.seq_lens.tolist() == [5, 10] and meta.seq_lens.dtype == torch.int32
+    assert meta.block_tables.tolist() == [[3, 8, 0], [1, 0, 6]]
+    assert meta.max_query_len == 5 and not meta.is_decode_only
+    decode = build_attention_metadata(StepInput([SeqChunk("B", [9], 9, [1, 0, 6], True)]), 4,
+                                      torch.device("cpu"))
+    assert decode.is_decode_only and decode.slot_mapping.tolist() == [25]
