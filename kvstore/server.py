@@ -373,24 +373,29 @@ class StoreServer:
 # ---- CLI ----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = StoreConfig()
-    parser.add_argument("--role", choices=ROLES, default=d.role)
-    parser.add_argument("--host", default=d.host, help="address to bind (default loopback)")
-    parser.add_argument("--master-port", type=int, default=d.master_port)
-    parser.add_argument("--data-port", type=int, default=d.data_port)
-    parser.add_argument("--master-address", default=d.master_address,
-                        help="tcp://host:port of the master a data-only node reports to")
-    parser.add_argument("--node-id", default=d.node_id)
-    parser.add_argument("--dram-blocks", dest="dram_capacity_blocks", type=int,
-                        default=d.dram_capacity_blocks)
-    parser.add_argument("--disk-blocks", dest="disk_capacity_blocks", type=int,
-                        default=d.disk_capacity_blocks)
-    parser.add_argument("--disk-dir", default=d.disk_dir)
-    parser.add_argument("--transport", choices=TRANSPORTS, default=d.transport)
-    parser.add_argument("--ucx-tls", default=d.ucx_tls)
-    parser.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
-    parser.add_argument("--node-ttl-s", type=float, default=d.node_ttl_s)
-    parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
-    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    add = parser.add_argument
+    add("--role", choices=ROLES, default=d.role,
+        help="master (metadata), data (DRAM + disk tiers) or all (default %(default)s)")
+    add("--host", default=d.host, help="address to bind (default %(default)s)")
+    add("--master-port", type=int, default=d.master_port, help="default %(default)s")
+    add("--data-port", type=int, default=d.data_port, help="default %(default)s")
+    add("--master-address", default=d.master_address,
+        help="tcp://host:port of the master a data-only node reports to")
+    add("--node-id", default=d.node_id, help="this data node's name (default %(default)s)")
+    add("--dram-blocks", dest="dram_capacity_blocks", type=int,
+        default=d.dram_capacity_blocks, help="DRAM tier capacity (default %(default)s)")
+    add("--disk-blocks", dest="disk_capacity_blocks", type=int,
+        default=d.disk_capacity_blocks, help="disk tier capacity; 0 = no disk tier")
+    add("--disk-dir", default=d.disk_dir, help="directory of the disk tier")
+    add("--transport", choices=TRANSPORTS, default=d.transport,
+        help="KV bytes over ucx (falls back to zmq, with a warning) or zmq")
+    add("--ucx-tls", default=d.ucx_tls, help="UCX_TLS (default %(default)s)")
+    add("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="default %(default)s")
+    add("--node-ttl-s", type=float, default=d.node_ttl_s, help="default %(default)s")
+    add("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
+        help="default %(default)s")
+    add("--request-timeout-s", type=float, default=d.request_timeout_s,
+        help="default %(default)s")
 
 
 def config_from_args(args: argparse.Namespace) -> StoreConfig:
