@@ -142,6 +142,38 @@ def test_concurrent_streams_with_disconnects_leak_nothing(roles):
         client.close()
 
 
+def test_garbage_and_pickle_on_worker_port_are_dropped(roles, tmp_path):
+    """A worker decodes msgpack against its schema only: nothing is unpickled or run."""
+    import pickle
+
+    import zmq
+
+    from pdserve.serve.protocol import WORKER_PROTOCOL, StatusRequest, WorkerStatus
+
+    sentinel = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel}",))
+
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://127.0.0.1:{roles.prefill_port}")
+    try:
+        for payload in (pickle.dumps(Exploit()), b"\x00garbage", b"\x81\xa4type\xa5bogus",
+                        b"\xc1", os.urandom(4096)):
+            socket.send(payload)
+        socket.send(WORKER_PROTOCOL.encode(StatusRequest()))
+        assert socket.poll(10_000), "the worker stopped answering"
+        reply = WORKER_PROTOCOL.decode(socket.recv())
+        assert isinstance(reply, WorkerStatus) and reply.role == "prefill"
+    finally:
+        socket.close()
+        context.term()
+    assert not sentinel.exists()
+
+
 def _pid_of(roles: Roles, role: str) -> int:
     return roles.processes[role].pid
 
