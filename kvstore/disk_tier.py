@@ -119,9 +119,11 @@ class DiskTier:
         self._index.move_to_end(key)
 
     # ---- data -------------------------------------------------------------------------------
-    def insert(self, key: bytes, data: torch.Tensor) -> None:
-        """Queue `data` for writing; readable at once from the pending map."""
-        buf = as_uint8_tensor(data).to("cpu", copy=True)
+    def insert(self, key: bytes, data: torch.Tensor, adopt: bool = False) -> None:
+        """Queue `data` for writing; readable at once from the pending map. With `adopt` a
+        host tensor is written from as it is (the caller gives it up), else from a copy."""
+        src = as_uint8_tensor(data)
+        buf = src if adopt and src.device.type == "cpu" else src.to("cpu", copy=True)
         self._index[key] = buf.numel()
         self._index.move_to_end(key)
         with self._lock:

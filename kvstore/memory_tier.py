@@ -64,13 +64,18 @@ class MemoryTier:
         """A live iterator: stop iterating before changing the tier."""
         return iter(self._blocks)
 
-    def insert(self, key: bytes, data: torch.Tensor) -> None:
-        """Store a copy of `data` as the most recently used block (caller made room)."""
+    def insert(self, key: bytes, data: BytesLike, adopt: bool = False) -> None:
+        """Store `data` as the most recently used block (the caller made room): a copy, or
+        with `adopt` (the caller gives the buffer up) the tensor itself where it already
+        lives in the right memory, saving a copy per block."""
         src = as_uint8_tensor(data)
-        buf = torch.empty(src.numel(), dtype=torch.uint8, device=self.device,
-                          pin_memory=self._pin)
-        buf.copy_(src)
-        self._blocks[key] = buf
+        if adopt and src.device == self.device and (not self._pin or src.is_pinned()):
+            self._blocks[key] = src
+        else:
+            buf = torch.empty(src.numel(), dtype=torch.uint8, device=self.device,
+                              pin_memory=self._pin)
+            buf.copy_(src)
+            self._blocks[key] = buf
         self._blocks.move_to_end(key)
 
     def read(self, key: bytes) -> torch.Tensor | None:

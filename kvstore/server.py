@@ -26,7 +26,6 @@ from pdserve.kvstore.config import ROLES, TRANSPORTS, StoreConfig
 from pdserve.kvstore.lease import Lease, LeaseTable
 from pdserve.kvstore.master import Master
 from pdserve.kvstore.master_reporter import MasterReporter
-from pdserve.kvstore.memory_tier import as_uint8_tensor
 from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable, is_connectable
 
@@ -233,19 +232,20 @@ class StoreServer:
         keys, sizes = f["keys"], f["sizes"]
         if len(sizes) != len(keys) or any(s > self.config.max_block_bytes for s in sizes):
             raise ValueError("put: one size per key, each at most max_block_bytes")
+        assert self.store is not None
         if f["ucx_tag"] is not None:
             self._ucx_client(identity, f["ucx_tag"])
             assert self._ucx is not None
             blocks = [np.empty(size, dtype=np.uint8) for size in sizes]
             requests = [self._ucx.recv(b, f["ucx_tag"] + i) for i, b in enumerate(blocks)]
             self._ucx.wait(requests, self.config.request_timeout_s)
-        else:
-            if len(payloads) != len(keys) or any(
-                    len(p.buffer) != s for p, s in zip(payloads, sizes, strict=True)):
-                raise ValueError("put: one payload frame of the stated size per key")
-            blocks = [p.buffer for p in payloads]
-        assert self.store is not None
-        return {"stored": self.store.put_many(keys, [as_uint8_tensor(b) for b in blocks])}, []
+            # Fresh buffers nobody else holds: the store keeps them instead of copying.
+            return {"stored": self.store.put_many(keys, blocks, adopt=True)}, []
+        if len(payloads) != len(keys) or any(
+                len(p.buffer) != s for p, s in zip(payloads, sizes, strict=True)):
+            raise ValueError("put: one payload frame of the stated size per key")
+        # ZeroMQ owns the frames' memory (read-only): the store copies them.
+        return {"stored": self.store.put_many(keys, [p.buffer for p in payloads])}, []
 
     def _get(self, identity: bytes, f: dict, _: list) -> tuple[dict, list]:
         assert self.store is not None

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pdserve.kvstore.disk_tier import DiskTier
-from pdserve.kvstore.memory_tier import MemoryTier, as_uint8_tensor
+from pdserve.kvstore.memory_tier import BytesLike, MemoryTier, as_uint8_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +84,18 @@ class TieredStore:
             data = tier.read(victim)
             tier.remove(victim)
             if data is not None and i + 1 < len(self.tiers) and self._make_room(i + 1):
-                self.tiers[i + 1].insert(victim, data)
+                self.tiers[i + 1].insert(victim, data, adopt=True)  # tier i let go of it
                 self._notify(victim, self.tiers[i + 1].name)
             else:
                 self.num_dropped += 1
                 self._notify(victim, None)
         return True
 
-    def _insert_from(self, start: int, key: bytes, data: torch.Tensor) -> bool:
+    def _insert_from(self, start: int, key: bytes, data: torch.Tensor, adopt: bool) -> bool:
         """Insert into the highest tier at or below `start` that can make room."""
         for i in range(start, len(self.tiers)):
             if self._make_room(i):
-                self.tiers[i].insert(key, data)
+                self.tiers[i].insert(key, data, adopt=adopt)
                 self._notify(key, self.tiers[i].name)
                 return True
         return False
@@ -103,25 +103,27 @@ class TieredStore:
     def _move(self, key: bytes, src: int, dst: int, data: torch.Tensor) -> None:
         """Promote `key` from tier src up to tier dst (dst < src) if dst can make room."""
         self.tiers[src].remove(key)
-        if not self._insert_from(dst, key, data):
+        if not self._insert_from(dst, key, data, adopt=True):
             self.num_dropped += 1
             self._notify(key, None)
 
     # ---- verbs ------------------------------------------------------------------------------
-    def put(self, key: bytes, data: bytes | torch.Tensor) -> bool:
-        """Store a block (a copy of data); an existing key is only refreshed. False if no tier
-        can take it (every tier full of pinned blocks)."""
+    def put(self, key: bytes, data: BytesLike, adopt: bool = False) -> bool:
+        """Store a block (a copy of data, or with `adopt` possibly data itself: the caller
+        gives the buffer up); an existing key is only refreshed. False if no tier can take it
+        (every tier full of pinned blocks)."""
         with self._lock:
             i = self._tier_index(key)
             if i is not None:
                 self.tiers[i].touch(key)
                 return True
-            return self._insert_from(0, key, as_uint8_tensor(data))
+            return self._insert_from(0, key, as_uint8_tensor(data), adopt)
 
-    def put_many(self, keys: Sequence[bytes], blocks: Sequence[bytes | torch.Tensor]) -> list[bool]:
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[BytesLike],
+                 adopt: bool = False) -> list[bool]:
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        return [self.put(k, b) for k, b in zip(keys, blocks, strict=True)]
+        return [self.put(k, b, adopt) for k, b in zip(keys, blocks, strict=True)]
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The block (read-only: do not modify) or None; a hit promotes it to the top tier."""
