@@ -192,3 +192,14 @@ def test_device_tier_on_cuda_with_pinned_dram(tmp_path):
         assert got.is_cuda and torch.equal(got.cpu(), block(i))
     store.check_integrity()
     store.close()
+
+
+def test_put_copies_unless_the_caller_gives_the_buffer_up():
+    store = TieredStore.build(dram_capacity_blocks=4)
+    mine = block(1).clone()
+    store.put(key(1), mine)
+    mine.zero_()  # the caller reuses its buffer: the stored block must not change
+    assert torch.equal(store.get(key(1)), block(1))
+    given = block(2).clone()
+    store.put(key(2), given, adopt=True)
+    assert store.get(key(2)).data_ptr() == given.data_ptr()  # kept, not copied
