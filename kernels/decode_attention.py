@@ -158,7 +158,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
     block_tables = block_tables.to(torch.int32)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size)
-    block_n = block_n or (64 if interpreted or head_dim <= 128 else 32)
+    # fp32 runs on FMA units (exact products), half types on tensor cores; both stay
+    # unspilled on sm90 with these tiles (tests/test_kernels_compile.py).
+    is_fp32_gpu = query.dtype == torch.float32 and not interpreted
+    block_n = block_n or (64 if interpreted or (head_dim <= 128 and not is_fp32_gpu) else 32)
     # tl.dot needs at least 16 rows on GPU; the group's padding rows are masked out.
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -179,7 +182,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
         PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         IS_SPLIT=is_split, UPCAST=interpreted, DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=8 if is_fp32_gpu else 4, num_stages=2,
     )
     if is_split:
         combine_splits(partial_out, partial_lse, out)

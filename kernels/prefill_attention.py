@@ -123,14 +123,18 @@ class PrefillTiles:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
 
 
-def default_tiles(head_dim: int, device: torch.device) -> PrefillTiles:
+def default_tiles(head_dim: int, dtype: torch.dtype, device: torch.device) -> PrefillTiles:
     """The interpreter's cost is per program and per loop step, so it gets 64x64 tiles. On
     GPU, 128 query rows per program amortise each gathered K/V tile over more rows. ptxas,
-    for head_dim 128 with 8 warps: sm90 196 registers, no spills, ~96 KiB shared memory with 3
-    stages; sm80 needs 2 stages to stay unspilled; 4 warps or 128-wide K/V tiles spill
-    (tests/test_kernels_compile.py)."""
+    for half types, head_dim 128, 8 warps: sm90 196 registers, no spills, ~96 KiB shared
+    memory with 3 stages; sm80 needs 2 stages to stay unspilled; 4 warps or 128-wide K/V
+    tiles spill. fp32 products are exact ("ieee"), which tensor cores cannot do, so they run
+    on FMA units with registers to match: small tiles (head_dim 128 still spills ~600 bytes;
+    fp32 on GPU is for fidelity runs, not speed). See tests/test_kernels_compile.py."""
     if device.type != "cuda":
         return PrefillTiles(64, 64, 4, 1)
+    if dtype == torch.float32:
+        return PrefillTiles(64, 32, 8, 2) if head_dim <= 64 else PrefillTiles(32, 32, 8, 2)
     num_stages = 3 if torch.cuda.get_device_capability(device)[0] >= 9 else 2
     if head_dim <= 128:
         return PrefillTiles(128, 64, 8, num_stages)
@@ -154,7 +158,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    tiles = tiles or default_tiles(head_dim, query.device)
+    tiles = tiles or default_tiles(head_dim, query.dtype, query.device)
     block_tables = block_tables.to(torch.int32)
     grid = (num_tokens // tiles.block_m + num_seqs, num_heads)
     _prefill_attention_kernel[grid](
