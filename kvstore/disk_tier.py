@@ -43,12 +43,18 @@ def _checksum(key: bytes, payload: bytes | memoryview) -> bytes:
 class DiskTier:
     """LRU index key -> file, capacity in blocks, write-behind, checksummed."""
 
-    def __init__(self, name: str, capacity_blocks: int, directory: str):
+    def __init__(self, name: str, capacity_blocks: int, directory: str,
+                 max_pending_writes: int = 4096, backpressure_timeout_s: float = 30.0):
         if capacity_blocks <= 0:
             raise ValueError(f"{name}: capacity_blocks must be positive, got {capacity_blocks}")
         self.name = name
         self.capacity_blocks = capacity_blocks
         self.directory = directory
+        # Write-behind must not hold unbounded memory when blocks arrive faster than the disk
+        # takes them: past this many queued writes, insert waits for the writer.
+        self.max_pending_writes = max_pending_writes
+        self.backpressure_timeout_s = backpressure_timeout_s
+        self.num_backpressure_waits = 0
         os.makedirs(directory, exist_ok=True)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> payload bytes, oldest first
         self._pending: dict[bytes, torch.Tensor] = {}  # inserted, not yet on disk
@@ -127,6 +133,13 @@ class DiskTier:
         self._index[key] = buf.numel()
         self._index.move_to_end(key)
         with self._lock:
+            if len(self._pending) >= self.max_pending_writes:
+                self.num_backpressure_waits += 1
+                if not self._idle.wait_for(
+                        lambda: len(self._pending) < self.max_pending_writes,
+                        timeout=self.backpressure_timeout_s):
+                    logger.warning("%s: the disk is %d writes behind after waiting %.0f s",
+                                   self.name, len(self._pending), self.backpressure_timeout_s)
             self._pending[key] = buf
             self._num_outstanding += 1
         self._ops.put(("write", key, buf))

@@ -203,3 +203,13 @@ def test_put_copies_unless_the_caller_gives_the_buffer_up():
     given = block(2).clone()
     store.put(key(2), given, adopt=True)
     assert store.get(key(2)).data_ptr() == given.data_ptr()  # kept, not copied
+
+
+def test_disk_write_behind_is_bounded(tmp_path):
+    disk = DiskTier("disk", 64, str(tmp_path), max_pending_writes=2)
+    for i in range(20):  # waits for the writer whenever two writes are queued
+        disk.insert(key(i), block(i))
+    assert disk.flush(10)
+    assert disk.num_blocks == 20 and len(os.listdir(tmp_path)) == 20
+    assert all(torch.equal(disk.read(key(i)), block(i)) for i in range(20))
+    disk.close()
