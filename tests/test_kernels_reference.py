@@ -9,6 +9,8 @@ summation order (~1e-6); 1e-5 leaves room for that and nothing else.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -201,6 +203,12 @@ def test_backend_registry():
     assert backend.name == "torch" and backend.prefill_attention is ref.prefill_attention
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("cuda")
+
+
+def test_torch_backend_never_imports_triton():
+    code = ("import sys; from pdserve.kernels import get_attention_backend; "
+            "get_attention_backend('torch'); assert 'triton' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_bad_shapes_raise():
