@@ -1,24 +1,30 @@
 """Prefill attention over the paged KV cache (FlashAttention-2 forward, causal, GQA, ragged).
 
-One program computes BLOCK_M query rows of one query head. The ragged batch is flattened
-into query tiles without a host-side schedule: sequence s owns program ids
-[first_tile(s), first_tile(s + 1)) where
+One program computes BLOCK_M query rows that share one KV head: BLOCK_Q tokens times the
+num_queries_per_kv query heads of the group (padded to GROUP, a power of two), so every K/V
+tile it gathers serves the whole group, and a decode row riding in a prefill batch fills
+GROUP rows of its tile instead of one:
 
-    first_tile(s) = cu_seqlens_q[s] // BLOCK_M + s
+    row m  ->  token m // GROUP of the tile,  query head kv_head * num_queries_per_kv + m % GROUP
+    BLOCK_M = BLOCK_Q * GROUP
 
-which is strictly increasing and leaves every sequence at least ceil(q_len / BLOCK_M) ids, so
+The ragged batch is flattened into query tiles without a host-side schedule: sequence s owns
+program ids [first_tile(s), first_tile(s + 1)) where
+
+    first_tile(s) = cu_seqlens_q[s] // BLOCK_Q + s
+
+which is strictly increasing and leaves every sequence at least ceil(q_len / BLOCK_Q) ids, so
 a program finds its sequence by binary search over cu_seqlens_q and the grid is
-T // BLOCK_M + S tiles wide (a few programs exit at once).
+T // BLOCK_Q + S tiles wide (a few programs exit at once).
 
-Each query row i of sequence s sits at position p_i = seq_len - q_len + i (a cached prefix
-and this step's new tokens are one call). Key tiles split in two loops:
+Token i of sequence s sits at position p_i = seq_len - q_len + i (a cached prefix and this
+step's new tokens are one call). Key tiles split in two loops:
 
     keys  0 ............ full_end ........ last_q_pos
           [ every row sees all ][ causal-masked tiles ]
 
 Keys below the tile's first query position are visible to all rows, so those tiles skip
-the mask arithmetic.
-"""
+the mask arithmetic."""
 
 from __future__ import annotations
 
@@ -47,43 +53,45 @@ def _prefill_attention_kernel(
     qk_scale, num_seqs, num_queries_per_kv,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_block, stride_slot, stride_kv_head, stride_table,
-    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     # Largest s with first_tile(s) <= tile (see the module docstring).
     lo = tl.zeros((), dtype=tl.int32)
     hi = tl.zeros((), dtype=tl.int32) + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= tile:
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= tile:
             lo = mid
         else:
             hi = mid - 1
     seq = lo
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m_block = tile - (q_start // BLOCK_M + seq)
-    if m_block * BLOCK_M >= q_len:
+    q_block = tile - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
         return
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_head = head // num_queries_per_kv
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_valid = offs_m < q_len
-    io_mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    token = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :],
-                mask=io_mask, other=0.0)
+    token_in_seq = q_block * BLOCK_Q + offs_m // GROUP  # [BM]
+    head = kv_head * num_queries_per_kv + offs_m % GROUP  # [BM]
+    row_valid = (token_in_seq < q_len) & (offs_m % GROUP < num_queries_per_kv)
+    io_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    token = (q_start + token_in_seq).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
+                + offs_d[None, :], mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    q_pos = seq_len - q_len + offs_m  # [BM]; rows past q_len sit past seq_len and see all
-    first_q_pos = seq_len - q_len + m_block * BLOCK_M
-    kv_end = tl.minimum(first_q_pos + BLOCK_M, seq_len)
+    q_pos = seq_len - q_len + token_in_seq  # [BM]; rows past q_len sit past seq_len, see all
+    first_q_pos = seq_len - q_len + q_block * BLOCK_Q
+    kv_end = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
     full_end = ((first_q_pos + 1) // BLOCK_N) * BLOCK_N
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
 
@@ -103,7 +111,7 @@ def _prefill_attention_kernel(
             PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, MASK_CAUSAL, UPCAST, DOT_PRECISION,
         )
     out = acc / l_i[:, None]
-    tl.store(out_ptr + token[:, None] * stride_out_token + head * stride_out_head
+    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -111,7 +119,7 @@ def _prefill_attention_kernel(
 class PrefillTiles:
     """Launch shape of the prefill kernel."""
 
-    block_m: int  # query rows per program
+    block_m: int  # query rows per program: tokens x query heads of one KV head
     block_n: int  # context positions per K/V tile
     num_warps: int
     num_stages: int
@@ -159,15 +167,18 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     if num_tokens == 0 or num_seqs == 0:
         return out
     tiles = tiles or default_tiles(head_dim, query.dtype, query.device)
+    group = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_m = max(tiles.block_m, group)  # at least one token per tile
     block_tables = block_tables.to(torch.int32)
-    grid = (num_tokens // tiles.block_m + num_seqs, num_heads)
+    grid = (num_tokens // (block_m // group) + num_seqs, num_kv_heads)
     _prefill_attention_kernel[grid](
         query, kv_cache[0], kv_cache[1], out,
         cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32), block_tables,
         scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        PAGE_SIZE=page_size, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, BLOCK_M=block_m, GROUP=group, BLOCK_N=tiles.block_n,
+        HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=interpreted,
         DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

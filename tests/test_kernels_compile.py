@@ -28,14 +28,14 @@ COMBINE = "decode_attention.combine_splits_kernel"
 MLA = "mla_decode._mla_decode_kernel"
 SCATTER = "kv_cache_write._scatter_rows_kernel"
 CASES = [
-    (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
-                           UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90),
-    (PREFILL, "fp16", dict(PAGE_SIZE=32, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=64, BLOCK_D=64,
-                           UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90),
-    (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
-                           UPCAST=False, DOT_PRECISION="tf32"), 8, 2, 80),
-    (PREFILL, "fp32", dict(PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=64, BLOCK_D=64,
-                           UPCAST=False, DOT_PRECISION="ieee"), 8, 2, 90),
+    (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, GROUP=4, BLOCK_N=64, HEAD_DIM=128,
+                           BLOCK_D=128, UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90),
+    (PREFILL, "fp16", dict(PAGE_SIZE=32, BLOCK_M=128, GROUP=8, BLOCK_N=64, HEAD_DIM=64,
+                           BLOCK_D=64, UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90),
+    (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, GROUP=4, BLOCK_N=64, HEAD_DIM=128,
+                           BLOCK_D=128, UPCAST=False, DOT_PRECISION="tf32"), 8, 2, 80),
+    (PREFILL, "fp32", dict(PAGE_SIZE=16, BLOCK_M=64, GROUP=1, BLOCK_N=32, HEAD_DIM=64,
+                           BLOCK_D=64, UPCAST=False, DOT_PRECISION="ieee"), 8, 2, 90),
     (DECODE, "fp32", dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=32, HEAD_DIM=128, BLOCK_D=128,
                           IS_SPLIT=False, UPCAST=False, DOT_PRECISION="ieee"), 8, 2, 90),
     (DECODE, "bf16", dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,

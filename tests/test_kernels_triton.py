@@ -77,6 +77,18 @@ def test_prefill_small_tiles_and_empty_sequence():
     assert_close(out, ref.prefill_attention(*args))
 
 
+def test_group_of_three_query_heads_pads_to_four():
+    # 6 query heads over 2 KV heads: the padding row of each group is computed, never stored.
+    case = make_paged_case([9, 1, 40], [9, 50, 70], 6, 2, 32, 16).to(DEVICE)
+    args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
+            0.2, case.max_query_len)
+    assert_close(triton_backend.prefill_attention(*args), ref.prefill_attention(*args))
+    decode = make_paged_case([1] * 2, [50, 70], 6, 2, 32, 16).to(DEVICE)
+    args = (decode.query, decode.kv_cache, decode.seq_lens, decode.block_tables, 0.2)
+    assert_close(triton_backend.decode_attention(*args, num_splits=2),
+                 ref.decode_attention(*args))
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_splits", [1, 4])
