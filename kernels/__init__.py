@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 BACKEND_NAMES = ("torch", "triton")
-_TRITON_MODULES = ("prefill_attention", "decode_attention", "mla_decode", "kv_cache_write")
+# In import-dependency order (a module's Triton helpers come from the ones before it).
+_TRITON_MODULES = ("paged_tile", "kv_cache_write", "prefill_attention", "decode_attention",
+                   "mla_decode")
 
 
 @dataclass(frozen=True)
@@ -41,18 +43,20 @@ def default_backend_name() -> str:
 
 def _enable_interpreter_without_cuda() -> None:
     """Without CUDA, Triton kernels can only run interpreted, and `triton.jit` decides that
-    when a function is defined, so the flag must be set before the kernel modules import."""
+    when a function is defined: set the flag, then redefine whatever was defined before."""
     if torch.cuda.is_available():
         return
-    already = [m for m in _TRITON_MODULES if f"{__name__}.{m}" in sys.modules]
-    if already and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"kernel modules {already} were imported without TRITON_INTERPRET=1 on a machine "
-            "without CUDA; set TRITON_INTERPRET=1 before importing pdserve.kernels.* modules"
-        )
+    was_interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton.language" in sys.modules:
         _reinterpret_triton_language()
+    if not was_interpreting:
+        import importlib
+
+        for name in _TRITON_MODULES:
+            module = sys.modules.get(f"{__name__}.{name}")
+            if module is not None:  # imported compiled, unusable here: define it again
+                importlib.reload(module)
 
 
 def _reinterpret_triton_language() -> None:

@@ -17,6 +17,8 @@ Tolerances, per dtype, for the kernel against the reference (both accumulate in 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -157,6 +159,31 @@ def test_write_latent_cache_matches_reference():
     ref.write_latent_cache(latent, expected, slots)
     triton_backend.write_latent_cache(latent, actual, slots)
     assert torch.equal(actual, expected)
+
+
+LATE_INTERPRETER_SCRIPT = """
+import torch, triton  # compiled-mode Triton first, as torch._dynamo / transformers do
+from pdserve.kernels import prefill_attention  # kernels defined compiled: unusable on CPU
+from pdserve.kernels import get_attention_backend, reference as ref
+backend = get_attention_backend("triton")  # must redefine both
+torch.manual_seed(0)
+kv_cache = torch.randn(2, 4, 16, 2, 16)
+args = (torch.randn(5, 4, 16), kv_cache, torch.tensor([0, 5], dtype=torch.int32),
+        torch.tensor([37], dtype=torch.int32), torch.tensor([[2, 0, 3]], dtype=torch.int32),
+        0.25, 5)
+torch.testing.assert_close(prefill_attention.prefill_attention(*args),
+                           ref.prefill_attention(*args), atol=2e-5, rtol=2e-5)
+torch.testing.assert_close(backend.prefill_attention(*args), ref.prefill_attention(*args),
+                           atol=2e-5, rtol=2e-5)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU interpreter set-up")
+def test_triton_backend_works_after_triton_was_imported_compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", LATE_INTERPRETER_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_triton_backend_checks_arguments():
