@@ -9,7 +9,8 @@ and the device copy bandwidth (GB/s, read + write of a 2 GiB torch copy_). Then:
   causal sequences of 1k-16k tokens, 16k tokens per batch, against torch SDPA's flash backend
   on the same data laid out contiguously. FLOPs counted as causal: 2 * 2 * S^2/2 * H * D.
 - decode: bytes of K/V read per step over the paged cache (the kernel's floor), GB/s,
-  against SDPA on contiguous K/V and the copy bandwidth.
+  against SDPA on contiguous K/V and the copy bandwidth. Decode timings replay a CUDA graph
+  (device time; the eager time with Python launch overhead is reported beside it).
 - MLA decode: DeepSeek-V3 absorbed shapes (R 512, P 64, block size 64), GB/s of latent rows
   read, against batched torch matmuls on a contiguous latent cache.
 
@@ -57,6 +58,29 @@ def time_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 7, calls: int
         end.synchronize()
         samples.append(start.elapsed_time(end) / calls)
     return statistics.median(samples)
+
+
+def graph_time_ms(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Device time per call with launch overhead removed: `calls` calls captured in one CUDA
+    graph, replayed. Decode steps take tens of microseconds, less than the Python wrapper's
+    launch cost, so eager timing would measure the host. Falls back to eager timing when the
+    function cannot be captured (the result then includes launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return time_ms(fn)
+    return time_ms(graph.replay, warmup=2, calls=1) / calls
 
 
 def measure_peaks() -> dict[str, float]:
@@ -190,13 +214,14 @@ def _decode_row(batch: int, context: int, gen: torch.Generator, copy_gbps: float
     if batch <= 64:  # the reference loops per sequence; skip it for the biggest batches
         row["max_abs_error_vs_reference"] = (
             out - ref.decode_attention(*args)).abs().max().item()
-    triton_ms = time_ms(lambda: triton_backend.decode_attention(*args))
+    triton_ms = graph_time_ms(lambda: triton_backend.decode_attention(*args))
     row["triton_us"] = triton_ms * 1e3
+    row["triton_eager_us"] = time_ms(lambda: triton_backend.decode_attention(*args)) * 1e3
     row["triton_gbps"] = kv_bytes / triton_ms / 1e6
     row["triton_fraction_of_copy_bandwidth"] = row["triton_gbps"] / copy_gbps
     dense = _gather_dense(kv_cache, tables, context)
     del kv_cache  # the dense copy doubles memory; the paged one is no longer needed
-    sdpa_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+    sdpa_ms = graph_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
         query[:, :, None, :], dense[:, 0], dense[:, 1], scale=scale, enable_gqa=True))
     row["sdpa_dense_gbps"] = kv_bytes / sdpa_ms / 1e6
     return row
@@ -236,8 +261,9 @@ def _mla_row(num_heads: int, batch: int, context: int, gen: torch.Generator,
     if batch <= 64:
         row["max_abs_error_vs_reference"] = (
             out - ref.mla_decode_attention(*args)).abs().max().item()
-    triton_ms = time_ms(lambda: triton_backend.mla_decode_attention(*args))
+    triton_ms = graph_time_ms(lambda: triton_backend.mla_decode_attention(*args))
     row["triton_us"] = triton_ms * 1e3
+    row["triton_eager_us"] = time_ms(lambda: triton_backend.mla_decode_attention(*args)) * 1e3
     row["triton_gbps"] = latent_bytes / triton_ms / 1e6
     row["triton_fraction_of_copy_bandwidth"] = row["triton_gbps"] / copy_gbps
     dense = cache[tables.long()].reshape(batch, -1, rank + rope_dim)[:, :context]
@@ -247,7 +273,7 @@ def _mla_row(num_heads: int, batch: int, context: int, gen: torch.Generator,
         scores = torch.bmm(q_full, dense.transpose(1, 2)).float() * scale  # [b, H, L]
         return torch.bmm(torch.softmax(scores, -1).to(dense.dtype), dense[:, :, :rank])
 
-    torch_ms = time_ms(torch_mla)
+    torch_ms = graph_time_ms(torch_mla)
     row["torch_dense_gbps"] = latent_bytes / torch_ms / 1e6
     return row
 
