@@ -1,10 +1,11 @@
 """The engine gives the same greedy tokens with the Triton attention backend as with torch.
 
-Without CUDA the Triton kernels run in the interpreter (get_attention_backend sets
+On CPU the Triton kernels run in the interpreter (get_attention_backend sets
 TRITON_INTERPRET=1 before defining them), so the model and the run are tiny: the conftest
 Llama (4 query heads, 2 KV heads, head_dim 16), two short prompts that share a prefix (the
 second request reuses cached blocks: prefill over a cached prefix plus new tokens), 8 tokens.
-Every call is counted, so the test fails if the Triton path was not the one that ran.
+Every call is counted, so the test fails if the Triton path was not the one that ran. With a
+GPU the same comparison runs on CUDA with compiled kernels (fp32 model: exact products).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def counting_backends(monkeypatch: pytest.MonkeyPatch) -> Counter:
     return calls
 
 
-def greedy_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    with LLM(model_dir, block_size=16, num_kv_blocks=32, max_num_seqs=4) as llm:
+def greedy_tokens(model_dir: Path, prompts: list[list[int]], device: str) -> list[list[int]]:
+    with LLM(model_dir, block_size=16, num_kv_blocks=32, max_num_seqs=4, device=device) as llm:
         first = llm.generate(prompts[:1], GREEDY)  # leaves its full blocks in the prefix cache
         rest = llm.generate(prompts[1:], GREEDY)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
@@ -55,7 +56,14 @@ def greedy_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in first + rest]
 
 
-def test_triton_backend_gives_torch_backend_tokens(llama_dir: Path,
+@pytest.mark.parametrize("device", [
+    # With CUDA present the kernels are compiled, not interpreted, and need CUDA tensors.
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                 reason="interpreter runs only without CUDA")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_triton_backend_gives_torch_backend_tokens(llama_dir: Path, device: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(5, 200, (37,), generator=gen).tolist()
@@ -64,9 +72,9 @@ def test_triton_backend_gives_torch_backend_tokens(llama_dir: Path,
     calls = counting_backends(monkeypatch)
 
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
-    expected = greedy_tokens(llama_dir, prompts)
+    expected = greedy_tokens(llama_dir, prompts, device)
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "triton")
-    actual = greedy_tokens(llama_dir, prompts)
+    actual = greedy_tokens(llama_dir, prompts, device)
 
     assert actual == expected
     assert all(len(tokens) > 0 for tokens in actual)
