@@ -117,21 +117,11 @@ def _gather_dense(kv_cache: torch.Tensor, tables: torch.Tensor, seq_len: int) ->
     return rows.permute(1, 0, 3, 2, 4).contiguous()
 
 
+TOTAL_PREFILL_TOKENS = 16384  # per prefill batch: 16 x 1k ... 1 x 16k
 PREFILL_HEADS = (32, 8, 128, 16)  # query heads, KV heads, head_dim, block size (Llama-3-8B)
 
 
-def bench_prefill(seq_lens: list[int], total_tokens: int, gen: torch.Generator,
-                  peak_tflops: float, tiles: list[Any] | None) -> list[dict]:
-    results = []
-    for seq_len in seq_lens:
-        results.append(_prefill_row(seq_len, max(1, total_tokens // seq_len), gen, peak_tflops,
-                                    tiles or []))
-        print(json.dumps(results[-1]), flush=True)
-        torch.cuda.empty_cache()
-    return results
-
-
-def _prefill_row(seq_len: int, batch: int, gen: torch.Generator, peak_tflops: float,
+def prefill_row(seq_len: int, batch: int, gen: torch.Generator, peak_tflops: float,
                  tiles: list[Any]) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -184,17 +174,7 @@ def _prefill_row(seq_len: int, batch: int, gen: torch.Generator, peak_tflops: fl
     return row
 
 
-def bench_decode(shapes: list[tuple[int, int]], gen: torch.Generator,
-                 copy_gbps: float) -> list[dict]:
-    results = []
-    for batch, context in shapes:
-        results.append(_decode_row(batch, context, gen, copy_gbps))
-        print(json.dumps(results[-1]), flush=True)
-        torch.cuda.empty_cache()
-    return results
-
-
-def _decode_row(batch: int, context: int, gen: torch.Generator, copy_gbps: float) -> dict:
+def decode_row(batch: int, context: int, gen: torch.Generator, copy_gbps: float) -> dict:
     from pdserve.kernels import get_attention_backend
     from pdserve.kernels import reference as ref
 
@@ -227,17 +207,7 @@ def _decode_row(batch: int, context: int, gen: torch.Generator, copy_gbps: float
     return row
 
 
-def bench_mla(shapes: list[tuple[int, int, int]], gen: torch.Generator,
-              copy_gbps: float) -> list[dict]:
-    results = []
-    for num_heads, batch, context in shapes:
-        results.append(_mla_row(num_heads, batch, context, gen, copy_gbps))
-        print(json.dumps(results[-1]), flush=True)
-        torch.cuda.empty_cache()
-    return results
-
-
-def _mla_row(num_heads: int, batch: int, context: int, gen: torch.Generator,
+def mla_row(num_heads: int, batch: int, context: int, gen: torch.Generator,
              copy_gbps: float) -> dict:
     from pdserve.kernels import get_attention_backend
     from pdserve.kernels import reference as ref
@@ -307,17 +277,33 @@ def main(argv: list[str] | None = None) -> int:
         tiles = [PrefillTiles(m, n, w, s) for m, n, w, s in
                  [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2),
                   (64, 32, 4, 3)]]
-    report = {
+    report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "seed": args.seed,
-        "peaks": peaks,
-        "prefill": bench_prefill(seq_lens, 16384, gen, peaks["bf16_matmul_tflops"], tiles),
-        "decode": bench_decode(decode_shapes, gen, peaks["copy_gbps"]),
-        "mla_decode": bench_mla(mla_shapes, gen, peaks["copy_gbps"]),
+        "peaks": peaks, "prefill": [], "decode": [], "mla_decode": [], "prefill_tile_sweep": [],
     }
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    # Rows are written as they come, so a run cut short by a time limit still reports.
+    runs: list[tuple[str, Callable[[], dict]]] = []
+    for seq_len in seq_lens:
+        batch = max(1, TOTAL_PREFILL_TOKENS // seq_len)
+        runs.append(("prefill", lambda s=seq_len, b=batch: prefill_row(
+            s, b, gen, peaks["bf16_matmul_tflops"], [])))
+    for batch, context in decode_shapes:
+        runs.append(("decode", lambda b=batch, c=context: decode_row(
+            b, c, gen, peaks["copy_gbps"])))
+    for num_heads, batch, context in mla_shapes:
+        runs.append(("mla_decode", lambda h=num_heads, b=batch, c=context: mla_row(
+            h, b, c, gen, peaks["copy_gbps"])))
+    for seq_len in [4096, 16384] if tiles else []:  # last: the least needed
+        runs.append(("prefill_tile_sweep", lambda s=seq_len: prefill_row(
+            s, TOTAL_PREFILL_TOKENS // s, gen, peaks["bf16_matmul_tflops"], tiles)))
+    for section, run in runs:
+        report[section].append(run())
+        print(json.dumps({section: report[section][-1]}), flush=True)
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+        torch.cuda.empty_cache()
     print(f"wrote {args.output}")
     return 0
 

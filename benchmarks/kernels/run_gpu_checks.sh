@@ -8,19 +8,22 @@
 #   env.txt                nvidia-smi, torch/triton versions, device name
 #   tests.txt              pytest on the kernel tests (compiled kernels vs the torch references,
 #                          including the @gpu ones at Llama / DeepSeek shapes)
+#   engine.txt             greedy tokens of the engine with triton == with torch, on CUDA
 #   bench_attention.json   prefill TFLOP/s vs SDPA flash and the measured bf16 peak; decode and
 #                          MLA-decode GB/s vs the measured copy bandwidth; tile sweep
 #   bench.txt              the benchmark's log
 #   status.txt             one line per stage with its exit code
-# Budget: about 2-4 minutes of compile + test, 2-3 minutes of benchmarks on an H100/H200.
+# Budget (never measured: written without a GPU): ~1.5-3 min compiling + testing, ~2-3 min of
+# benchmarks, ~1 min engine; each stage is capped by *_TIMEOUT_S (240/240/120 s by default).
 # pdserve need not be installed: without it, a throwaway pdserve.* package of symlinks is used.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$PWD/gpu_results}"
 PY="${PYTHON:-python3}"
-TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-330}"
-BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-300}"
+TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-240}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
+ENGINE_TIMEOUT_S="${ENGINE_TIMEOUT_S:-120}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 : > "$OUT/status.txt"
@@ -70,6 +73,15 @@ fi
 
 stage bench "$OUT/bench.txt" "$BENCH_TIMEOUT_S" "$PY" -m pdserve.benchmarks.kernels.bench_attention \
     --sweep-tiles --output "$OUT/bench_attention.json"
+
+# The engine comparison needs tests/conftest.py's tiny models (transformers, tokenizers).
+if "$PY" -c "import pytest, transformers, tokenizers, safetensors" 2>/dev/null; then
+    stage engine "$OUT/engine.txt" "$ENGINE_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider \
+        "$REPO/tests/test_kernels_engine.py"
+else
+    echo "engine test skipped: needs pytest, transformers, tokenizers, safetensors" \
+        | tee -a "$OUT/status.txt"
+fi
 
 cat "$OUT/status.txt"
 ! grep -q "rc=[1-9]" "$OUT/status.txt"
