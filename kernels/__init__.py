@@ -5,7 +5,8 @@
                                      Triton's interpreter (TRITON_INTERPRET=1), for tests
 
 Triton is imported only when the "triton" backend is asked for. This package imports nothing
-else of pdserve; the engine picks the name (PDSERVE_ATTENTION_BACKEND, see pdserve/envs.py).
+else of pdserve; the engine picks the name (serve/attention.py: PDSERVE_ATTENTION_BACKEND,
+else triton on CUDA and torch on CPU).
 """
 
 from __future__ import annotations
@@ -34,11 +35,6 @@ class AttentionBackend:
     decode_attention: Callable[..., torch.Tensor]
     mla_decode_attention: Callable[..., torch.Tensor]
     write_latent_cache: Callable[..., None]
-
-
-def default_backend_name() -> str:
-    """Triton where there is a GPU, plain torch on CPU."""
-    return "triton" if torch.cuda.is_available() else "torch"
 
 
 def _enable_interpreter_without_cuda() -> None:
