@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -37,11 +36,18 @@ import torch.multiprocessing as mp
 
 from pdserve import envs
 from pdserve.serve.attention import build_attention_metadata, default_backend_name
-from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.serve.batch import StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.kv_cache import KVCachePool, num_blocks_for
 from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
 from pdserve.serve.parallel import Rendezvous, TPGroup, init_tp_group, kv_heads_per_rank
+from pdserve.serve.tp_messages import (
+    PING,
+    KVCommand,
+    decode_message,
+    encode_kv_command,
+    encode_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,64 +55,6 @@ DIST_TIMEOUT_S = 300.0  # every collective (a step, a heartbeat) must finish wit
 START_TIMEOUT_S = 1800.0  # spawning workers and loading weights on every rank
 JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for a worker before terminating it
 MAX_MESSAGE_BYTES = 1 << 30
-
-
-# ---- the rank 0 -> workers message: msgpack, validated on decode ------------------------
-
-
-def encode_step(step: StepInput | None) -> bytes:
-    """A step, or None for "stop"."""
-    if step is None:
-        return msgpack.packb({"kind": "stop"})
-    chunks = [[c.request_id, c.token_ids, c.start_pos, c.block_table, c.need_logits]
-              for c in step.chunks]
-    return msgpack.packb({"kind": "step", "chunks": chunks})
-
-
-PING = msgpack.packb({"kind": "ping"})
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCommand:
-    """Rank 0 asks every rank to take part in moving whole-head KV blocks (hand-off)."""
-
-    kind: str  # "read_kv" (gather to rank 0) | "write_kv" (broadcast from rank 0)
-    block_ids: list[int]
-
-
-def encode_kv_command(command: KVCommand) -> bytes:
-    return msgpack.packb({"kind": command.kind, "block_ids": command.block_ids})
-
-
-def decode_message(data: bytes) -> StepInput | KVCommand | str:
-    """StepInput for a step, a KVCommand, or the kind ("stop" / "ping"); ValueError when
-    malformed."""
-    try:
-        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ValueError(f"undecodable control message: {exc}") from exc
-    kinds = ("step", "stop", "ping", "read_kv", "write_kv")
-    if not isinstance(message, dict) or message.get("kind") not in kinds:
-        raise ValueError(f"control message must be a map with kind in {kinds}")
-    if message["kind"] in ("read_kv", "write_kv"):
-        block_ids = message.get("block_ids")
-        if not isinstance(block_ids, list) or not all(isinstance(b, int) for b in block_ids):
-            raise ValueError("a KV command needs a list of integer block_ids")
-        return KVCommand(message["kind"], block_ids)
-    if message["kind"] != "step":
-        return message["kind"]
-    chunks = []
-    for raw in message.get("chunks", []):
-        if not (isinstance(raw, list) and len(raw) == 5 and isinstance(raw[0], str)
-                and isinstance(raw[1], list) and isinstance(raw[2], int)
-                and isinstance(raw[3], list) and isinstance(raw[4], bool)):
-            raise ValueError("malformed chunk in step message")
-        if not all(isinstance(x, int) for x in raw[1]) or not all(
-            isinstance(x, int) for x in raw[3]
-        ):
-            raise ValueError("token ids and block ids must be integers")
-        chunks.append(SeqChunk(raw[0], raw[1], raw[2], raw[3], raw[4]))
-    return StepInput(chunks=chunks)
 
 
 # ---- what every rank holds ---------------------------------------------------------------

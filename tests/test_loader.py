@@ -16,7 +16,8 @@ from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.kv_cache import KVCachePool, bytes_per_block, num_blocks_for
 from pdserve.serve.layers import rope_parameters
 from pdserve.serve.loader import checkpoint_files, load_model_spec
-from pdserve.serve.model_runner import ModelRunner, decode_message, encode_step
+from pdserve.serve.model_runner import ModelRunner
+from pdserve.serve.tp_messages import decode_message, encode_step
 
 
 def _copy_checkpoint(src: Path, dst: Path) -> Path:
