@@ -7,7 +7,7 @@ the same compressed rows, so the cache holds one row per token and no head axis:
     score[h, j]  = scale * (q_latent[h] . c_kv[j] + q_rope[h] . k_rope[j])
     out[h]       = sum_j softmax(score[h])_j c_kv[j]                         -> [S, H, R]
 
-A program owns (sequence, BLOCK_H heads, split): all its heads share each loaded latent tile,
+A program owns (BLOCK_H heads, sequence, split): all its heads share each loaded latent tile,
 the way decode_attention groups a KV head's query heads. Splits merge with
 decode_attention.combine_splits. R = 512, P = 64 in the real models; other sizes are padded
 to powers of two and masked.
@@ -37,8 +37,8 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head_block = tl.program_id(1)
+    head_block = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -101,6 +101,22 @@ def _mla_decode_kernel(
                  + offs_r[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def _head_and_context_tiles(num_heads: int, block_r: int, dtype: torch.dtype,
+                            interpreted: bool) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_N). Every head block reads the whole latent context, so more heads per
+    program means fewer reads: 64 heads (DeepSeek-V3 with all 128 heads on a rank) take 2
+    blocks, not 8. 16 is tl.dot's minimum. ptxas on sm90 with R = 512, 8 warps, bf16:
+    16 x 32 uses 108 registers, 32 x 32 184, 64 x 16 255, none spilling; fp32 (FMA products)
+    stays at 16 x 32 (158). A [32, 512] bf16 latent tile is 32 KiB of shared memory."""
+    if interpreted:
+        return 16, 64
+    if block_r < 256:
+        return 16, 64
+    if dtype == torch.float32 or num_heads <= 16:
+        return 16, 32
+    return (32, 32) if num_heads <= 32 else (64, 16)
+
+
 def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
                          latent_cache: torch.Tensor, seq_lens: torch.Tensor,
                          block_tables: torch.Tensor, scale: float,
@@ -122,16 +138,12 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
     if num_seqs == 0:
         return out
     block_tables = block_tables.to(torch.int32)
-    # 16 heads fill tl.dot's minimum tile (DeepSeek-V3 at TP 8 has exactly 16 per rank) and
-    # keep the fp32 [16, 512] accumulator at 32 registers a thread with 8 warps.
-    block_h = 16
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_h, block_n = _head_and_context_tiles(num_heads, block_r, q_latent.dtype, interpreted)
     num_head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_head_blocks,
                                        block_tables.shape[1] * page_size)
-    block_r = max(16, triton.next_power_of_2(rank))
-    # A [BLOCK_N, 512] fp16 latent tile is 32 KiB of shared memory per pipeline stage.
-    block_n = 64 if interpreted else (32 if block_r >= 256 else 64)
     is_split = num_splits > 1
     if is_split:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, block_r,
@@ -140,7 +152,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
                                   dtype=torch.float32, device=q_latent.device)
     else:
         partial_out = partial_lse = out  # never touched when IS_SPLIT is False
-    _mla_decode_kernel[(num_seqs, num_head_blocks, num_splits)](
+    # Head blocks of one (sequence, split) are neighbours in launch order, so they run
+    # together and share each latent tile through L2 instead of each reading it from HBM.
+    _mla_decode_kernel[(num_head_blocks, num_seqs, num_splits)](
         q_latent, q_rope, latent_cache, out, partial_out, partial_lse,
         seq_lens.to(torch.int32), block_tables,
         scale * math.log2(math.e), num_heads, num_splits,

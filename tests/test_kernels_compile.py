@@ -41,9 +41,10 @@ CASES = [
     (DECODE, "bf16", dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
                           IS_SPLIT=True, UPCAST=False, DOT_PRECISION="tf32"), 4, 2, 90),
     (COMBINE, "bf16", dict(BLOCK_SPLITS=32, HEAD_DIM=128, BLOCK_D=128), 4, 2, 90),
-    (MLA, "bf16", dict(PAGE_SIZE=64, BLOCK_H=16, BLOCK_N=32, RANK=512, ROPE_DIM=64,
-                       BLOCK_R=512, BLOCK_P=64, IS_SPLIT=True, UPCAST=False,
-                       DOT_PRECISION="tf32"), 8, 2, 90),
+    *[(MLA, "bf16", dict(PAGE_SIZE=64, BLOCK_H=block_h, BLOCK_N=block_n, RANK=512,
+                         ROPE_DIM=64, BLOCK_R=512, BLOCK_P=64, IS_SPLIT=True, UPCAST=False,
+                         DOT_PRECISION="tf32"), 8, 2, 90)
+      for block_h, block_n in [(16, 32), (32, 32), (64, 16)]],
     (SCATTER, "bf16", dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), 4, 2, 90),
 ]
 FLOAT_ARGS = ("qk_scale",)

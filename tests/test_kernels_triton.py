@@ -224,8 +224,9 @@ def test_gpu_decode_long_context(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_mla_decode_deepseek_shapes():
-    case = make_mla_case([8192, 3, 700], 16, 512, 64, 64, torch.bfloat16).to("cuda")
+@pytest.mark.parametrize("num_heads", [16, 128])  # DeepSeek-V3 at TP 8, and all heads
+def test_gpu_mla_decode_deepseek_shapes(num_heads):
+    case = make_mla_case([8192, 3, 700], num_heads, 512, 64, 64, torch.bfloat16).to("cuda")
     args = (case.q_latent, case.q_rope, case.latent_cache, case.seq_lens, case.block_tables,
             (128 + 64) ** -0.5)
     assert_close(triton_backend.mla_decode_attention(*args), ref.mla_decode_attention(*args))
