@@ -128,6 +128,19 @@ class Engine:
         self.scheduler.add_request(request)
         self._start_tracking(request)
 
+    def add_request_with_prefix(self, request: Request, num_prefix_tokens: int) -> list[int]:
+        """Admit a request (from make_request) whose first `num_prefix_tokens` tokens' KV
+        comes from outside, e.g. the KV store: it gets fresh blocks for them (returned; the
+        caller writes the KV there before the next step) and computes only the rest. At
+        least one prompt token is always computed, so there are logits to sample from."""
+        num_computed = min(num_prefix_tokens, request.num_tokens - 1)
+        if num_computed <= 0:
+            raise ValueError("a prefix must cover at least one token and leave one")
+        request.num_computed_tokens = num_computed
+        block_ids = self.scheduler.add_running_request(request, None)
+        self._start_tracking(request)
+        return block_ids
+
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
                               params: SamplingParams, output_token_ids: list[int],
                               block_ids: list[int] | None = None) -> list[int]:

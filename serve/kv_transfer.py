@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kvstore.block_key import next_key
+from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, TransferResult
 from pdserve.serve.request import KVHandoff, Request
 
@@ -79,6 +79,17 @@ class KVTransfer:
         return list(block_keys) + [next_key(parent, tail)]
 
     # ---- prefill side ----------------------------------------------------------------------
+    def store_prefix_keys(self, request: Request) -> list[bytes]:
+        """Keys of the prompt's leading full blocks worth loading from the store: those it
+        holds, when they reach past what this worker's own prefix cache already has."""
+        bm = self.engine.block_manager
+        keys = block_keys(request.prompt_token_ids, bm.block_size, bm.root(request.cache_salt))
+        num_local = bm.num_cached_tokens(request) // bm.block_size
+        if len(keys) <= num_local:
+            return []
+        num_stored = self.connector.lookup(keys)
+        return keys[:num_stored] if num_stored > num_local else []
+
     def save_handoff(self, request: Request, handoff: KVHandoff) -> None:
         """Engine hook, called before the request's blocks are freed: stage them (a copy)
         and let the connector put them in the background."""

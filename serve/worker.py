@@ -25,6 +25,7 @@ from dataclasses import asdict
 import zmq
 
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.serve.kv_transfer import TransferDone
 from pdserve.serve.protocol import (
     WORKER_PROTOCOL,
     AbortRequest,
@@ -118,15 +119,27 @@ class Worker:
             return
         try:
             params = SamplingParams(**asdict(message.sampling), cache_salt=message.cache_salt)
-            if message.handoff is None:
-                self.engine.add_request(message.prompt_token_ids, params, request_id)
-            else:
+            if message.handoff is not None:
                 self._add_handed_off(message, params)
+            else:
+                self._add_new(message, params)
         except Exception as exc:  # any rejection is this request's error, not the worker's
             logger.info("rejected %s: %s", request_id, exc)
             self._reply(identity, Output(request_id, [], "", "error", error=str(exc)))
             return
         self._owners[request_id] = identity
+
+    def _add_new(self, message: GenerateRequest, params: SamplingParams) -> None:
+        """A new request; a prefill worker first loads the prompt's prefix from the store
+        when the store holds more of it than this worker's own prefix cache."""
+        request = self.engine.make_request(message.prompt_token_ids, params, message.request_id)
+        if self.kv_transfer is not None and self.role == "prefill":
+            keys = self.kv_transfer.store_prefix_keys(request)
+            if keys:
+                self.kv_transfer.start_load(message.request_id, keys)
+                self._loading[message.request_id] = (message, params)
+                return
+        self.engine.submit(request)
 
     def _add_handed_off(self, message: GenerateRequest, params: SamplingParams) -> None:
         """Decode role: continue a request that a prefill worker started. With a store, its
@@ -153,16 +166,8 @@ class Worker:
             if entry is None:
                 continue
             message, params = entry
-            first = [message.handoff.first_token_id]
             try:
-                if done.ok:
-                    block_ids = self.engine.add_prefilled_request(
-                        done.request_id, message.prompt_token_ids, params, first)
-                    self.kv_transfer.install(block_ids, done.staging)
-                else:  # a miss: the KV cache is a cache, recompute
-                    logger.info("KV of %s not in the store; recomputing", done.request_id)
-                    self.engine.add_continued_request(
-                        done.request_id, message.prompt_token_ids, params, first)
+                self._admit_loaded(message, params, done)
             except Exception as exc:  # e.g. no free blocks: this request's error
                 logger.warning("could not admit %s: %s", done.request_id, exc)
                 self.engine.abort_request(done.request_id)
@@ -170,6 +175,29 @@ class Worker:
                 if identity is not None:
                     self._reply(identity, Output(done.request_id, [], "", "error",
                                                  error=str(exc)))
+
+    def _admit_loaded(self, message: GenerateRequest, params: SamplingParams,
+                      done: TransferDone) -> None:
+        """A load finished: the request joins the batch with its KV, or (a miss; the KV
+        cache is a cache) recomputes what was not loaded."""
+        engine, request_id = self.engine, message.request_id
+        if message.handoff is None:  # prefill: the prompt's prefix
+            request = engine.make_request(message.prompt_token_ids, params, request_id)
+            if not done.ok:
+                engine.submit(request)
+                return
+            block_size = engine.block_manager.block_size
+            block_ids = engine.add_request_with_prefix(request, len(done.keys) * block_size)
+            self.kv_transfer.install(block_ids, [t[:, :len(block_ids)] for t in done.staging])
+            return
+        first = [message.handoff.first_token_id]  # decode: the whole prompt
+        if not done.ok:
+            logger.info("KV of %s not in the store; recomputing", request_id)
+            engine.add_continued_request(request_id, message.prompt_token_ids, params, first)
+            return
+        block_ids = engine.add_prefilled_request(request_id, message.prompt_token_ids, params,
+                                                 first)
+        self.kv_transfer.install(block_ids, done.staging)
 
     def _abort(self, request_id: str) -> None:
         self._owners.pop(request_id, None)

@@ -1,0 +1,114 @@
+"""Workers over a shared KV store, in one process: a prefill worker reuses a prefix another
+prefill worker computed (loaded from the store, not recomputed), hands off to a decode worker,
+and the tokens equal a colocated engine's. Real ZeroMQ sockets, real Worker loops."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+from cluster_util import free_port_block
+from transformers import AutoTokenizer
+
+from pdserve.kvstore.connector import KVConnector
+from pdserve.kvstore.tiered_store import TieredStore
+from pdserve.serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.serve.engine import Engine
+from pdserve.serve.kv_transfer import KVTransfer
+from pdserve.serve.protocol import WORKER_PROTOCOL, GenerateRequest, Output, WireSampling
+from pdserve.serve.sampling_params import SamplingParams
+from pdserve.serve.worker import Worker
+
+BLOCK = 8
+
+
+def _engine(model_dir, role: str) -> Engine:
+    return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=BLOCK, num_blocks=64),
+                  scheduler_config=SchedulerConfig(role=role),
+                  tokenizer=AutoTokenizer.from_pretrained(model_dir))
+
+
+@pytest.fixture(scope="module")
+def fleet(llama_dir):
+    store = TieredStore.build(dram_capacity_blocks=256)
+    base = free_port_block(3)
+    workers, threads = {}, []
+    for i, (name, role) in enumerate([("prefill-a", "prefill"), ("prefill-b", "prefill"),
+                                      ("decode", "decode")]):
+        engine = _engine(llama_dir, role)
+        connector = KVConnector(store, engine.spec.kv_layout(BLOCK))
+        worker = Worker(engine, role, f"tcp://127.0.0.1:{base + i}", name,
+                        KVTransfer(engine, connector))
+        thread = threading.Thread(target=worker.serve_forever, daemon=True)
+        thread.start()
+        workers[name], threads = worker, threads + [thread]
+    context = zmq.Context()
+    sockets = {}
+    for i, name in enumerate(workers):
+        sockets[name] = context.socket(zmq.DEALER)
+        sockets[name].setsockopt(zmq.LINGER, 0)
+        sockets[name].connect(f"tcp://127.0.0.1:{base + i}")
+    yield workers, sockets, store
+    for worker in workers.values():
+        worker.stop_event.set()
+    for thread in threads:
+        thread.join(10)
+    for worker in workers.values():
+        worker.kv_transfer.close()
+        worker.close()
+    for socket in sockets.values():
+        socket.close()
+    context.term()
+
+
+def _collect(socket, request: GenerateRequest, timeout_s: float = 60.0) -> list[Output]:
+    socket.send(WORKER_PROTOCOL.encode(request))
+    outputs, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if socket.poll(100):
+            message = WORKER_PROTOCOL.decode(socket.recv())
+            if isinstance(message, Output) and message.request_id == request.request_id:
+                outputs.append(message)
+                if message.finish_reason is not None:
+                    return outputs
+    raise TimeoutError(f"no finish for {request.request_id}")
+
+
+def _disagg(sockets, prefill: str, request_id: str, prompt: list[int]) -> tuple[Output, list]:
+    sampling = WireSampling(max_tokens=8, temperature=0.0)
+    [first] = _collect(sockets[prefill], GenerateRequest(request_id, prompt, sampling))
+    assert first.finish_reason == "handoff" and first.handoff is not None
+    assert first.handoff.block_keys  # the prompt is in the store
+    rest = _collect(sockets["decode"], GenerateRequest(request_id, prompt, sampling,
+                                                       handoff=first.handoff))
+    return first, first.token_ids + [t for o in rest for t in o.token_ids]
+
+
+def test_prefix_from_the_store_is_reused_by_another_prefill_worker(fleet, llama_dir):
+    workers, sockets, store = fleet
+    shared = list(range(10, 10 + 4 * BLOCK))  # four full blocks
+    prompts = {"r1": shared + [7, 8, 9], "r2": shared + [11, 12]}
+    reference = _engine(llama_dir, "colocated")
+    try:
+        expected = {}
+        for rid, prompt in prompts.items():
+            out = reference.add_request(prompt, SamplingParams(temperature=0, max_tokens=8), rid)
+            assert out is not None
+        while reference.has_unfinished_requests():
+            for out in reference.step():
+                expected.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    finally:
+        reference.shutdown()
+    first, tokens = _disagg(sockets, "prefill-a", "r1", prompts["r1"])
+    assert first.num_cached_tokens == 0 and tokens == expected["r1"]
+    # prefill-b never saw this prefix: it loads the four blocks from the store
+    first, tokens = _disagg(sockets, "prefill-b", "r2", prompts["r2"])
+    assert first.num_cached_tokens == 4 * BLOCK
+    assert tokens == expected["r2"]
+    assert workers["prefill-b"].kv_transfer.totals()["load_count"] == 1
+    for worker in workers.values():
+        worker.engine.block_manager.check_integrity()
+        assert worker.engine.block_manager.num_used_blocks == 0
+    store.check_integrity()
