@@ -1,9 +1,10 @@
 """Triton attention kernels against their plain-torch references (kernels/reference.py).
 
-Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 must
-be set before the kernel modules are defined, so it is set here, at import, and only when
-there is no GPU (the other test files use the torch backend and never read it). Shapes are
-small, tiles 64 wide, so the whole file stays within a minute or two on 2 cores.
+Without CUDA the kernels run in Triton's interpreter on CPU tensors. TRITON_INTERPRET=1 is
+set here, at import and only when there is no GPU, before the kernel modules are defined
+(get_attention_backend("triton") would otherwise redefine them; the other test files use the
+torch backend and never read the flag). Shapes are small and tiles 64 wide, so the whole
+file stays within a minute or two on 2 cores.
 
 Tolerances, per dtype, for the kernel against the reference (both accumulate in fp32):
 - fp32: the kernel sums K/V tiles with an online softmax, the reference in one softmax;
