@@ -80,6 +80,26 @@ def test_prefill_small_tiles_and_empty_sequence():
     assert_close(out, ref.prefill_attention(*args))
 
 
+def test_strided_query_and_int64_metadata():
+    # The engine's query is a view into a fused QKV projection: rows are not adjacent.
+    case = make_paged_case([7, 1, 33], [7, 40, 33], 4, 2, 32, 16).to(DEVICE)
+    fused = torch.randn(case.query.shape[0], 4 * 32 + 2 * 2 * 32, device=DEVICE)
+    fused[:, :128] = case.query.reshape(-1, 128)
+    query = fused[:, :128].view(-1, 4, 32)
+    assert not query.is_contiguous()
+    args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
+            0.2, case.max_query_len)
+    out = triton_backend.prefill_attention(
+        query, case.kv_cache, case.cu_seqlens_q.long(), case.seq_lens.long(),
+        case.block_tables.long(), 0.2, case.max_query_len)
+    assert_close(out, ref.prefill_attention(*args))
+    rows = case.cu_seqlens_q[1:].long() - 1  # each sequence's last token, as a decode
+    out = triton_backend.decode_attention(query[rows], case.kv_cache, case.seq_lens.long(),
+                                          case.block_tables.long(), 0.2)
+    assert_close(out, ref.decode_attention(case.query[rows], case.kv_cache, case.seq_lens,
+                                           case.block_tables, 0.2))
+
+
 def test_group_of_three_query_heads_pads_to_four():
     # 6 query heads over 2 KV heads: the padding row of each group is computed, never stored.
     case = make_paged_case([9, 1, 40], [9, 50, 70], 6, 2, 32, 16).to(DEVICE)
