@@ -4,7 +4,7 @@
 
 A seeded random Llama (~0.1B parameters by default) is built in a temporary directory. For
 each batch size both systems get the same random prompts (fixed length, fixed seed) and
-run twice per measurement after a warm-up:
+run `--repeats` times per measurement after a warm-up:
 
     prefill tokens/s = batch * prompt_len / t(generate 1 token)
     decode tokens/s  = batch * (output_len - 1) / (t(generate output_len) - t(generate 1))
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="measure pdserve only")
