@@ -453,9 +453,11 @@ def print_sweep(server: ServerResult, args: argparse.Namespace) -> None:
     rate = server.goodput_rate
     per_worker = "" if rate is None else f" ({rate / args.num_workers:g} per worker, " \
         f"{args.num_workers} workers)"
+    ceiling = "" if rate is None or rate < max(r.request_rate for r in server.runs) else \
+        " - the highest rate tried: add higher --sweep-rates to find the limit"
     print(f"goodput rate (>= {100 * args.target_attainment:.0f}% attainment): "
           f"{'none (the lowest rate misses)' if rate is None else f'{rate:g} req/s'}"
-          f"{per_worker}")
+          f"{per_worker}{ceiling}")
 
 
 def compare_ratios(first: ServerResult, second: ServerResult) -> dict[str, float | None]:
@@ -498,6 +500,9 @@ def _save(servers: list[ServerResult], args: argparse.Namespace, slo: SLOConfig,
                 "goodput_rate": s.goodput_rate,
                 "goodput_rate_per_worker": None if s.goodput_rate is None
                 else s.goodput_rate / args.num_workers,
+                # True when even the highest rate tried met the target: a lower bound only.
+                "goodput_rate_is_lower_bound": s.goodput_rate is not None and
+                s.goodput_rate >= max(r.request_rate for r in s.runs),
                 "runs": [run_json(r, s, args, slo, tokenizer_id) for r in s.runs],
             } for s in servers],
         }

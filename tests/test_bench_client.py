@@ -305,8 +305,10 @@ def test_cli_sweep_and_compare(threaded_server: ScriptedSSEServer, tmp_path: Pat
     for server in result["servers"]:
         assert [r["request_rate"] for r in server["runs"]] == [20, 40]
         assert server["goodput_rate"] == 40 and server["goodput_rate_per_worker"] == 20
+        assert server["goodput_rate_is_lower_bound"]  # 40 was the highest rate tried
     assert result["ratio"]["goodput_rate"] == 1.0
-    assert "one / two" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "one / two" in out and "the highest rate tried" in out
     assert not list(tmp_path.glob("*.png"))
 
 
