@@ -54,6 +54,7 @@ from pdserve.benchmarks.metrics import (
     DEFAULT_TARGET_ATTAINMENT,
     SLOConfig,
     goodput_rate,
+    next_sweep_rate,
     output_token_counts,
     parse_goodput,
     request_tpot_s,
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--trust-remote-code", action="store_true")
     server.add_argument("--request-timeout", type=float,
                         default=EndpointConfig.request_timeout_s,
-                        help="seconds one streamed request may take")
+                        help="seconds a request may wait for its next bytes before it fails")
 
     data = parser.add_argument_group("workload")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -345,13 +346,10 @@ async def _bench_server(http: httpx.AsyncClient, server: ServerResult,
         return
     points = [(r.request_rate, r.summary["slo_attainment"]) for r in server.runs]
     best = goodput_rate(points, args.target_attainment)
-    # Bisect between the best passing rate and the next (failing) one for a finer answer.
     for _ in range(args.sweep_refine_steps):
-        above = [r for r, _ in points if best is None or r > best]
-        if not above or best is None:
+        mid = next_sweep_rate(points, args.target_attainment)
+        if mid is None:
             break
-        low, high = best, min(above)
-        mid = (low + high) / 2 if math.isfinite(high) else low * 2
         run = await _run_level(http, server, requests, mid, slo, codec, args, percentiles)
         points.append((mid, run.summary["slo_attainment"]))
         best = goodput_rate(points, args.target_attainment)

@@ -37,7 +37,8 @@ class EndpointConfig:
     # /v1/completions or /v1/chat/completions (any path containing "chat" is the chat API).
     endpoint: str = "/v1/completions"
     ignore_eos: bool = False
-    # Per-request wall-clock limit (seconds) for the whole streamed response.
+    # Seconds a request may wait for its connection or its next bytes (httpx's per-operation
+    # timeout: a long stream that keeps producing tokens never times out).
     request_timeout_s: float = 3600.0
     # Sampling fields and any other JSON merged into every request body.
     extra_body: dict[str, Any] = field(default_factory=dict)

@@ -157,3 +157,19 @@ def goodput_rate(attainment_by_rate: Sequence[tuple[float, float]],
             break
         best = rate
     return best
+
+
+def next_sweep_rate(attainment_by_rate: Sequence[tuple[float, float]],
+                    target: float = DEFAULT_TARGET_ATTAINMENT) -> float | None:
+    """The rate to try next to narrow the goodput rate down, or None when nothing brackets it.
+
+    Bisects between the goodput rate and the lowest rate above it (which missed); above an
+    infinite rate that missed, it doubles. None when even the lowest rate missed or no rate
+    above the goodput rate was tried.
+    """
+    best = goodput_rate(attainment_by_rate, target)
+    above = [rate for rate, _ in attainment_by_rate if best is not None and rate > best]
+    if best is None or not above:
+        return None
+    high = min(above)
+    return (best + high) / 2 if math.isfinite(high) else best * 2

@@ -11,6 +11,7 @@ from pdserve.benchmarks.metrics import (
     SLOConfig,
     goodput_rate,
     meets_slo,
+    next_sweep_rate,
     output_token_counts,
     parse_goodput,
     request_tpot_s,
@@ -108,3 +109,11 @@ def test_goodput_rate_is_highest_rate_before_first_miss() -> None:
     assert goodput_rate([(1, 0.8), (2, 0.7)], target=0.75) == 1
     with pytest.raises(ValueError):
         goodput_rate([(1, 1.0)], target=0.0)
+
+
+def test_next_sweep_rate_bisects_the_bracket() -> None:
+    assert next_sweep_rate([(1, 1.0), (2, 0.95), (4, 0.5)]) == 3
+    assert next_sweep_rate([(1, 1.0), (2, 0.95), (4, 0.5), (3, 0.92)]) == 3.5
+    assert next_sweep_rate([(1, 1.0), (math.inf, 0.2)]) == 2
+    assert next_sweep_rate([(1, 1.0), (2, 1.0)]) is None  # nothing above failed: no bracket
+    assert next_sweep_rate([(1, 0.5), (2, 0.4)]) is None  # even the lowest rate misses
