@@ -338,7 +338,6 @@ async def _check_server(http: httpx.AsyncClient, endpoint: EndpointConfig,
 async def _bench_server(http: httpx.AsyncClient, server: ServerResult,
                         requests: Sequence[BenchRequest], slo: SLOConfig, codec: TokenCodec,
                         args: argparse.Namespace, percentiles: Sequence[float]) -> None:
-    await _check_server(http, server.endpoint, requests[0])
     rates = sorted(args.sweep_rates) if args.sweep_rates else [args.request_rate]
     for rate in rates:
         await _run_level(http, server, requests, rate, slo, codec, args, percentiles)
@@ -556,6 +555,10 @@ async def _main(args: argparse.Namespace) -> int:
             endpoint = EndpointConfig(base_url, model, _endpoint_path(args), args.ignore_eos,
                                       args.request_timeout, _extra_body(args))
             servers.append(ServerResult(label or urlsplit(base_url).netloc, endpoint))
+        # Every server answers a test request before any is measured, so a wrong second URL
+        # fails in seconds, not after the first server's whole sweep.
+        for server in servers:
+            await _check_server(http, server.endpoint, requests[0])
         for server in servers:
             await _bench_server(http, server, requests, slo, codec, args, percentiles)
     for server in servers:

@@ -318,6 +318,15 @@ def test_cli_sweep_and_compare(threaded_server: ScriptedSSEServer, tmp_path: Pat
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_cli_unreachable_compare_server_fails_before_measuring(
+        threaded_server: ScriptedSSEServer, capsys) -> None:
+    rc = cli("--base-url", threaded_server.base_url, "--compare-base-url", "http://127.0.0.1:9",
+             "--model", "m", "--num-prompts", "2", "--random-input-len", "4",
+             "--disable-tqdm")
+    assert rc == 1 and "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+    assert len(threaded_server.served) == 1  # only the first server's test request
+
+
 @pytest.mark.parametrize("argv, rc, message", [
     (["--goodput", "ttft"], 2, "KEY:MS"),
     (["--sweep-rates", "1", "2"], 2, "needs SLOs"),
