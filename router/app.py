@@ -174,6 +174,7 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
     async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int],
                      max_tokens: int, num_logprobs: int | None, chat: bool) -> Response:
         arrival_s = time.monotonic()
+        request_id = new_id("chatcmpl" if chat else "cmpl")
         _check_model(body.model)
         _check_lengths(prompt_ids, max_tokens)
         try:
@@ -184,7 +185,7 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
             if dispatcher.store_lookup is not None:
                 metrics.labels(metrics.external_queries).inc(len(prompt_ids))
                 metrics.labels(metrics.external_hits).inc(ctx.num_store_cached_tokens)
-            first_worker = dispatcher.admit(ctx, keys)
+            first_worker = dispatcher.admit(request_id, ctx, keys)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
@@ -193,7 +194,6 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
         except NoWorkerAvailable as exc:
             metrics.labels(metrics.rejected, "no_worker").inc()
             raise ApiError(503, str(exc)) from None
-        request_id = new_id("chatcmpl" if chat else "cmpl")
         outputs = dispatcher.run(request_id, prompt_ids, sampling, body.cache_salt, first_worker)
         timing = _Timing(arrival_s)
         metrics.labels(metrics.prompt_tokens).inc(len(prompt_ids))

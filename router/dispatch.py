@@ -108,12 +108,17 @@ class Dispatcher:
                       * block_size for w in self.first_pool}
         return RouteContext(len(prompt_token_ids), num_store, per_worker), keys
 
-    def admit(self, ctx: RouteContext, keys: list[bytes]) -> WorkerClient:
-        """Pick the first worker for a request, or raise NoWorkerAvailable / Overloaded."""
+    def admit(self, request_id: str, ctx: RouteContext, keys: list[bytes]) -> WorkerClient:
+        """Pick the first worker for a request and reserve its slot there, or raise
+        NoWorkerAvailable / Overloaded."""
         worker = self.prefill_policy.choose(self.first_pool, ctx)
-        if self.config.is_disaggregated and not any(w.is_ready for w in self.decode):
-            raise NoWorkerAvailable("no decode worker is ready")
         self.admission.check(worker, ctx)
+        if self.config.is_disaggregated:
+            decoders = [w for w in self.decode if w.is_ready]
+            if not decoders:
+                raise NoWorkerAvailable("no decode worker is ready")
+            self.admission.check(min(decoders, key=lambda w: w.num_inflight), ctx)
+        worker.reserve(request_id)
         self.prefix_index.record(keys, worker.address)  # it is about to compute them
         return worker
 

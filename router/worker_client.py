@@ -29,6 +29,8 @@ from pdserve.wire import WireError
 
 logger = logging.getLogger(__name__)
 
+RESERVATION_TTL_S = 10.0  # an admitted request is sent within this, or its slot frees
+
 
 class WorkerDied(RuntimeError):
     """The worker stopped answering while a request was in flight."""
@@ -47,7 +49,7 @@ class WorkerClient:
         self.role = role  # what the router expects it to be: prefill | decode | colocated
         self.status: WorkerStatus | None = None
         self.last_seen_s = 0.0
-        self.num_inflight = 0
+        self._reservations: dict[str, float] = {}  # admitted, not yet sent: request -> time
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._socket = context.socket(zmq.DEALER)
@@ -84,18 +86,32 @@ class WorkerClient:
     def worker_id(self) -> str:
         return self.status.worker_id if self.status else self.address
 
+    @property
+    def num_inflight(self) -> int:
+        """Requests sent to this worker and not finished, plus those admitted to it and about
+        to be sent (so a burst of admissions sees each other)."""
+        if self._reservations:
+            stale = time.monotonic() - RESERVATION_TTL_S
+            for request_id in [r for r, t in self._reservations.items() if t < stale]:
+                del self._reservations[request_id]  # admitted but never sent (client left)
+        return len(self._queues) + len(self._reservations)
+
+    def reserve(self, request_id: str) -> None:
+        """Count an admitted request against this worker until generate() sends it."""
+        self._reservations[request_id] = time.monotonic()
+
     async def generate(self, request: GenerateRequest) -> asyncio.Queue[Output | BaseException]:
         """Send a request; its outputs (or a WorkerDied) arrive on the returned queue."""
         queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = queue
-        self.num_inflight += 1
+        self._reservations.pop(request.request_id, None)
         await self._socket.send(WORKER_PROTOCOL.encode(request))
         return queue
 
     def finish(self, request_id: str) -> None:
         """Forget a request (after its last output, an abort or an error)."""
-        if self._queues.pop(request_id, None) is not None:
-            self.num_inflight -= 1
+        self._queues.pop(request_id, None)
+        self._reservations.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self.finish(request_id)

@@ -174,6 +174,47 @@ def test_garbage_and_pickle_on_worker_port_are_dropped(roles, tmp_path):
     assert not sentinel.exists()
 
 
+def test_admission_control_and_api_key(roles):
+    """A second router on the same workers, with an API key and a tight in-flight limit:
+    401 without the key, 429 with a clear message once the prefill worker holds its limit."""
+    port = free_port_block(1)
+    roles.start("router2", "router", "--model", roles.model_dir, "--port", str(port),
+                 "--prefill", f"tcp://127.0.0.1:{roles.prefill_port}",
+                 "--decode", f"tcp://127.0.0.1:{roles.decode_port}",
+                 "--api-key", "sesame", "--max-inflight-per-worker", "2")
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer sesame"}
+    assert _wait_until(lambda: _get_status(f"{url}/health") == 200, 120)
+    body = {"prompt": "hello", "max_tokens": 4}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30,
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+
+    async def burst() -> list[int]:
+        long = {"prompt": "x " * 200, "max_tokens": 64, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=120, headers=auth) as client:
+            responses = await asyncio.gather(*[
+                client.post(f"{url}/v1/completions", json=long) for _ in range(8)])
+        for r in responses:
+            if r.status_code == 429:
+                assert "overloaded" in r.json()["error"]["message"]
+        return [r.status_code for r in responses]
+
+    codes = asyncio.run(burst())
+    assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
+    assert set(codes) <= {200, 429}
+    roles.processes.pop("router2").terminate()
+
+
+def _get_status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
 def _pid_of(roles: Roles, role: str) -> int:
     return roles.processes[role].pid
 
