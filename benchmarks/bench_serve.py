@@ -182,6 +182,12 @@ class ServerResult:
     runs: list[RunResult] = field(default_factory=list)
     goodput_rate: float | None = None
 
+    @property
+    def goodput_is_lower_bound(self) -> bool:
+        """Even the highest rate tried met the target: the true goodput rate may be higher."""
+        return self.goodput_rate is not None and \
+            self.goodput_rate >= max(r.request_rate for r in self.runs)
+
 
 # -- setting up ------------------------------------------------------------------------------
 
@@ -450,8 +456,8 @@ def print_sweep(server: ServerResult, args: argparse.Namespace) -> None:
     rate = server.goodput_rate
     per_worker = "" if rate is None else f" ({rate / args.num_workers:g} per worker, " \
         f"{args.num_workers} workers)"
-    ceiling = "" if rate is None or rate < max(r.request_rate for r in server.runs) else \
-        " - the highest rate tried: add higher --sweep-rates to find the limit"
+    ceiling = " - the highest rate tried: add higher --sweep-rates to find the limit" \
+        if server.goodput_is_lower_bound else ""
     print(f"goodput rate (>= {100 * args.target_attainment:.0f}% attainment): "
           f"{'none (the lowest rate misses)' if rate is None else f'{rate:g} req/s'}"
           f"{per_worker}{ceiling}")
@@ -497,9 +503,7 @@ def _save(servers: list[ServerResult], args: argparse.Namespace, slo: SLOConfig,
                 "goodput_rate": s.goodput_rate,
                 "goodput_rate_per_worker": None if s.goodput_rate is None
                 else s.goodput_rate / args.num_workers,
-                # True when even the highest rate tried met the target: a lower bound only.
-                "goodput_rate_is_lower_bound": s.goodput_rate is not None and
-                s.goodput_rate >= max(r.request_rate for r in s.runs),
+                "goodput_rate_is_lower_bound": s.goodput_is_lower_bound,
                 "runs": [run_json(r, s, args, slo, tokenizer_id) for r in s.runs],
             } for s in servers],
         }
@@ -511,10 +515,13 @@ def _save(servers: list[ServerResult], args: argparse.Namespace, slo: SLOConfig,
     if args.no_plots:
         return written
     stem = json_path.with_suffix("")
-    if not slo.is_empty:
+    # Attainment vs rate needs rates on an axis: trace replays and "inf" have none.
+    attainment = {s.label: [(r.request_rate, r.summary["slo_attainment"]) for r in s.runs
+                            if not r.is_trace and math.isfinite(r.request_rate)]
+                  for s in servers}
+    if not slo.is_empty and any(attainment.values()):
         written.append(plots.plot_attainment(
-            {s.label: [(r.request_rate, r.summary["slo_attainment"]) for r in s.runs]
-             for s in servers}, f"{stem}-attainment.png", args.target_attainment,
+            attainment, f"{stem}-attainment.png", args.target_attainment,
             {s.label: s.goodput_rate for s in servers}))
     for metric, values, slo_ms in (("TTFT", RunResult.ttfts_ms, slo.ttft_ms),
                                    ("TPOT", RunResult.tpots_ms, slo.tpot_ms)):

@@ -6,6 +6,7 @@ and `pdserve bench --help` does not pay for it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def plot_attainment(attainment_by_label: Mapping[str, Sequence[tuple[float, floa
         rates = [r for r, _ in points]
         ax.plot(rates, [100.0 * a for _, a in points], marker="o", label=label)
         rate = (goodput_by_label or {}).get(label)
-        if rate is not None:
+        if rate is not None and math.isfinite(rate):
             ax.axvline(rate, linestyle=":", color=ax.lines[-1].get_color(), alpha=0.6)
     ax.axhline(100.0 * target, color="grey", linestyle="--", linewidth=1,
                label=f"{100 * target:.0f}% target")
