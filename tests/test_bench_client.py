@@ -351,9 +351,11 @@ def test_cli_replays_a_mooncake_trace(threaded_server: ScriptedSSEServer, tmp_pa
     ]))
     rc = cli("--base-url", threaded_server.base_url, "--dataset-name", "mooncake",
              "--dataset-path", str(trace), "--block-size", "8", "--time-scale", "0.05",
-             "--save-result", "--no-plots", "--result-dir", str(tmp_path),
+             "--goodput", "ttft:5000", "--save-result", "--result-dir", str(tmp_path),
              "--result-filename", "t.json", "--disable-tqdm")
     assert rc == 0
+    # CDFs yes; no attainment-vs-rate plot, since a trace has no rate.
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["t-tpot-cdf.png", "t-ttft-cdf.png"]
     result = json.loads((tmp_path / "t.json").read_text())
     assert result["request_rate"] == "trace" and result["completed"] == 3
     measured = threaded_server.served[1:]  # after the unmeasured test request
