@@ -55,6 +55,39 @@ def _synthetic_words(num_words: int = 1024) -> list[str]:
             for i in range(num_words)]
 
 
+class RustTokenizer:
+    """The slice of a Hugging Face tokenizer's API this module uses, over `tokenizers` alone.
+
+    A checkpoint's tokenizer.json holds the whole pipeline (normalizer, pre-tokenizer, model,
+    decoder), so the Rust library encodes and decodes exactly as PreTrainedTokenizerFast does,
+    without importing transformers (and with it torch) into a process that only measures HTTP.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+        added = self._tokenizer.get_added_tokens_decoder()
+        self.all_special_ids = sorted(i for i, token in added.items() if token.special)
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict[str, list]:
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return {"input_ids": [e.ids for e in encodings]}
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        return self._tokenizer.decode_batch([list(s) for s in sequences],
+                                            skip_special_tokens=False)
+
+
 def _word_token_ids(tokenizer: Any, min_words: int = 32) -> np.ndarray | None:
     """Ids of whole-word tokens (" word") whose any sequence re-tokenizes to itself, or None.
 
@@ -100,9 +133,16 @@ class TokenCodec:
 
     @classmethod
     def load(cls, name_or_path: str | None, trust_remote_code: bool = False) -> TokenCodec:
-        """Load `name_or_path` with AutoTokenizer (imported only here), or the word fallback."""
+        """A local dir with tokenizer.json loads with `tokenizers` alone; anything else with
+        AutoTokenizer (imported only then: transformers pulls in torch). None: word fallback.
+        """
         if name_or_path is None:
             return cls(None)
+        if (Path(name_or_path) / "tokenizer.json").is_file():
+            try:
+                return cls(RustTokenizer(Path(name_or_path) / "tokenizer.json"))
+            except Exception as e:  # noqa: BLE001 - a broken file is a user-facing flag error
+                raise DatasetError(f"cannot load tokenizer {name_or_path!r}: {e}") from e
         try:
             from transformers import AutoTokenizer
         except ImportError as e:  # pragma: no cover - transformers is a dependency
