@@ -41,6 +41,7 @@ from pdserve.serve.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 HandoffHook = Callable[[Request, KVHandoff], None]
+PromptDoneHook = Callable[[list[Request]], Callable[[int], None] | None]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class Engine:
         self.spec = runner.spec
         self.tokenizer = tokenizer
         self.handoff_hook = handoff_hook
+        # Called before a step with the requests whose prompt completes in it; may return a
+        # per-layer callback for the runner (the KV hand-off saves each layer as it is done).
+        self.prompt_done_hook: PromptDoneHook | None = None
         self.max_model_len = self.spec.max_model_len
         self.block_manager = BlockManager(
             runner.num_blocks, runner.block_size, self.spec.model_id,
@@ -198,11 +202,19 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        logits = self.runner.execute(scheduled.step)  # [num chunks needing logits, vocab]
-        self.scheduler.update_after_step(scheduled)
         to_sample = [request for (request, _), chunk in
                      zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
                      if chunk.need_logits]
+        layer_done = None
+        if self.prompt_done_hook is not None:
+            # Requests whose prompt completes in this step (prefill role: their KV leaves now).
+            finishing = [r for r in to_sample if r.num_output_tokens == 0]
+            layer_done = self.prompt_done_hook(finishing) if finishing else None
+        if layer_done is None:
+            logits = self.runner.execute(scheduled.step)  # [num chunks needing logits, vocab]
+        else:
+            logits = self.runner.execute(scheduled.step, layer_done)
+        self.scheduler.update_after_step(scheduled)
         if logits.shape[0] != len(to_sample):
             raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for "
                                f"{len(to_sample)} chunks that need logits")

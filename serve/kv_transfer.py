@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,8 @@ class KVTransfer:
         self._failed: list[TransferDone] = []
         self._started_s: dict[tuple[str, str], float] = {}
         self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
-                        "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0}
+                        "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
+                        "layerwise_save_count": 0.0}
 
     @classmethod
     def connect(cls, engine, data_address: str, master_address: str | None = None,
@@ -90,9 +92,52 @@ class KVTransfer:
         num_stored = self.connector.lookup(keys)
         return keys[:num_stored] if num_stored > num_local else []
 
+    def start_layerwise_save(self, requests: list[Request]) -> Callable[[int], None] | None:
+        """Engine hook before a step in which `requests` complete their prompt: returns the
+        runner's per-layer callback that hands each layer's blocks to the connector as soon
+        as the layer wrote them, so the transfer overlaps the rest of the forward. TP > 1
+        pools hold a head slice per rank: those save after the step (save_handoff)."""
+        runner, bm = self.engine.runner, self.engine.block_manager
+        if runner.tensor_parallel_size > 1:
+            return None
+        plans = []
+        for request in requests:
+            full = block_keys(request.prompt_token_ids, bm.block_size,
+                              bm.root(request.cache_salt))
+            keys = self.prompt_keys(request, full)
+            block_ids = bm.block_table(request.request_id)[:len(keys)]
+            plans.append((request.request_id, keys, block_ids))
+            self._save_keys[request.request_id] = keys
+            self._started_s["save", request.request_id] = time.monotonic()
+            self._totals["saved_bytes"] += len(keys) * self.connector.block_bytes
+            self._totals["layerwise_save_count"] += 1
+        kv_caches = runner.kv_caches
+
+        def layer_done(layer: int) -> None:
+            for plan in list(plans):
+                request_id, keys, block_ids = plan
+                try:
+                    self.connector.save_layer(request_id, layer, keys, block_ids,
+                                              kv_caches[layer])
+                except Exception as exc:  # never fail the forward: decode recomputes
+                    logger.warning("saving layer %d of %s failed: %s", layer, request_id, exc)
+                    plans.remove(plan)
+                    self._fail_save(request_id, keys)
+
+        return layer_done
+
+    def _fail_save(self, request_id: str, keys: list[bytes]) -> None:
+        self.connector.abort(request_id)
+        self._save_keys.pop(request_id, None)
+        self._started_s.pop(("save", request_id), None)
+        self._failed.append(TransferDone(request_id, "save", False, keys))
+
     def save_handoff(self, request: Request, handoff: KVHandoff) -> None:
-        """Engine hook, called before the request's blocks are freed: stage them (a copy)
+        """Engine hook, called before the request's blocks are freed: unless its layers are
+        already on their way (start_layerwise_save), gather its blocks from every TP rank
         and let the connector put them in the background."""
+        if request.request_id in self._save_keys:
+            return
         keys = self.prompt_keys(request, handoff.block_keys)
         try:
             staged = self.engine.runner.read_kv_blocks(handoff.block_ids[:len(keys)])
@@ -102,8 +147,7 @@ class KVTransfer:
                                           layer_blocks)
         except Exception as exc:  # never let a transfer stop the engine: decode recomputes
             logger.warning("saving the KV of %s failed: %s", request.request_id, exc)
-            self.connector.abort(request.request_id)
-            self._failed.append(TransferDone(request.request_id, "save", False, keys))
+            self._fail_save(request.request_id, keys)
             return
         self._save_keys[request.request_id] = keys
         self._started_s["save", request.request_id] = time.monotonic()

@@ -79,7 +79,8 @@ class _Rank:
                                 spec.head_dim, spec.torch_dtype, device)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
+    def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
+                ) -> torch.Tensor | None:
         meta = build_attention_metadata(step, self.block_size, self.device)
         token_ids = np.fromiter(  # chain iterates in C: no Python work per token
             itertools.chain.from_iterable(c.token_ids for c in step.chunks), dtype=np.int64,
@@ -90,7 +91,7 @@ class _Rank:
         chunk_ends = np.cumsum([len(c.token_ids) for c in step.chunks]) - 1
         need = np.array([c.need_logits for c in step.chunks], dtype=bool)
         logits_rows = torch.from_numpy(chunk_ends[need]).to(self.device)
-        hidden = self.model(input_ids, self.pool.kv_caches, meta)  # [T, hidden]
+        hidden = self.model(input_ids, self.pool.kv_caches, meta, layer_done)  # [T, hidden]
         if logits_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, logits_rows))
@@ -260,8 +261,19 @@ class ModelRunner:
                                                name="pdserve-tp-heartbeat", daemon=True)
             self._heartbeat.start()
 
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """float32 CPU logits [number of chunks with need_logits, vocab_size], in chunk order."""
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._tp_size
+
+    def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
+                ) -> torch.Tensor:
+        """float32 CPU logits [number of chunks with need_logits, vocab_size], in chunk order.
+
+        `layer_done(i)` runs on rank 0 as soon as layer i wrote this step's KV; with TP > 1
+        rank 0 holds only its own heads, so whole-head users (the KV hand-off) gather after
+        the step instead (read_kv_blocks) and pass no callback."""
+        if layer_done is not None and self._tp_size > 1:
+            raise ValueError("per-layer callbacks see only rank 0's heads: TP must be 1")
         self._rank.validate(step)
         if not step.chunks:
             self._check_usable()
@@ -269,7 +281,7 @@ class ModelRunner:
         with self._collective():
             if self._tp_size > 1:
                 self._send(encode_step(step))
-            logits = self._rank.execute(step)
+            logits = self._rank.execute(step, layer_done)
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         return logits.float().cpu()

@@ -63,6 +63,7 @@ class Worker:
         self._step_times_s: deque[float] = deque(maxlen=32)
         self.stop_event = threading.Event()
         if role == "prefill" and kv_transfer is not None:
+            engine.prompt_done_hook = kv_transfer.start_layerwise_save
             engine.handoff_hook = kv_transfer.save_handoff
 
     def serve_forever(self) -> None:

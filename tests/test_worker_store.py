@@ -108,6 +108,10 @@ def test_prefix_from_the_store_is_reused_by_another_prefill_worker(fleet, llama_
     assert first.num_cached_tokens == 4 * BLOCK
     assert tokens == expected["r2"]
     assert workers["prefill-b"].kv_transfer.totals()["load_count"] == 1
+    # TP=1: each prefill saved its prompt layer by layer during the forward
+    for name in ("prefill-a", "prefill-b"):
+        totals = workers[name].kv_transfer.totals()
+        assert totals["layerwise_save_count"] == totals["save_count"] == 1
     for worker in workers.values():
         worker.engine.block_manager.check_integrity()
         assert worker.engine.block_manager.num_used_blocks == 0

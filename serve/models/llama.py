@@ -14,7 +14,7 @@ through one forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +35,9 @@ from pdserve.serve.parallel import (
 def head_dim_of(hf_config: Mapping[str, Any]) -> int:
     return int(hf_config.get("head_dim")
                or hf_config["hidden_size"] // hf_config["num_attention_heads"])
+
+
+LayerDone = Callable[[int], None]
 
 
 class LlamaAttention(nn.Module):
@@ -120,12 +123,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+            if layer_done is not None:  # layer i's KV is in the cache: it may leave now
+                layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -151,9 +156,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, kv_caches, meta)
+                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]; layer_done(i) runs as soon as
+        layer i has written its KV (the KV hand-off saves layer by layer from there)."""
+        return self.model(input_ids, kv_caches, meta, layer_done)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""
