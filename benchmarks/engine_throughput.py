@@ -3,14 +3,15 @@
     python -m pdserve.benchmarks.engine_throughput --output engine_throughput.json
 
 A seeded random Llama (~0.1B parameters by default) is built in a temporary directory. For
-each batch size both systems get the same random prompts (fixed length, fixed seed) and
-run `--repeats` times per measurement after a warm-up:
+each batch size both systems get the same random prompts (fixed length, fixed seed), one
+warm-up run, then `--repeats` timed runs of output_len greedy tokens each:
 
-    prefill tokens/s = batch * prompt_len / t(generate 1 token)
-    decode tokens/s  = batch * (output_len - 1) / (t(generate output_len) - t(generate 1))
+    prefill tokens/s = batch * prompt_len / (time to the first sampled token)
+    decode tokens/s  = batch * (output_len - 1) / (time from first to last token)
 
-Both forced to exactly output_len tokens (pdserve: ignore_eos; HF: min_new_tokens). The
-best of the repeats is kept (the machine is shared: the minimum is the least disturbed).
+pdserve is timed around its engine steps, HF by a logits processor used as a clock. Both
+make exactly output_len tokens (pdserve: ignore_eos; HF: min_new_tokens). The best of the
+repeats is kept per metric (the machine is shared: the minimum is the least disturbed).
 Prints a table, then one JSON object as the last line, and writes it to --output.
 """
 
@@ -20,7 +21,6 @@ import argparse
 import json
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,44 +43,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=str, default=None, help="write the JSON here")
 
 
-def _best_time_s(fn: Callable[[], Any], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _rates(batch: int, prompt_len: int, output_len: int, t_first_s: float,
-           t_all_s: float) -> dict[str, float]:
-    decode_s = max(t_all_s - t_first_s, 1e-9)
+def _rates(batch: int, prompt_len: int, output_len: int,
+           runs: list[tuple[float, float]]) -> dict[str, float]:
+    """runs: (prefill_s, decode_s) per repeat; the best of each is kept."""
+    prefill_s = min(r[0] for r in runs)
+    decode_s = min(r[1] for r in runs)
     return {
-        "prefill_tokens_per_s": batch * prompt_len / t_first_s,
+        "prefill_tokens_per_s": batch * prompt_len / prefill_s,
         "decode_tokens_per_s": batch * (output_len - 1) / decode_s,
-        "t_prefill_s": t_first_s,
-        "t_total_s": t_all_s,
+        "t_prefill_s": prefill_s,
+        "t_decode_s": decode_s,
     }
 
 
 def measure_pdserve(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
                     ) -> dict[str, float]:
+    """Step the engine: the first step prefills every prompt (the budget fits them all) and
+    samples token 1; the remaining output_len - 1 steps are decodes."""
     from pdserve.serve import LLM, SamplingParams
 
     batch, total = len(prompts), args.prompt_len + args.output_len
     num_blocks = batch * (-(-total // args.block_size)) + 8
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     with LLM(model_dir, block_size=args.block_size, num_kv_blocks=num_blocks,
              max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * total),
              enable_prefix_caching=False, seed=args.seed) as llm:
-        def run(num_tokens: int) -> None:
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_tokens,
-                                                 ignore_eos=True))
-
-        run(2)  # warm-up
-        t_first = _best_time_s(lambda: run(1), args.repeats)
-        # Time inside the model runner vs the whole run: the rest is scheduling, sampling
-        # and detokenization (the engine's own overhead).
-        runner, execute = llm.engine.runner, llm.engine.runner.execute
+        engine = llm.engine
+        # Time inside the model runner: the rest is scheduling, sampling, detokenization.
+        runner, execute = engine.runner, engine.runner.execute
         runner_s = [0.0]
 
         def timed_execute(step: Any) -> Any:
@@ -91,32 +81,57 @@ def measure_pdserve(model_dir: Path, prompts: list[list[int]], args: argparse.Na
                 runner_s[0] += time.perf_counter() - start
 
         runner.execute = timed_execute
+
+        def one_run() -> tuple[float, float]:
+            for prompt in prompts:
+                engine.add_request(prompt, params)
+            t0 = time.perf_counter()
+            engine.step()
+            t1 = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            return t1 - t0, time.perf_counter() - t1
+
+        one_run()  # warm-up
+        runner_s[0] = 0.0
         start = time.perf_counter()
-        run(args.output_len)
-        t_all = time.perf_counter() - start
-        engine_overhead_s = t_all - runner_s[0]
+        runs = [one_run() for _ in range(args.repeats)]
+        overhead_s = (time.perf_counter() - start - runner_s[0]) / args.repeats
         runner.execute = execute
-        if args.repeats > 1:
-            t_all = min(t_all, _best_time_s(lambda: run(args.output_len), args.repeats - 1))
-    rates = _rates(batch, args.prompt_len, args.output_len, t_first, t_all)
-    rates["engine_overhead_s"] = engine_overhead_s
+    rates = _rates(batch, args.prompt_len, args.output_len, runs)
+    rates["engine_overhead_s_per_run"] = overhead_s
     return rates
 
 
 def measure_hf(model: Any, prompts: list[list[int]], args: argparse.Namespace
                ) -> dict[str, float]:
+    """HF generate with a logits processor as a clock: its first call follows the prefill
+    forward, its last the output_len-th forward."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.stamps.append(time.perf_counter())
+            return scores
+
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
-    def run(num_tokens: int) -> None:
+    def one_run() -> tuple[float, float]:
+        clock = Clock()
+        t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_tokens,
-                           min_new_tokens=num_tokens)
+            model.generate(ids, attention_mask=mask, do_sample=False,
+                           max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                           logits_processor=LogitsProcessorList([clock]))
+        return clock.stamps[0] - t0, clock.stamps[-1] - clock.stamps[0]
 
-    run(2)  # warm-up
-    t_first = _best_time_s(lambda: run(1), args.repeats)
-    t_all = _best_time_s(lambda: run(args.output_len), args.repeats)
-    return _rates(len(prompts), args.prompt_len, args.output_len, t_first, t_all)
+    one_run()  # warm-up
+    runs = [one_run() for _ in range(args.repeats)]
+    return _rates(len(prompts), args.prompt_len, args.output_len, runs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,9 +184,9 @@ def _format_row(row: dict[str, Any]) -> str:
             r = row[system]
             parts.append(f"{system} prefill {r['prefill_tokens_per_s']:.0f} tok/s, "
                          f"decode {r['decode_tokens_per_s']:.1f} tok/s;")
-            if "engine_overhead_s" in r:
-                parts.append(f"(pdserve time outside the model runner: "
-                             f"{r['engine_overhead_s']:.3f} s of {r['t_total_s']:.2f} s)")
+            if "engine_overhead_s_per_run" in r:
+                parts.append(f"(outside the model runner: "
+                             f"{r['engine_overhead_s_per_run'] * 1e3:.1f} ms per run)")
     return " ".join(parts)
 
 
