@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
     cluster = plan(args, model_dir)
     base_url = f"http://{args.host}:{args.port}"
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and `kill -INT` must
+    # still stop the cluster.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for child in cluster.children:

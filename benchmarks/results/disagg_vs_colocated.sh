@@ -10,7 +10,7 @@ model=${1:-$(.venv/bin/python -c 'from pdserve.serve.default_model import defaul
 out=${2:-benchmarks/results/disagg-vs-colocated}
 mkdir -p "$out"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait || true; }
+cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait || true; }
 trap cleanup EXIT
 .venv/bin/pdserve up --model "$model" --mode disagg --port 18400 --worker-base-port 18410 \
   --store-port 18420 > "$out/up-disagg.log" 2>&1 & pids+=($!)
