@@ -67,8 +67,13 @@ class ParallelConfig:
     """Rendezvous port of the TP group; None picks a free one."""
     device: str | None = None
     """cuda or cpu; None picks cuda when available."""
+    cpu_threads: int | None = None
+    """torch threads per rank on CPU; None divides the machine's cores among the ranks.
+    Several workers on one host (`pdserve up`) each get their share so none starves."""
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads <= 0:
+            raise ValueError("cpu_threads must be positive")
         if self.tensor_parallel_size <= 0:
             raise ValueError("tensor_parallel_size must be positive")
         if self.backend not in (None, "gloo", "nccl"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -100,6 +101,10 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
     roles = ([("colocated", 1, args.prefill_tp)] if args.mode == "colocated" else
              [("prefill", args.num_prefill, args.prefill_tp),
               ("decode", args.num_decode, args.decode_tp)])
+    # On a CPU host every rank of every worker shares the cores: give each its share, as
+    # pinning does for real deployments, so one worker's burst does not starve another.
+    num_ranks = sum(count * tp for _, count, tp in roles)
+    cpu_threads = None if _has_cuda() else max(1, (os.cpu_count() or 1) // num_ranks)
     for role, count, tp in roles:
         for i in range(count):
             argv = [role, "--model", model_dir, "--port", str(port),
@@ -108,11 +113,21 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
                 argv += ["--store", store_addr, "--store-master", master_addr]
             if args.num_kv_blocks:
                 argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+            if cpu_threads is not None:
+                argv += ["--cpu-threads", str(cpu_threads)]
             cluster.children.append(Child(f"{role}-{i}", argv))
             router_argv += [f"--{role}", f"tcp://127.0.0.1:{port}"]
             port += 1
     cluster.children.append(Child("router", router_argv))
     return cluster
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _poll_states(cluster: Cluster, base_url: str) -> None:

@@ -156,6 +156,8 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
     device = _device_for(parallel_config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif parallel_config.cpu_threads is not None:
+        torch.set_num_threads(parallel_config.cpu_threads)
     elif size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     backend = parallel_config.backend or ("nccl" if device.type == "cuda" else "gloo")

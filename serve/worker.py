@@ -289,6 +289,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=sched.max_num_batched_tokens)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads per TP rank on CPU (default: cores / ranks)")
     parser.add_argument("--store", default=None, metavar="ADDR",
                         help="KV store data server (prefill saves, decode loads); "
                              "none: decode recomputes the prompt")
@@ -309,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
                                    max_model_len=args.max_model_len, seed=args.seed)
         cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                                    enable_prefix_caching=not args.no_prefix_caching)
-        parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size)
+        parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                         cpu_threads=args.cpu_threads)
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                            max_num_batched_tokens=args.max_num_batched_tokens,
                                            role=role)
