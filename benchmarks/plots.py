@@ -51,12 +51,22 @@ def plot_cdf(values_ms_by_label: Mapping[str, Sequence[float]], path: str | Path
     """Empirical CDF of one latency metric (ms), one line per run, the SLO as a vertical line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    # Runs are "<server> @ <rate>": one line style per server, one colour per run within it
+    # (matplotlib's 10-colour cycle would repeat colours across a two-server sweep).
+    servers = list(dict.fromkeys(label.split(" @ ")[0] for label in values_ms_by_label))
+    styles = ["-", "--", ":", "-."]
+    colours = plt.get_cmap("tab10").colors
+    seen: dict[str, int] = {}
     for label, values_ms in values_ms_by_label.items():
         if len(values_ms) == 0:
             continue
+        server = label.split(" @ ")[0]
+        index = seen[server] = seen.get(server, -1) + 1
         xs = np.sort(np.asarray(values_ms, dtype=np.float64))
         ys = np.arange(1, xs.size + 1) / xs.size
-        ax.step(xs, 100.0 * ys, where="post", label=label)
+        ax.step(xs, 100.0 * ys, where="post", label=label,
+                linestyle=styles[servers.index(server) % len(styles)],
+                color=colours[index % len(colours)])
     if slo_ms is not None:
         ax.axvline(slo_ms, color="grey", linestyle="--", linewidth=1,
                    label=f"SLO {slo_ms:g} ms")

@@ -2,7 +2,8 @@
 # pdserve disaggregated (1 prefill + 1 decode over the KV store) vs colocated (1 worker), same
 # model, workload, seed and machine, measured by `pdserve bench` in compare mode (the same
 # rate sweep against both servers in one run; each server idles while the other is measured).
-#   benchmarks/results/disagg_vs_colocated.sh [MODEL_DIR] [OUT_DIR]
+#   benchmarks/results/disagg_vs_colocated.sh [MODEL_DIR] [OUT_DIR]    (RATES="1 2 4 ..." to
+#   change the sweep)
 # Default model: the embedded tiny random Llama (pdserve up's default).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,6 +24,6 @@ done
 .venv/bin/pdserve bench --base-url http://127.0.0.1:18400 --label disagg \
   --compare-base-url http://127.0.0.1:18500 --compare-label colocated \
   --tokenizer "$model" --dataset-name random --random-input-len 256 --random-output-len 64 \
-  --num-prompts 48 --ignore-eos --seed 0 --sweep-rates 1 2 4 8 \
+  --num-prompts 48 --ignore-eos --seed 0 --sweep-rates ${RATES:-1 2 4 8 16 32} \
   --goodput ttft:500 tpot:50 --metric-percentiles 50,99 --save-result --result-dir "$out" \
   --result-filename disagg-vs-colocated.json
