@@ -361,9 +361,8 @@ def test_cli_replays_a_mooncake_trace(threaded_server: ScriptedSSEServer, tmp_pa
     measured = threaded_server.served[1:]  # after the unmeasured test request
     prompts = [s.body["prompt"] for s in measured]
     assert [s.body["max_tokens"] for s in measured] == [1, 1, 1]  # 64 / 64 rounds to 1
-    # Sent at the scaled timestamps 0, 50, 100 ms (never early; late only by loop jitter).
-    gaps_s = np.diff([s.received_s for s in measured])
-    assert np.all(gaps_s >= 0.045) and np.all(gaps_s <= 0.05 + JITTER_S)
+    # The scaled send offsets are unit-tested in test_bench_workloads: wall-clock gaps here
+    # would make this test depend on the box's load. The prompts below arrive in trace order.
     # Ids 0, 1 are shared: the second prompt extends the first (two full 8-token blocks).
     assert prompts[1].startswith(prompts[0]) and len(prompts[1]) > len(prompts[0])
     assert not prompts[2].startswith(prompts[0][:8])
