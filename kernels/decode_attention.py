@@ -126,6 +126,19 @@ def choose_num_splits(num_seqs: int, num_programs_per_seq: int, max_context_len:
     return triton.next_power_of_2(splits) if splits & (splits - 1) else splits
 
 
+def split_buffers(out: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split partial outputs [S, H, splits, width] and log-sum-exps [S, H, splits] in
+    fp32, for combine_splits; without splits the kernel writes `out` and never touches them."""
+    if num_splits == 1:
+        return out, out
+    partial_out = torch.empty(num_seqs, num_heads, num_splits, width, dtype=torch.float32,
+                              device=out.device)
+    partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                              device=out.device)
+    return partial_out, partial_lse
+
+
 def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
                    out: torch.Tensor) -> None:
     """partial_out [S, H, splits, BLOCK_D] fp32, partial_lse [S, H, splits] -> out [S, H, D]."""
@@ -166,13 +179,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     is_split = num_splits > 1
-    if is_split:
-        partial_out = torch.empty(num_seqs, num_heads, num_splits, block_d,
-                                  dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty(num_seqs, num_heads, num_splits,
-                                  dtype=torch.float32, device=query.device)
-    else:
-        partial_out = partial_lse = out  # never touched when IS_SPLIT is False
+    partial_out, partial_lse = split_buffers(out, num_seqs, num_heads, num_splits, block_d)
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache[0], kv_cache[1], out, partial_out, partial_lse,
         seq_lens.to(torch.int32), block_tables,

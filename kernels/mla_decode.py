@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import choose_num_splits, combine_splits
+from .decode_attention import choose_num_splits, combine_splits, split_buffers
 from .paged_tile import check_last_dim_contiguous, check_launchable, dot_precision
 from .reference import check_mla_decode
 
@@ -145,13 +145,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
         num_splits = choose_num_splits(num_seqs, num_head_blocks,
                                        block_tables.shape[1] * page_size)
     is_split = num_splits > 1
-    if is_split:
-        partial_out = torch.empty(num_seqs, num_heads, num_splits, block_r,
-                                  dtype=torch.float32, device=q_latent.device)
-        partial_lse = torch.empty(num_seqs, num_heads, num_splits,
-                                  dtype=torch.float32, device=q_latent.device)
-    else:
-        partial_out = partial_lse = out  # never touched when IS_SPLIT is False
+    partial_out, partial_lse = split_buffers(out, num_seqs, num_heads, num_splits, block_r)
     # Head blocks of one (sequence, split) are neighbours in launch order, so they run
     # together and share each latent tile through L2 instead of each reading it from HBM.
     _mla_decode_kernel[(num_head_blocks, num_seqs, num_splits)](

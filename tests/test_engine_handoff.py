@@ -5,6 +5,7 @@ missing), and the tokens equal a colocated run, greedy and seeded."""
 from __future__ import annotations
 
 import pytest
+from engine_util import run_to_completion, token_ids
 from transformers import AutoTokenizer
 
 from pdserve.serve.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -18,14 +19,6 @@ def _engine(model_dir, role: str) -> Engine:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=8, num_blocks=64),
                   scheduler_config=SchedulerConfig(role=role), tokenizer=tokenizer)
-
-
-def _run(engine: Engine) -> dict[str, list]:
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +39,9 @@ def test_handoff_continues_exactly(engines, params, with_kv):
     for i, prompt in enumerate(PROMPTS):
         colocated.add_request(prompt, params, f"c{i}")
         prefill.add_request(prompt, params, f"p{i}")
-    expected = {rid: [t for o in outs for t in o.outputs[0].token_ids]
-                for rid, outs in _run(colocated).items()}
-    prefilled = _run(prefill)
+    expected = {rid: token_ids(outs)
+                for rid, outs in run_to_completion(colocated).items()}
+    prefilled = run_to_completion(prefill)
     for i, prompt in enumerate(PROMPTS):
         [last] = prefilled[f"p{i}"]
         assert last.outputs[0].finish_reason == "handoff"
@@ -62,10 +55,10 @@ def test_handoff_continues_exactly(engines, params, with_kv):
             decode.runner.kv_pool.write_blocks(block_ids, kv)
         else:
             decode.add_continued_request(f"d{i}", prompt, params, first)
-    decoded = _run(decode)
+    decoded = run_to_completion(decode)
     for i in range(len(PROMPTS)):
         first = prefilled[f"p{i}"][0].outputs[0].token_ids
-        rest = [t for o in decoded[f"d{i}"] for t in o.outputs[0].token_ids]
+        rest = token_ids(decoded[f"d{i}"])
         assert first + rest == expected[f"c{i}"]
     for engine in engines.values():
         engine.block_manager.check_integrity()

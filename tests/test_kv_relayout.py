@@ -5,6 +5,7 @@ run."""
 from __future__ import annotations
 
 import torch
+from engine_util import run_to_completion, token_ids
 from transformers import AutoTokenizer
 
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -20,14 +21,6 @@ def _engine(model_dir, role: str, tp: int) -> Engine:
                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
-def _run(engine: Engine) -> dict[str, list]:
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
-
-
 def test_tp2_prefill_hands_off_to_tp1_decode(llama_dir):
     params = SamplingParams(temperature=0, max_tokens=8)
     colocated = _engine(llama_dir, "colocated", 1)
@@ -37,9 +30,9 @@ def test_tp2_prefill_hands_off_to_tp1_decode(llama_dir):
         for i, prompt in enumerate(PROMPTS):
             colocated.add_request(prompt, params, f"c{i}")
             prefill.add_request(prompt, params, f"p{i}")
-        expected = {rid: [t for o in outs for t in o.outputs[0].token_ids]
-                    for rid, outs in _run(colocated).items()}
-        handoffs = {rid: outs[-1] for rid, outs in _run(prefill).items()}
+        expected = {rid: token_ids(outs)
+                    for rid, outs in run_to_completion(colocated).items()}
+        handoffs = {rid: outs[-1] for rid, outs in run_to_completion(prefill).items()}
         for i, prompt in enumerate(PROMPTS):
             handoff = handoffs[f"p{i}"].kv_handoff
             num_blocks = -(-len(prompt) // 16)
@@ -53,10 +46,10 @@ def test_tp2_prefill_hands_off_to_tp1_decode(llama_dir):
             # and back: the TP=1 copy equals what the TP=2 ranks held
             for a, b in zip(decode.runner.read_kv_blocks(ids), blocks, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
-        decoded = _run(decode)
+        decoded = run_to_completion(decode)
         for i in range(len(PROMPTS)):
             first = handoffs[f"p{i}"].outputs[0].token_ids
-            rest = [t for o in decoded[f"d{i}"] for t in o.outputs[0].token_ids]
+            rest = token_ids(decoded[f"d{i}"])
             assert first + rest == expected[f"c{i}"]
         # a TP=2 pool written from whole-head blocks reads back identically
         ids = list(range(3))

@@ -10,6 +10,7 @@ import time
 import pytest
 import zmq
 from cluster_util import free_port_block
+from engine_util import run_to_completion, token_ids
 from transformers import AutoTokenizer
 
 from pdserve.kvstore.connector import KVConnector
@@ -92,13 +93,10 @@ def test_prefix_from_the_store_is_reused_by_another_prefill_worker(fleet, llama_
     prompts = {"r1": shared + [7, 8, 9], "r2": shared + [11, 12]}
     reference = _engine(llama_dir, "colocated")
     try:
-        expected = {}
         for rid, prompt in prompts.items():
-            out = reference.add_request(prompt, SamplingParams(temperature=0, max_tokens=8), rid)
-            assert out is not None
-        while reference.has_unfinished_requests():
-            for out in reference.step():
-                expected.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            reference.add_request(prompt, SamplingParams(temperature=0, max_tokens=8), rid)
+        expected = {rid: token_ids(outs)
+                    for rid, outs in run_to_completion(reference).items()}
     finally:
         reference.shutdown()
     first, tokens = _disagg(sockets, "prefill-a", "r1", prompts["r1"])
