@@ -265,7 +265,7 @@ class KVConnector:
 
     def _run_jobs(self) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._jobs.get()  # in-process queue; close() enqueues None to end this thread
             if job is None:
                 return
             job()

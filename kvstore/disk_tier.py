@@ -188,7 +188,7 @@ class DiskTier:
     # ---- writer thread ----------------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
-            op = self._ops.get()
+            op = self._ops.get()  # in-process queue; close() enqueues None to end this thread
             if op is None:
                 return
             kind, key, buf = op

@@ -413,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, shut_down)
     signal.signal(signal.SIGTERM, shut_down)
     try:
-        server.wait()
+        server.wait()  # the serving loop itself: until SIGINT/SIGTERM asks it to stop
     finally:
         server.stop()
     logger.info("store: stopped")

@@ -120,6 +120,8 @@ class WorkerClient:
 
     async def _receive_loop(self) -> None:
         while True:
+            # Waits for the worker's next message for as long as the router runs: a silent
+            # worker is caught by the heartbeat and disconnect monitors, not here.
             raw = await self._socket.recv()
             try:
                 message = WORKER_PROTOCOL.decode(raw)

@@ -399,7 +399,7 @@ class ModelRunner:
                 worker.join(timeout=JOIN_TIMEOUT_S)
             if worker.is_alive():
                 worker.kill()
-                worker.join()
+                worker.join(timeout=JOIN_TIMEOUT_S)  # SIGKILL cannot be ignored
         self._workers = []
         if dist.is_initialized():
             dist.destroy_process_group()
