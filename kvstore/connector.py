@@ -57,6 +57,9 @@ class TransferResult:
     num_blocks: int
     """Leading blocks placed in the pool (load) or stored (save)."""
     error: str | None = None
+    lease_id: int | None = None
+    """Save with a lease TTL: the store lease pinning the saved blocks (release it, or it
+    expires), so they survive until the reader (a decode worker) has loaded them."""
 
 
 @dataclass
@@ -79,7 +82,9 @@ class _Save:
 
 class KVConnector:
     def __init__(self, backend: BlockBackend, layout: KVLayout, tp_rank: int = 0,
-                 tp_size: int = 1, timeout_s: float = 10.0):
+                 tp_size: int = 1, timeout_s: float = 10.0, lease_ttl_s: float | None = None):
+        """`lease_ttl_s`: pin every completed save under a store lease of this TTL (needs a
+        backend with leases, i.e. a StoreClient: `pin(keys, ttl_s)`, `release(lease_id)`)."""
         if layout.kind != "mha":
             raise NotImplementedError("the connector moves MHA blocks; MLA is not wired yet")
         if not 0 <= tp_rank < tp_size or layout.num_kv_heads % tp_size:
@@ -88,6 +93,7 @@ class KVConnector:
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
+        self.lease_ttl_s = lease_ttl_s
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
         # [num_layers, 2, block_size, num_kv_heads, head_dim]
         self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
@@ -219,18 +225,31 @@ class KVConnector:
             self._jobs.put(lambda: self._put(request_id, save))
 
     def _put(self, request_id: str, save: _Save) -> None:
-        num_stored, error = 0, None
+        num_stored, error, lease_id = 0, None, None
         try:
             for event in save.copy_done:
                 event.synchronize()
             blocks = [save.staging[i].view(-1).view(torch.uint8) for i in range(len(save.keys))]
             stored = self.backend.put_many(save.keys, blocks)
             num_stored = next((i for i, ok in enumerate(stored) if not ok), len(stored))
+            if self.lease_ttl_s is not None and num_stored:
+                lease_id, _ = self.backend.pin(save.keys[:num_stored], self.lease_ttl_s)
         except Exception as e:  # a lost save only costs a future recompute
             logger.warning("kv connector: save of %s failed (%s)", request_id, e)
             error = repr(e)
         with self._lock:
-            self._results.append(TransferResult(request_id, "save", num_stored, error))
+            self._results.append(TransferResult(request_id, "save", num_stored, error,
+                                                lease_id))
+
+    def release(self, lease_id: int) -> None:
+        """Give a save's lease back (asynchronously); a failure leaves it to expire."""
+        def job() -> None:
+            try:
+                self.backend.release(lease_id)
+            except Exception as e:
+                logger.warning("kv connector: releasing lease %d failed (%s); it will expire",
+                               lease_id, e)
+        self._jobs.put(job)
 
     # ---- completion -------------------------------------------------------------------------
     def poll(self) -> list[TransferResult]:

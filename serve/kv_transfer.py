@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 class PendingLoad:
     num_blocks: int
     staging: list[torch.Tensor]  # per layer [2, num_blocks, block_size, all heads, head_dim]
+    lease_id: int = 0
 
 
 @dataclass
@@ -46,6 +47,8 @@ class TransferDone:
     ok: bool
     keys: list[bytes]
     staging: list[torch.Tensor] | None = None
+    lease_id: int | None = None
+    """Save: the store lease pinning the blocks until the decode worker loaded them."""
 
 
 class KVTransfer:
@@ -62,14 +65,17 @@ class KVTransfer:
 
     @classmethod
     def connect(cls, engine, data_address: str, master_address: str | None = None,
-                timeout_s: float = 10.0) -> KVTransfer:
+                timeout_s: float = 10.0, lease_ttl_s: float = 30.0) -> KVTransfer:
+        """A transfer over a store server; a prefill's saved blocks stay pinned under a lease
+        of `lease_ttl_s` until the decode worker has loaded them (or the lease expires)."""
         from pdserve.kvstore.client import StoreClient
 
         client = StoreClient(data_address, master_address, timeout_s=timeout_s,
                              holder=f"worker-{id(engine):x}")
         logger.info("KV store at %s (KV bytes over %s)", data_address, client.transport)
         layout = engine.spec.kv_layout(engine.runner.block_size)
-        return cls(engine, KVConnector(client, layout, timeout_s=timeout_s))
+        return cls(engine, KVConnector(client, layout, timeout_s=timeout_s,
+                                       lease_ttl_s=lease_ttl_s))
 
     def prompt_keys(self, request: Request, block_keys: list[bytes]) -> list[bytes]:
         """Keys of every block holding the prompt: the full ones, then the partial tail."""
@@ -154,11 +160,13 @@ class KVTransfer:
         self._totals["saved_bytes"] += sum(t.nbytes for t in staged)
 
     # ---- decode side -----------------------------------------------------------------------
-    def start_load(self, request_id: str, keys: list[bytes]) -> None:
+    def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0) -> None:
+        """Fetch blocks into a staging area in the background; then release the lease that
+        pinned them for this load (0: none)."""
         spec, block_size = self.engine.spec, self.engine.runner.block_size
         shape = (2, len(keys), block_size, spec.num_kv_heads, spec.head_dim)
         staging = [torch.zeros(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
-        self._loads[request_id] = (keys, PendingLoad(len(keys), staging))
+        self._loads[request_id] = (keys, PendingLoad(len(keys), staging, lease_id))
         self._started_s["load", request_id] = time.monotonic()
         self.connector.start_load(request_id, keys, list(range(len(keys))), staging)
 
@@ -187,21 +195,29 @@ class KVTransfer:
             self._totals[f"{result.kind}_count"] += 1
         if result.kind == "save":
             keys = self._save_keys.pop(result.request_id, None)
-            if keys is None:
+            if keys is None:  # aborted meanwhile: nobody will load these blocks
+                self.release(result.lease_id)
                 return None
             ok = result.error is None and result.num_blocks == len(keys)
-            return TransferDone(result.request_id, "save", ok, keys)
+            return TransferDone(result.request_id, "save", ok, keys, lease_id=result.lease_id)
         entry = self._loads.pop(result.request_id, None)
         if entry is None:
             return None
         keys, pending = entry
+        self.release(pending.lease_id)  # loaded (or missed): the blocks need no pin now
         ok = result.error is None and result.num_blocks == pending.num_blocks
         return TransferDone(result.request_id, "load", ok, keys, pending.staging)
+
+    def release(self, lease_id: int | None) -> None:
+        if lease_id:
+            self.connector.release(lease_id)
 
     def forget(self, request_id: str) -> None:
         """The request was aborted: drop its transfers' results when they come."""
         self._save_keys.pop(request_id, None)
-        self._loads.pop(request_id, None)
+        entry = self._loads.pop(request_id, None)
+        if entry is not None:
+            self.release(entry[1].lease_id)
         self._started_s.pop(("save", request_id), None)
         self._started_s.pop(("load", request_id), None)
         self.connector.abort(request_id)

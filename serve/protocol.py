@@ -57,6 +57,9 @@ class KVHandoff:
     num_output_tokens: int = 1
     """Output tokens generated so far: seeded sampling resumes its draw at this index."""
     prefill_worker_id: str = ""
+    lease_id: int = 0
+    """The store lease pinning the blocks until the decode worker loaded them (0: none);
+    the decode worker releases it, and it expires if no decode worker ever does."""
 
 
 @WORKER_PROTOCOL.message("generate")

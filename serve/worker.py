@@ -148,7 +148,8 @@ class Worker:
         handoff = message.handoff
         if self.kv_transfer is not None and handoff.block_keys:
             self.engine.make_request(message.prompt_token_ids, params)  # validate it now
-            self.kv_transfer.start_load(message.request_id, list(handoff.block_keys))
+            self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
+                                        handoff.lease_id)
             self._loading[message.request_id] = (message, params)
             return
         # No store, or prefill could not save: recompute the prompt here.
@@ -160,8 +161,12 @@ class Worker:
         for done in self.kv_transfer.poll():
             if done.kind == "save":
                 output = self._held_handoffs.pop(done.request_id, None)
-                if output is not None:
-                    self._send_output(output, done.keys if done.ok else [])
+                if output is not None and done.ok:
+                    self._send_output(output, done.keys, done.lease_id)
+                else:  # finished at its first token, aborted, or the save failed
+                    self.kv_transfer.release(done.lease_id)
+                    if output is not None:
+                        self._send_output(output, [])
                 continue
             entry = self._loading.pop(done.request_id, None)
             if entry is None:
@@ -209,8 +214,8 @@ class Worker:
         self.engine.abort_request(request_id)
 
     # ---- messages out ------------------------------------------------------------------
-    def _send_output(self, output: RequestOutput, saved_keys: list[bytes] | None = None
-                     ) -> None:
+    def _send_output(self, output: RequestOutput, saved_keys: list[bytes] | None = None,
+                     lease_id: int | None = None) -> None:
         """Send a delta. A prefill hand-off waits for its save (`saved_keys`: the keys
         decode loads; empty when the save failed and decode must recompute)."""
         identity = self._owners.get(output.request_id)
@@ -235,7 +240,7 @@ class Worker:
                 block_keys=saved_keys or [],
                 first_token_id=output.kv_handoff.output_token_ids[0],
                 num_output_tokens=output.kv_handoff.num_generated_tokens,
-                prefill_worker_id=self.worker_id)
+                prefill_worker_id=self.worker_id, lease_id=lease_id or 0)
         self._reply(identity, Output(
             output.request_id, list(completion.token_ids), completion.text,
             completion.finish_reason, logprobs, len(output.prompt_token_ids),
@@ -298,6 +303,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV store master (metadata service)")
     parser.add_argument("--store-timeout-s", type=float, default=10.0,
                         help="longest wait on the store; past it a transfer is a miss")
+    parser.add_argument("--kv-lease-ttl-s", type=float, default=30.0,
+                        help="prefill pins a hand-off's blocks in the store this long at most "
+                             "(the decode worker releases them once loaded)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             kv_transfer = KVTransfer.connect(engine, args.store, args.store_master,
-                                             timeout_s=args.store_timeout_s)
+                                             timeout_s=args.store_timeout_s,
+                                             lease_ttl_s=args.kv_lease_ttl_s)
         except Exception as exc:  # the KV cache is a cache: serve by recomputing
             logger.warning("KV store at %s unreachable (%s): decode will recompute prompts",
                            args.store, exc)

@@ -157,6 +157,36 @@ def test_connector_over_the_store_server(tmp_path):
         server.stop()
 
 
+def test_saves_pin_their_blocks_under_a_lease_until_released(tmp_path):
+    """A hand-off: the saved blocks stay pinned (DRAM holds only 2, so without the pin the
+    next save would demote them) until the reader releases the lease."""
+    config = StoreConfig(master_port=0, data_port=0, transport="zmq", dram_capacity_blocks=2,
+                         disk_capacity_blocks=8, disk_dir=str(tmp_path))
+    server = StoreServer(config).start()
+    client = StoreClient(server.data_address, server.master_address, transport="zmq")
+    try:
+        connector = KVConnector(client, LAYOUT, lease_ttl_s=30.0)
+        pool = make_pool(4, seed=5)
+        keys = request_keys(2)
+        save_all_layers(connector, "p", keys, [0, 1], pool)
+        [saved] = wait_results(connector, 1)
+        assert saved.num_blocks == 2 and saved.lease_id is not None
+        assert client.stats()["num_leases"] == 1 and client.stats()["num_pinned"] == 2
+        other = request_keys(2, salt="other")
+        save_all_layers(connector, "q", other, [2, 3], pool)
+        [second] = wait_results(connector, 1)
+        assert [server.store.tier_of(k) for k in keys] == ["dram", "dram"]  # pinned stay
+        for result in (saved, second):
+            connector.release(result.lease_id)
+        assert connector.drain(10)
+        assert client.stats()["num_leases"] == 0 and client.stats()["num_pinned"] == 0
+        connector.close()
+        client.check_integrity()
+    finally:
+        client.close()
+        server.stop()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_round_trip_with_a_cuda_pool():

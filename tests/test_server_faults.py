@@ -44,7 +44,7 @@ class Roles:
                    "--num-kv-blocks", str(NUM_BLOCKS), "--worker-id", role,
                    "--store", f"tcp://127.0.0.1:{self.data_port}",
                    "--store-master", f"tcp://127.0.0.1:{self.master_port}",
-                   "--store-timeout-s", "2")
+                   "--store-timeout-s", "2", "--kv-lease-ttl-s", "5")
 
     def start_all(self) -> None:
         self.start("store", "store", "--role", "all", "--master-port", str(self.master_port),
@@ -136,7 +136,11 @@ def test_concurrent_streams_with_disconnects_leak_nothing(roles):
     assert _wait_until(lambda: _workers_idle(roles)), httpx.get(f"{roles.base_url}/status").json()
     client = roles.store_client()
     try:
-        assert client.stats()["num_leases"] == 0
+        # Hand-offs are pinned under leases: decode releases each once loaded; one whose
+        # client left between prefill and decode is released by the prefill worker or, at
+        # the latest, expires (--kv-lease-ttl-s 5).
+        assert _wait_until(lambda: client.stats()["num_leases"] == 0, 20)
+        assert client.stats()["num_pinned"] == 0
         client.check_integrity()
     finally:
         client.close()
@@ -172,6 +176,48 @@ def test_garbage_and_pickle_on_worker_port_are_dropped(roles, tmp_path):
         socket.close()
         context.term()
     assert not sentinel.exists()
+
+
+def test_handoff_blocks_are_leased_until_decode_loads_them(roles):
+    """Talk to the workers directly, as the router does: the prefill's hand-off carries a
+    store lease pinning the prompt's blocks; the decode worker releases it after loading."""
+    import zmq
+
+    from pdserve.serve.protocol import WORKER_PROTOCOL, GenerateRequest, Output, WireSampling
+
+    def collect(socket, request) -> list[Output]:
+        socket.send(WORKER_PROTOCOL.encode(request))
+        outputs = []
+        while socket.poll(30_000):
+            message = WORKER_PROTOCOL.decode(socket.recv())
+            if isinstance(message, Output):
+                outputs.append(message)
+                if message.finish_reason is not None:
+                    return outputs
+        raise TimeoutError("no finish")
+
+    context = zmq.Context()
+    sockets = {}
+    for role, port in (("prefill", roles.prefill_port), ("decode", roles.decode_port)):
+        sockets[role] = context.socket(zmq.DEALER)
+        sockets[role].setsockopt(zmq.LINGER, 0)
+        sockets[role].connect(f"tcp://127.0.0.1:{port}")
+    client = roles.store_client()
+    try:
+        prompt = list(range(40, 90))
+        request = GenerateRequest("lease-1", prompt, WireSampling(max_tokens=4, temperature=0))
+        [first] = collect(sockets["prefill"], request)
+        assert first.finish_reason == "handoff" and first.handoff.lease_id > 0
+        assert client.stats()["num_leases"] >= 1
+        outputs = collect(sockets["decode"], GenerateRequest(
+            "lease-1", prompt, request.sampling, handoff=first.handoff))
+        assert sum(len(o.token_ids) for o in outputs) == 3
+        assert _wait_until(lambda: client.stats()["num_leases"] == 0, 10)
+    finally:
+        client.close()
+        for socket in sockets.values():
+            socket.close()
+        context.term()
 
 
 def test_admission_control_and_api_key(roles):
