@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.kvstore.client import StoreClient
+
 
 def free_port_block(count: int) -> int:
     """A base port with `count` consecutive free ports after it, below the kernel's ephemeral
@@ -82,3 +84,84 @@ def start_cluster(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float 
         time.sleep(0.5)
     cluster.stop()
     raise RuntimeError(f"pdserve up not ready in {timeout_s}s:\n{cluster.log()}")
+
+
+NUM_BLOCKS = 256
+
+
+class Roles:
+    """Store, one prefill worker, `num_decode` decode workers and a router, each its own
+    `pdserve <role>` process, as in a real cluster (names: store, prefill, decode, decode-1,
+    ..., router)."""
+
+    def __init__(self, model_dir, log_dir, num_decode: int = 1,
+                 router_args: tuple[str, ...] = ()) -> None:
+        self.model_dir, self.log_dir = str(model_dir), log_dir
+        base = free_port_block(10)
+        self.router_port, self.master_port, self.data_port = base, base + 1, base + 2
+        self.prefill_port = base + 3
+        self.decode_ports = [base + 4 + i for i in range(num_decode)]
+        self.router_args = router_args
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def decode_port(self) -> int:
+        return self.decode_ports[0]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def start(self, name: str, *argv: str) -> None:
+        log = open(self.log_dir / f"{name}-{len(self.processes)}.log", "ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.serve.cli", *argv], stdout=log,
+            stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="INFO"))
+
+    def start_worker(self, role: str, index: int = 0) -> None:
+        port = self.prefill_port if role == "prefill" else self.decode_ports[index]
+        name = role if index == 0 else f"{role}-{index}"
+        self.start(name, role, "--model", self.model_dir, "--port", str(port),
+                   "--num-kv-blocks", str(NUM_BLOCKS), "--worker-id", name,
+                   "--store", f"tcp://127.0.0.1:{self.data_port}",
+                   "--store-master", f"tcp://127.0.0.1:{self.master_port}",
+                   "--store-timeout-s", "2", "--kv-lease-ttl-s", "5")
+
+    def start_all(self) -> None:
+        self.start("store", "store", "--role", "all", "--master-port", str(self.master_port),
+                   "--data-port", str(self.data_port), "--transport", "zmq")
+        self.start_worker("prefill")
+        decode_args = []
+        for i, port in enumerate(self.decode_ports):
+            self.start_worker("decode", i)
+            decode_args += ["--decode", f"tcp://127.0.0.1:{port}"]
+        self.start("router", "router", "--model", self.model_dir, "--port",
+                   str(self.router_port), "--prefill", f"tcp://127.0.0.1:{self.prefill_port}",
+                   *decode_args, *self.router_args)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("cluster not ready")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)  # a test may have stopped one
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+    def store_client(self) -> StoreClient:
+        return StoreClient(f"tcp://127.0.0.1:{self.data_port}",
+                           f"tcp://127.0.0.1:{self.master_port}", transport="zmq")

@@ -7,79 +7,11 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from cluster_util import free_port_block
-
-from pdserve.kvstore.client import StoreClient
-
-NUM_BLOCKS = 256
-
-
-class Roles:
-    def __init__(self, model_dir, log_dir) -> None:
-        self.model_dir, self.log_dir = str(model_dir), log_dir
-        base = free_port_block(10)
-        self.router_port, self.master_port, self.data_port = base, base + 1, base + 2
-        self.prefill_port, self.decode_port = base + 3, base + 4
-        self.processes: dict[str, subprocess.Popen] = {}
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}"
-
-    def start(self, name: str, *argv: str) -> None:
-        log = open(self.log_dir / f"{name}-{len(self.processes)}.log", "ab")
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.serve.cli", *argv], stdout=log,
-            stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="INFO"))
-
-    def start_worker(self, role: str) -> None:
-        port = self.prefill_port if role == "prefill" else self.decode_port
-        self.start(role, role, "--model", self.model_dir, "--port", str(port),
-                   "--num-kv-blocks", str(NUM_BLOCKS), "--worker-id", role,
-                   "--store", f"tcp://127.0.0.1:{self.data_port}",
-                   "--store-master", f"tcp://127.0.0.1:{self.master_port}",
-                   "--store-timeout-s", "2", "--kv-lease-ttl-s", "5")
-
-    def start_all(self) -> None:
-        self.start("store", "store", "--role", "all", "--master-port", str(self.master_port),
-                   "--data-port", str(self.data_port), "--transport", "zmq")
-        self.start_worker("prefill")
-        self.start_worker("decode")
-        self.start("router", "router", "--model", self.model_dir, "--port",
-                   str(self.router_port), "--prefill", f"tcp://127.0.0.1:{self.prefill_port}",
-                   "--decode", f"tcp://127.0.0.1:{self.decode_port}")
-
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("cluster not ready")
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-
-    def store_client(self) -> StoreClient:
-        return StoreClient(f"tcp://127.0.0.1:{self.data_port}",
-                           f"tcp://127.0.0.1:{self.master_port}", transport="zmq")
+from cluster_util import Roles, free_port_block
 
 
 @pytest.fixture(scope="module")

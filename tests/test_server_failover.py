@@ -1,0 +1,51 @@
+"""A decode worker that stops answering before its first token: the router moves the request
+to another decode worker and the client never sees the failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from cluster_util import Roles
+
+
+@pytest.fixture(scope="module")
+def roles(llama_dir, tmp_path_factory):
+    roles = Roles(llama_dir, tmp_path_factory.mktemp("failover-logs"), num_decode=2,
+                  router_args=("--heartbeat-timeout-s", "3"))
+    roles.start_all()
+    try:
+        roles.wait_ready()
+        deadline = time.monotonic() + 120  # /health needs one decode worker; wait for both
+        while time.monotonic() < deadline:
+            workers = httpx.get(f"{roles.base_url}/status", timeout=5).json()["workers"]
+            if sum(w["is_ready"] for w in workers if w["role"] == "decode") == 2:
+                break
+            time.sleep(0.5)
+        yield roles
+    finally:
+        roles.stop()
+
+
+def test_request_moves_off_a_hung_decode_worker(roles):
+    url = f"{roles.base_url}/v1/completions"
+    body = {"prompt": "def main():", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    reference = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    # Equal free blocks and load: the router picks the decode worker with the higher address.
+    index = 1 if roles.decode_ports[1] > roles.decode_ports[0] else 0
+    hung = "decode-1" if index else "decode"
+    os.kill(roles.processes[hung].pid, signal.SIGSTOP)
+    try:
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference
+        workers = httpx.get(f"{roles.base_url}/status", timeout=5).json()["workers"]
+        address = f"tcp://127.0.0.1:{roles.decode_ports[index]}"
+        assert [w["is_alive"] for w in workers if w["address"] == address] == [False]
+        router_log = "".join(p.read_text() for p in roles.log_dir.glob("router-*.log"))
+        assert f"decode worker {address} died before its first token" in router_log
+    finally:
+        os.kill(roles.processes[hung].pid, signal.SIGCONT)
