@@ -101,12 +101,13 @@ def _last_token_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens:
     for rows, num_blocks in _sequence_chunks(lens, block_size, 2 * num_kv_heads * head_dim):
         k = _padded_context(kv_cache[0], block_tables[rows], lens[rows], num_blocks).float()
         v = _padded_context(kv_cache[1], block_tables[rows], lens[rows], num_blocks).float()
-        # [n, Hkv, group, D]: query head h uses KV head h // group
+        # [n, Hkv, group, D]: query head h uses KV head h // group; the group plays SDPA's
+        # query-length role, so each KV head is read once for its whole group.
         q = query[rows].float().view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.einsum("nkgd,nlkd->nkgl", q, k) * scale  # [n, Hkv, group, L]
-        padding = torch.arange(k.shape[1], device=query.device)[None, :] >= lens[rows][:, None]
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-        o = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(scores, dim=-1), v)
+        keep = torch.arange(k.shape[1], device=query.device)[None, :] < lens[rows][:, None]
+        o = F.scaled_dot_product_attention(  # [n, Hkv, group, D]
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :],
+            scale=scale)
         out[rows] = o.reshape(-1, num_heads, head_dim).to(query.dtype)
     return out
 
