@@ -98,9 +98,7 @@ def run_ucx_end(role: str, port: int, tls: str, sizes: list[int], warmup: int,
                     plane.wait([in_flight.popleft()], _TIMEOUT_MS / 1000)
                 in_flight.append(plane.recv(pool[i], 1))
             plane.wait(list(in_flight), _TIMEOUT_MS / 1000)
-            control.send(b"ack")  # before checking: the check is not part of the transfer
-            expected = pattern(size)[::997]
-            out.append(all(np.array_equal(b[::997], expected) for b in pool))
+            out.append(_ack_and_verify(control, pool, size))
             del pool
         else:
             data = pattern(size)
@@ -122,6 +120,14 @@ def run_ucx_end(role: str, port: int, tls: str, sizes: list[int], warmup: int,
     return out
 
 
+def _ack_and_verify(control, pool: list[np.ndarray], size: int) -> bool:
+    """Receiver: tell the sender every block landed, then check them (after the ack: the
+    check is not part of the transfer)."""
+    control.send(b"ack")
+    expected = pattern(size)[::997]
+    return all(np.array_equal(b[::997], expected) for b in pool)
+
+
 def run_zmq_end(role: str, port: int, sizes: list[int], warmup: int) -> list:
     ctx = zmq.Context()
     control = _control(ctx, role, port)
@@ -141,9 +147,7 @@ def run_zmq_end(role: str, port: int, sizes: list[int], warmup: int) -> list:
             for i in range(n):
                 frame = data_sock.recv(copy=False)
                 np.copyto(pool[i], np.frombuffer(frame.buffer, np.uint8))
-            control.send(b"ack")
-            expected = pattern(size)[::997]
-            out.append(all(np.array_equal(b[::997], expected) for b in pool))
+            out.append(_ack_and_verify(control, pool, size))
             del pool
         else:
             data = pattern(size)

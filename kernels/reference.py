@@ -233,15 +233,20 @@ def check_latent_cache_write(latent: torch.Tensor, latent_cache: torch.Tensor,
              f"slot_mapping must be integer [{latent.shape[0]}], got {tuple(slot_mapping.shape)}")
 
 
-def check_prefill(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  max_query_len: int) -> None:
+def _check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor, rows: str) -> None:
+    """kv_cache [2, blocks, block_size, Hkv, D] and query [rows, H, D] with H % Hkv == 0."""
     _require(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
              f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
     _require(query.dim() == 3 and query.shape[2] == kv_cache.shape[4],
-             f"query must be [T, H, {kv_cache.shape[4]}], got {tuple(query.shape)}")
+             f"query must be [{rows}, H, {kv_cache.shape[4]}], got {tuple(query.shape)}")
     _require(query.shape[1] % kv_cache.shape[3] == 0,
              f"{query.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
+
+
+def check_prefill(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  max_query_len: int) -> None:
+    _check_query_and_cache(query, kv_cache, "T")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     _require(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] == num_seqs + 1,
              f"cu_seqlens_q must be [{num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
@@ -251,12 +256,7 @@ def check_prefill(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: tor
 
 def check_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor) -> None:
-    _require(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
-             f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
-    _require(query.dim() == 3 and query.shape[2] == kv_cache.shape[4],
-             f"query must be [S, H, {kv_cache.shape[4]}], got {tuple(query.shape)}")
-    _require(query.shape[1] % kv_cache.shape[3] == 0,
-             f"{query.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
+    _check_query_and_cache(query, kv_cache, "S")
     _check_tables(seq_lens, block_tables, query.shape[0])
 
 

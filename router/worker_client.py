@@ -29,6 +29,7 @@ from pdserve.wire import WireError
 
 logger = logging.getLogger(__name__)
 
+RECEIVE_POLL_MS = 1000
 RESERVATION_TTL_S = 10.0  # an admitted request is sent within this, or its slot frees
 
 
@@ -120,8 +121,10 @@ class WorkerClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            # Waits for the worker's next message for as long as the router runs: a silent
-            # worker is caught by the heartbeat and disconnect monitors, not here.
+            # A silent worker is caught by the heartbeat and disconnect monitors; this loop
+            # only wakes each second to stay cancellable without a pending recv.
+            if not await self._socket.poll(RECEIVE_POLL_MS):
+                continue
             raw = await self._socket.recv()
             try:
                 message = WORKER_PROTOCOL.decode(raw)
