@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router import responses as R
 from pdserve.router.config import RouterConfig
+from pdserve.router.controller import GoodputController
 from pdserve.router.dispatch import Dispatcher, RequestFailed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import (
@@ -71,16 +72,20 @@ class ModelFacts:
 def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> FastAPI:
     model = ModelFacts(config)
     dispatcher = dispatcher or Dispatcher(config)
-    metrics = RouterMetrics(model.name)
+    controller = GoodputController(config.controller, dispatcher)
+    metrics = RouterMetrics(model.name, controller)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         dispatcher.start()
+        controller.start()
         yield
+        await controller.close()
         await dispatcher.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.dispatcher, app.state.model, app.state.metrics = dispatcher, model, metrics
+    app.state.controller = controller
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -137,7 +142,8 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
                              num_free_blocks=w.status.num_free_blocks,
                              num_total_blocks=w.status.num_total_blocks)
             workers.append(entry)
-        return {"ready": dispatcher.is_ready(), "workers": workers}
+        return {"ready": dispatcher.is_ready(), "workers": workers,
+                "controller": controller.snapshot()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -291,6 +297,7 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
 
     def _observe(timing: _Timing, acc: R.Accumulated) -> None:
         num_tokens = len(acc.token_ids)
+        controller.record_request(acc.num_prompt_tokens, acc.num_cached_tokens, num_tokens)
         metrics.labels(metrics.generation_tokens).inc(num_tokens)
         metrics.labels(metrics.cached_tokens).inc(acc.num_cached_tokens)
         metrics.labels(metrics.success, acc.finish_reason or "unknown").inc()

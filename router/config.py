@@ -4,6 +4,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+CONTROLLER_MODES = ("off", "recommend", "flip")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    mode: str = "recommend"
+    """off: nothing; recommend: publish the best split; flip: also move workers to it."""
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.1
+    attainment: float = 0.9
+    interval_s: float = 5.0
+    min_gain: float = 1.2
+    """Flip only when the best split's goodput is at least this times the current one's."""
+    patience: int = 3
+    """...for this many ticks in a row."""
+    cooldown_s: float = 30.0
+    """No flip within this long after the last one (its effect must show in the samples)."""
+    drain_timeout_s: float = 60.0
+    """A worker that does not drain within this keeps its role and rejoins its pool."""
+    window_requests: int = 1000
+    window_samples: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.mode not in CONTROLLER_MODES:
+            raise ValueError(
+                f"controller mode must be one of {CONTROLLER_MODES}, got {self.mode!r}")
+        for name in ("ttft_slo_s", "tpot_slo_s", "interval_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if not 0 < self.attainment <= 1:
+            raise ValueError("attainment must be in (0, 1]")
+        if self.min_gain < 1 or self.patience < 1:
+            raise ValueError("min_gain must be >= 1 and patience >= 1")
+
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -40,6 +75,8 @@ class RouterConfig:
     A worker whose connection drops (it died) is failed at once, without this wait."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Bodies larger than this get HTTP 413."""
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    """The goodput-aware prefill:decode controller (disaggregated mode only)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

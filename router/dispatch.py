@@ -26,6 +26,7 @@ from pdserve.router.policies import (
     MostFreeKVDecode,
     NoWorkerAvailable,
     RouteContext,
+    num_queued,
 )
 from pdserve.router.prefix_index import PrefixIndex, StoreLookup, request_block_keys
 from pdserve.router.worker_client import WorkerClient, WorkerDied
@@ -34,6 +35,8 @@ from pdserve.serve.protocol import GenerateRequest, Output, WireSampling
 logger = logging.getLogger(__name__)
 
 HANDOFF = "handoff"
+ROLE_SWITCH_TIMEOUT_S = 5.0  # a drained worker reports its new role within this
+POLL_S = 0.05
 
 
 class RequestFailed(RuntimeError):
@@ -114,12 +117,46 @@ class Dispatcher:
         worker = self.prefill_policy.choose(self.first_pool, ctx)
         self.admission.check(worker, ctx)
         if self.config.is_disaggregated:
-            decoders = [w for w in self.decode if w.is_ready]
+            decoders = [w for w in self.decode if w.accepting]
             if not decoders:
                 raise NoWorkerAvailable("no decode worker is ready")
             self.admission.check(min(decoders, key=lambda w: w.num_inflight), ctx)
         worker.reserve(request_id)
         self.prefix_index.record(keys, worker.address)  # it is about to compute them
+        return worker
+
+    async def flip_one(self, to_role: str, drain_timeout_s: float) -> WorkerClient | None:
+        """Move one worker of the other pool to `to_role` (prefill | decode): the least busy
+        one stops getting requests, finishes the ones it holds, is told its new role and
+        joins the new pool once it reports it. None if none moved: the other pool has one
+        worker (it must keep it), or the drain or the switch timed out (it stays)."""
+        if to_role not in ("prefill", "decode"):
+            raise ValueError(f"can only flip to prefill or decode, not {to_role!r}")
+        source, target = ((self.decode, self.prefill) if to_role == "prefill"
+                          else (self.prefill, self.decode))
+        candidates = [w for w in source if w.accepting]
+        if len(candidates) < 2:
+            return None
+        worker = min(candidates, key=lambda w: (w.num_inflight + num_queued(w), w.address))
+        worker.draining = True
+        try:
+            if not await _wait_until(lambda: _is_idle(worker), drain_timeout_s):
+                logger.warning("worker %s did not drain within %.0fs; it stays %s",
+                               worker.worker_id, drain_timeout_s, worker.role)
+                return None
+            await worker.set_role(to_role)
+            if not await _wait_until(lambda: worker.status is not None
+                                     and worker.status.role == to_role, ROLE_SWITCH_TIMEOUT_S):
+                logger.warning("worker %s did not switch to %s; it stays %s",
+                               worker.worker_id, to_role, worker.role)
+                return None
+        finally:
+            worker.draining = False
+        source.remove(worker)
+        target.append(worker)
+        logger.info("worker %s is now %s (%d prefill, %d decode)", worker.worker_id, to_role,
+                    len(self.prefill), len(self.decode))
+        worker.role = to_role
         return worker
 
     async def run(
@@ -167,7 +204,7 @@ class Dispatcher:
                     raise
                 logger.warning("decode worker %s died before its first token of %s; "
                                "moving the request", worker.address, request.request_id)
-                if all(w.address in tried for w in self.decode if w.is_ready):
+                if all(w.address in tried for w in self.decode if w.accepting):
                     raise NoWorkerAvailable("no other decode worker is ready") from exc
 
     async def _stream(self, worker: WorkerClient, request: GenerateRequest
@@ -200,3 +237,19 @@ class Dispatcher:
                 worker.finish(request.request_id)
             else:  # closed early: client gone, timeout, or the caller stopped at the hand-off
                 await worker.abort(request.request_id)
+
+
+def _is_idle(worker: WorkerClient) -> bool:
+    """Nothing of it is in flight at the router, and its last status shows no request."""
+    status = worker.status
+    return (worker.num_inflight == 0 and status is not None and status.num_running == 0
+            and status.num_waiting == 0)
+
+
+async def _wait_until(predicate, timeout_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(POLL_S)
+    return True

@@ -1,6 +1,7 @@
 """Prometheus metrics of the router, with vLLM's names (prefix `pdserve:`) where the meaning is
 the same. Latencies are observed at the router, i.e. as the client sees them; queue lengths,
-KV usage and prefix-cache counts come from the workers' status heartbeats at scrape time.
+KV usage and prefix-cache counts come from the workers' status heartbeats at scrape time, and
+the goodput controller's estimate from its last tick.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from pdserve.router.controller import GoodputController
 from pdserve.router.worker_client import WorkerClient
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -25,7 +27,7 @@ TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, controller: GoodputController | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -60,6 +62,8 @@ class RouterMetrics:
                                 ["reason"])
         self._workers: Sequence[WorkerClient] = ()
         self.registry.register(_WorkerCollector(self))
+        if controller is not None:
+            self.registry.register(_ControllerCollector(model_name, controller))
 
     def labels(self, metric, *extra: str):
         return metric.labels(self.model_name, *extra)
@@ -118,3 +122,35 @@ class _WorkerCollector(Collector):
                 kv_seconds.add_metric(key + [direction], count_value=totals[f"{direction}_count"],
                                       sum_value=totals[f"{direction}_seconds"])
         yield from (running, waiting, usage, queries, hits, preemptions, kv_bytes, kv_seconds)
+
+
+class _ControllerCollector(Collector):
+    """The goodput controller's last estimate: recommended workers per role, and the
+    estimated goodput of each split (by its number of prefill workers)."""
+
+    def __init__(self, model_name: str, controller: GoodputController) -> None:
+        self._model_name = model_name
+        self._controller = controller
+
+    def collect(self) -> Iterable[Metric]:
+        name = [self._model_name]
+        flips = CounterMetricFamily("pdserve:controller_role_flips",
+                                    "Workers the controller moved between prefill and decode",
+                                    labels=["model_name"])
+        flips.add_metric(name, self._controller.num_flips)
+        yield flips
+        estimate = self._controller.estimate
+        if estimate is None:
+            return
+        recommended = GaugeMetricFamily("pdserve:controller_recommended_workers",
+                                        "Workers per role the controller recommends",
+                                        labels=["model_name", "role"])
+        best = estimate.best_prefill
+        recommended.add_metric(name + ["prefill"], best)
+        recommended.add_metric(name + ["decode"], estimate.num_workers - best)
+        goodput = GaugeMetricFamily("pdserve:controller_estimated_goodput",
+                                    "Estimated goodput (req/s meeting the SLOs) of a split",
+                                    labels=["model_name", "num_prefill", "num_decode"])
+        for p, value in estimate.goodput.items():
+            goodput.add_metric(name + [str(p), str(estimate.num_workers - p)], value)
+        yield from (recommended, goodput)

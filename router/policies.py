@@ -46,13 +46,13 @@ class CacheAwarePrefill:
     """How many prompt tokens of prefix reuse one queued request is worth."""
 
     def choose(self, workers: Sequence[WorkerClient], ctx: RouteContext) -> WorkerClient:
-        ready = [w for w in workers if w.is_ready]
+        ready = [w for w in workers if w.accepting]
         if not ready:
             raise NoWorkerAvailable("no prefill worker is ready")
 
         def cost(w: WorkerClient) -> tuple[int, str]:
             compute = ctx.num_prompt_tokens - ctx.num_cached_tokens(w)
-            return compute + self.load_penalty_tokens * (w.num_inflight + _queued(w)), w.address
+            return compute + self.load_penalty_tokens * (w.num_inflight + num_queued(w)), w.address
 
         return min(ready, key=cost)
 
@@ -61,7 +61,7 @@ class MostFreeKVDecode:
     """Decode score: most free KV blocks, then smallest running batch."""
 
     def choose(self, workers: Sequence[WorkerClient], num_blocks_needed: int) -> WorkerClient:
-        ready = [w for w in workers if w.is_ready]
+        ready = [w for w in workers if w.accepting]
         if not ready:
             raise NoWorkerAvailable("no decode worker is ready")
         fitting = [w for w in ready if w.status and w.status.num_free_blocks >= num_blocks_needed]
@@ -70,7 +70,7 @@ class MostFreeKVDecode:
                                         -w.num_inflight, w.address))
 
 
-def _queued(worker: WorkerClient) -> int:
+def num_queued(worker: WorkerClient) -> int:
     return worker.status.num_waiting if worker.status else 0
 
 

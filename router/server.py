@@ -6,11 +6,12 @@ import argparse
 import logging
 from dataclasses import fields
 
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import CONTROLLER_MODES, ControllerConfig, RouterConfig
 
 logger = logging.getLogger(__name__)
 
 _DEFAULTS = {f.name: f.default for f in fields(RouterConfig)}
+_CONTROLLER = ControllerConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-token-timeout-s", type=float, default=d["first_token_timeout_s"])
     parser.add_argument("--token-timeout-s", type=float, default=d["token_timeout_s"])
     parser.add_argument("--heartbeat-timeout-s", type=float, default=d["heartbeat_timeout_s"])
+    add_controller_arguments(parser)
+
+
+def add_controller_arguments(parser: argparse.ArgumentParser) -> None:
+    """The goodput controller's flags (`pdserve router` and `pdserve up` share them)."""
+    c = _CONTROLLER
+    group = parser.add_argument_group("goodput controller (disaggregated mode)")
+    group.add_argument("--controller", choices=CONTROLLER_MODES, default=c.mode,
+                       help="recommend: publish the best prefill:decode split in /status and "
+                            "/metrics; flip: also move drained workers to it; off: neither")
+    group.add_argument("--slo-ttft-ms", type=float, default=c.ttft_slo_s * 1000,
+                       help="time-to-first-token SLO the controller plans for")
+    group.add_argument("--slo-tpot-ms", type=float, default=c.tpot_slo_s * 1000,
+                       help="time-per-output-token SLO the controller plans for")
+    group.add_argument("--controller-interval-s", type=float, default=c.interval_s,
+                       help="seconds between two estimates")
+    group.add_argument("--controller-min-gain", type=float, default=c.min_gain,
+                       help="flip only when the best split's estimated goodput is at least "
+                            "this times the current split's")
+
+
+def controller_argv(args: argparse.Namespace) -> list[str]:
+    """The controller flags of `args` as command-line arguments (for `pdserve up`)."""
+    return ["--controller", args.controller, "--slo-ttft-ms", str(args.slo_ttft_ms),
+            "--slo-tpot-ms", str(args.slo_tpot_ms),
+            "--controller-interval-s", str(args.controller_interval_s),
+            "--controller-min-gain", str(args.controller_min_gain)]
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -48,6 +76,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_predicted_ttft_s=args.max_predicted_ttft_s,
         first_token_timeout_s=args.first_token_timeout_s, token_timeout_s=args.token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        controller=ControllerConfig(
+            mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
+            tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,
+            min_gain=args.controller_min_gain),
     )
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 
 import zmq
 import zmq.asyncio
@@ -22,7 +23,9 @@ from pdserve.serve.protocol import (
     AbortRequest,
     GenerateRequest,
     Output,
+    SetRole,
     StatusRequest,
+    StepSample,
     WorkerStatus,
 )
 from pdserve.wire import WireError
@@ -50,6 +53,10 @@ class WorkerClient:
         self.role = role  # what the router expects it to be: prefill | decode | colocated
         self.status: WorkerStatus | None = None
         self.last_seen_s = 0.0
+        self.draining = False
+        """Set while the controller moves this worker to the other role: no new requests."""
+        self._step_samples: deque[StepSample] = deque(maxlen=1024)
+        self._last_sample_seq = 0
         self._reservations: dict[str, float] = {}  # admitted, not yet sent: request -> time
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -82,6 +89,11 @@ class WorkerClient:
     @property
     def is_ready(self) -> bool:
         return self.is_alive and self.status is not None and self.status.is_ready
+
+    @property
+    def accepting(self) -> bool:
+        """Ready, and may be given new requests."""
+        return self.is_ready and not self.draining
 
     @property
     def worker_id(self) -> str:
@@ -119,6 +131,26 @@ class WorkerClient:
         with contextlib.suppress(zmq.ZMQError):
             await self._socket.send(WORKER_PROTOCOL.encode(AbortRequest(request_id)))
 
+    async def set_role(self, role: str) -> None:
+        """Ask the (drained) worker to switch roles; its next status says if it did."""
+        with contextlib.suppress(zmq.ZMQError):
+            await self._socket.send(WORKER_PROTOCOL.encode(SetRole(role)))
+
+    def take_step_samples(self) -> list[StepSample]:
+        """The step samples reported since the last call (each once)."""
+        samples = list(self._step_samples)
+        self._step_samples.clear()
+        return samples
+
+    def _on_status(self, status: WorkerStatus) -> None:
+        if status.step_samples and status.step_samples[-1].seq < self._last_sample_seq:
+            self._last_sample_seq = 0  # a restarted worker numbers its samples afresh
+        self.status = status
+        for sample in status.step_samples:
+            if sample.seq > self._last_sample_seq:
+                self._step_samples.append(sample)
+                self._last_sample_seq = sample.seq
+
     async def _receive_loop(self) -> None:
         while True:
             # A silent worker is caught by the heartbeat and disconnect monitors; this loop
@@ -133,7 +165,7 @@ class WorkerClient:
                 continue
             self.last_seen_s = time.monotonic()
             if isinstance(message, WorkerStatus):
-                self.status = message
+                self._on_status(message)
             elif isinstance(message, Output):
                 queue = self._queues.get(message.request_id)
                 if queue is not None:  # else: aborted already; late outputs are dropped

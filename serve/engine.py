@@ -36,7 +36,7 @@ from pdserve.serve.request import (
 )
 from pdserve.serve.sampler import Sampler
 from pdserve.serve.sampling_params import SamplingParams
-from pdserve.serve.scheduler import Scheduler
+from pdserve.serve.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,36 @@ class EngineStats:
     def kv_usage(self) -> float:
         """Fraction of the pool held by requests (vLLM's kv_cache_usage_perc / 100)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The work one step did, by phase (a worker's step samples; see protocol.StepSample).
+
+    A chunk is a decode iff it is one token at or past the end of its prompt; every other
+    chunk is prefill, including a decode worker's recompute of a prompt and its outputs."""
+
+    prefill_tokens: int
+    prefill_attention: int
+    """Sum over prefill chunks of tokens x (start_pos + tokens): queries times keys."""
+    decode_seqs: int
+    decode_context: int
+    """Sum over decode chunks of start_pos + 1: the keys each decode attends to."""
+
+    @classmethod
+    def of(cls, scheduled: SchedulerOutput) -> StepShape:
+        prefill_tokens = prefill_attention = decode_seqs = decode_context = 0
+        for (request, _), chunk in zip(scheduled.scheduled, scheduled.step.chunks,
+                                       strict=True):
+            num_tokens = len(chunk.token_ids)
+            end = chunk.start_pos + num_tokens
+            if num_tokens == 1 and chunk.start_pos >= request.num_prompt_tokens:
+                decode_seqs += 1
+                decode_context += end
+            else:
+                prefill_tokens += num_tokens
+                prefill_attention += num_tokens * end
+        return cls(prefill_tokens, prefill_attention, decode_seqs, decode_context)
 
 
 class Engine:
@@ -92,6 +122,8 @@ class Engine:
         self.sampler = Sampler(model_config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_reported_tokens: dict[str, int] = {}
+        # What the last step() computed (None: it had nothing to run), for step-time models.
+        self.last_step_shape: StepShape | None = None
 
     @property
     def role(self) -> str:
@@ -201,7 +233,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self.last_step_shape = None
             return []
+        self.last_step_shape = StepShape.of(scheduled)
         to_sample = [request for (request, _), chunk in
                      zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
                      if chunk.need_logits]

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.router.server import add_controller_arguments, controller_argv
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks per worker (default: sized from memory)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    add_controller_arguments(parser)
 
 
 def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
@@ -94,7 +97,8 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
         cluster.children.append(Child("store", [
             "store", "--role", "all", "--master-port", str(args.store_port),
             "--data-port", str(args.store_port + 1)]))
-    router_argv = ["router", "--model", model_dir, "--host", args.host, "--port", str(args.port)]
+    router_argv = ["router", "--model", model_dir, "--host", args.host, "--port", str(args.port),
+                   *controller_argv(args)]
     if store_addr:
         router_argv += ["--store-master", master_addr]
     port = args.worker_base_port

@@ -4,6 +4,7 @@
     router --GenerateRequest(handoff)--> decode worker --Output(deltas)...--> router
     router --AbortRequest--> any worker holding the request
     router --StatusRequest--> worker --WorkerStatus--> router     (heartbeat, load, step times)
+    router --SetRole--> drained prefill/decode worker --WorkerStatus--> router   (role it has)
 
 The prefill -> decode hand-off travels through the router inside these messages: it names the
 prompt's KV blocks in the store (by block key) and the sampling state, never the bytes.
@@ -89,6 +90,19 @@ class StatusRequest:
     pass
 
 
+@WORKER_PROTOCOL.message("set_role")
+@dataclass(frozen=True)
+class SetRole:
+    """Flip a prefill or decode worker to the other role. The worker switches only when it
+    is drained, and answers with its WorkerStatus either way."""
+
+    role: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
@@ -111,6 +125,31 @@ class Output:
     num_cached_tokens: int = 0
     handoff: KVHandoff | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step's work and wall time, for fitting per-phase step-latency models.
+
+    A chunk is a decode iff it is one token at or past the end of its prompt; every other
+    chunk (a prompt chunk, a recomputed prompt with its outputs) is prefill."""
+
+    seq: int
+    """Per-worker sample number, increasing from 1."""
+    prefill_tokens: int
+    prefill_attention: int
+    """Sum over prefill chunks of tokens x (start_pos + tokens): queries times keys."""
+    decode_seqs: int
+    decode_context: int
+    """Sum over decode chunks of start_pos + 1: the keys each decode attends to."""
+    seconds: float
+    """Wall time of engine.step()."""
+
+    def __post_init__(self) -> None:
+        counts = (self.seq, self.prefill_tokens, self.prefill_attention, self.decode_seqs,
+                  self.decode_context)
+        if min(counts) < 0 or not 0 <= self.seconds < float("inf"):
+            raise ValueError("a step sample's counts and seconds must be finite and >= 0")
 
 
 @WORKER_PROTOCOL.message("status")
@@ -137,3 +176,9 @@ class WorkerStatus:
     num_preemptions: int = 0
     kv_transfer: dict[str, float] = field(default_factory=dict)
     """Totals since start: {saved,loaded}_bytes, {save,load}_seconds, {save,load}_count."""
+    step_samples: list[StepSample] = field(default_factory=list)
+    """The most recent step samples (at most 64), oldest first; a reader dedups by seq."""
+    max_num_seqs: int = 0
+    """The scheduler's batch limit (0: not reported)."""
+    max_num_batched_tokens: int = 0
+    """The scheduler's token budget per step (0: not reported)."""

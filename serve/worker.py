@@ -10,6 +10,8 @@ engine is never touched from two threads. The role changes only a request's ends
              to the store before they are freed, and the output carries the hand-off.
   decode     a request that comes with a hand-off loads its prompt KV from the store into fresh
              blocks and joins the running batch; if the store misses, it recomputes the prompt.
+A drained prefill or decode worker flips to the other role on SetRole (the router's goodput
+controller moves capacity between the phases); a colocated worker never does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import zmq
 
@@ -32,7 +34,9 @@ from pdserve.serve.protocol import (
     GenerateRequest,
     KVHandoff,
     Output,
+    SetRole,
     StatusRequest,
+    StepSample,
     TokenLogprob,
     WorkerStatus,
 )
@@ -43,6 +47,8 @@ from pdserve.wire import WireError
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 20
+NUM_STEP_SAMPLES_KEPT = 256
+NUM_STEP_SAMPLES_PER_STATUS = 64  # 128 steps/s between two 0.5 s status polls
 
 
 class Worker:
@@ -61,10 +67,17 @@ class Worker:
         self._held_handoffs: dict[str, RequestOutput] = {}  # prefill: waiting for the save
         self._loading: dict[str, tuple[GenerateRequest, SamplingParams]] = {}  # decode
         self._step_times_s: deque[float] = deque(maxlen=32)
+        self._step_samples: deque[StepSample] = deque(maxlen=NUM_STEP_SAMPLES_KEPT)
+        self._num_step_samples = 0
         self.stop_event = threading.Event()
-        if role == "prefill" and kv_transfer is not None:
-            engine.prompt_done_hook = kv_transfer.start_layerwise_save
-            engine.handoff_hook = kv_transfer.save_handoff
+        self._wire_engine_hooks()
+
+    def _wire_engine_hooks(self) -> None:
+        """A prefill worker with a store saves each prompt's KV as it completes (layer by
+        layer during the step, then the hand-off); no other role saves anything."""
+        saves = self.role == "prefill" and self.kv_transfer is not None
+        self.engine.prompt_done_hook = self.kv_transfer.start_layerwise_save if saves else None
+        self.engine.handoff_hook = self.kv_transfer.save_handoff if saves else None
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -79,9 +92,20 @@ class Worker:
             if self.engine.has_unfinished_requests():
                 start = time.perf_counter()
                 outputs = self.engine.step()
-                self._step_times_s.append(time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                self._step_times_s.append(seconds)
+                self._record_step(seconds)
                 for output in outputs:
                     self._send_output(output)
+
+    def _record_step(self, seconds: float) -> None:
+        shape = self.engine.last_step_shape
+        if shape is None:
+            return
+        self._num_step_samples += 1
+        self._step_samples.append(StepSample(
+            self._num_step_samples, shape.prefill_tokens, shape.prefill_attention,
+            shape.decode_seqs, shape.decode_context, seconds))
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -108,6 +132,9 @@ class Worker:
             elif isinstance(message, AbortRequest):
                 self._abort(message.request_id)
             elif isinstance(message, StatusRequest):
+                self._reply(identity, self.status())
+            elif isinstance(message, SetRole):
+                self._on_set_role(message.role)
                 self._reply(identity, self.status())
             else:
                 logger.warning("unexpected %s", type(message).__name__)
@@ -205,6 +232,37 @@ class Worker:
                                                  first)
         self.kv_transfer.install(block_ids, done.staging)
 
+    # ---- role ----------------------------------------------------------------------------
+    def can_switch_role(self) -> bool:
+        """Only a drained prefill or decode worker flips: no request is left in the engine,
+        waiting for its hand-off save, or loading its KV."""
+        return (self.role in ("prefill", "decode") and not self.engine.has_unfinished_requests()
+                and not self._held_handoffs and not self._loading and not self._owners)
+
+    def switch_role(self, role: str) -> None:
+        """Become a `role` worker: the engine's scheduler config and hooks follow, the KV
+        transfer (or its absence) stays, and step times start over for the new phase."""
+        if not self.can_switch_role():
+            raise RuntimeError(f"{self.worker_id} cannot switch role now")
+        engine = self.engine
+        engine.scheduler_config = replace(engine.scheduler_config, role=role)
+        engine.scheduler.config = engine.scheduler_config  # the scheduler keeps its own
+        self.role = role
+        self._wire_engine_hooks()
+        self._step_times_s.clear()
+
+    def _on_set_role(self, role: str) -> None:
+        if role == self.role:
+            return
+        if not self.can_switch_role():
+            logger.warning("refused to switch from %s to %s (a colocated worker never "
+                           "switches; others only when drained): %d requests, %d hand-offs "
+                           "saving, %d loads", self.role, role, len(self._owners),
+                           len(self._held_handoffs), len(self._loading))
+            return
+        self.switch_role(role)
+        logger.info("%s is now a %s worker", self.worker_id, role)
+
     def _abort(self, request_id: str) -> None:
         self._owners.pop(request_id, None)
         self._held_handoffs.pop(request_id, None)
@@ -273,6 +331,9 @@ class Worker:
             num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
             num_preemptions=stats.num_preemptions,
             kv_transfer=self.kv_transfer.totals() if self.kv_transfer is not None else {},
+            step_samples=list(self._step_samples)[-NUM_STEP_SAMPLES_PER_STATUS:],
+            max_num_seqs=engine.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
         )
 
 

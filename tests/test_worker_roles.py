@@ -1,0 +1,179 @@
+"""What a worker tells the router's goodput controller and what it lets it change: the shape
+and time of each engine step (for per-phase step-latency models), and a flip of a drained
+worker between the prefill and decode roles. In-process workers over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+from cluster_util import free_port_block
+from engine_util import run_to_completion
+from test_worker_store import BLOCK, _collect, _engine
+
+from pdserve.serve.engine import StepShape
+from pdserve.serve.protocol import (
+    WORKER_PROTOCOL,
+    GenerateRequest,
+    SetRole,
+    StatusRequest,
+    StepSample,
+    WireSampling,
+    WorkerStatus,
+)
+from pdserve.serve.sampling_params import SamplingParams
+from pdserve.serve.worker import Worker
+from pdserve.wire import WireError
+
+GREEDY = WireSampling(max_tokens=6, temperature=0.0)
+
+
+def test_step_shape_counts_prefill_and_decode_work(llama_dir):
+    engine = _engine(llama_dir, "colocated")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        first = list(range(10, 23))  # 13 tokens: one full block, then 5
+        engine.add_request(first, params, "r1")
+        engine.step()
+        assert engine.last_step_shape == StepShape(13, 13 * 13, 0, 0)
+        # r2 shares r1's first block: its prefill starts at position 8
+        engine.add_request(first[:BLOCK] + [50, 51, 52], params, "r2")
+        engine.step()
+        assert engine.last_step_shape == StepShape(3, 3 * 11, 1, 14)
+        engine.step()
+        assert engine.last_step_shape == StepShape(0, 0, 2, 15 + 12)
+        run_to_completion(engine)
+        engine.step()
+        assert engine.last_step_shape is None
+        engine.block_manager.check_integrity()
+        assert engine.block_manager.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workers(llama_dir):
+    """A prefill worker without a store (it flips) and a colocated one (the reference)."""
+    base = free_port_block(2)
+    context = zmq.Context()
+    workers, threads, sockets = {}, [], {}
+    for i, role in enumerate(("prefill", "colocated")):
+        address = f"tcp://127.0.0.1:{base + i}"
+        workers[role] = Worker(_engine(llama_dir, role), role, address, role)
+        threads.append(threading.Thread(target=workers[role].serve_forever, daemon=True))
+        threads[-1].start()
+        sockets[role] = context.socket(zmq.DEALER)
+        sockets[role].setsockopt(zmq.LINGER, 0)
+        sockets[role].connect(address)
+    yield workers, sockets
+    for worker in workers.values():
+        worker.stop_event.set()
+    for thread in threads:
+        thread.join(10)
+    for worker in workers.values():
+        worker.engine.block_manager.check_integrity()
+        assert worker.engine.block_manager.num_used_blocks == 0
+        worker.close()
+    for socket in sockets.values():
+        socket.close()
+    context.term()
+
+
+def _status_reply(socket, message: SetRole | StatusRequest | None = None,
+                  timeout_s: float = 30.0) -> WorkerStatus:
+    """Send `message` (a StatusRequest by default) and wait for the WorkerStatus answer."""
+    socket.send(WORKER_PROTOCOL.encode(message or StatusRequest()))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if socket.poll(100):
+            reply = WORKER_PROTOCOL.decode(socket.recv())
+            if isinstance(reply, WorkerStatus):
+                return reply
+    raise TimeoutError("no WorkerStatus")
+
+
+def _tokens(socket, request: GenerateRequest) -> list[int]:
+    return [t for output in _collect(socket, request) for t in output.token_ids]
+
+
+def test_status_carries_step_samples(workers):
+    _, sockets = workers
+    prompt = list(range(30, 41))
+    tokens = _tokens(sockets["colocated"], GenerateRequest("s1", prompt, GREEDY))
+    samples = _status_reply(sockets["colocated"]).step_samples
+    assert 0 < len(samples) <= 64
+    assert [s.seq for s in samples] == sorted({s.seq for s in samples})
+    assert all(s.seconds > 0 for s in samples)
+    # the last steps were s1's: its prompt, then a decode per further token
+    mine = samples[-len(tokens):]
+    assert (mine[0].prefill_tokens, mine[0].decode_seqs) == (len(prompt), 0)
+    assert [s.decode_context for s in mine[1:]] == \
+        [len(prompt) + i for i in range(1, len(tokens))]
+
+
+def test_worker_flips_between_prefill_and_decode(workers):
+    by_role, sockets = workers
+    prompt = list(range(60, 79))
+    expected = _tokens(sockets["colocated"], GenerateRequest("ref", prompt, GREEDY))
+    [first] = _collect(sockets["prefill"], GenerateRequest("f1", prompt, GREEDY))
+    assert first.finish_reason == "handoff" and first.handoff.block_keys == []
+    assert _status_reply(sockets["prefill"], SetRole("decode")).role == "decode"
+    assert by_role["prefill"].engine.scheduler.config.role == "decode"
+    rest = _tokens(sockets["prefill"], GenerateRequest("f1", prompt, GREEDY,
+                                                       handoff=first.handoff))
+    assert first.token_ids + rest == expected
+    assert _status_reply(sockets["prefill"], SetRole("prefill")).role == "prefill"
+    [again] = _collect(sockets["prefill"], GenerateRequest("f2", prompt, GREEDY))
+    assert again.finish_reason == "handoff" and again.token_ids == expected[:1]
+
+
+def test_colocated_worker_never_flips(workers):
+    by_role, sockets = workers
+    assert _status_reply(sockets["colocated"], SetRole("prefill")).role == "colocated"
+    assert by_role["colocated"].engine.role == "colocated"
+
+
+def test_busy_worker_refuses_to_flip(workers):
+    """Steps do nothing until the refusal came back, so the request is surely unfinished."""
+    by_role, sockets = workers
+    worker, socket = by_role["prefill"], sockets["prefill"]
+    may_step = threading.Event()
+    real_step = worker.engine.step
+    worker.engine.step = lambda: real_step() if may_step.is_set() else []
+    try:
+        socket.send(WORKER_PROTOCOL.encode(GenerateRequest("b1", [5, 6, 7], GREEDY)))
+        status = _status_reply(socket, SetRole("decode"))
+        assert (status.role, status.num_waiting) == ("prefill", 1)
+        may_step.set()
+        [output] = _collect(socket, GenerateRequest("b2", [5, 6, 7], GREEDY))
+        # b1's hand-off came first and _collect skipped it; b2 ran on a prefill worker too
+        assert output.finish_reason == "handoff"
+    finally:
+        del worker.engine.step
+    assert _status_reply(socket, SetRole("decode")).role == "decode"
+    assert _status_reply(socket, SetRole("prefill")).role == "prefill"
+
+
+def test_bogus_role_is_dropped(workers):
+    _, sockets = workers
+    bogus = msgpack.packb({"type": "set_role", "role": "bogus"}, use_bin_type=True)
+    with pytest.raises(WireError):
+        WORKER_PROTOCOL.decode(bogus)
+    with pytest.raises(ValueError):
+        SetRole("colocated")
+    sockets["prefill"].send(bogus)
+    assert _status_reply(sockets["prefill"]).role == "prefill"  # no reply to the bogus one
+    [output] = _collect(sockets["prefill"], GenerateRequest("g1", [9, 8, 7], GREEDY))
+    assert output.finish_reason == "handoff"
+
+
+def test_worker_status_with_step_samples_round_trips():
+    samples = [StepSample(1, 13, 169, 0, 0, 0.02), StepSample(2, 0, 0, 3, 40, 0.005)]
+    status = WorkerStatus("w", "decode", "m", 2048, True, 3, 0, 10, 64, 8,
+                          step_samples=samples)
+    assert WORKER_PROTOCOL.decode(WORKER_PROTOCOL.encode(status)) == status
+    assert WORKER_PROTOCOL.decode(WORKER_PROTOCOL.encode(SetRole("decode"))) == \
+        SetRole("decode")
