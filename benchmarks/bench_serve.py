@@ -134,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run each request rate; report the highest with enough attainment")
     slo.add_argument("--sweep-refine-steps", type=int, default=0,
                      help="bisection steps between the last passing and first failing rate")
+    slo.add_argument("--sweep-fresh-prompts", action="store_true",
+                     help="new prompts at each sweep rate (seed + rate index), so a prefix "
+                          "cache does not serve later rates from the earlier ones")
     slo.add_argument("--target-attainment", type=float, default=DEFAULT_TARGET_ATTAINMENT)
     slo.add_argument("--num-workers", type=int, default=1,
                      help="serving workers behind the URL, for goodput per worker")
@@ -187,6 +190,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--num-workers must be >= 1")
     if args.sweep_refine_steps < 0:
         raise ValueError("--sweep-refine-steps must be >= 0")
+    if args.sweep_fresh_prompts and args.sweep_rates is None:
+        raise ValueError("--sweep-fresh-prompts needs --sweep-rates")
     if args.sweep_rates is not None:
         if any(not r > 0 for r in args.sweep_rates):
             raise ValueError("--sweep-rates must all be > 0 (inf allowed)")
@@ -310,9 +315,16 @@ async def _check_server(http: httpx.AsyncClient, endpoint: EndpointConfig,
 async def _bench_server(http: httpx.AsyncClient, server: ServerResult,
                         requests: Sequence[BenchRequest], slo: SLOConfig, codec: TokenCodec,
                         args: argparse.Namespace, percentiles: Sequence[float]) -> None:
+    def level_requests() -> Sequence[BenchRequest]:
+        if not args.sweep_fresh_prompts or not server.runs:
+            return requests
+        return build_requests(argparse.Namespace(**{**vars(args),
+                                                    "seed": args.seed + len(server.runs)}),
+                              codec)
+
     rates = sorted(args.sweep_rates) if args.sweep_rates else [args.request_rate]
     for rate in rates:
-        await _run_level(http, server, requests, rate, slo, codec, args, percentiles)
+        await _run_level(http, server, level_requests(), rate, slo, codec, args, percentiles)
     if not args.sweep_rates:
         return
     points = [(r.request_rate, r.summary["slo_attainment"]) for r in server.runs]
@@ -321,7 +333,8 @@ async def _bench_server(http: httpx.AsyncClient, server: ServerResult,
         mid = next_sweep_rate(points, args.target_attainment)
         if mid is None:
             break
-        run = await _run_level(http, server, requests, mid, slo, codec, args, percentiles)
+        run = await _run_level(http, server, level_requests(), mid, slo, codec, args,
+                               percentiles)
         points.append((mid, run.summary["slo_attainment"]))
         best = goodput_rate(points, args.target_attainment)
     server.runs.sort(key=lambda r: r.request_rate)

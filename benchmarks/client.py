@@ -77,6 +77,8 @@ class RequestOutcome:
     generated_text: str = ""
     # From the server's usage; None when it reported none.
     output_tokens: int | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens the server served from a prefix cache (usage.prompt_tokens_details)."""
     num_token_chunks: int = 0
 
 
@@ -156,6 +158,9 @@ async def send_request(http: httpx.AsyncClient, endpoint: EndpointConfig,
                     outcome.output_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens") is not None:
                         outcome.prompt_len = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        outcome.cached_tokens = int(details["cached_tokens"])
     except httpx.HTTPError as e:
         outcome.error = f"{type(e).__name__}: {e}"
         return outcome

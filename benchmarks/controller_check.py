@@ -58,8 +58,11 @@ def compare(controller: dict[str, Any], sweep: dict[str, Any]) -> dict[str, Any]
                               "ttft_slo_s": slo.get("ttft", float("inf")) / 1000,
                               "tpot_slo_s": slo.get("tpot", float("inf")) / 1000,
                               "attainment": sweep["target_attainment"]})
-    workload = [RequestShape(i, 0, o) for run in runs
-                for i, o in zip(run["input_lens"], run["output_lens"], strict=True) if o > 0]
+    workload = []
+    for run in runs:  # the server's reported cached tokens count (a rate may repeat prompts)
+        cached = run.get("cached_lens") or [None] * len(run["input_lens"])
+        workload += [RequestShape(i, c or 0, o) for i, c, o in
+                     zip(run["input_lens"], cached, run["output_lens"], strict=True) if o > 0]
     models = models_from_status(controller)
     split = controller["current"]
     rows = []

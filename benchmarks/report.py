@@ -84,6 +84,7 @@ def run_json(run: RunResult, server: ServerResult, args: argparse.Namespace,
     if args.save_detailed:
         result.update({
             "input_lens": [o.prompt_len for o in run.outcomes],
+            "cached_lens": [o.cached_tokens for o in run.outcomes],
             "output_lens": run.output_tokens,
             "ttfts": [o.ttft_s for o in run.outcomes],
             "itls": [o.itl_s for o in run.outcomes],

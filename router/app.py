@@ -297,7 +297,9 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
 
     def _observe(timing: _Timing, acc: R.Accumulated) -> None:
         num_tokens = len(acc.token_ids)
-        controller.record_request(acc.num_prompt_tokens, acc.num_cached_tokens, num_tokens)
+        controller.record_request(
+            acc.num_prompt_tokens, acc.num_cached_tokens, num_tokens,
+            None if timing.first_s is None else timing.first_s - timing.arrival_s)
         metrics.labels(metrics.generation_tokens).inc(num_tokens)
         metrics.labels(metrics.cached_tokens).inc(acc.num_cached_tokens)
         metrics.labels(metrics.success, acc.finish_reason or "unknown").inc()

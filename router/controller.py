@@ -14,7 +14,8 @@ Every `interval_s` the controller
        role, and moved to the other pool once it reports that role.
 
 The estimate assumes the flippable workers are alike (same hardware and TP degree): a
-worker moved to the other pool is expected to run at that pool's fitted speed.
+worker moved to the other pool is expected to run at that pool's fitted speed, so workers of
+different TP degrees are never flipped (the split is still recommended).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pdserve.router.goodput_model import (
     SimulationConfig,
     fit_nonnegative,
     goodput_by_split,
+    ttft_overhead_s,
 )
 from pdserve.serve.protocol import StepSample
 
@@ -82,7 +84,9 @@ class GoodputController:
         self.dispatcher = dispatcher
         self.sim = sim or SimulationConfig(config.ttft_slo_s, config.tpot_slo_s,
                                            config.attainment)
-        self.requests: deque[RequestShape] = deque(maxlen=config.window_requests)
+        # Finished requests: their lengths, and their TTFT at the router (None: not seen).
+        self.requests: deque[tuple[RequestShape, float | None]] = deque(
+            maxlen=config.window_requests)
         self.prefill_samples: deque[StepSample] = deque(maxlen=config.window_samples)
         self.decode_samples: deque[StepSample] = deque(maxlen=config.window_samples)
         self.estimate: Estimate | None = None
@@ -93,10 +97,12 @@ class GoodputController:
         self._task: asyncio.Task | None = None
 
     # ---- inputs -------------------------------------------------------------------------
-    def record_request(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
-        """A request finished at the router with these lengths."""
+    def record_request(self, prompt_tokens: int, cached_tokens: int, output_tokens: int,
+                       ttft_s: float | None = None) -> None:
+        """A request finished at the router with these lengths (and this TTFT)."""
         if prompt_tokens > 0 and output_tokens > 0:
-            self.requests.append(RequestShape(prompt_tokens, cached_tokens, output_tokens))
+            self.requests.append((RequestShape(prompt_tokens, cached_tokens, output_tokens),
+                                  ttft_s))
 
     def collect(self) -> None:
         """Move the samples the workers reported since the last call into the windows:
@@ -119,21 +125,23 @@ class GoodputController:
         return PhaseModels(prefill, decode)
 
     # ---- one tick -----------------------------------------------------------------------
-    def evaluate(self) -> Estimate | None:
-        """Fit and simulate (CPU-bound: the loop runs it in a thread)."""
+    async def evaluate(self) -> Estimate | None:
+        """Fit and simulate. The inputs are copied here, on the event loop (request handlers
+        append to the windows meanwhile); the CPU-bound part runs in a thread."""
         models = self.fit()
         pools = self.dispatcher.prefill, self.dispatcher.decode
         num_prefill, num_decode = (sum(1 for w in pool if w.is_ready) for pool in pools)
         if models is None or len(self.requests) < MIN_REQUESTS or num_prefill < 1 \
                 or num_decode < 1:
             return None
-        sim = self._simulation_config()
-        goodput = goodput_by_split(list(self.requests), num_prefill + num_decode, models, sim)
-        return Estimate(models, goodput, num_prefill, num_prefill + num_decode, sim)
+        workload = [shape for shape, _ in self.requests]
+        sim, num_workers = self._simulation_config(models), num_prefill + num_decode
+        goodput = await asyncio.to_thread(goodput_by_split, workload, num_workers, models, sim)
+        return Estimate(models, goodput, num_prefill, num_workers, sim)
 
-    def _simulation_config(self) -> SimulationConfig:
-        """The SLOs, with what the workers report: their batch limits and the mean KV load
-        time the decode workers measured (a hand-off's share of TPOT)."""
+    def _simulation_config(self, models: PhaseModels) -> SimulationConfig:
+        """The SLOs, with what the workers report (their batch limits, the mean KV load time
+        the decode workers measured) and the TTFT overhead the router measured."""
         sim = self.sim
         seconds = count = 0.0
         for worker in self.dispatcher.decode:
@@ -148,11 +156,14 @@ class GoodputController:
             if worker.status is not None and worker.status.max_num_batched_tokens:
                 sim = dataclasses.replace(
                     sim, max_batched_tokens=worker.status.max_num_batched_tokens)
-        return dataclasses.replace(sim, handoff_s=seconds / count if count else 0.0)
+        return dataclasses.replace(sim, handoff_s=seconds / count if count else 0.0,
+                                   ttft_overhead_s=ttft_overhead_s(models.prefill, [
+                                       (shape, ttft) for shape, ttft in self.requests
+                                       if ttft is not None]))
 
     async def tick(self) -> None:
         self.collect()
-        estimate = await asyncio.to_thread(self.evaluate)
+        estimate = await self.evaluate()
         self.estimate = estimate
         if estimate is None:
             self.state = "warming up"
@@ -165,6 +176,9 @@ class GoodputController:
                 or self._streak[1] < self.config.patience
                 or time.monotonic() - self._last_flip_s < self.config.cooldown_s):
             return
+        if not self._workers_alike():
+            self.state = f"wants {wanted} prefill; not flipping: the workers' TP degrees differ"
+            return
         to_role = "prefill" if wanted > estimate.current_prefill else "decode"
         self.state = f"flipping a worker to {to_role}"
         flipped = await self.dispatcher.flip_one(to_role, self.config.drain_timeout_s)
@@ -174,8 +188,19 @@ class GoodputController:
             self.num_flips += 1
             self.state = f"flipped {flipped.worker_id} to {to_role}"
 
+    def _workers_alike(self) -> bool:
+        """A flipped worker runs at the other pool's fitted speed only if it has the same
+        TP degree as the workers that pool's samples came from."""
+        sizes = {w.status.tensor_parallel_size for w in self.dispatcher.prefill
+                 + self.dispatcher.decode if w.status is not None}
+        return len(sizes) <= 1
+
     def start(self) -> None:
-        if self.config.mode != "off" and self.dispatcher.config.is_disaggregated:
+        if not self.dispatcher.config.is_disaggregated:
+            self.state = "inactive: colocated workers"
+        elif self.config.mode == "off":
+            self.state = "off"
+        else:
             self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:

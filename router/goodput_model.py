@@ -12,7 +12,8 @@ prefix or a batch of prompts, A counts each sequence's attention work on its own
 small discrete-event simulation of P prefill and D decode workers driven by those models:
 
     Poisson arrivals ─► least-work prefill worker: FCFS batches up to a token budget
-                     ─► (hand-off) ─► decode worker, round robin: continuous batching
+                     ─► (+ measured TTFT overhead: first token out; + KV load time)
+                     ─► decode worker, round robin: continuous batching
 
 and finds the highest arrival rate at which at least `attainment` of requests meet both SLOs
 (TTFT and TPOT). Arrivals are one fixed sequence of unit-rate gaps scaled by 1/rate (common
@@ -103,6 +104,9 @@ class SimulationConfig:
     """A decode worker's batch limit (the engine's max_num_seqs)."""
     handoff_s: float = 0.0
     """Time from a prompt's end on prefill to its first decode step (the KV transfer)."""
+    ttft_overhead_s: float = 0.0
+    """Time from a prompt's last step to its first token at the client (the hand-off's save
+    tail, the router, HTTP); the hand-off reaches decode as late."""
     num_requests: int = 256
     seed: int = 0
 
@@ -120,7 +124,8 @@ def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, nu
     gaps = [rng.expovariate(1.0) for _ in range(config.num_requests)]
     shapes = [workload[rng.randrange(len(workload))] for _ in range(config.num_requests)]
     arrivals = list(itertools.accumulate(g / rate for g in gaps))
-    first_token_at = _simulate_prefill(arrivals, shapes, num_prefill, models.prefill, config)
+    prompt_done = _simulate_prefill(arrivals, shapes, num_prefill, models.prefill, config)
+    first_token_at = [t + config.ttft_overhead_s for t in prompt_done]
     finish_at = _simulate_decode(first_token_at, shapes, num_decode, models.decode, config)
     results = []
     for arrival, first, finish, shape in zip(arrivals, first_token_at, finish_at, shapes,
@@ -128,6 +133,17 @@ def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, nu
         decoded = shape.output_tokens - 1
         results.append((first - arrival, (finish - first) / decoded if decoded > 0 else 0.0))
     return results
+
+
+def ttft_overhead_s(prefill: LinearLatency,
+                    observed: Sequence[tuple[RequestShape, float]]) -> float:
+    """What requests' measured TTFTs add to their modelled prefill time, taken at the 10th
+    percentile: the least-queued requests show the fixed part (save tail, router, HTTP)
+    rather than the queueing that the simulation models itself."""
+    if not observed:
+        return 0.0
+    residuals = [ttft - prefill(*_prefill_cost(shape)) for shape, ttft in observed]
+    return max(0.0, float(np.quantile(residuals, 0.1)))
 
 
 def _prefill_cost(shape: RequestShape) -> tuple[int, int]:

@@ -182,3 +182,4 @@ class WorkerStatus:
     """The scheduler's batch limit (0: not reported)."""
     max_num_batched_tokens: int = 0
     """The scheduler's token budget per step (0: not reported)."""
+    tensor_parallel_size: int = 1

@@ -334,6 +334,7 @@ class Worker:
             step_samples=list(self._step_samples)[-NUM_STEP_SAMPLES_PER_STATUS:],
             max_num_seqs=engine.scheduler_config.max_num_seqs,
             max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
+            tensor_parallel_size=engine.runner.tensor_parallel_size,
         )
 
 

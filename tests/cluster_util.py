@@ -63,6 +63,23 @@ class Cluster:
         return self.process.returncode
 
 
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    """Poll `predicate` every 0.25 s; whether it held within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def workers_idle(base_url: str) -> bool:
+    """Every worker behind the router holds no request and has all its KV blocks free."""
+    workers = httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
+    return all(w.get("num_free_blocks") == w.get("num_total_blocks") and w["num_inflight"] == 0
+               for w in workers)
+
+
 def start_cluster(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float = 240.0
                   ) -> Cluster:
     base = free_port_block(40)

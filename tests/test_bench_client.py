@@ -120,7 +120,8 @@ class ScriptedSSEServer:
         if script.send_usage:
             await self._event(writer, {"choices": [], "usage": {
                 "prompt_tokens": 7, "completion_tokens": len(delays_s),
-                "total_tokens": 7 + len(delays_s)}})
+                "total_tokens": 7 + len(delays_s),
+                "prompt_tokens_details": {"cached_tokens": 3}}})
         await self._write_chunk(writer, b"data: [DONE]\n\n")
         writer.write(b"0\r\n\r\n")
         await writer.drain()
@@ -166,6 +167,7 @@ async def test_completions_timings_match_the_scripted_server() -> None:
         sent = served.chunk_sent_s
         assert outcome.success and outcome.output_tokens == len(sent)
         assert outcome.prompt_len == 7  # the server's usage replaces the nominal length
+        assert outcome.cached_tokens == 3
         # Each client time is at or just after the server's write of that chunk.
         expected_ttft_s = sent[0] - outcome.start_time_s
         assert expected_ttft_s <= outcome.ttft_s + 1e-3 <= expected_ttft_s + JITTER_S
@@ -207,6 +209,7 @@ async def test_chat_role_chunk_is_not_a_token() -> None:
     assert outcome.ttft_s >= 0.12
     assert outcome.num_token_chunks == 3 and len(outcome.itl_s) == 2
     assert outcome.output_tokens is None  # no usage: the caller counts the text
+    assert outcome.cached_tokens is None
     assert output_token_counts(outcomes, lambda t: len(t.split())) == [3]
 
 
@@ -318,6 +321,25 @@ def test_cli_sweep_and_compare(threaded_server: ScriptedSSEServer, tmp_path: Pat
     assert not list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_cli_sweep_fresh_prompts(threaded_server: ScriptedSSEServer, tmp_path: Path,
+                                 fresh: bool) -> None:
+    """--sweep-fresh-prompts: each rate gets its own prompts, so a prefix cache cannot serve
+    a rate from the one before; without it every rate repeats the same prompts."""
+    rc = cli("--base-url", threaded_server.base_url, "--num-prompts", "3",
+             "--random-input-len", "8", "--random-output-len", "4", "--goodput", "ttft:5000",
+             "--sweep-rates", "20", "40", *(["--sweep-fresh-prompts"] if fresh else []),
+             "--save-result", "--save-detailed", "--no-plots", "--result-dir", str(tmp_path),
+             "--result-filename", "s.json", "--disable-tqdm")
+    assert rc == 0
+    prompts = [s.body["prompt"] for s in threaded_server.served[1:]]  # after the test request
+    first, second = set(prompts[:3]), set(prompts[3:])
+    assert len(first) == len(second) == 3
+    assert first.isdisjoint(second) if fresh else first == second
+    runs = json.loads((tmp_path / "s.json").read_text())["servers"][0]["runs"]
+    assert all(r["cached_lens"] == [3, 3, 3] for r in runs)
+
+
 def test_cli_unreachable_compare_server_fails_before_measuring(
         threaded_server: ScriptedSSEServer, capsys) -> None:
     rc = cli("--base-url", threaded_server.base_url, "--compare-base-url", "http://127.0.0.1:9",
@@ -330,6 +352,7 @@ def test_cli_unreachable_compare_server_fails_before_measuring(
 @pytest.mark.parametrize("argv, rc, message", [
     (["--goodput", "ttft"], 2, "KEY:MS"),
     (["--sweep-rates", "1", "2"], 2, "needs SLOs"),
+    (["--sweep-fresh-prompts"], 2, "needs --sweep-rates"),
     (["--dataset-name", "mooncake"], 2, "--dataset-path"),
     (["--base-url", "localhost:8000"], 2, "http://"),
     (["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--random-input-len", "4"],

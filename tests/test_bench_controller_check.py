@@ -53,3 +53,15 @@ def test_clear_errors_without_an_estimate_or_lengths(tmp_path, capsys):
     assert main(["--base-url", "http://127.0.0.1:9", "--bench-result",
                  str(tmp_path / "missing.json")]) == 2
     assert "controller_check" in capsys.readouterr().err
+
+
+def test_cached_prompt_tokens_are_not_prefilled():
+    """A sweep that repeats its prompts is served from the prefix cache: the prediction must
+    count only the uncached tokens, as the server did."""
+    snapshot = _snapshot()
+    snapshot["models"]["prefill"]["per_tokens_s"] = 1e-3  # 256 tokens: 261 ms > TTFT 200 ms
+    cold = _sweep([1.0])
+    warm = _sweep([1.0])
+    warm["servers"][0]["runs"][0]["cached_lens"] = [240] * 8  # 16 new tokens: 21 ms
+    assert compare(snapshot, cold)["predicted_goodput"] == 0.0
+    assert compare(snapshot, warm)["predicted_goodput"] > 1.0

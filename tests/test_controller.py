@@ -29,7 +29,7 @@ class Pool:
     is_ready: bool = True
     status: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(
         kv_transfer={"load_seconds": 0.5, "load_count": 100.0}, max_num_seqs=48,
-        max_num_batched_tokens=1024))
+        max_num_batched_tokens=1024, tensor_parallel_size=1))
 
     def take_step_samples(self) -> list[StepSample]:
         samples, self.samples = self.samples, []
@@ -67,7 +67,7 @@ def _controller(pools: Pools, **overrides) -> GoodputController:
                                  "patience": 2, "cooldown_s": 3600.0, **overrides})
     controller = GoodputController(config, pools)
     for _ in range(40):  # long prompts, two output tokens: prefill is the bottleneck
-        controller.record_request(1500, 0, 2)
+        controller.record_request(1500, 0, 2, ttft_s=PREFILL(1500, 1500 * 1500) + 0.02)
     return controller
 
 
@@ -109,6 +109,19 @@ async def test_flips_towards_the_bottleneck_after_patience_then_cools_down():
     sim = snapshot["simulation"]
     assert (sim["max_num_seqs"], sim["max_batched_tokens"]) == (48, 1024)
     assert sim["handoff_s"] == pytest.approx(0.005)
+    assert sim["ttft_overhead_s"] == pytest.approx(0.02, abs=0.005)  # measured - modelled
+
+
+async def test_workers_of_different_tp_are_not_flipped():
+    pools = Pools(1, 3)
+    pools.decode[1].status = SimpleNamespace(**{**vars(pools.decode[1].status),
+                                                "tensor_parallel_size": 2})
+    controller = _controller(pools)
+    rng = random.Random(3)
+    for _ in range(3):
+        pools.report(rng)
+        await controller.tick()
+    assert pools.flips == [] and "TP degrees differ" in controller.state
 
 
 async def test_recommend_mode_never_flips():

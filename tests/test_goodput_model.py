@@ -19,6 +19,7 @@ from pdserve.router.goodput_model import (
     fit_nonnegative,
     goodput_by_split,
     simulate,
+    ttft_overhead_s,
 )
 
 PREFILL = LinearLatency(0.01, (1e-4, 1e-8), 0, 0.0)  # a + b·N + c·A
@@ -65,13 +66,15 @@ def test_fit_needs_enough_samples():
 
 
 def test_requests_alone_take_exactly_their_model_times():
-    """At a rate where requests never overlap, TTFT is one prefill of the uncached prompt and
-    TPOT the mean of the decode steps over a context growing by one per step."""
+    """At a rate where requests never overlap, TTFT is one prefill of the uncached prompt plus
+    the fixed overhead, and TPOT the hand-off plus the decode steps over a context growing by
+    one per step, per token."""
     shape = RequestShape(prompt_tokens=300, cached_tokens=100, output_tokens=20)
-    config = SimulationConfig(ttft_slo_s=1, tpot_slo_s=1, num_requests=32, handoff_s=0.002)
+    config = SimulationConfig(ttft_slo_s=1, tpot_slo_s=1, num_requests=32, handoff_s=0.002,
+                              ttft_overhead_s=0.004)
     results = simulate([shape], 1e-5, 2, 3, MODELS, config)
     new = 200
-    ttft = PREFILL(new, new * 300)
+    ttft = PREFILL(new, new * 300) + config.ttft_overhead_s
     steps = [DECODE(301 + k, 1) for k in range(19)]
     tpot = (config.handoff_s + sum(steps)) / 19
     # Arrival times run to ~1e6 s at this rate: differences of them keep ~1e-10 s.
@@ -135,3 +138,12 @@ def test_the_bottleneck_phase_gets_the_workers():
     assert max(by_split, key=by_split.get) == 3 and by_split[3] > 2 * by_split[1]
     by_split = goodput_by_split(decode_heavy, 4, MODELS, config)
     assert max(by_split, key=by_split.get) == 1 and by_split[1] > 2 * by_split[3]
+
+
+def test_ttft_overhead_is_what_the_least_queued_requests_add():
+    shape = RequestShape(100, 0, 4)
+    alone = PREFILL(100, 100 * 100)
+    observed = [(shape, alone + 0.03)] * 20 + [(shape, alone + 2.0)] * 5  # 5 queued ones
+    assert ttft_overhead_s(PREFILL, observed) == pytest.approx(0.03)
+    assert ttft_overhead_s(PREFILL, []) == 0.0
+    assert ttft_overhead_s(PREFILL, [(shape, alone / 2)] * 3) == 0.0  # never negative

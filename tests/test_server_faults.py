@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from cluster_util import Roles, free_port_block
+from cluster_util import Roles, free_port_block, wait_until, workers_idle
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +23,6 @@ def roles(llama_dir, tmp_path_factory):
         yield roles
     finally:
         roles.stop()
-
-
-def _wait_until(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.25)
-    return predicate()
-
-
-def _workers_idle(roles: Roles) -> bool:
-    status = httpx.get(f"{roles.base_url}/status", timeout=5).json()
-    return all(w.get("num_free_blocks") == w.get("num_total_blocks") and w["num_inflight"] == 0
-               for w in status["workers"])
 
 
 async def _one_stream(client: httpx.AsyncClient, url: str, i: int, disconnect: bool) -> int:
@@ -65,13 +50,14 @@ def test_concurrent_streams_with_disconnects_leak_nothing(roles):
     results = asyncio.run(run())
     assert results.count(-1) == 10
     assert all(n == 24 for n in results if n != -1)  # one chunk per token, all delivered
-    assert _wait_until(lambda: _workers_idle(roles)), httpx.get(f"{roles.base_url}/status").json()
+    assert wait_until(lambda: workers_idle(roles.base_url)), \
+        httpx.get(f"{roles.base_url}/status").json()
     client = roles.store_client()
     try:
         # Hand-offs are pinned under leases: decode releases each once loaded; one whose
         # client left between prefill and decode is released by the prefill worker or, at
         # the latest, expires (--kv-lease-ttl-s 5).
-        assert _wait_until(lambda: client.stats()["num_leases"] == 0, 20)
+        assert wait_until(lambda: client.stats()["num_leases"] == 0, 20)
         assert client.stats()["num_pinned"] == 0
         client.check_integrity()
     finally:
@@ -144,7 +130,7 @@ def test_handoff_blocks_are_leased_until_decode_loads_them(roles):
         outputs = collect(sockets["decode"], GenerateRequest(
             "lease-1", prompt, request.sampling, handoff=first.handoff))
         assert sum(len(o.token_ids) for o in outputs) == 3
-        assert _wait_until(lambda: client.stats()["num_leases"] == 0, 10)
+        assert wait_until(lambda: client.stats()["num_leases"] == 0, 10)
     finally:
         client.close()
         for socket in sockets.values():
@@ -162,7 +148,7 @@ def test_admission_control_and_api_key(roles):
                  "--api-key", "sesame", "--max-inflight-per-worker", "2")
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer sesame"}
-    assert _wait_until(lambda: _get_status(f"{url}/health") == 200, 120)
+    assert wait_until(lambda: _get_status(f"{url}/health") == 200, 120)
     body = {"prompt": "hello", "max_tokens": 4}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
@@ -218,7 +204,7 @@ def test_decode_killed_mid_stream_errors_fast_then_recovers(roles):
     r = httpx.post(url, json={"prompt": "x", "max_tokens": 4}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["message"]
     roles.start_worker("decode")
-    assert _wait_until(lambda: httpx.get(f"{roles.base_url}/health").status_code == 200, 120)
+    assert wait_until(lambda: httpx.get(f"{roles.base_url}/health").status_code == 200, 120)
     r = httpx.post(url, json={"prompt": "x", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
@@ -242,7 +228,7 @@ def test_dead_prefill_is_not_routed_to(roles):
         status = httpx.get(f"{roles.base_url}/status", timeout=5).json()
         return not any(w["is_alive"] for w in status["workers"] if w["role"] == "prefill")
 
-    assert _wait_until(prefill_down, 10)
+    assert wait_until(prefill_down, 10)
     r = httpx.post(f"{roles.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
                    timeout=30)
     assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
