@@ -34,7 +34,7 @@ class KVLayout:
     block_size: int  # tokens per block
     num_layers: int
     num_kv_heads: int  # total over all TP ranks: the layout is independent of TP degree
-    head_dim: int
+    head_dim: int  # row width: per KV head ("mha"), or kv_lora_rank + rope dims ("mla")
     kind: str = "mha"  # "mha" (K and V per head) or "mla" (one compressed latent row per token)
 
     def __post_init__(self) -> None:
@@ -43,6 +43,31 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if self.kind not in ("mha", "mla"):
             raise ValueError(f"KVLayout.kind must be 'mha' or 'mla', got {self.kind!r}")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA layout has one latent row per token (num_kv_heads 1), "
+                             f"got {self.num_kv_heads}")
+
+    @property
+    def num_planes(self) -> int:
+        """Tensors per layer and block: K and V ("mha"), or the latent row alone ("mla")."""
+        return 2 if self.kind == "mha" else 1
+
+    def rank_heads(self, tp_rank: int, tp_size: int) -> slice:
+        """The KV heads TP rank r of t holds: an even split of the heads ("mha"; the heads
+        must divide), or all of them ("mla": every rank keeps the whole latent cache)."""
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"bad TP rank {tp_rank} of {tp_size}")
+        if self.kind == "mla":
+            return slice(0, self.num_kv_heads)
+        if self.num_kv_heads % tp_size:
+            raise ValueError(f"{self.num_kv_heads} KV heads do not split over TP {tp_size}")
+        per_rank = self.num_kv_heads // tp_size
+        return slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One stored block: [num_layers, num_planes, block_size, num_kv_heads, head_dim]."""
+        return (self.num_layers, self.num_planes, self.block_size, self.num_kv_heads,
+                self.head_dim)
 
 
 def _hash(*parts: bytes) -> bytes:

@@ -1,17 +1,19 @@
 """The KV connector: the only way a worker touches the store (lookup, load, save, poll).
 
-The worker's device pool is one tensor per layer (serve/kv_cache.py):
+The worker's device pool is one tensor per layer (serve/kv_cache.py), with P planes: K and V
+(P = 2, layout kind "mha") or the MLA latent row alone (P = 1, kind "mla", one "head"):
 
-    kv_caches[l]   [2, num_pool_blocks, block_size, num_kv_heads_per_rank, head_dim]
+    kv_caches[l]   [P, num_pool_blocks, block_size, num_kv_heads_per_rank, head_dim]
 
 A stored block holds *all* layers and *all* KV heads, so blocks are independent of the TP
 degree that wrote or reads them:
 
-    stored block   [num_layers, 2, block_size, num_kv_heads (all ranks), head_dim]  (bytes)
+    stored block   [num_layers, P, block_size, num_kv_heads (all ranks), head_dim]  (bytes)
 
 A reader at TP rank r of t takes heads [r*H/t, (r+1)*H/t) of each layer on load (a decode pool
-at another TP degree re-lays blocks out for free). Saving from a TP>1 worker needs all heads,
-so the caller gathers heads to one rank first (or saves at TP=1); a sharded save raises.
+at another TP degree re-lays blocks out for free); an MLA latent is whole on every rank.
+Saving from a TP>1 MHA worker needs all heads, so the caller gathers heads to one rank first
+(or saves at TP=1); a sharded save raises.
 
 Loads and saves run on one background thread; the engine polls for completions. The KV cache
 is a cache: a load that fails (store down, timeout, missing or malformed block) reports the
@@ -85,22 +87,15 @@ class KVConnector:
                  tp_size: int = 1, timeout_s: float = 10.0, lease_ttl_s: float | None = None):
         """`lease_ttl_s`: pin every completed save under a store lease of this TTL (needs a
         backend with leases, i.e. a StoreClient: `pin(keys, ttl_s)`, `release(lease_id)`)."""
-        if layout.kind != "mha":
-            raise NotImplementedError("the connector moves MHA blocks; MLA is not wired yet")
-        if not 0 <= tp_rank < tp_size or layout.num_kv_heads % tp_size:
-            raise ValueError(f"bad TP rank {tp_rank}/{tp_size} for {layout.num_kv_heads} heads")
+        self._heads = layout.rank_heads(tp_rank, tp_size)  # raises on a bad rank or split
         self.backend = backend
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
         self.lease_ttl_s = lease_ttl_s
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
-        # [num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
-                            layout.head_dim)
+        self.block_shape = layout.block_shape()  # [num_layers, P, block_size, H, D]
         self.block_bytes = torch.empty(self.block_shape, dtype=self.dtype).nbytes
-        heads = layout.num_kv_heads // tp_size
-        self._heads = slice(tp_rank * heads, (tp_rank + 1) * heads)
         self._loads: dict[str, _Load] = {}
         self._saves: dict[str, _Save] = {}
         self._results: list[TransferResult] = []
@@ -161,7 +156,7 @@ class KVConnector:
             load.num_blocks = len(usable)  # before any layer is signalled as done
             if usable:
                 device = kv_caches[0].device
-                # [n, num_layers, 2, block_size, H, D] -> per layer [2, n, block_size, h, D]
+                # [n, num_layers, P, block_size, H, D] -> per layer [P, n, block_size, h, D]
                 stacked = torch.stack(usable).to(device).view(self.dtype).view(
                     len(usable), *self.block_shape)
                 index = torch.tensor(block_ids[: len(usable)], dtype=torch.int64, device=device)
@@ -198,7 +193,7 @@ class KVConnector:
                    block_ids: Sequence[int], kv_cache: torch.Tensor) -> None:
         """Stage layer `layer` of blocks `block_ids` (named `keys`); the put goes out once
         every layer is staged. The pool blocks may be reused as soon as this returns."""
-        if self.tp_size != 1:
+        if self._heads != slice(0, self.layout.num_kv_heads):
             raise NotImplementedError("save needs all KV heads: gather to one rank first")
         if len(keys) != len(block_ids):
             raise ValueError("save_layer: one block id per key")
@@ -211,7 +206,7 @@ class KVConnector:
         if list(keys) != save.keys or layer in save.layers_saved:
             raise ValueError(f"save_layer: keys changed or layer {layer} saved twice")
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
-        # [2, n, block_size, H, D] -> staging[:, layer] [n, 2, block_size, H, D]
+        # [P, n, block_size, H, D] -> staging[:, layer] [n, P, block_size, H, D]
         layer_blocks = kv_cache.index_select(1, index).transpose(0, 1)
         save.staging[:, layer].copy_(layer_blocks, non_blocking=kv_cache.is_cuda)
         if kv_cache.is_cuda:

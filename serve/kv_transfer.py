@@ -9,9 +9,10 @@
                                                    once complete: fresh blocks, scatter to
                                                    this worker's TP ranks, join the batch
 
-Stored blocks are TP-independent ([num_layers, 2, block_size, all KV heads, head_dim], see
-kvstore/connector.py), and this side always moves whole-head blocks through the runner's
-gather/scatter, so prefill and decode may run different TP degrees. Every full prompt block
+Stored blocks are TP-independent ([num_layers, P, block_size, all KV heads, head_dim], P = 2
+for K/V or 1 for an MLA latent; see kvstore/connector.py), and this side always moves
+whole-head blocks through the runner's gather/scatter, so prefill and decode may run different
+TP degrees. Every full prompt block
 is stored under its chained block key; the last, partial block too, under the chain's next
 key over its tokens, so decode recomputes nothing. A failed or partial load is a miss: the
 decode worker recomputes the prompt (the KV cache is a cache).
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PendingLoad:
     num_blocks: int
-    staging: list[torch.Tensor]  # per layer [2, num_blocks, block_size, all heads, head_dim]
+    staging: list[torch.Tensor]  # per layer [P, num_blocks, block_size, all heads, head_dim]
     lease_id: int = 0
 
 
@@ -102,9 +103,10 @@ class KVTransfer:
         """Engine hook before a step in which `requests` complete their prompt: returns the
         runner's per-layer callback that hands each layer's blocks to the connector as soon
         as the layer wrote them, so the transfer overlaps the rest of the forward. TP > 1
-        pools hold a head slice per rank: those save after the step (save_handoff)."""
+        MHA pools hold a head slice per rank: those save after the step (save_handoff); an
+        MLA latent is whole on rank 0, which saves it layer by layer at any TP degree."""
         runner, bm = self.engine.runner, self.engine.block_manager
-        if runner.tensor_parallel_size > 1:
+        if runner.tensor_parallel_size > 1 and self.connector.layout.kind == "mha":
             return None
         plans = []
         for request in requests:
@@ -148,7 +150,7 @@ class KVTransfer:
         try:
             staged = self.engine.runner.read_kv_blocks(handoff.block_ids[:len(keys)])
             local_ids = list(range(len(keys)))
-            for layer, layer_blocks in enumerate(staged):  # [2, n, bs, all heads, D]
+            for layer, layer_blocks in enumerate(staged):  # [P, n, bs, all heads, D]
                 self.connector.save_layer(request.request_id, layer, keys, local_ids,
                                           layer_blocks)
         except Exception as exc:  # never let a transfer stop the engine: decode recomputes
@@ -163,8 +165,9 @@ class KVTransfer:
     def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0) -> None:
         """Fetch blocks into a staging area in the background; then release the lease that
         pinned them for this load (0: none)."""
-        spec, block_size = self.engine.spec, self.engine.runner.block_size
-        shape = (2, len(keys), block_size, spec.num_kv_heads, spec.head_dim)
+        spec, layout = self.engine.spec, self.connector.layout
+        _, planes, block_size, heads, dim = layout.block_shape()
+        shape = (planes, len(keys), block_size, heads, dim)
         staging = [torch.zeros(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
         self._loads[request_id] = (keys, PendingLoad(len(keys), staging, lease_id))
         self._started_s["load", request_id] = time.monotonic()

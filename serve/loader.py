@@ -38,6 +38,8 @@ MODEL_TYPES: dict[str | None, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Checkpoints this large (or sharded) get a progress bar while loading.
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024
@@ -53,14 +55,15 @@ class ModelSpec:
     vocab_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # KV-cache heads: num_key_value_heads, or 1 for an MLA latent
+    head_dim: int  # KV-cache row width: per head, or kv_lora_rank + qk_rope_head_dim (MLA)
     hidden_size: int
     dtype: str  # "float32" | "bfloat16" | "float16": weights, activations and KV cache
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     hf_config: Mapping[str, Any] = field(compare=False, repr=False)
+    kv_kind: str = "mha"  # "mha" (K and V per KV head) or "mla" (one latent row per token)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -68,7 +71,8 @@ class ModelSpec:
 
     def kv_layout(self, block_size: int) -> KVLayout:
         return KVLayout(dtype=self.dtype, block_size=block_size, num_layers=self.num_layers,
-                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                        kind=self.kv_kind)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -123,6 +127,13 @@ def load_model_spec(model_config: ModelConfig) -> ModelSpec:
             logger.warning("capping max_model_len at the sliding window (%d)", window)
             max_model_len = int(window)
 
+    if hf.get("kv_lora_rank"):  # MLA: the cache holds [c_kv | k_rope] once per token
+        kv_kind, num_kv_heads = "mla", 1
+        head_dim = int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"])
+    else:
+        kv_kind, num_kv_heads = "mha", int(hf.get("num_key_value_heads") or num_heads)
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+
     eos = _as_ids(hf.get("eos_token_id"))
     generation_path = model_dir / "generation_config.json"
     if generation_path.is_file():
@@ -135,14 +146,15 @@ def load_model_spec(model_config: ModelConfig) -> ModelSpec:
         vocab_size=int(hf["vocab_size"]),
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         hidden_size=int(hf["hidden_size"]),
         dtype=dtype,
         max_model_len=int(max_model_len),
         eos_token_ids=tuple(eos),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hf_config=hf,
+        kv_kind=kv_kind,
     )
 
 

@@ -71,12 +71,16 @@ class _Rank:
         self.block_size = cache_config.block_size
         backend_name = default_backend_name(device)
         self.model = load_model(spec, tp, device, backend_name, show_progress=tp.rank == 0)
-        kv_heads = kv_heads_per_rank(spec.num_kv_heads, tp.size)
+        self.layout = spec.kv_layout(self.block_size)
+        planes = self.layout.num_planes
+        # An MLA latent is replicated; GQA heads split (or replicate past num_kv_heads ranks).
+        kv_heads = (spec.num_kv_heads if self.layout.kind == "mla"
+                    else kv_heads_per_rank(spec.num_kv_heads, tp.size))
         # Sized from configs and the spec only, so every rank gets the same count.
         self.num_blocks = num_blocks_for(cache_config, spec.num_layers, kv_heads,
-                                         spec.head_dim, spec.torch_dtype)
+                                         spec.head_dim, spec.torch_dtype, planes)
         self.pool = KVCachePool(spec.num_layers, self.num_blocks, self.block_size, kv_heads,
-                                spec.head_dim, spec.torch_dtype, device)
+                                spec.head_dim, spec.torch_dtype, device, planes)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
@@ -97,13 +101,12 @@ class _Rank:
         return self.model.compute_logits(hidden.index_select(0, logits_rows))
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """This rank's heads of the blocks: [layers, 2, n, block_size, local heads, dim]."""
+        """This rank's heads of the blocks: [layers, P, n, block_size, local heads, dim]."""
         return torch.stack(self.pool.read_blocks(block_ids))
 
     def write_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
-        """Write this rank's head slice of whole-head blocks [layers, 2, n, bs, heads, dim]."""
-        heads = self.pool.kv_caches[0].shape[3]
-        mine = full[:, :, :, :, self.tp.rank * heads:(self.tp.rank + 1) * heads]
+        """Write this rank's head slice of whole-head blocks [layers, P, n, bs, heads, dim]."""
+        mine = full[:, :, :, :, self.layout.rank_heads(self.tp.rank, self.tp.size)]
         self.pool.write_blocks(block_ids, list(mine.unbind(0)))
 
     def serve_kv_command(self, command: KVCommand, control: Any) -> None:
@@ -111,9 +114,10 @@ class _Rank:
         if command.kind == "read_kv":
             dist.gather(self.read_kv(command.block_ids).cpu(), None, dst=0, group=control)
         else:
-            spec = self.spec
-            full = torch.empty(spec.num_layers, 2, len(command.block_ids), self.block_size,
-                               spec.num_kv_heads, spec.head_dim, dtype=spec.torch_dtype)
+            spec, layout = self.spec, self.layout
+            full = torch.empty(spec.num_layers, layout.num_planes, len(command.block_ids),
+                               self.block_size, spec.num_kv_heads, spec.head_dim,
+                               dtype=spec.torch_dtype)
             dist.broadcast(full, src=0, group=control)
             self.write_kv(command.block_ids, full.to(self.device))
 
@@ -290,10 +294,10 @@ class ModelRunner:
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Copies of the blocks with every KV head (all ranks' shards gathered), per layer
-        [2, n, block_size, num_kv_heads, head_dim] on the host: the TP-independent layout
+        [P, n, block_size, num_kv_heads, head_dim] on the host: the TP-independent layout
         the KV hand-off moves."""
-        local = self._rank.read_kv(list(block_ids))  # [L, 2, n, bs, local heads, D]
-        if self._tp_size == 1:
+        local = self._rank.read_kv(list(block_ids))  # [L, P, n, bs, local heads, D]
+        if self._tp_size == 1 or self._rank.layout.kind == "mla":  # rank 0 holds it all
             return list(local.cpu().unbind(0))
         self._check_kv_split()
         with self._collective(), self._send_lock:
@@ -303,7 +307,7 @@ class ModelRunner:
         return list(torch.cat(parts, dim=4).unbind(0))
 
     def write_kv_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
-        """Inverse of read_kv_blocks: per layer [2, n, block_size, num_kv_heads, head_dim];
+        """Inverse of read_kv_blocks: per layer [P, n, block_size, num_kv_heads, head_dim];
         every rank keeps its own heads (so the writer's TP degree does not matter)."""
         full = torch.stack([b.to(self.spec.torch_dtype) for b in blocks]).cpu().contiguous()
         if self._tp_size > 1:
@@ -314,7 +318,7 @@ class ModelRunner:
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:
-        if self.spec.num_kv_heads % self._tp_size:
+        if self._rank.layout.kind == "mha" and self.spec.num_kv_heads % self._tp_size:
             raise ValueError(f"moving KV blocks needs num_kv_heads ({self.spec.num_kv_heads}) "
                              f"divisible by the TP size ({self._tp_size})")
 

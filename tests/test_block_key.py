@@ -41,3 +41,20 @@ def test_layout_is_validated() -> None:
         KVLayout("float32", 0, 2, 2, 8)
     with pytest.raises(ValueError):
         KVLayout("float32", 16, 2, 2, 8, kind="paged")
+    with pytest.raises(ValueError, match="one latent row"):
+        KVLayout("float32", 16, 2, 2, 8, kind="mla")
+
+
+def test_mha_and_mla_layouts_shape_blocks_and_split_heads() -> None:
+    mha = KVLayout("float32", 16, 3, 4, 8)
+    assert mha.num_planes == 2 and mha.block_shape() == (3, 2, 16, 4, 8)
+    assert mha.rank_heads(1, 2) == slice(2, 4)
+    with pytest.raises(ValueError, match="do not split"):
+        mha.rank_heads(0, 3)
+    mla = KVLayout("float32", 16, 3, 1, 576, kind="mla")
+    assert mla.num_planes == 1 and mla.block_shape() == (3, 1, 16, 1, 576)
+    assert mla.rank_heads(1, 4) == slice(0, 1)  # the latent is whole on every rank
+    tokens = list(range(16))
+    mha_576 = KVLayout("float32", 16, 3, 1, 576)
+    assert block_keys(tokens, 16, root_key("m", mla)) != block_keys(tokens, 16,
+                                                                     root_key("m", mha_576))

@@ -82,6 +82,31 @@ def test_tp2_reader_takes_its_heads():
     store_side.close()
 
 
+def test_mla_latent_blocks_round_trip_whole_into_every_tp_rank():
+    """An MLA pool has one plane and one "head": any TP rank saves it and every rank loads
+    all of it (the latent is replicated, not split by heads)."""
+    layout = KVLayout(dtype="float32", block_size=4, num_layers=3, num_kv_heads=1,
+                      head_dim=24, kind="mla")
+    g = torch.Generator().manual_seed(4)
+    shape = (1, 3, layout.block_size, 1, layout.head_dim)
+    pool = [torch.randn(shape, generator=g) for _ in range(layout.num_layers)]
+    writer = make_in_process_connector(layout, dram_capacity_blocks=4)
+    assert writer.block_bytes == 3 * 4 * 24 * 4  # no V plane
+    keys = block_keys(list(range(8)), layout.block_size, root_key("tiny-mla", layout))
+    for layer in range(layout.num_layers):
+        writer.save_layer("w", layer, keys, [2, 0], pool[layer])
+    assert wait_results(writer, 1)[0].num_blocks == 2
+    rank1 = KVConnector(writer.backend, layout, tp_rank=1, tp_size=2)
+    dst = [torch.zeros(shape) for _ in range(layout.num_layers)]
+    rank1.start_load("r", keys, [0, 1], dst)
+    assert wait_results(rank1, 1)[0].num_blocks == 2
+    for layer in range(layout.num_layers):
+        assert torch.equal(dst[layer][:, 0], pool[layer][:, 2])
+        assert torch.equal(dst[layer][:, 1], pool[layer][:, 0])
+    rank1.close()
+    writer.close()
+
+
 def test_missing_and_corrupt_blocks_load_as_a_miss():
     connector = make_in_process_connector(LAYOUT, dram_capacity_blocks=8)
     pool = make_pool(4, seed=2)
