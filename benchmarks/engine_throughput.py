@@ -26,8 +26,19 @@ from typing import Any
 
 import torch
 
+# --architecture deepseek_v3: MLA and MoE at the same hidden size, with DeepSeek-V3's
+# proportions scaled down (V3: hidden 7168, kv_lora_rank 512, q_lora_rank 1536, rope 64,
+# nope 128, v 128, 256 experts of 2048, 8 per token, 1 shared).
+DEEPSEEK_CONFIG: dict[str, object] = dict(
+    kv_lora_rank=256, q_lora_rank=384, qk_rope_head_dim=32, qk_nope_head_dim=64,
+    v_head_dim=64, n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1,
+    moe_intermediate_size=704, first_k_dense_replace=1, n_group=4, topk_group=2,
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--architecture", choices=["llama", "deepseek_v3"], default="llama",
+                        help="llama (GQA) or deepseek_v3 (MLA latent cache + MoE)")
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--intermediate-size", type=int, default=2816)
@@ -146,11 +157,13 @@ def run(args: argparse.Namespace) -> int:
         "results": [],
     }
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
-        model_dir = build_random_model(
-            tmp, "llama", seed=args.seed, hidden_size=args.hidden_size,
-            intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
-            num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-            initializer_range=0.02)
+        config: dict[str, object] = dict(
+            hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+            num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+            num_key_value_heads=args.num_kv_heads, initializer_range=0.02)
+        if args.architecture == "deepseek_v3":  # HF's MLA wants as many K/V heads as Q heads
+            config.update(DEEPSEEK_CONFIG, num_key_value_heads=args.num_heads)
+        model_dir = build_random_model(tmp, args.architecture, seed=args.seed, **config)
         hf_model = None
         if not args.skip_hf:
             from transformers import AutoModelForCausalLM

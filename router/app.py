@@ -140,7 +140,8 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
             if w.status is not None:
                 entry.update(num_running=w.status.num_running, num_waiting=w.status.num_waiting,
                              num_free_blocks=w.status.num_free_blocks,
-                             num_total_blocks=w.status.num_total_blocks)
+                             num_total_blocks=w.status.num_total_blocks,
+                             kv_transfer=dict(w.status.kv_transfer))
             workers.append(entry)
         return {"ready": dispatcher.is_ready(), "workers": workers,
                 "controller": controller.snapshot()}

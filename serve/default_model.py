@@ -63,6 +63,39 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1024) -> None:
     fast.save_pretrained(str(out_dir))
 
 
+# architecture -> (transformers config class, model class)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+}
+# Per architecture, over the shared tiny defaults. The two DeepSeeks differ where the code
+# does: no q_lora (q_proj) vs q_lora; V2 softmax group-limited routing vs V3 sigmoid routing;
+# nope 32 / v 16 vs nope 16 / v 32. 8 experts in 4 groups of 2, 2 groups kept, 2 experts per
+# token: the group limit really removes candidates. Layer 0 dense, the rest MoE.
+_DEEPSEEK_SHARED: dict[str, object] = dict(
+    num_key_value_heads=4,  # = heads: HF repeats its expanded K/V heads // kv_heads times
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    moe_intermediate_size=32,
+    n_group=4,
+    topk_group=2,
+)
+ARCHITECTURE_DEFAULTS: dict[str, dict[str, object]] = {
+    "deepseek_v2": dict(_DEEPSEEK_SHARED, num_hidden_layers=2, q_lora_rank=None,
+                        qk_nope_head_dim=32, v_head_dim=16, topk_method="group_limited_greedy",
+                        routed_scaling_factor=2.0),
+    "deepseek_v3": dict(_DEEPSEEK_SHARED, num_hidden_layers=3, q_lora_rank=48,
+                        qk_nope_head_dim=16, v_head_dim=32, routed_scaling_factor=2.5,
+                        norm_topk_prob=True),
+}
+
+
 def build_random_model(
     out_dir: str | os.PathLike,
     architecture: str = "llama",
@@ -71,19 +104,21 @@ def build_random_model(
     tokenizer_dir: str | os.PathLike | None = None,
     **config_overrides: object,
 ) -> Path:
-    """Save a seeded random LlamaForCausalLM / Qwen2ForCausalLM with a tokenizer to `out_dir`.
+    """Save a seeded random model (architecture: one of ARCHITECTURES) with a tokenizer to
+    `out_dir`.
 
     `initializer_range` defaults to 0.2 so greedy decoding has clear top-1 margins (HF's 0.02
     makes logits nearly flat and two correct implementations can break ties differently).
+    DeepSeek-V3's e_score_correction_bias, which HF initialises to zeros, is drawn at random
+    so that it really steers the routing.
     """
     import torch
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    import transformers
+    from transformers import AutoTokenizer
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r} "
+                         f"({', '.join(ARCHITECTURES)})")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,15 +144,17 @@ def build_random_model(
         bos_token_id=None,
         tie_word_embeddings=False,
     )
+    config_kwargs.update(ARCHITECTURE_DEFAULTS.get(architecture, {}))
     config_kwargs.update(config_overrides)
-    if architecture == "llama":
-        config, model_cls = LlamaConfig(**config_kwargs), LlamaForCausalLM
-    elif architecture == "qwen2":
-        config, model_cls = Qwen2Config(**config_kwargs), Qwen2ForCausalLM
-    else:
-        raise ValueError(f"unknown architecture {architecture!r} (llama, qwen2)")
+    config_name, model_name = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_name)(**config_kwargs)
     torch.manual_seed(seed)
-    model = model_cls(config).to(getattr(torch, dtype))
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.rand(buffer.shape) - 0.5)
+    model = model.to(getattr(torch, dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out), safe_serialization=True)
     return out

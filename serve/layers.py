@@ -7,7 +7,7 @@ logits match transformers to float32 rounding, not just "approximately".
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -86,15 +86,71 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any],
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched by `factor`: 0.1 mscale ln(factor) + 1
+    (1 when not stretched). It rescales cos/sin here and, in DeepSeek, the softmax scale."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(rotary_dim: int, base: float, params: Mapping[str, Any],
+                   max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """YaRN ("NTK-by-parts"): fast-rotating pairs keep their frequency, slow ones are
+    interpolated by `factor`, a linear ramp between; returns (inv_freq, attention_factor).
+
+        pair i:    0 ...... low ...... high ...... rotary_dim / 2
+        inv_freq:  base^(-2i/d)  | ramp |  base^(-2i/d) / factor
+
+    low/high are the pairs that turn beta_fast / beta_slow times over the original context.
+    """
+    old_len = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = params.get("factor")
+    factor = float(factor) if factor else max_position_embeddings / old_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def pair_turning(num_rotations: float) -> float:
+        """The (fractional) pair index that makes num_rotations turns over old_len positions."""
+        return (rotary_dim * math.log(old_len / (num_rotations * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair ramp would divide by zero
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table.
+    """Rotary embedding with a precomputed cos/sin table.
 
     The table holds cos(pos * inv_freq) in float32 for every position up to max_positions;
     a step gathers rows by each token's absolute position, so ragged batches need no padding.
+    Frequency i rotates one pair of dimensions:
+
+        neox (rotate-half):  (x[i], x[i + d/2])      Llama, Qwen2, Mistral
+        interleaved:         (x[2i], x[2i + 1])      DeepSeek-V2/V3
+
+    Interleaved outputs come back in rotate-half order ([rotated evens | rotated odds]), as
+    Hugging Face's DeepSeek-V3 does: one fixed permutation for query and key alike, so every
+    q.k product is unchanged and no de-interleaving copy is made.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, hf_config: Mapping[str, Any]) -> None:
+    def __init__(self, head_dim: int, max_positions: int, hf_config: Mapping[str, Any],
+                 is_interleaved: bool = False) -> None:
         super().__init__()
+        self.is_interleaved = is_interleaved
         params = rope_parameters(hf_config)
         rope_type = params["rope_type"]
         partial = float(params.get("partial_rotary_factor",
@@ -104,19 +160,28 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
         inv_freq = 1.0 / (base**exponent)
         max_pos_cfg = int(hf_config.get("max_position_embeddings", max_positions))
+        # YaRN scales cos/sin (so q.k of the rotated dims) by attention_factor; the others don't.
+        attention_factor = 1.0
         if rope_type == "default":
             pass
         elif rope_type == "linear":
             inv_freq = inv_freq / float(params["factor"])
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params, max_pos_cfg)
+        elif rope_type == "yarn":
+            if hf_config.get("original_max_position_embeddings"):  # wins, as in HF (Phi-3)
+                params["original_max_position_embeddings"] = hf_config[
+                    "original_max_position_embeddings"]
+            inv_freq, attention_factor = _yarn_inv_freq(self.rotary_dim, base, params,
+                                                        max_pos_cfg)
         else:
-            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
+            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, "
+                             "yarn)")
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, rotary_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * attention_factor, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,19 +193,28 @@ class RotaryEmbedding(nn.Module):
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, Hkv, D] -> rotated (query, key)."""
-        cos, sin = cos_sin
-        return (_apply_rotary(query, cos, sin, self.rotary_dim),
-                _apply_rotary(key, cos, sin, self.rotary_dim))
+        rotate = _rotate_interleaved if self.is_interleaved else _rotate_neox
+        return (_apply_rotary(rotate, query, cos_sin, self.rotary_dim),
+                _apply_rotary(rotate, key, cos_sin, self.rotary_dim))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # The table is [freqs | freqs]: its first half has one entry per pair.
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+def _apply_rotary(rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                  x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary_dim: int
                   ) -> torch.Tensor:
+    cos, sin = cos_sin
     if rotary_dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+        return rotate(x, cos, sin)
+    return torch.cat((rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)

@@ -106,6 +106,11 @@ def load_model_spec(model_config: ModelConfig) -> ModelSpec:
     if not is_supported(architecture):
         get_model_class(architecture)  # raises the ValueError listing what is supported
 
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"{config_path} is a quantized checkpoint ({method or quantization});"
+                         " pdserve loads float32, bfloat16 or float16 weights")
     checkpoint_dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     dtype = checkpoint_dtype if model_config.dtype == "auto" else model_config.dtype
     if dtype not in TORCH_DTYPES:
@@ -214,6 +219,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
     packed: Mapping[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())
+    # Layers past the model's own (DeepSeek-V3's multi-token-prediction layer) serve training
+    # and speculative decoding, not generation: skipped, as Hugging Face does.
+    num_layers = len(getattr(getattr(model, "model", None), "layers", ()))
     expected_shards: dict[str, int] = {}
     for target, _ in packed.values():
         expected_shards[target] = expected_shards.get(target, 0) + 1
@@ -237,8 +245,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
                     progress.update(1)
                     if name.endswith("rotary_emb.inv_freq") or (
                         tied and name == "lm_head.weight"
-                    ):
-                        continue  # recomputed / shared with the embedding
+                    ) or _layer_index(name) >= num_layers:
+                        continue  # recomputed / shared with the embedding / not generating
                     _load_one(params, packed, loaded_shards, name,
                               _LazyCheckpointTensor(f, name))
 
@@ -250,6 +258,15 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
     if missing:
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _layer_index(name: str) -> int:
+    """N for a checkpoint tensor "model.layers.N.*", else -1."""
+    prefix = "model.layers."
+    if not name.startswith(prefix):
+        return -1
+    index = name[len(prefix):].split(".", 1)[0]
+    return int(index) if index.isdigit() else -1
 
 
 def _load_one(params: Mapping[str, nn.Parameter], packed: Mapping[str, tuple[str, str | int]],

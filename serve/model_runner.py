@@ -276,9 +276,10 @@ class ModelRunner:
         """float32 CPU logits [number of chunks with need_logits, vocab_size], in chunk order.
 
         `layer_done(i)` runs on rank 0 as soon as layer i wrote this step's KV; with TP > 1
-        rank 0 holds only its own heads, so whole-head users (the KV hand-off) gather after
-        the step instead (read_kv_blocks) and pass no callback."""
-        if layer_done is not None and self._tp_size > 1:
+        an MHA rank 0 holds only its own heads, so whole-head users (the KV hand-off) gather
+        after the step instead (read_kv_blocks) and pass no callback. An MLA latent is whole
+        on rank 0 at any TP degree."""
+        if layer_done is not None and self._tp_size > 1 and self._rank.layout.kind == "mha":
             raise ValueError("per-layer callbacks see only rank 0's heads: TP must be 1")
         self._rank.validate(step)
         if not step.chunks:

@@ -7,6 +7,11 @@ checkpoint tensor. Per decoder block there are exactly two all-reduces (after O 
     x ─► QKV (column: heads split) ─► attention (local heads) ─► O (row) ─► all-reduce
       ─► gate|up (column) ─► silu*mul ─► down (row) ─► all-reduce
 
+A mixture-of-experts block still has one: every expert (and the shared expert) is split the
+same column/row way, its down projection skips the reduce (`reduce=False`), and the block
+all-reduces the sum of their partial outputs once. Small projections every rank needs whole
+(MLA's latent down-projections, the MoE router) are `ReplicatedLinear`.
+
 The TP group is a small value (`TPGroup`) handed to every layer, not a module global, so two
 engines in one process (tests) cannot clash.
 """
@@ -121,6 +126,24 @@ def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T + b with the whole W on every rank (no communication)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _new_param(output_size, input_size)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _new_param(output_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: ShardSource) -> None:
+        _copy_shard(param.data, loaded.narrow(0, 0, loaded.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks; output stays sharded."""
 
@@ -202,11 +225,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r W_r^T) + b, with W's input columns split; input arrives sharded."""
+    """y = all_reduce(x_r W_r^T) + b, with W's input columns split; input arrives sharded.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+    With reduce=False each rank returns its partial sum (rank 0's carrying the bias) and the
+    caller all-reduces, so several row-parallel outputs added together cost one reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup,
+                 reduce: bool = True) -> None:
         super().__init__()
         self.tp = tp
+        self.reduce = reduce
         self.input_size_per_rank = _divide(input_size, tp.size, "input_size")
         self.weight = _new_param(output_size, self.input_size_per_rank)
         self.weight.weight_loader = self.weight_loader
@@ -222,7 +251,11 @@ class RowParallelLinear(nn.Module):
         _copy_shard(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        elif self.tp.rank != 0:
+            return y  # the bias joins once, on rank 0, before the caller's reduce
         return y if self.bias is None else y + self.bias
 
 

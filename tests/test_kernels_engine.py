@@ -1,9 +1,10 @@
 """The engine gives the same greedy tokens with the Triton attention backend as with torch.
 
 On CPU the Triton kernels run in the interpreter (get_attention_backend sets
-TRITON_INTERPRET=1 before defining them), so the model and the run are tiny: the conftest
-Llama (4 query heads, 2 KV heads, head_dim 16), two short prompts that share a prefix (the
-second request reuses cached blocks: prefill over a cached prefix plus new tokens), 8 tokens.
+TRITON_INTERPRET=1 before defining them), so the models and the run are tiny: the conftest
+Llama (4 query heads, 2 KV heads, head_dim 16) and a DeepSeek-V2 (MLA: the latent cache, the
+absorbed prefill and the MLA decode kernel), two short prompts that share a prefix (the second
+request reuses cached blocks: prefill over a cached prefix plus new tokens), 8 tokens.
 Every call is counted, so the test fails if the Triton path was not the one that ran. With a
 GPU the same comparison runs on CUDA with compiled kernels (fp32 model: exact products).
 """
@@ -40,7 +41,7 @@ def counting_backends(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
             return call
 
-        ops = ("write_kv_cache", "prefill_attention", "decode_attention")
+        ops = [f.name for f in dataclasses.fields(backend) if f.name != "name"]
         return dataclasses.replace(backend, **{op: wrap(op) for op in ops})
 
     monkeypatch.setattr(pdserve.kernels, "get_attention_backend", counted)
@@ -63,8 +64,12 @@ def greedy_tokens(model_dir: Path, prompts: list[list[int]], device: str) -> lis
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
-def test_triton_backend_gives_torch_backend_tokens(llama_dir: Path, device: str,
+@pytest.mark.parametrize("architecture", ["llama", "deepseek_v2"])
+def test_triton_backend_gives_torch_backend_tokens(make_model_dir, architecture: str,
+                                                   device: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = make_model_dir(architecture) if architecture == "llama" else make_model_dir(
+        architecture, seed=3)
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(5, 200, (37,), generator=gen).tolist()
     prompts = [shared, shared + torch.randint(5, 200, (6,), generator=gen).tolist(),
@@ -72,11 +77,13 @@ def test_triton_backend_gives_torch_backend_tokens(llama_dir: Path, device: str,
     calls = counting_backends(monkeypatch)
 
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
-    expected = greedy_tokens(llama_dir, prompts, device)
+    expected = greedy_tokens(model_dir, prompts, device)
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "triton")
-    actual = greedy_tokens(llama_dir, prompts, device)
+    actual = greedy_tokens(model_dir, prompts, device)
 
     assert actual == expected
     assert all(len(tokens) > 0 for tokens in actual)
-    for op in ("write_kv_cache", "prefill_attention", "decode_attention"):
+    ops = (("write_kv_cache", "prefill_attention", "decode_attention") if architecture == "llama"
+           else ("write_latent_cache", "prefill_attention", "mla_decode_attention"))
+    for op in ops:
         assert calls[f"triton.{op}"] > 0 and calls[f"torch.{op}"] > 0, calls

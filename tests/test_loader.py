@@ -194,3 +194,35 @@ def test_mistral_sliding_window_caps_max_model_len(llama_dir: Path, tmp_path: Pa
     assert load_model_spec(ModelConfig(str(model_dir))).max_model_len == 64
     with pytest.raises(ValueError, match="sliding_window"):
         load_model_spec(ModelConfig(str(model_dir), max_model_len=100))
+
+
+def test_deepseek_spec_mtp_layer_and_quantized_checkpoints(make_model_dir,
+                                                           tmp_path: Path) -> None:
+    """An MLA checkpoint caches one latent row per token; the V3 multi-token-prediction layer
+    (model.layers.{num_hidden_layers}.*) is skipped; a quantized checkpoint is refused."""
+    from safetensors.torch import load_file, save_file
+
+    source = make_model_dir("deepseek_v3", seed=3)
+    spec = load_model_spec(ModelConfig(str(source)))
+    config = json.loads((source / "config.json").read_text())
+    assert spec.architecture == "DeepseekV3ForCausalLM" and spec.kv_kind == "mla"
+    assert (spec.num_kv_heads, spec.head_dim) == (
+        1, config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    assert spec.kv_layout(16).kind == "mla"
+
+    model_dir = _copy_checkpoint(source, tmp_path / "mtp")
+    weights = load_file(str(model_dir / "model.safetensors"))
+    n = config["num_hidden_layers"]
+    extra = {name.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): t.clone()
+             for name, t in weights.items() if name.startswith(f"model.layers.{n - 1}.")}
+    extra[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(4, 4)
+    save_file({**weights, **extra}, str(model_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    tokens = list(range(5, 25))
+    torch.testing.assert_close(_last_logits(model_dir, tokens), _last_logits(source, tokens),
+                               atol=0, rtol=0)
+
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized checkpoint \\(fp8\\)"):
+        load_model_spec(ModelConfig(str(model_dir)))

@@ -20,6 +20,7 @@ from pdserve.serve.model_runner import ModelRunner
 from pdserve.serve.parallel import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
@@ -130,6 +131,19 @@ def test_merged_row_and_vocab_shards_reassemble() -> None:
     emb = _shards(lambda tp: VocabParallelEmbedding(5, 3, tp), [("weight", table)], 2)
     assert torch.equal(torch.cat([e.weight for e in emb])[:5], table)
     assert torch.count_nonzero(emb[1].weight[2]) == 0
+
+
+def test_unreduced_row_shards_sum_to_the_full_layer_with_one_bias() -> None:
+    """reduce=False: the caller sums the ranks' partial outputs (the MoE block's one
+    all-reduce); the bias must be in that sum exactly once. ReplicatedLinear loads it all."""
+    weight, bias, x = torch.randn(4, 6), torch.randn(4), torch.randn(3, 6)
+    rows = _shards(lambda tp: RowParallelLinear(6, 4, True, tp, reduce=False),
+                   [("weight", weight), ("bias", bias)], 2)
+    partial = [row(x[:, r * 3:(r + 1) * 3]) for r, row in enumerate(rows)]
+    torch.testing.assert_close(partial[0] + partial[1], x @ weight.T + bias)
+    (replicated,) = _shards(lambda tp: ReplicatedLinear(6, 4, True),
+                            [("weight", weight), ("bias", bias)], 1)
+    torch.testing.assert_close(replicated(x), x @ weight.T + bias, atol=0, rtol=0)
 
 
 def test_idle_longer_than_collective_timeout_keeps_workers(llama_dir: Path) -> None:

@@ -14,7 +14,7 @@ through one forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -22,9 +22,9 @@ from torch import nn
 
 from pdserve.serve.attention import Attention, AttentionMetadata
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.serve.models.base import CausalLM, DecoderLayer, DecoderModel
 from pdserve.serve.parallel import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     TPGroup,
@@ -35,9 +35,6 @@ from pdserve.serve.parallel import (
 def head_dim_of(hf_config: Mapping[str, Any]) -> int:
     return int(hf_config.get("head_dim")
                or hf_config["hidden_size"] // hf_config["num_attention_heads"])
-
-
-LayerDone = Callable[[int], None]
 
 
 class LlamaAttention(nn.Module):
@@ -89,7 +86,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, hf_config: Mapping[str, Any], rotary_emb: RotaryEmbedding,
                  qkv_bias: bool, tp: TPGroup, backend_name: str) -> None:
         super().__init__()
@@ -99,16 +96,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf_config["hidden_size"], eps)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, kv_cache, meta, cos_sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, hf_config: Mapping[str, Any], max_positions: int, qkv_bias: bool,
                  tp: TPGroup, backend_name: str) -> None:
         super().__init__()
@@ -122,20 +111,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
 
-    def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
-        residual: torch.Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
-            if layer_done is not None:  # layer i's KV is in the cache: it may leave now
-                layer_done(i)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -150,20 +127,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         qkv_bias = self.qkv_bias or bool(hf_config.get("attention_bias", False))
         self.model = LlamaModel(hf_config, max_positions, qkv_bias, tp, backend_name)
-        self.lm_head = ParallelLMHead(hf_config["vocab_size"], hf_config["hidden_size"], tp)
-        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden]; layer_done(i) runs as soon as
-        layer i has written its KV (the KV hand-off saves layer by layer from there)."""
-        return self.model(input_ids, kv_caches, meta, layer_done)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""
-        return self.lm_head(hidden)
+        self.add_lm_head(hf_config, tp)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

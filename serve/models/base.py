@@ -1,0 +1,82 @@
+"""What every decoder-only model here shares: the layer loop with its per-layer KV callback,
+and the LM head (tied to the embedding or not). A model file only builds its layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.serve.attention import AttentionMetadata
+from pdserve.serve.parallel import ParallelLMHead, TPGroup
+
+LayerDone = Callable[[int], None]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: attention then MLP, each after an RMSNorm that also adds the residual.
+    Subclasses set input_layernorm, self_attn, post_attention_layernorm and mlp."""
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, kv_cache, meta, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens -> layers -> norm; subclasses set those four modules and rotary_emb.
+
+    Each layer is called as layer(hidden, residual, kv_cache, meta, cos_sin) and returns
+    (hidden, residual); layer_done(i) runs as soon as layer i has written its KV, so the KV
+    hand-off saves layer by layer from there.
+    """
+
+    embed_tokens: nn.Module
+    rotary_emb: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+            if layer_done is not None:
+                layer_done(i)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """A DecoderModel (`self.model`) and its LM head; subclasses build `self.model` first,
+    then call add_lm_head."""
+
+    model: DecoderModel
+
+    def add_lm_head(self, hf_config: Mapping[str, Any], tp: TPGroup) -> None:
+        self.lm_head = ParallelLMHead(hf_config["vocab_size"], hf_config["hidden_size"], tp)
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]; layer_done(i) runs as soon as
+        layer i has written its KV (the KV hand-off saves layer by layer from there)."""
+        return self.model(input_ids, kv_caches, meta, layer_done)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""
+        return self.lm_head(hidden)

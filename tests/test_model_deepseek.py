@@ -1,0 +1,186 @@
+"""DeepSeek-V2/V3 (MLA + MoE) logits against Hugging Face transformers on tiny seeded checkpoints.
+
+The conftest-built models (serve/default_model.py) cover both query paths (V2 q_proj, V3
+q_lora), both routers (V2 softmax group-limited, V3 sigmoid with a random
+e_score_correction_bias, group-limited), a dense first layer and MoE layers with a shared
+expert. Every test runs through ModelRunner, so the runner's MLA cache layout is what the
+model sees.
+
+Tolerance 1e-4 (fp32), as for Llama: the engine computes attention in absorbed form (W_UK
+folded into the query, W_UV applied after attention) where HF expands per-head K/V, so only
+the order of float32 sums differs; that moves logits by ~1e-5 here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_fidelity import BlockAllocator, hf_logits, random_prompts
+
+from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.default_model import build_random_model
+from pdserve.serve.model_runner import ModelRunner
+from pdserve.serve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pdserve.serve.parallel import TPGroup
+
+ATOL = 1e-4
+NUM_BLOCKS = 32
+
+
+def load_hf(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def runner_for(model_dir: Path, block_size: int, tp: int = 1) -> ModelRunner:
+    return ModelRunner(ModelConfig(str(model_dir)),
+                       CacheConfig(block_size=block_size, num_blocks=NUM_BLOCKS),
+                       ParallelConfig(tensor_parallel_size=tp, device="cpu"))
+
+
+def randomise_biases(model_dir: Path, seed: int) -> None:
+    """HF initialises every bias to zero, which would hide a bias added on the wrong ranks."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(tensor.shape, generator=gen) * 0.2
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def assert_rows_match(logits: torch.Tensor, expected: list[torch.Tensor]) -> None:
+    assert logits.shape[0] == len(expected)
+    for row, want in zip(logits, expected, strict=True):
+        torch.testing.assert_close(row, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend,block_size,num_decodes", [
+    ("torch", 8, 3),
+    ("torch", 16, 3),
+    ("triton", 16, 2),  # the interpreter is slow: one block size, fewer decode steps
+])
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "deepseek_v3"])
+def test_ragged_chunked_and_decode_steps_match_hf(architecture: str, backend: str,
+                                                  block_size: int, num_decodes: int,
+                                                  make_model_dir, monkeypatch) -> None:
+    """Step 1: a ragged prefill (5 and 17 tokens) plus the first 23 tokens of a 40-token
+    prompt. Step 2: that prompt's other 17 tokens beside two decode rows (the prefill path
+    over a cached prefix). Then decode-only steps (the MLA decode path). Block tables are
+    shuffled, so the latent rows of one sequence are scattered over the pool."""
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", backend)
+    model_dir = make_model_dir(architecture, seed=3)
+    hf = load_hf(model_dir)
+    lengths, chunk = [5, 17, 40], 23
+    with runner_for(model_dir, block_size) as runner:
+        assert runner.kv_caches[0].shape == (1, NUM_BLOCKS, block_size, 1, runner.spec.head_dim)
+        attn = runner._rank.model.model.layers[0].self_attn.attn
+        assert attn.backend.name == backend
+        full = random_prompts([n + num_decodes + 1 for n in lengths], runner.spec.vocab_size)
+        alloc = BlockAllocator(NUM_BLOCKS)
+        tables = [alloc.table(len(seq), block_size) for seq in full]
+        expected = [hf_logits(hf, seq) for seq in full]
+        a, b, c = range(3)
+
+        done: list[int] = []
+        logits = runner.execute(StepInput([
+            SeqChunk("a", full[a][:5], 0, tables[a], True),
+            SeqChunk("b", full[b][:17], 0, tables[b], True),
+            SeqChunk("c", full[c][:chunk], 0, tables[c], False),
+        ]), layer_done=done.append)
+        assert done == list(range(runner.spec.num_layers))
+        assert_rows_match(logits, [expected[a][4], expected[b][16]])
+
+        logits = runner.execute(StepInput([
+            SeqChunk("a", full[a][5:6], 5, tables[a], True),
+            SeqChunk("c", full[c][chunk:40], chunk, tables[c], True),
+            SeqChunk("b", full[b][17:18], 17, tables[b], True),
+        ]))
+        assert_rows_match(logits, [expected[a][5], expected[c][39], expected[b][17]])
+
+        computed = [6, 18, 40]
+        for d in range(num_decodes):
+            logits = runner.execute(StepInput([
+                SeqChunk(name, [full[s][n + d]], n + d, tables[s], True)
+                for name, s, n in zip("abc", (a, b, c), computed, strict=True)
+            ]))
+            assert_rows_match(logits, [expected[s][n + d] for s, n in zip((a, b, c), computed,
+                                                                            strict=True)])
+
+
+@pytest.mark.parametrize("architecture,overrides", [
+    # greedy routing, tied embeddings, attention biases, a small q_lora on V2
+    ("deepseek_v2", {"topk_method": "greedy", "tie_word_embeddings": True,
+                     "attention_bias": True, "mlp_bias": True, "q_lora_rank": 24}),
+    # YaRN as the released checkpoints use it; mscale != mscale_all_dim makes both the cos/sin
+    # factor and the softmax-scale correction differ from 1
+    ("deepseek_v3", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.8}}),
+    # rotate-half rope on V3, unnormalised top-k weights, two shared experts
+    ("deepseek_v3", {"rope_interleave": False, "norm_topk_prob": False,
+                     "n_shared_experts": 2}),
+], ids=["v2_greedy_tied_bias_qlora", "v3_yarn", "v3_neox_rope_unnormalised"])
+def test_config_variants_match_hf(architecture: str, overrides: dict, tmp_path: Path,
+                                  tokenizer_dir: Path) -> None:
+    model_dir = build_random_model(tmp_path / "m", architecture, seed=4,
+                                   tokenizer_dir=tokenizer_dir, **overrides)
+    randomise_biases(model_dir, seed=4)
+    hf = load_hf(model_dir)
+    with runner_for(model_dir, block_size=8) as runner:
+        prompts = random_prompts([31, 10], runner.spec.vocab_size, seed=2)
+        tables = [[7, 1, 12, 4], [3, 9]]
+        expected = [hf_logits(hf, p) for p in prompts]
+        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][:30], 0, tables[0], True),
+                                           SeqChunk("b", prompts[1][:9], 0, tables[1], True)]))
+        assert_rows_match(logits, [expected[0][29], expected[1][8]])
+        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][30:], 30, tables[0], True),
+                                           SeqChunk("b", prompts[1][9:], 9, tables[1], True)]))
+        assert_rows_match(logits, [expected[0][30], expected[1][9]])
+        if overrides.get("tie_word_embeddings"):
+            model = runner._rank.model
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("architecture,overrides", [
+    ("deepseek_v3", {}),
+    # biases on the replicated latent projection, the row-parallel o_proj and the shared
+    # expert whose down projection skips the reduce (rank 0 alone adds the bias)
+    ("deepseek_v2", {"attention_bias": True, "mlp_bias": True}),
+], ids=["v3", "v2_biases"])
+def test_tp2_matches_hf(architecture: str, overrides: dict, tmp_path: Path,
+                        tokenizer_dir: Path) -> None:
+    """Heads, every expert and the dense MLP split over two gloo ranks; the MoE block
+    all-reduces once."""
+    model_dir = build_random_model(tmp_path / "m", architecture, seed=5,
+                                   tokenizer_dir=tokenizer_dir, **overrides)
+    randomise_biases(model_dir, seed=5)
+    hf = load_hf(model_dir)
+    with runner_for(model_dir, block_size=8, tp=2) as runner:
+        prompts = random_prompts([19, 6], runner.spec.vocab_size, seed=4)
+        tables = [[2, 11, 5], [0]]
+        expected = [hf_logits(hf, p) for p in prompts]
+        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][:18], 0, tables[0], True),
+                                           SeqChunk("b", prompts[1][:5], 0, tables[1], True)]))
+        assert_rows_match(logits, [expected[0][17], expected[1][4]])
+        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][18:], 18, tables[0], True),
+                                           SeqChunk("b", prompts[1][5:], 5, tables[1], True)]))
+        assert_rows_match(logits, [expected[0][18], expected[1][5]])
+
+
+def test_tensor_parallel_size_must_split_heads_and_experts(make_model_dir) -> None:
+    import json
+
+    hf_config = json.loads((make_model_dir("deepseek_v3", seed=3) / "config.json").read_text())
+    with pytest.raises(ValueError, match="num_attention_heads=4 divisible"):
+        DeepseekV3ForCausalLM(hf_config, 64, TPGroup(0, 3), "torch")
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 divisible"):
+        DeepseekV2ForCausalLM({**hf_config, "num_attention_heads": 6, "intermediate_size": 96},
+                              64, TPGroup(0, 3), "torch")
