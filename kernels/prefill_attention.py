@@ -8,6 +8,10 @@ GROUP rows of its tile instead of one:
     row m  ->  token m // GROUP of the tile,  query head kv_head * num_queries_per_kv + m % GROUP
     BLOCK_M = BLOCK_Q * GROUP
 
+A group wider than the tile (MLA's absorbed form: every query head shares one latent "KV
+head", 128 of them in DeepSeek-V3) splits over head_splits programs per KV head, each taking
+GROUP = BLOCK_M of its query heads for one token at a time.
+
 The ragged batch is flattened into query tiles without a host-side schedule: sequence s owns
 program ids [first_tile(s), first_tile(s + 1)) where
 
@@ -50,7 +54,7 @@ from .reference import check_prefill
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, num_queries_per_kv,
+    qk_scale, num_seqs, num_queries_per_kv, head_splits,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_block, stride_slot, stride_kv_head, stride_table,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
@@ -59,7 +63,8 @@ def _prefill_attention_kernel(
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // head_splits
+    first_in_group = (tl.program_id(1) % head_splits) * GROUP  # this program's query heads
     # Largest s with first_tile(s) <= tile (see the module docstring).
     lo = tl.zeros((), dtype=tl.int32)
     hi = tl.zeros((), dtype=tl.int32) + num_seqs - 1
@@ -80,8 +85,9 @@ def _prefill_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     token_in_seq = q_block * BLOCK_Q + offs_m // GROUP  # [BM]
-    head = kv_head * num_queries_per_kv + offs_m % GROUP  # [BM]
-    row_valid = (token_in_seq < q_len) & (offs_m % GROUP < num_queries_per_kv)
+    in_group = first_in_group + offs_m % GROUP  # [BM]
+    head = kv_head * num_queries_per_kv + in_group
+    row_valid = (token_in_seq < q_len) & (in_group < num_queries_per_kv)
     io_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
     token = (q_start + token_in_seq).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
@@ -138,9 +144,13 @@ def default_tiles(head_dim: int, dtype: torch.dtype, device: torch.device) -> Pr
     memory with 3 stages; sm80 needs 2 stages to stay unspilled; 4 warps or 128-wide K/V
     tiles spill. fp32 products are exact ("ieee"), which tensor cores cannot do, so they run
     on FMA units with registers to match: small tiles (head_dim 128 still spills ~600 bytes;
-    fp32 on GPU is for fidelity runs, not speed). See tests/test_kernels_compile.py."""
+    fp32 on GPU is for fidelity runs, not speed). MLA's latent rows (576 wide, padded to
+    1024) fit only 16 x 16 tiles in one stage (sm90: 200 registers, no spills, 65 KiB shared;
+    the 64 x 32 two-stage default would need 384 KiB). See tests/test_kernels_compile.py."""
     if device.type != "cuda":
         return PrefillTiles(64, 64, 4, 1)
+    if head_dim > 256:
+        return PrefillTiles(16, 16, 8, 1)
     if dtype == torch.float32:
         return PrefillTiles(64, 32, 8, 2) if head_dim <= 64 else PrefillTiles(32, 32, 8, 2)
     num_stages = 3 if torch.cuda.get_device_capability(device)[0] >= 9 else 2
@@ -167,14 +177,18 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     if num_tokens == 0 or num_seqs == 0:
         return out
     tiles = tiles or default_tiles(head_dim, query.dtype, query.device)
+    # A tile holds whole tokens: all of a KV head's query heads (padded to a power of two),
+    # or, for groups wider than the tile, block_m of them per program (head_splits programs).
+    block_m = tiles.block_m
     group = triton.next_power_of_2(num_heads // num_kv_heads)
-    block_m = max(tiles.block_m, group)  # at least one token per tile
+    head_splits = max(1, group // block_m)
+    group //= head_splits
     block_tables = block_tables.to(torch.int32)
-    grid = (num_tokens // (block_m // group) + num_seqs, num_kv_heads)
+    grid = (num_tokens // (block_m // group) + num_seqs, num_kv_heads * head_splits)
     _prefill_attention_kernel[grid](
         query, kv_cache[0], kv_cache[1], out,
         cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32), block_tables,
-        scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads,
+        scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads, head_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         PAGE_SIZE=page_size, BLOCK_M=block_m, GROUP=group, BLOCK_N=tiles.block_n,

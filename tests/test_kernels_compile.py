@@ -36,6 +36,11 @@ CASES = [
                            BLOCK_D=128, UPCAST=False, DOT_PRECISION="tf32"), 8, 2, 80),
     (PREFILL, "fp32", dict(PAGE_SIZE=16, BLOCK_M=64, GROUP=1, BLOCK_N=32, HEAD_DIM=64,
                            BLOCK_D=64, UPCAST=False, DOT_PRECISION="ieee"), 8, 2, 90),
+    # MLA's absorbed prefill: the 576-wide latent as K and V, 16 of a group's heads per
+    # program (default_tiles for head_dim > 256).
+    *[(PREFILL, "bf16", dict(PAGE_SIZE=64, BLOCK_M=16, GROUP=16, BLOCK_N=16, HEAD_DIM=576,
+                             BLOCK_D=1024, UPCAST=False, DOT_PRECISION="tf32"), 8, 1, sm)
+      for sm in (90, 80)],
     (DECODE, "fp32", dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=32, HEAD_DIM=128, BLOCK_D=128,
                           IS_SPLIT=False, UPCAST=False, DOT_PRECISION="ieee"), 8, 2, 90),
     (DECODE, "bf16", dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,

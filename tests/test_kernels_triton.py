@@ -112,6 +112,19 @@ def test_group_of_three_query_heads_pads_to_four():
                  ref.decode_attention(*args))
 
 
+def test_prefill_splits_a_group_wider_than_the_tile_mla_style():
+    """MLA's absorbed prefill: 40 query heads share one latent row used as both K and V (one
+    plane, expanded with stride 0), 48 wide (pads to 64). With 16-row tiles the group of 40
+    (padded to 64) splits over 4 programs per KV head, one token each."""
+    case = make_paged_case([33, 1, 7], [70, 40, 7], 40, 1, 48, 16).to(DEVICE)
+    shared = case.kv_cache[:1].expand(2, -1, -1, -1, -1)
+    assert shared.stride(0) == 0
+    args = (case.query, shared, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.15,
+            case.max_query_len)
+    out = triton_backend.prefill_attention(*args, tiles=PrefillTiles(16, 16, 4, 1))
+    assert_close(out, ref.prefill_attention(*args))
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -231,6 +244,19 @@ def test_gpu_prefill_llama_shapes(block_size):
                            torch.bfloat16).to("cuda")
     args = (case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables,
             128 ** -0.5, case.max_query_len)
+    assert_close(triton_backend.prefill_attention(*args), ref.prefill_attention(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_heads", [16, 128])  # DeepSeek-V3 at TP 8, and all heads
+def test_gpu_prefill_mla_latent_shapes(num_heads):
+    # The absorbed MLA prefill the engine runs: one 576-wide latent row as K and V.
+    case = make_paged_case([512, 1000, 1], [512, 1500, 2048], num_heads, 1, 576, 64,
+                           torch.bfloat16).to("cuda")
+    shared = case.kv_cache[:1].expand(2, -1, -1, -1, -1)
+    args = (case.query, shared, case.cu_seqlens_q, case.seq_lens, case.block_tables,
+            (128 + 64) ** -0.5, case.max_query_len)
     assert_close(triton_backend.prefill_attention(*args), ref.prefill_attention(*args))
 
 
