@@ -22,18 +22,19 @@ import torch
 BACKEND_NAMES = ("torch", "triton")
 # In import-dependency order (a module's Triton helpers come from the ones before it).
 _TRITON_MODULES = ("paged_tile", "kv_cache_write", "prefill_attention", "decode_attention",
-                   "mla_decode")
+                   "mla_decode", "mla_prefill")
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The five operations the engine needs; signatures in kernels/reference.py."""
+    """The six operations the engine needs; signatures in kernels/reference.py."""
 
     name: str
     write_kv_cache: Callable[..., None]
     prefill_attention: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
     mla_decode_attention: Callable[..., torch.Tensor]
+    mla_prefill_attention: Callable[..., torch.Tensor]
     write_latent_cache: Callable[..., None]
 
 
@@ -87,11 +88,18 @@ def get_attention_backend(name: str) -> AttentionBackend:
             prefill_attention=reference.prefill_attention,
             decode_attention=reference.decode_attention,
             mla_decode_attention=reference.mla_decode_attention,
+            mla_prefill_attention=reference.mla_prefill_attention,
             write_latent_cache=reference.write_latent_cache,
         )
     if name == "triton":
         _enable_interpreter_without_cuda()
-        from . import decode_attention, kv_cache_write, mla_decode, prefill_attention
+        from . import (
+            decode_attention,
+            kv_cache_write,
+            mla_decode,
+            mla_prefill,
+            prefill_attention,
+        )
 
         return AttentionBackend(
             name="triton",
@@ -99,6 +107,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
             prefill_attention=prefill_attention.prefill_attention,
             decode_attention=decode_attention.decode_attention,
             mla_decode_attention=mla_decode.mla_decode_attention,
+            mla_prefill_attention=mla_prefill.mla_prefill_attention,
             write_latent_cache=kv_cache_write.write_latent_cache,
         )
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")

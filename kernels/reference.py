@@ -194,6 +194,66 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
     return out
 
 
+def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor,
+                          latent_cache: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor, scale: float,
+                          max_query_len: int) -> torch.Tensor:
+    """MLA prefill, expanded: each sequence's context latent is up-projected to per-head keys
+    and values, the model's math as written (and as Hugging Face computes it):
+
+        k[j, h] = [c_kv[j] W_UK[h]^T | k_rope[j]]       v[j, h] = c_kv[j] W_UV[h]^T
+        out[i, h] = sum_j softmax_j(scale q[i, h] . k[j, h]) v[j, h]       (causal)
+
+    q_nope [T, H, N], q_rope [T, H, P], w_uk [H, N, R], w_uv [H, V, R] -> [T, H, V]. With many
+    query rows this is cheaper than the absorbed form (attention N + P wide, not R + P);
+    single-row sequences (decodes riding along) take the absorbed decode path instead, as
+    expanding a whole context for one query would cost more than it saves.
+    """
+    check_mla_prefill(q_nope, q_rope, latent_cache, w_uk, w_uv, cu_seqlens_q, seq_lens,
+                      block_tables, max_query_len)
+    num_heads, nope_dim, rank = w_uk.shape
+    v_dim = w_uv.shape[1]
+    out = q_nope.new_empty(q_nope.shape[0], num_heads, v_dim)
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    single = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    if single:
+        index = torch.tensor(single, device=q_nope.device)
+        rows = cu_seqlens_q.long()[index]
+        q_latent = torch.einsum("shn,hnr->shr", q_nope[rows].float(), w_uk.float())
+        o_latent = mla_decode_attention(q_latent, q_rope[rows].float(),
+                                        latent_cache, seq_lens[index], block_tables[index],
+                                        scale)
+        out[rows] = torch.einsum("shr,hvr->shv", o_latent, w_uv.float()).to(out.dtype)
+    # [R, H * N] and [R, H * V]: one matmul up-projects a whole context
+    up_k = w_uk.reshape(-1, rank).t().float()
+    up_v = w_uv.reshape(-1, rank).t().float()
+    block_size = latent_cache.shape[1]
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len <= 1:
+            continue
+        blocks = _context_blocks(block_tables, s, seq_len, block_size)
+        context = latent_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, R + P]
+        c_kv, k_rope = context[:, :rank], context[:, rank:]
+        k = torch.cat([(c_kv @ up_k).view(seq_len, num_heads, nope_dim),
+                       k_rope[:, None, :].expand(-1, num_heads, -1)], dim=-1)
+        v = (c_kv @ up_v).view(seq_len, num_heads, v_dim)
+        q = torch.cat([q_nope[q_start:q_end], q_rope[q_start:q_end]], dim=-1).float()
+        if q_len == seq_len:  # nothing cached: SDPA's own (top-left) causal mask fits
+            mask, is_causal = None, True
+        else:  # bottom-right aligned, as in prefill_attention
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            is_causal = False
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), attn_mask=mask,
+                                           is_causal=is_causal, scale=scale)
+        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
 # ---- argument checks shared with the Triton wrappers ------------------------------------
 
 
@@ -243,15 +303,20 @@ def _check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor, rows: st
              f"{query.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
 
 
-def check_prefill(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  max_query_len: int) -> None:
-    _check_query_and_cache(query, kv_cache, "T")
+def _check_ragged(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                  block_tables: torch.Tensor, max_query_len: int) -> None:
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     _require(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] == num_seqs + 1,
              f"cu_seqlens_q must be [{num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
     _check_tables(seq_lens, block_tables, num_seqs)
     _require(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
+
+
+def check_prefill(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  max_query_len: int) -> None:
+    _check_query_and_cache(query, kv_cache, "T")
+    _check_ragged(cu_seqlens_q, seq_lens, block_tables, max_query_len)
 
 
 def check_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -272,3 +337,22 @@ def check_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache:
              f"R + P = {q_latent.shape[2]} + {q_rope.shape[2]} != cache row "
              f"{latent_cache.shape[2]}")
     _check_tables(seq_lens, block_tables, q_latent.shape[0])
+
+
+def check_mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
+                      w_uk: torch.Tensor, w_uv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      max_query_len: int) -> None:
+    _require(w_uk.dim() == 3 and w_uv.dim() == 3 and w_uk.shape[0] == w_uv.shape[0]
+             and w_uk.shape[2] == w_uv.shape[2],
+             f"w_uk [H, N, R] and w_uv [H, V, R] disagree: {tuple(w_uk.shape)}, "
+             f"{tuple(w_uv.shape)}")
+    _require(q_nope.dim() == 3 and q_nope.shape[1:] == w_uk.shape[:2],
+             f"q_nope must be [T, {w_uk.shape[0]}, {w_uk.shape[1]}], got {tuple(q_nope.shape)}")
+    _require(q_rope.dim() == 3 and q_rope.shape[:2] == q_nope.shape[:2],
+             f"q_rope must be [{q_nope.shape[0]}, {q_nope.shape[1]}, P], got "
+             f"{tuple(q_rope.shape)}")
+    _require(latent_cache.dim() == 3 and latent_cache.shape[2] == w_uk.shape[2] + q_rope.shape[2],
+             f"latent_cache must be [blocks, block_size, {w_uk.shape[2]} + {q_rope.shape[2]}], "
+             f"got {tuple(latent_cache.shape)}")
+    _check_ragged(cu_seqlens_q, seq_lens, block_tables, max_query_len)

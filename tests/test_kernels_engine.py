@@ -2,9 +2,10 @@
 
 On CPU the Triton kernels run in the interpreter (get_attention_backend sets
 TRITON_INTERPRET=1 before defining them), so the models and the run are tiny: the conftest
-Llama (4 query heads, 2 KV heads, head_dim 16) and a DeepSeek-V2 (MLA: the latent cache, the
-absorbed prefill and the MLA decode kernel), two short prompts that share a prefix (the second
-request reuses cached blocks: prefill over a cached prefix plus new tokens), 8 tokens.
+Llama (4 query heads, 2 KV heads, head_dim 16) and a DeepSeek-V2 (MLA: the latent cache,
+absorbed prefill through the prefill kernel against torch's expanded form, the MLA decode
+kernel), two short prompts that share a prefix (the second request reuses cached blocks:
+prefill over a cached prefix plus new tokens), 8 tokens.
 Every call is counted, so the test fails if the Triton path was not the one that ran. With a
 GPU the same comparison runs on CUDA with compiled kernels (fp32 model: exact products).
 """
@@ -84,6 +85,6 @@ def test_triton_backend_gives_torch_backend_tokens(make_model_dir, architecture:
     assert actual == expected
     assert all(len(tokens) > 0 for tokens in actual)
     ops = (("write_kv_cache", "prefill_attention", "decode_attention") if architecture == "llama"
-           else ("write_latent_cache", "prefill_attention", "mla_decode_attention"))
+           else ("write_latent_cache", "mla_prefill_attention", "mla_decode_attention"))
     for op in ops:
         assert calls[f"triton.{op}"] > 0 and calls[f"torch.{op}"] > 0, calls

@@ -136,6 +136,72 @@ def dense_mla(case: MlaCase, scale: float) -> torch.Tensor:
     return torch.stack(outs)
 
 
+@dataclass
+class MlaPrefillCase:
+    q_nope: torch.Tensor  # [T, H, N]
+    q_rope: torch.Tensor  # [T, H, P]
+    w_uk: torch.Tensor  # [H, N, R]
+    w_uv: torch.Tensor  # [H, V, R]
+    rows: list[torch.Tensor]  # per sequence [seq_len, R + P], unpaged
+    latent_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+
+    def args(self, scale: float) -> tuple:
+        return (self.q_nope, self.q_rope, self.latent_cache, self.w_uk, self.w_uv,
+                self.cu_seqlens_q, self.seq_lens, self.block_tables, scale, self.max_query_len)
+
+    def to(self, device: str) -> MlaPrefillCase:
+        return MlaPrefillCase(**{k: v.to(device) if isinstance(v, torch.Tensor) else
+                                 [t.to(device) for t in v] if isinstance(v, list) else v
+                                 for k, v in vars(self).items()})
+
+
+def make_mla_prefill_case(q_lens: list[int], seq_lens: list[int], num_heads: int,
+                          dims: tuple[int, int, int, int], block_size: int,
+                          dtype: torch.dtype = torch.float32, seed: int = 0) -> MlaPrefillCase:
+    """dims = (N nope, V value, R rank, P rope)."""
+    nope, v_dim, rank, rope = dims
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = _block_tables(seq_lens, block_size, gen)
+    rows = [torch.randn(n, rank + rope, generator=gen).to(dtype) for n in seq_lens]
+    latent_cache = torch.randn(num_blocks, block_size, rank + rope, generator=gen).to(dtype)
+    ref.write_latent_cache(torch.cat(rows), latent_cache, _slots(tables, seq_lens, block_size))
+    num_tokens = sum(q_lens)
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    return MlaPrefillCase(
+        randn(num_tokens, num_heads, nope), randn(num_tokens, num_heads, rope),
+        randn(num_heads, nope, rank, std=rank ** -0.5), randn(num_heads, v_dim, rank,
+                                                              std=rank ** -0.5),
+        rows, latent_cache, torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32), tables, max(q_lens))
+
+
+def dense_mla_prefill(case: MlaPrefillCase, scale: float) -> torch.Tensor:
+    """The model's math written out: per-head K/V from each latent row, explicit causal scores."""
+    outs = []
+    rank = case.w_uk.shape[2]
+    for s, rows in enumerate(case.rows):
+        start, end = case.cu_seqlens_q[s], case.cu_seqlens_q[s + 1]
+        q = torch.cat([case.q_nope[start:end], case.q_rope[start:end]], dim=-1).float()
+        rows = rows.float()
+        k_nope = torch.einsum("lr,hnr->lhn", rows[:, :rank], case.w_uk.float())
+        k_rope = rows[:, None, rank:].expand(-1, k_nope.shape[1], -1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        v = torch.einsum("lr,hvr->lhv", rows[:, :rank], case.w_uv.float())
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_len, seq_len = q.shape[0], k.shape[0]
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khv->qhv", torch.softmax(scores, dim=-1), v))
+    return torch.cat(outs)
+
+
 SHAPES = [  # (q_lens, seq_lens): fresh prefills, prefix + new tokens, decodes mixed in
     ([7, 33, 1], [7, 33, 130]),
     ([130, 1, 5], [130, 66, 40]),
@@ -178,6 +244,15 @@ def test_reference_mla_matches_dense():
     out = ref.mla_decode_attention(case.q_latent, case.q_rope, case.latent_cache, case.seq_lens,
                                    case.block_tables, 0.15)
     torch.testing.assert_close(out, dense_mla(case, 0.15), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", SHAPES)
+def test_reference_mla_prefill_matches_dense(q_lens, seq_lens):
+    """Expanded per sequence, absorbed for the single-row (decode) sequences."""
+    case = make_mla_prefill_case(q_lens, seq_lens, 4, (16, 8, 32, 8), 16)
+    out = ref.mla_prefill_attention(*case.args(0.15))
+    assert out.shape == (sum(q_lens), 4, 8)
+    torch.testing.assert_close(out, dense_mla_prefill(case, 0.15), atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_cache_places_rows_by_slot():

@@ -27,7 +27,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_kernels_reference import make_mla_case, make_paged_case  # noqa: E402
+from test_kernels_reference import (  # noqa: E402
+    make_mla_case,
+    make_mla_prefill_case,
+    make_paged_case,
+)
 
 from pdserve.kernels import get_attention_backend  # noqa: E402
 from pdserve.kernels import reference as ref  # noqa: E402
@@ -160,6 +164,15 @@ def test_mla_decode_matches_reference(block_size, num_splits):
             0.1)
     out = triton_backend.mla_decode_attention(*args, num_splits=num_splits)
     assert_close(out, ref.mla_decode_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_prefill_absorbed_matches_expanded_reference(dtype):
+    # Ragged: a prefix + new tokens, a decode row, a fresh prompt; 5 heads, R 48 -> 64 padded.
+    case = make_mla_prefill_case([40, 1, 7], [70, 40, 7], 5, (16, 8, 48, 16), 16, dtype)
+    case = case.to(DEVICE)
+    assert_close(triton_backend.mla_prefill_attention(*case.args(0.15)),
+                 ref.mla_prefill_attention(*case.args(0.15)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -6,9 +6,10 @@ e_score_correction_bias, group-limited), a dense first layer and MoE layers with
 expert. Every test runs through ModelRunner, so the runner's MLA cache layout is what the
 model sees.
 
-Tolerance 1e-4 (fp32), as for Llama: the engine computes attention in absorbed form (W_UK
-folded into the query, W_UV applied after attention) where HF expands per-head K/V, so only
-the order of float32 sums differs; that moves logits by ~1e-5 here.
+Tolerance 1e-4 (fp32), as for Llama: decode (both backends) and Triton's prefill compute
+attention in absorbed form (W_UK folded into the query, W_UV applied after attention) where HF
+expands per-head K/V, as the torch prefill does; only the order of float32 sums differs,
+which moves logits by ~1e-5 here.
 """
 
 from __future__ import annotations

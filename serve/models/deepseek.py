@@ -8,13 +8,16 @@ row and caches only that; queries go through their own low-rank pair when q_lora
                   c_kv ─► kv_a_layernorm;  k_pe ─► rope (one key head, shared by all heads)
     kv_b_proj [H * (nope + v), R] = per head [W_UK (nope x R) ; W_UV (v x R)]
 
-The engine runs MLA in absorbed form for prefill and decode alike: W_UK folds into the query
-and W_UV is applied after attention, so every head attends over the cached latent rows
-directly and no per-head K/V is ever built:
+Decode runs MLA absorbed: W_UK folds into the query and W_UV is applied after attention,
+so every head attends over the cached latent rows directly and no per-head K/V is built:
 
     q_latent[h] = q_nope[h] W_UK[h]                                      [T, H, R]
     score[h, j] = scale (q_latent[h] . c_kv[j] + q_rope[h] . k_rope[j])
     out[h]      = (sum_j softmax(score[h])_j c_kv[j]) W_UV[h]^T          [T, H, v]
+
+Prefill goes to the backend's mla_prefill_attention: on CPU it up-projects each sequence's
+context to per-head K/V (attention nope + rope wide, cheaper with many query rows); the
+Triton backend runs the absorbed form through the paged prefill kernel.
 
 The MLP of layer i is dense below first_k_dense_replace and a MoE block above: a router picks
 num_experts_per_tok routed experts per token (V2: softmax scores, greedy or group-limited;
@@ -82,10 +85,10 @@ class MLAAttention(nn.Module):
         kv_cache      [1, num_blocks, block_size, 1, R + P]    (the runner's MLA layout)
         latent_cache  kv_cache[0, :, :, 0] -> [num_blocks, block_size, R + P]
 
-    Decode-only steps use the MLA decode kernel. Prefill and mixed steps are the same absorbed
-    attention seen as multi-query attention with one head of width R + P whose key AND value
-    are the latent row: the K and V planes are one plane, expanded (stride 0, no copy). Its
-    output's first R columns are the attention-weighted c_kv; the rope columns are dropped.
+    Decode-only steps run absorbed: q_nope W_UK is the query of the MLA decode kernel, which
+    reads each latent row once for all heads, and W_UV applies after. Prefill and mixed steps
+    go to the backend's mla_prefill_attention (torch: K/V up-projected per sequence, narrow
+    attention; Triton: absorbed through the paged prefill kernel).
     """
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
@@ -99,21 +102,21 @@ class MLAAttention(nn.Module):
         self.scale = scale
         self.backend: Any = get_attention_backend(backend_name)
 
-    def forward(self, q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q_latent [T, H, R], q_rope [T, H, P], latent [T, R + P] -> [T, H, R]."""
+    def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                w_uk: torch.Tensor, w_uv: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q_nope [T, H, N], q_rope [T, H, P], latent [T, R + P], w_uk [H, N, R],
+        w_uv [H, V, R] -> [T, H, V]."""
         latent_cache = kv_cache[0, :, :, 0]
         self.backend.write_latent_cache(latent, latent_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return self.backend.mla_decode_attention(
-                q_latent, q_rope, latent_cache, meta.seq_lens, meta.block_tables, self.scale
-            )
-        query = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, R + P]
-        out = self.backend.prefill_attention(
-            query, kv_cache.expand(2, -1, -1, -1, -1), meta.cu_seqlens_q, meta.seq_lens,
-            meta.block_tables, self.scale, meta.max_query_len,
-        )
-        return out[..., : self.kv_lora_rank]
+            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+            o_latent = self.backend.mla_decode_attention(
+                q_latent, q_rope, latent_cache, meta.seq_lens, meta.block_tables, self.scale)
+            return torch.einsum("thr,hvr->thv", o_latent, w_uv)
+        return self.backend.mla_prefill_attention(
+            q_nope, q_rope, latent_cache, w_uk, w_uv, meta.cu_seqlens_q, meta.seq_lens,
+            meta.block_tables, self.scale, meta.max_query_len)
 
 
 class DeepseekAttention(nn.Module):
@@ -167,9 +170,7 @@ class DeepseekAttention(nn.Module):
         w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim,
                                             self.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_head_dim], dim=1)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        o_latent = self.attn(q_latent, q_rope, latent, kv_cache, meta)  # [T, H, R]
-        out = torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [T, H, v]
+        out = self.attn(q_nope, q_rope, latent, w_uk, w_uv, kv_cache, meta)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 
