@@ -13,6 +13,9 @@ and the device copy bandwidth (GB/s, read + write of a 2 GiB torch copy_). Then:
   (device time; the eager time with Python launch overhead is reported beside it).
 - MLA decode: DeepSeek-V3 absorbed shapes (R 512, P 64, block size 64), GB/s of latent rows
   read, against batched torch matmuls on a contiguous latent cache.
+- MLA prefill: DeepSeek-V3 at 16 and 128 heads, Triton's absorbed form against the torch
+  backend's expanded one (K/V up-projected from the latent, then SDPA), milliseconds; a
+  failure is recorded in the row, not raised (this path has never run on a GPU).
 
 Every measured configuration is also checked against kernels/reference.py (max |error|
 is in the JSON). Seeds are fixed; each timing warms up, then takes the median of several
@@ -248,6 +251,45 @@ def mla_row(num_heads: int, batch: int, context: int, gen: torch.Generator,
     return row
 
 
+def mla_prefill_row(num_heads: int, seq_len: int, batch: int, gen: torch.Generator) -> dict:
+    """DeepSeek-V3's MLA prefill: Triton's absorbed form (576-wide latent as K and V through
+    the paged prefill kernel) against the torch backend's expanded form (per-head K/V
+    up-projected from the latent, then SDPA), both from the same paged latent cache."""
+    from pdserve.kernels import get_attention_backend
+    from pdserve.kernels import reference as ref
+
+    nope, v_dim, rank, rope_dim, block_size = 128, 128, 512, 64, 64
+    scale = (nope + rope_dim) ** -0.5
+    num_blocks = batch * math.ceil(seq_len / block_size)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, -1).to(torch.int32)
+    cache = _randn(num_blocks, block_size, rank + rope_dim, gen=gen)
+    q_nope = _randn(batch * seq_len, num_heads, nope, gen=gen)
+    q_rope = _randn(batch * seq_len, num_heads, rope_dim, gen=gen)
+    w_uk = _randn(num_heads, nope, rank, gen=gen) * rank ** -0.5
+    w_uv = _randn(num_heads, v_dim, rank, gen=gen) * rank ** -0.5
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * seq_len
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device=DEVICE)
+    args = (q_nope, q_rope, cache, w_uk, w_uv, cu, lens, tables.to(DEVICE), scale, seq_len)
+    # causal attention FLOPs of each form (QK^T and PV over half the square)
+    pairs = batch * num_heads * seq_len * seq_len / 2
+    row: dict[str, Any] = {"num_heads": num_heads, "seq_len": seq_len, "batch": batch,
+                           "absorbed_attention_tflop": pairs * 2 * (2 * rank + rope_dim) / 1e12,
+                           "expanded_attention_tflop": pairs * 2 * (nope + rope_dim + v_dim)
+                           / 1e12}
+    try:
+        triton_backend = get_attention_backend("triton")
+        out = triton_backend.mla_prefill_attention(*args)
+        expected = ref.mla_prefill_attention(*args)
+        row["max_abs_error_vs_reference"] = (out - expected).abs().max().item()
+        row["triton_absorbed_ms"] = time_ms(lambda: triton_backend.mla_prefill_attention(*args))
+        row["torch_expanded_ms"] = time_ms(lambda: ref.mla_prefill_attention(*args))
+        row["triton_speed_vs_torch_expanded"] = (row["torch_expanded_ms"]
+                                                 / row["triton_absorbed_ms"])
+    except Exception as error:  # never measured on a GPU before: record, go on
+        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", default="bench_attention.json", help="JSON results path")
@@ -281,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "seed": args.seed,
-        "peaks": peaks, "prefill": [], "decode": [], "mla_decode": [], "prefill_tile_sweep": [],
+        "peaks": peaks, "prefill": [], "decode": [], "mla_decode": [], "mla_prefill": [],
+        "prefill_tile_sweep": [],
     }
     # Rows are written as they come, so a run cut short by a time limit still reports.
     runs: list[tuple[str, Callable[[], dict]]] = []
@@ -295,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     for num_heads, batch, context in mla_shapes:
         runs.append(("mla_decode", lambda h=num_heads, b=batch, c=context: mla_row(
             h, b, c, gen, peaks["copy_gbps"])))
+    for num_heads, seq_len in [(16, 4096), (128, 1024)]:  # DeepSeek-V3 at TP 8, at TP 1
+        runs.append(("mla_prefill", lambda h=num_heads, s=seq_len: mla_prefill_row(
+            h, s, 1, gen)))
     for seq_len in [4096, 16384] if tiles else []:  # last: the least needed
         runs.append(("prefill_tile_sweep", lambda s=seq_len: prefill_row(
             s, TOTAL_PREFILL_TOKENS // s, gen, peaks["bf16_matmul_tflops"], tiles)))

@@ -10,7 +10,8 @@
 #                          including the @gpu ones at Llama / DeepSeek shapes)
 #   engine.txt             greedy tokens of the engine with triton == with torch, on CUDA
 #   bench_attention.json   prefill TFLOP/s vs SDPA flash and the measured bf16 peak; decode and
-#                          MLA-decode GB/s vs the measured copy bandwidth; tile sweep
+#                          MLA-decode GB/s vs the measured copy bandwidth; MLA prefill
+#                          absorbed (Triton) vs expanded (torch); tile sweep
 #   bench.txt              the benchmark's log
 #   status.txt             one line per stage with its exit code
 # Budget (never measured: written without a GPU): ~1.5-3 min compiling + testing, ~2-3 min of
