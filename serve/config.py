@@ -70,6 +70,9 @@ class ParallelConfig:
     cpu_threads: int | None = None
     """torch threads per rank on CPU; None divides the machine's cores among the ranks.
     Several workers on one host (`pdserve up`) each get their share so none starves."""
+    enable_expert_parallel: bool = False
+    """MoE layers place whole experts on the ranks (E / tensor_parallel_size each; tokens go
+    to their experts' ranks by all-to-all) instead of splitting every expert over all ranks."""
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads <= 0:

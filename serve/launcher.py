@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE models: every worker spreads whole experts over its TP ranks")
     parser.add_argument("--worker-base-port", type=int, default=18100,
                         help="workers listen on consecutive ports from here")
     parser.add_argument("--store-port", type=int, default=18050,
@@ -117,6 +119,8 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
                 argv += ["--store", store_addr, "--store-master", master_addr]
             if args.num_kv_blocks:
                 argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+            if args.enable_expert_parallel:
+                argv.append("--enable-expert-parallel")
             if cpu_threads is not None:
                 argv += ["--cpu-threads", str(cpu_threads)]
             cluster.children.append(Child(f"{role}-{i}", argv))

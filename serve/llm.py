@@ -28,7 +28,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, dtype: str = "auto", seed: int = 0,
                  max_model_len: int | None = None, enable_chunked_prefill: bool = True,
-                 kv_cache_memory_bytes: int | None = None, device: str | None = None) -> None:
+                 kv_cache_memory_bytes: int | None = None, device: str | None = None,
+                 enable_expert_parallel: bool = False) -> None:
         from transformers import AutoTokenizer
 
         model_dir = str(model)
@@ -41,7 +42,8 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.engine = Engine(
             self.model_config, CacheConfig(**cache_kwargs),
-            ParallelConfig(tensor_parallel_size=tensor_parallel_size, device=device),
+            ParallelConfig(tensor_parallel_size=tensor_parallel_size, device=device,
+                           enable_expert_parallel=enable_expert_parallel),
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_chunked_prefill=enable_chunked_prefill),

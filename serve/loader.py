@@ -222,6 +222,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
     # Layers past the model's own (DeepSeek-V3's multi-token-prediction layer) serve training
     # and speculative decoding, not generation: skipped, as Hugging Face does.
     num_layers = len(getattr(getattr(model, "model", None), "layers", ()))
+    # What this rank does not hold (expert parallelism: other ranks' experts).
+    skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)
     expected_shards: dict[str, int] = {}
     for target, _ in packed.values():
         expected_shards[target] = expected_shards.get(target, 0) + 1
@@ -245,8 +247,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
                     progress.update(1)
                     if name.endswith("rotary_emb.inv_freq") or (
                         tied and name == "lm_head.weight"
-                    ) or _layer_index(name) >= num_layers:
-                        continue  # recomputed / shared with the embedding / not generating
+                    ) or _layer_index(name) >= num_layers or skips(name):
+                        continue  # recomputed / shared / not generating / another rank's
                     _load_one(params, packed, loaded_shards, name,
                               _LazyCheckpointTensor(f, name))
 

@@ -170,7 +170,8 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
         assert parallel_config.master_port is not None
         rendezvous = Rendezvous(rank, size, parallel_config.master_addr,
                                 parallel_config.master_port, start_timeout_s)
-    tp = init_tp_group(rendezvous, backend, timeout_s, peers_alive)
+    tp = dataclasses.replace(init_tp_group(rendezvous, backend, timeout_s, peers_alive),
+                             expert_parallel=parallel_config.enable_expert_parallel)
     control = None
     if rendezvous is not None:
         control = dist.new_group(backend="gloo",

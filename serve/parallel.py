@@ -12,6 +12,10 @@ same column/row way, its down projection skips the reduce (`reduce=False`), and 
 all-reduces the sum of their partial outputs once. Small projections every rank needs whole
 (MLA's latent down-projections, the MoE router) are `ReplicatedLinear`.
 
+With expert parallelism (`TPGroup.expert_parallel`, over the same ranks) a rank holds whole
+experts instead, and MoE rows travel to them and back with `all_to_all` (see
+serve/models/deepseek.py DeepseekMoE); the block still ends in one all-reduce.
+
 The TP group is a small value (`TPGroup`) handed to every layer, not a module global, so two
 engines in one process (tests) cannot clash.
 """
@@ -36,6 +40,7 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # MoE experts placed whole on ranks (ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.size <= 0 or not 0 <= self.rank < self.size:
@@ -45,6 +50,24 @@ class TPGroup:
         if self.size > 1:
             dist.all_reduce(x)
         return x
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+                   ) -> torch.Tensor:
+        """Rows x[sum(send_counts[:r]) : ...] go to rank r; returns the rows every rank sent
+        here, in rank order (recv_counts[r] from rank r)."""
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        if self.size == 1:
+            return out.copy_(x)
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+        return out
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        """send_counts [size] (rows this rank sends to each rank) -> rows each rank sends here."""
+        if self.size == 1:
+            return send_counts.tolist()
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts.contiguous())
+        return recv.tolist()
 
 
 class Rendezvous:

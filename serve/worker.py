@@ -349,6 +349,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "float16"))
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE models: whole experts spread over the TP ranks, tokens sent "
+                             "to them by all-to-all (default: every expert TP-split)")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
@@ -382,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
         cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                                    enable_prefix_caching=not args.no_prefix_caching)
         parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                         cpu_threads=args.cpu_threads)
+                                         cpu_threads=args.cpu_threads,
+                                         enable_expert_parallel=args.enable_expert_parallel)
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                            max_num_batched_tokens=args.max_num_batched_tokens,
                                            role=role)

@@ -87,13 +87,15 @@ def test_tp2_prefill_hands_the_latent_to_tp1_decode(make_model_dir):
 
 def test_disaggregated_server_moves_mla_blocks_through_the_store(make_model_dir,
                                                                 tmp_path_factory):
-    """`pdserve up`: a TP=2 prefill saves the latent layer by layer into the store, a TP=1
-    decode loads it; the text equals the offline engine's (itself checked against HF)."""
+    """`pdserve up`: a TP=2 prefill with expert parallelism (whole experts per rank, tokens
+    moved by all-to-all) saves the latent layer by layer into the store, a TP=1 decode loads
+    it; the text equals the offline TP=1 engine's (itself checked against HF)."""
     model_dir = make_model_dir("deepseek_v3", seed=3)
     with LLM(model_dir, num_kv_blocks=128) as llm:
         expected = [o.outputs[0].text for o in llm.generate(TEXT_PROMPTS, GREEDY)]
     cluster = start_cluster(model_dir, tmp_path_factory.mktemp("mla-logs"), "--mode", "disagg",
-                            "--prefill-tp", "2", "--decode-tp", "1", "--num-kv-blocks", "128")
+                            "--prefill-tp", "2", "--decode-tp", "1", "--num-kv-blocks", "128",
+                            "--enable-expert-parallel")
     try:
         for prompt, text in zip(TEXT_PROMPTS, expected, strict=True):
             r = httpx.post(f"{cluster.base_url}/v1/completions", timeout=60,

@@ -37,10 +37,12 @@ def load_hf(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
-def runner_for(model_dir: Path, block_size: int, tp: int = 1) -> ModelRunner:
+def runner_for(model_dir: Path, block_size: int, tp: int = 1,
+               expert_parallel: bool = False) -> ModelRunner:
     return ModelRunner(ModelConfig(str(model_dir)),
                        CacheConfig(block_size=block_size, num_blocks=NUM_BLOCKS),
-                       ParallelConfig(tensor_parallel_size=tp, device="cpu"))
+                       ParallelConfig(tensor_parallel_size=tp, device="cpu",
+                                      enable_expert_parallel=expert_parallel))
 
 
 def randomise_biases(model_dir: Path, seed: int) -> None:
@@ -176,6 +178,30 @@ def test_tp2_matches_hf(architecture: str, overrides: dict, tmp_path: Path,
         assert_rows_match(logits, [expected[0][18], expected[1][5]])
 
 
+@pytest.mark.parametrize("architecture", ["deepseek_v2", "deepseek_v3"])
+def test_expert_parallel_tp2_matches_hf(architecture: str, make_model_dir) -> None:
+    """Whole experts on each of two ranks (4 of 8 each), rows moved by all-to-all: a ragged
+    prefill, then single-token decodes (rank 1's token share is empty: it sends and receives
+    nothing, and still joins every collective)."""
+    model_dir = make_model_dir(architecture, seed=3)
+    hf = load_hf(model_dir)
+    with runner_for(model_dir, block_size=8, tp=2, expert_parallel=True) as runner:
+        moe = runner._rank.model.model.layers[1].mlp
+        assert moe.is_expert_parallel and sorted(moe.experts) == ["0", "1", "2", "3"]
+        # rank 0 loaded only its experts, whole
+        assert moe.experts["0"].down_proj.weight.shape[1] == 32
+        prompts = random_prompts([13, 6], runner.spec.vocab_size, seed=7)
+        tables = [[5, 2], [9]]
+        expected = [hf_logits(hf, p) for p in prompts]
+        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][:11], 0, tables[0], True),
+                                           SeqChunk("b", prompts[1][:5], 0, tables[1], True)]))
+        assert_rows_match(logits, [expected[0][10], expected[1][4]])
+        for pos in (11, 12):
+            logits = runner.execute(StepInput([SeqChunk("a", prompts[0][pos:pos + 1], pos,
+                                                        tables[0], True)]))
+            assert_rows_match(logits, [expected[0][pos]])
+
+
 def test_tensor_parallel_size_must_split_heads_and_experts(make_model_dir) -> None:
     import json
 
@@ -185,3 +211,7 @@ def test_tensor_parallel_size_must_split_heads_and_experts(make_model_dir) -> No
     with pytest.raises(ValueError, match="moe_intermediate_size=32 divisible"):
         DeepseekV2ForCausalLM({**hf_config, "num_attention_heads": 6, "intermediate_size": 96},
                               64, TPGroup(0, 3), "torch")
+    with pytest.raises(ValueError, match="n_routed_experts=8 divisible"):
+        DeepseekV2ForCausalLM({**hf_config, "num_attention_heads": 6, "intermediate_size": 96,
+                               "moe_intermediate_size": 36},
+                              64, TPGroup(0, 3, expert_parallel=True), "torch")

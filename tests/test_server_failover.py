@@ -34,8 +34,20 @@ def test_request_moves_off_a_hung_decode_worker(roles):
     url = f"{roles.base_url}/v1/completions"
     body = {"prompt": "def main():", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     reference = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
-    # Equal free blocks and load: the router picks the decode worker with the higher address.
-    index = 1 if roles.decode_ports[1] > roles.decode_ports[0] else 0
+    # Hang the decode worker the router will pick (router/policies.py MostFreeKVDecode: most
+    # free blocks, then fewest in flight, then the higher address), judged once the statuses
+    # stopped changing: the reference request's cached blocks may have left the two unequal.
+    previous, deadline = None, time.monotonic() + 30
+    while time.monotonic() < deadline:
+        decode = sorted((w["num_free_blocks"], -w["num_inflight"], w["address"])
+                         for w in httpx.get(f"{roles.base_url}/status", timeout=5)
+                         .json()["workers"] if w["role"] == "decode")
+        if decode == previous:
+            break
+        previous = decode
+        time.sleep(1.0)
+    address = decode[-1][2]
+    index = [f"tcp://127.0.0.1:{port}" for port in roles.decode_ports].index(address)
     hung = "decode-1" if index else "decode"
     os.kill(roles.processes[hung].pid, signal.SIGSTOP)
     try:
@@ -43,7 +55,6 @@ def test_request_moves_off_a_hung_decode_worker(roles):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference
         workers = httpx.get(f"{roles.base_url}/status", timeout=5).json()["workers"]
-        address = f"tcp://127.0.0.1:{roles.decode_ports[index]}"
         assert [w["is_alive"] for w in workers if w["address"] == address] == [False]
         router_log = "".join(p.read_text() for p in roles.log_dir.glob("router-*.log"))
         assert f"decode worker {address} died before its first token" in router_log

@@ -262,24 +262,50 @@ class TopKRouter(ReplicatedLinear):
         return grouped.masked_fill(~keep.unsqueeze(-1), dropped).view_as(choice)
 
 
+def local_experts(num_experts: int, tp: TPGroup) -> range:
+    """The routed experts this rank holds: all of them (each TP-split), or with expert
+    parallelism an even, contiguous share of whole experts."""
+    if not (tp.expert_parallel and tp.size > 1):
+        return range(num_experts)
+    if num_experts % tp.size:
+        raise ValueError(f"expert parallelism needs n_routed_experts={num_experts} divisible "
+                         f"by tensor_parallel_size={tp.size}")
+    per_rank = num_experts // tp.size
+    return range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
+
+
 class DeepseekMoE(nn.Module):
     """Routed experts (each token to its top-k, weighted) plus shared experts (every token).
 
-    Every expert is TP-split like a dense MLP; their partial outputs are summed on each rank
-    and all-reduced once. On CPU the experts run one after another over just their tokens.
+    Tensor parallel (default): every expert is TP-split like a dense MLP and sees every token
+    it was routed; partial outputs are summed and all-reduced once. Expert parallel
+    (tp.expert_parallel): each rank holds E / size whole experts, and tokens travel to them:
+
+        every rank has all T tokens (attention all-reduced them); rank r routes its share
+        [r T / size, (r + 1) T / size) ── all-to-all ──► each (token, expert) row to the
+        expert's rank ── experts ── all-to-all ──► back, weighted into rank r's rows
+
+    The shared experts stay TP-split; one all-reduce completes both (each routed row comes
+    from one rank, the shared partial sums from all). On CPU the experts run one after
+    another over just their rows.
     """
 
     def __init__(self, hf_config: Mapping[str, Any], scoring_func: str, tp: TPGroup) -> None:
         super().__init__()
-        _require_divisible(hf_config, "moe_intermediate_size", tp)
         self.tp = tp
         hidden = hf_config["hidden_size"]
         inter = int(hf_config["moe_intermediate_size"])
         self.gate = TopKRouter(hf_config, scoring_func)
-        self.experts = nn.ModuleList(
-            DeepseekMLP(hidden, inter, False, tp, reduce=False)
-            for _ in range(self.gate.num_experts)
-        )
+        self.local_experts = local_experts(self.gate.num_experts, tp)
+        self.is_expert_parallel = len(self.local_experts) < self.gate.num_experts
+        if not self.is_expert_parallel:
+            _require_divisible(hf_config, "moe_intermediate_size", tp)
+        expert_tp = TPGroup() if self.is_expert_parallel else tp  # whole or split experts
+        # Keyed by global expert id, so parameter names stay the checkpoint's (experts.N.*).
+        self.experts = nn.ModuleDict({
+            str(e): DeepseekMLP(hidden, inter, False, expert_tp, reduce=False)
+            for e in self.local_experts
+        })
         num_shared = int(hf_config.get("n_shared_experts") or 0)
         self.shared_experts = (
             DeepseekMLP(hidden, inter * num_shared, bool(hf_config.get("mlp_bias", False)), tp,
@@ -289,32 +315,58 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(hidden)  # [T, k] each
-        out = self._routed(hidden, weights, expert_ids)
+        if self.is_expert_parallel:
+            out = self._dispatch_and_combine(hidden, weights, expert_ids)
+        else:
+            top_k = expert_ids.shape[1]
+            tokens = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
+            out = self._weighted_sum(hidden, tokens, self._apply_experts(
+                hidden.index_select(0, tokens), expert_ids.flatten()), weights.flatten())
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return self.tp.all_reduce(out)
 
-    def _routed(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
-                ) -> torch.Tensor:
-        """Sum over each token's experts of weight * expert(token), expert by expert.
+    def _dispatch_and_combine(self, hidden: torch.Tensor, weights: torch.Tensor,
+                              expert_ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = expert_ids.shape
+        size, rank = self.tp.size, self.tp.rank
+        start, end = rank * num_tokens // size, (rank + 1) * num_tokens // size
+        ids = expert_ids[start:end].flatten()
+        dest = ids // len(self.local_experts)  # experts are laid out rank by rank
+        order = dest.argsort(stable=True)
+        ids, dest = ids[order], dest[order]
+        tokens = torch.arange(start, end, device=hidden.device).repeat_interleave(top_k)[order]
+        send = torch.bincount(dest, minlength=size)
+        send_counts = send.tolist()
+        recv_counts = self.tp.exchange_counts(send)
+        rows = self.tp.all_to_all(hidden.index_select(0, tokens), send_counts, recv_counts)
+        row_experts = self.tp.all_to_all(ids, send_counts, recv_counts)
+        outputs = self._apply_experts(rows, row_experts)
+        returned = self.tp.all_to_all(outputs, recv_counts, send_counts)
+        return self._weighted_sum(hidden, tokens, returned, weights[start:end].flatten()[order])
 
-            (token, slot) pairs sorted by expert:  e0: t3 t7 | e1: (none) | e2: t0 t3 t9 ...
-        """
-        top_k = expert_ids.shape[1]
-        flat_ids = expert_ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        tokens = order // top_k  # token of each pair, in expert order
-        pair_weights = weights.flatten()[order]
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+    @staticmethod
+    def _weighted_sum(hidden: torch.Tensor, tokens: torch.Tensor, outputs: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+        """out[t] = sum over rows i of token t of weights[i] * outputs[i] ([T, hidden])."""
         out = torch.zeros_like(hidden)
+        return out.index_add_(0, tokens, (outputs * weights[:, None]).to(hidden.dtype))
+
+    def _apply_experts(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """y[i] = expert expert_ids[i] (rows[i]), expert by expert over just its rows; every id
+        is one of this rank's experts.
+
+            rows sorted by expert:  e0: r3 r7 | e1: (none) | e2: r0 r4 r9 ...
+        """
+        order = expert_ids.argsort(stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.gate.num_experts).tolist()
+        out = torch.empty_like(rows)
         start = 0
-        for expert, count in zip(self.experts, counts, strict=True):
+        for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            rows = tokens[start : start + count]
-            expert_out = expert(hidden.index_select(0, rows))
-            scaled = expert_out * pair_weights[start : start + count, None]
-            out.index_add_(0, rows, scaled.to(hidden.dtype))
+            index = order[start : start + count]
+            out.index_copy_(0, index, self.experts[str(expert)](rows.index_select(0, index)))
             start += count
         return out
 
@@ -378,6 +430,19 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekModel(hf_config, max_positions, self.scoring_func, tp,
                                    backend_name)
         self.add_lm_head(hf_config, tp)
+        self._hf_config = hf_config
+        self._local_experts = local_experts(int(hf_config.get("n_routed_experts") or 0), tp)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Routed experts held by other ranks (expert parallelism): the loader skips them."""
+        parts = name.split(".")  # model.layers.L.mlp.experts.N.*
+        if len(parts) < 6 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp",
+                                                                                "experts"]:
+            return False
+        if not (parts[2].isdigit() and parts[5].isdigit()):
+            return False
+        return (is_moe_layer(self._hf_config, int(parts[2]))
+                and int(parts[5]) not in self._local_experts)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
