@@ -39,6 +39,10 @@ DEEPSEEK_CONFIG: dict[str, object] = dict(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--architecture", choices=["llama", "deepseek_v3"], default="llama",
                         help="llama (GQA) or deepseek_v3 (MLA latent cache + MoE)")
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                        help="pdserve's TP degree (HF runs in one process either way)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE: whole experts per TP rank, rows moved by all-to-all")
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--intermediate-size", type=int, default=2816)
@@ -78,7 +82,9 @@ def measure_pdserve(model_dir: Path, prompts: list[list[int]], args: argparse.Na
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     with LLM(model_dir, block_size=args.block_size, num_kv_blocks=num_blocks,
              max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * total),
-             enable_prefix_caching=False, seed=args.seed) as llm:
+             enable_prefix_caching=False, seed=args.seed,
+             tensor_parallel_size=args.tensor_parallel_size,
+             enable_expert_parallel=args.enable_expert_parallel) as llm:
         engine = llm.engine
         # Time inside the model runner: the rest is scheduling, sampling, detokenization.
         runner, execute = engine.runner, engine.runner.execute
