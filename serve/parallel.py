@@ -61,13 +61,14 @@ class TPGroup:
         dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
         return out
 
-    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
-        """send_counts [size] (rows this rank sends to each rank) -> rows each rank sends here."""
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """send_counts [size, n] (what this rank sends to each rank, n numbers per rank) ->
+        [size, n]: what each rank sends here."""
         if self.size == 1:
-            return send_counts.tolist()
+            return send_counts.clone()
         recv = torch.empty_like(send_counts)
         dist.all_to_all_single(recv, send_counts.contiguous())
-        return recv.tolist()
+        return recv
 
 
 class Rendezvous:

@@ -284,6 +284,7 @@ class DeepseekMoE(nn.Module):
         every rank has all T tokens (attention all-reduced them); rank r routes its share
         [r T / size, (r + 1) T / size) ── all-to-all ──► each (token, expert) row to the
         expert's rank ── experts ── all-to-all ──► back, weighted into rank r's rows
+        (a first, small all-to-all tells every rank how many rows per expert to expect)
 
     The shared experts stay TP-split; one all-reduce completes both (each routed row comes
     from one rank, the shared partial sums from all). On CPU the experts run one after
@@ -328,19 +329,21 @@ class DeepseekMoE(nn.Module):
 
     def _dispatch_and_combine(self, hidden: torch.Tensor, weights: torch.Tensor,
                               expert_ids: torch.Tensor) -> torch.Tensor:
+        """Three all-to-alls: rows per expert, the rows (sorted by expert id, so by rank as
+        experts are laid out rank by rank), and the expert outputs back."""
         num_tokens, top_k = expert_ids.shape
-        size, rank = self.tp.size, self.tp.rank
+        size, rank, per_rank = self.tp.size, self.tp.rank, len(self.local_experts)
         start, end = rank * num_tokens // size, (rank + 1) * num_tokens // size
         ids = expert_ids[start:end].flatten()
-        dest = ids // len(self.local_experts)  # experts are laid out rank by rank
-        order = dest.argsort(stable=True)
-        ids, dest = ids[order], dest[order]
+        order = ids.argsort(stable=True)
         tokens = torch.arange(start, end, device=hidden.device).repeat_interleave(top_k)[order]
-        send = torch.bincount(dest, minlength=size)
-        send_counts = send.tolist()
-        recv_counts = self.tp.exchange_counts(send)
+        send = torch.bincount(ids, minlength=self.gate.num_experts).view(size, per_rank)
+        recv = self.tp.exchange_counts(send)  # [source rank, my expert]: rows coming here
+        send_counts, recv_counts = send.sum(1).tolist(), recv.sum(1).tolist()
         rows = self.tp.all_to_all(hidden.index_select(0, tokens), send_counts, recv_counts)
-        row_experts = self.tp.all_to_all(ids, send_counts, recv_counts)
+        # Each source's rows arrive sorted by expert: recover every row's expert id.
+        mine = torch.arange(rank * per_rank, (rank + 1) * per_rank, device=hidden.device)
+        row_experts = mine.repeat(size).repeat_interleave(recv.flatten())
         outputs = self._apply_experts(rows, row_experts)
         returned = self.tp.all_to_all(outputs, recv_counts, send_counts)
         return self._weighted_sum(hidden, tokens, returned, weights[start:end].flatten()[order])
