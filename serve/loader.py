@@ -296,4 +296,8 @@ def load_model(spec: ModelSpec, tp: TPGroup, device: torch.device, backend_name:
     with _default_dtype_and_device(spec.torch_dtype, device):
         model = model_cls(spec.hf_config, spec.max_model_len, tp, backend_name)
     load_weights(model, spec.model_dir, show_progress=show_progress)
+    for module in model.modules():  # layouts derived from loaded weights (vLLM's hook name)
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
     return model.eval()

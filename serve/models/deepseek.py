@@ -148,8 +148,19 @@ class DeepseekAttention(nn.Module):
             self.kv_lora_rank, num_heads * (self.nope_dim + self.v_head_dim), False, tp)
         self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias, tp)
         self.rotary_emb = rotary_emb  # one cos/sin table shared by every layer
+        self.w_uk: torch.Tensor | None = None  # process_weights_after_loading
+        self.w_uv: torch.Tensor | None = None
         self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.rope_dim,
                                  softmax_scale(hf_config), backend_name)
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj once into contiguous per-head W_UK [H, N, R] and W_UV [H, V, R]
+        (kv_b_proj's rows per head are [W_UK ; W_UV], each over R): the absorbed attention
+        multiplies by them every step, and a strided view would be copied each time."""
+        w_kv_b = self.kv_b_proj.weight.detach().view(
+            self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        self.w_uk = w_kv_b[:, :self.nope_dim].contiguous()
+        self.w_uv = w_kv_b[:, self.nope_dim:].contiguous()
 
     def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -166,11 +177,9 @@ class DeepseekAttention(nn.Module):
         q_rope, k_rope = self.rotary_emb(cos_sin, q_rope, k_rope.unsqueeze(1))
         latent = torch.cat([c_kv, k_rope.squeeze(1)], dim=-1)  # [T, R + P]
 
-        # kv_b_proj rows, per head: [W_UK (nope rows) ; W_UV (v rows)], each row over R.
-        w_kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim,
-                                            self.kv_lora_rank)
-        w_uk, w_uv = w_kv_b.split([self.nope_dim, self.v_head_dim], dim=1)
-        out = self.attn(q_nope, q_rope, latent, w_uk, w_uv, kv_cache, meta)  # [T, H, v]
+        if self.w_uk is None:  # built without the loader (which splits once after loading)
+            self.process_weights_after_loading()
+        out = self.attn(q_nope, q_rope, latent, self.w_uk, self.w_uv, kv_cache, meta)  # [T,H,v]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 
