@@ -18,6 +18,8 @@ bounded memory); a prefill sequence of several rows gets one SDPA call.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +114,38 @@ def _last_token_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens:
     return out
 
 
+def _single_row_sequences(cu_seqlens_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, query rows) of the sequences with exactly one query row: decodes riding
+    along in a prefill batch, which the batched last-token paths take."""
+    starts = cu_seqlens_q.long()
+    index = torch.nonzero(starts[1:] - starts[:-1] == 1).flatten()
+    return index, starts[index]
+
+
+def _multi_row_sequences(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor
+                         ) -> Iterator[tuple[int, int, int, int]]:
+    """(s, q_start, q_end, seq_len) for every sequence with more than one query row."""
+    starts = cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        if starts[s + 1] - starts[s] > 1:
+            yield s, starts[s], starts[s + 1], seq_len
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 enable_gqa: bool = False) -> torch.Tensor:
+    """q [H, q_len, D] over k/v [H(kv), seq_len, D]: the last q_len of seq_len positions,
+    causal. With nothing cached SDPA's own (top-left aligned) is_causal is that mask;
+    otherwise it is built bottom-right aligned."""
+    q_len, seq_len = q.shape[-2], k.shape[-2]
+    if q_len == seq_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=enable_gqa)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       max_query_len: int) -> torch.Tensor:
@@ -131,31 +165,17 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     out = torch.empty_like(query)
-    starts = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    single = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    if single:
-        index = torch.tensor(single, device=query.device)
-        rows = cu_seqlens_q.long()[index]
+    index, rows = _single_row_sequences(cu_seqlens_q)
+    if index.numel():
         out[rows] = _last_token_attention(query[rows], kv_cache, seq_lens[index],
                                           block_tables[index], scale)
-    for s, seq_len in enumerate(lens):
-        q_start, q_end = starts[s], starts[s + 1]
-        q_len = q_end - q_start
-        if q_len <= 1:
-            continue
+    for s, q_start, q_end, seq_len in _multi_row_sequences(cu_seqlens_q, seq_lens):
         blocks = _context_blocks(block_tables, s, seq_len, block_size)
         # [seq_len, Hkv, D] -> [Hkv, seq_len, D]
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
-        # Bottom-right aligned causal mask (SDPA's is_causal is top-left aligned).
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=visible, scale=scale, enable_gqa=True
-        )
+        o = _causal_sdpa(q.float(), k.float(), v.float(), scale, enable_gqa=True)
         out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
     return out
 
@@ -215,11 +235,8 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor,
     num_heads, nope_dim, rank = w_uk.shape
     v_dim = w_uv.shape[1]
     out = q_nope.new_empty(q_nope.shape[0], num_heads, v_dim)
-    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    single = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    if single:
-        index = torch.tensor(single, device=q_nope.device)
-        rows = cu_seqlens_q.long()[index]
+    index, rows = _single_row_sequences(cu_seqlens_q)
+    if index.numel():
         q_latent = torch.einsum("shn,hnr->shr", q_nope[rows].float(), w_uk.float())
         o_latent = mla_decode_attention(q_latent, q_rope[rows].float(),
                                         latent_cache, seq_lens[index], block_tables[index],
@@ -229,11 +246,7 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor,
     up_k = w_uk.reshape(-1, rank).t().float()
     up_v = w_uv.reshape(-1, rank).t().float()
     block_size = latent_cache.shape[1]
-    for s, seq_len in enumerate(lens):
-        q_start, q_end = starts[s], starts[s + 1]
-        q_len = q_end - q_start
-        if q_len <= 1:
-            continue
+    for s, q_start, q_end, seq_len in _multi_row_sequences(cu_seqlens_q, seq_lens):
         blocks = _context_blocks(block_tables, s, seq_len, block_size)
         context = latent_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, R + P]
         c_kv, k_rope = context[:, :rank], context[:, rank:]
@@ -241,15 +254,7 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor,
                        k_rope[:, None, :].expand(-1, num_heads, -1)], dim=-1)
         v = (c_kv @ up_v).view(seq_len, num_heads, v_dim)
         q = torch.cat([q_nope[q_start:q_end], q_rope[q_start:q_end]], dim=-1).float()
-        if q_len == seq_len:  # nothing cached: SDPA's own (top-left) causal mask fits
-            mask, is_causal = None, True
-        else:  # bottom-right aligned, as in prefill_attention
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            is_causal = False
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), attn_mask=mask,
-                                           is_causal=is_causal, scale=scale)
+        o = _causal_sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
 

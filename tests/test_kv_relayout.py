@@ -1,9 +1,10 @@
 """KV blocks move between different TP degrees: a TP=2 prefill hands off to a TP=1 decode
-(whole-head blocks gathered from both ranks), and the greedy tokens equal a TP=1 colocated
-run."""
+(whole-head blocks gathered from both ranks; an MLA latent, one plane and one "head", is whole
+on rank 0), and the greedy tokens equal a TP=1 colocated run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from engine_util import run_to_completion, token_ids
 from transformers import AutoTokenizer
@@ -21,11 +22,13 @@ def _engine(model_dir, role: str, tp: int) -> Engine:
                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
-def test_tp2_prefill_hands_off_to_tp1_decode(llama_dir):
+@pytest.mark.parametrize("architecture", ["llama", "deepseek_v3"])
+def test_tp2_prefill_hands_off_to_tp1_decode(architecture, make_model_dir):
+    model_dir = make_model_dir(architecture, **({} if architecture == "llama" else {"seed": 3}))
     params = SamplingParams(temperature=0, max_tokens=8)
-    colocated = _engine(llama_dir, "colocated", 1)
-    decode = _engine(llama_dir, "decode", 1)
-    prefill = _engine(llama_dir, "prefill", 2)
+    colocated = _engine(model_dir, "colocated", 1)
+    decode = _engine(model_dir, "decode", 1)
+    prefill = _engine(model_dir, "prefill", 2)
     try:
         for i, prompt in enumerate(PROMPTS):
             colocated.add_request(prompt, params, f"c{i}")
@@ -38,7 +41,8 @@ def test_tp2_prefill_hands_off_to_tp1_decode(llama_dir):
             num_blocks = -(-len(prompt) // 16)
             blocks = prefill.runner.read_kv_blocks(handoff.block_ids[:num_blocks])
             # whole heads from both ranks: the TP=1 pool's layout
-            assert blocks[0].shape == (2, num_blocks, 16, prefill.spec.num_kv_heads,
+            planes = 2 if architecture == "llama" else 1
+            assert blocks[0].shape == (planes, num_blocks, 16, prefill.spec.num_kv_heads,
                                        prefill.spec.head_dim)
             ids = decode.add_prefilled_request(f"d{i}", prompt, params,
                                                handoff.output_token_ids)
