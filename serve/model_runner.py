@@ -199,8 +199,14 @@ def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig
                  parallel_config: ParallelConfig, timeout_s: float, start_timeout_s: float
                  ) -> None:
     logging.basicConfig(level=envs.log_level())
-    state, control = _setup_rank(rank, model_config, cache_config, parallel_config, timeout_s,
-                                 start_timeout_s)
+    try:
+        state, control = _setup_rank(rank, model_config, cache_config, parallel_config,
+                                     timeout_s, start_timeout_s)
+    except (ValueError, FileNotFoundError) as exc:
+        # A checkpoint or config this TP degree cannot take fails rank 0 alike, which reports
+        # it to the user: no second copy, and no traceback, from here.
+        logger.debug("TP rank %d cannot start: %s", rank, exc)
+        raise SystemExit(1) from None
     try:
         while True:
             message = decode_message(_receive(control))

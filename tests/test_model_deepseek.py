@@ -215,3 +215,18 @@ def test_tensor_parallel_size_must_split_heads_and_experts(make_model_dir) -> No
         DeepseekV2ForCausalLM({**hf_config, "num_attention_heads": 6, "intermediate_size": 96,
                                "moe_intermediate_size": 36},
                               64, TPGroup(0, 3, expert_parallel=True), "torch")
+
+
+def test_worker_with_a_tp_degree_the_model_cannot_take_exits_with_one_clear_line(
+        make_model_dir) -> None:
+    """Every rank fails on the same check; rank 0 reports it, the others exit quietly."""
+    import subprocess
+    import sys
+
+    model_dir = make_model_dir("deepseek_v3", seed=3)
+    done = subprocess.run([sys.executable, "-m", "pdserve.serve.cli", "prefill", "--model",
+                           str(model_dir), "--tp", "3", "--port", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2
+    assert "num_attention_heads=4 divisible by tensor_parallel_size=3" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
