@@ -64,7 +64,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1024) -> None:
 
 
 # architecture -> (transformers config class, model class)
-ARCHITECTURES: dict[str, tuple[str, str]] = {
+HF_CLASSES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
@@ -90,9 +90,11 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, object]] = {
     "deepseek_v2": dict(_DEEPSEEK_SHARED, num_hidden_layers=2, q_lora_rank=None,
                         qk_nope_head_dim=32, v_head_dim=16, topk_method="group_limited_greedy",
                         routed_scaling_factor=2.0),
+    # topk_method / scoring_func: what released V3 configs carry (HF hard-codes them; vLLM
+    # reads them), so these checkpoints load in vLLM too.
     "deepseek_v3": dict(_DEEPSEEK_SHARED, num_hidden_layers=3, q_lora_rank=48,
                         qk_nope_head_dim=16, v_head_dim=32, routed_scaling_factor=2.5,
-                        norm_topk_prob=True),
+                        norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid"),
 }
 
 
@@ -104,7 +106,7 @@ def build_random_model(
     tokenizer_dir: str | os.PathLike | None = None,
     **config_overrides: object,
 ) -> Path:
-    """Save a seeded random model (architecture: one of ARCHITECTURES) with a tokenizer to
+    """Save a seeded random model (architecture: one of HF_CLASSES) with a tokenizer to
     `out_dir`.
 
     `initializer_range` defaults to 0.2 so greedy decoding has clear top-1 margins (HF's 0.02
@@ -116,9 +118,9 @@ def build_random_model(
     import transformers
     from transformers import AutoTokenizer
 
-    if architecture not in ARCHITECTURES:
+    if architecture not in HF_CLASSES:
         raise ValueError(f"unknown architecture {architecture!r} "
-                         f"({', '.join(ARCHITECTURES)})")
+                         f"({', '.join(HF_CLASSES)})")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +148,7 @@ def build_random_model(
     )
     config_kwargs.update(ARCHITECTURE_DEFAULTS.get(architecture, {}))
     config_kwargs.update(config_overrides)
-    config_name, model_name = ARCHITECTURES[architecture]
+    config_name, model_name = HF_CLASSES[architecture]
     config = getattr(transformers, config_name)(**config_kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
