@@ -209,10 +209,12 @@ def test_tensor_parallel_size_must_split_heads_and_experts(make_model_dir) -> No
     with pytest.raises(ValueError, match="num_attention_heads=4 divisible"):
         DeepseekV3ForCausalLM(hf_config, 64, TPGroup(0, 3), "torch")
     with pytest.raises(ValueError, match="moe_intermediate_size=32 divisible"):
-        DeepseekV2ForCausalLM({**hf_config, "num_attention_heads": 6, "intermediate_size": 96},
+        DeepseekV2ForCausalLM({**hf_config, "topk_method": "greedy", "num_attention_heads": 6,
+                               "intermediate_size": 96},
                               64, TPGroup(0, 3), "torch")
     with pytest.raises(ValueError, match="n_routed_experts=8 divisible"):
-        DeepseekV2ForCausalLM({**hf_config, "num_attention_heads": 6, "intermediate_size": 96,
+        DeepseekV2ForCausalLM({**hf_config, "topk_method": "greedy", "num_attention_heads": 6,
+                               "intermediate_size": 96,
                                "moe_intermediate_size": 36},
                               64, TPGroup(0, 3, expert_parallel=True), "torch")
 
