@@ -69,6 +69,8 @@ HF_CLASSES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
 }
 # Per architecture, over the shared tiny defaults. The two DeepSeeks differ where the code
 # does: no q_lora (q_proj) vs q_lora; V2 softmax group-limited routing vs V3 sigmoid routing;
@@ -95,6 +97,12 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, object]] = {
     "deepseek_v3": dict(_DEEPSEEK_SHARED, num_hidden_layers=3, q_lora_rank=48,
                         qk_nope_head_dim=16, v_head_dim=32, routed_scaling_factor=2.5,
                         norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid"),
+    # 8 experts, 2 per token. Mixtral's intermediate_size is each expert's (no dense MLP).
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # Layer 0 dense (mlp_only_layers, intermediate_size 128), layer 1 MoE with a shared expert
+    # of its own width; HF's default norm_topk_prob=False (weights not renormalised).
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[0]),
 }
 
 

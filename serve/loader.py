@@ -38,6 +38,8 @@ MODEL_TYPES: dict[str | None, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
@@ -123,7 +125,8 @@ def load_model_spec(model_config: ModelConfig) -> ModelSpec:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={max_positions}")
     window = hf.get("sliding_window")
-    if window and (architecture == "MistralForCausalLM" or hf.get("use_sliding_window")):
+    if window and (architecture in ("MistralForCausalLM", "MixtralForCausalLM")
+                   or hf.get("use_sliding_window")):
         # The attention kernels see the whole context; up to the window that is exact.
         if model_config.max_model_len and model_config.max_model_len > window:
             raise ValueError(f"max_model_len={max_model_len} exceeds sliding_window={window},"

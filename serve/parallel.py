@@ -14,7 +14,7 @@ all-reduces the sum of their partial outputs once. Small projections every rank 
 
 With expert parallelism (`TPGroup.expert_parallel`, over the same ranks) a rank holds whole
 experts instead, and MoE rows travel to them and back with `all_to_all` (see
-serve/models/deepseek.py DeepseekMoE); the block still ends in one all-reduce.
+serve/models/moe.py SparseMoE); the block still ends in one all-reduce.
 
 The TP group is a small value (`TPGroup`) handed to every layer, not a module global, so two
 engines in one process (tests) cannot clash.

@@ -186,10 +186,12 @@ def test_control_message_roundtrip_and_validation() -> None:
             decode_message(bad)
 
 
-def test_mistral_sliding_window_caps_max_model_len(llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "MixtralForCausalLM"])
+def test_sliding_window_caps_max_model_len(architecture: str, llama_dir: Path,
+                                           tmp_path: Path) -> None:
     model_dir = _copy_checkpoint(llama_dir, tmp_path / "m")
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    config.update(architectures=[architecture], sliding_window=64)
     (model_dir / "config.json").write_text(json.dumps(config))
     assert load_model_spec(ModelConfig(str(model_dir))).max_model_len == 64
     with pytest.raises(ValueError, match="sliding_window"):

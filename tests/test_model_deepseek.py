@@ -17,51 +17,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from test_model_fidelity import BlockAllocator, hf_logits, random_prompts
+from model_walks import (
+    NUM_BLOCKS,
+    assert_rows_match,
+    load_hf,
+    prefill_then_decodes,
+    ragged_chunked_then_decodes,
+    randomise_biases,
+    runner_for,
+    two_prompts_in_two_chunks,
+)
+from test_model_fidelity import hf_logits, random_prompts
 
 from pdserve.serve.batch import SeqChunk, StepInput
-from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.default_model import build_random_model
-from pdserve.serve.model_runner import ModelRunner
 from pdserve.serve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pdserve.serve.parallel import TPGroup
-
-ATOL = 1e-4
-NUM_BLOCKS = 32
-
-
-def load_hf(model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-def runner_for(model_dir: Path, block_size: int, tp: int = 1,
-               expert_parallel: bool = False) -> ModelRunner:
-    return ModelRunner(ModelConfig(str(model_dir)),
-                       CacheConfig(block_size=block_size, num_blocks=NUM_BLOCKS),
-                       ParallelConfig(tensor_parallel_size=tp, device="cpu",
-                                      enable_expert_parallel=expert_parallel))
-
-
-def randomise_biases(model_dir: Path, seed: int) -> None:
-    """HF initialises every bias to zero, which would hide a bias added on the wrong ranks."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    tensors = load_file(str(path))
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in tensors.items():
-        if name.endswith(".bias"):
-            tensors[name] = torch.randn(tensor.shape, generator=gen) * 0.2
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def assert_rows_match(logits: torch.Tensor, expected: list[torch.Tensor]) -> None:
-    assert logits.shape[0] == len(expected)
-    for row, want in zip(logits, expected, strict=True):
-        torch.testing.assert_close(row, want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("backend,block_size,num_decodes", [
@@ -80,41 +51,13 @@ def test_ragged_chunked_and_decode_steps_match_hf(architecture: str, backend: st
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", backend)
     model_dir = make_model_dir(architecture, seed=3)
     hf = load_hf(model_dir)
-    lengths, chunk = [5, 17, 40], 23
     with runner_for(model_dir, block_size) as runner:
         assert runner.kv_caches[0].shape == (1, NUM_BLOCKS, block_size, 1, runner.spec.head_dim)
         attn = runner._rank.model.model.layers[0].self_attn.attn
         assert attn.backend.name == backend
-        full = random_prompts([n + num_decodes + 1 for n in lengths], runner.spec.vocab_size)
-        alloc = BlockAllocator(NUM_BLOCKS)
-        tables = [alloc.table(len(seq), block_size) for seq in full]
-        expected = [hf_logits(hf, seq) for seq in full]
-        a, b, c = range(3)
-
         done: list[int] = []
-        logits = runner.execute(StepInput([
-            SeqChunk("a", full[a][:5], 0, tables[a], True),
-            SeqChunk("b", full[b][:17], 0, tables[b], True),
-            SeqChunk("c", full[c][:chunk], 0, tables[c], False),
-        ]), layer_done=done.append)
+        ragged_chunked_then_decodes(runner, hf, block_size, num_decodes, layer_done=done.append)
         assert done == list(range(runner.spec.num_layers))
-        assert_rows_match(logits, [expected[a][4], expected[b][16]])
-
-        logits = runner.execute(StepInput([
-            SeqChunk("a", full[a][5:6], 5, tables[a], True),
-            SeqChunk("c", full[c][chunk:40], chunk, tables[c], True),
-            SeqChunk("b", full[b][17:18], 17, tables[b], True),
-        ]))
-        assert_rows_match(logits, [expected[a][5], expected[c][39], expected[b][17]])
-
-        computed = [6, 18, 40]
-        for d in range(num_decodes):
-            logits = runner.execute(StepInput([
-                SeqChunk(name, [full[s][n + d]], n + d, tables[s], True)
-                for name, s, n in zip("abc", (a, b, c), computed, strict=True)
-            ]))
-            assert_rows_match(logits, [expected[s][n + d] for s, n in zip((a, b, c), computed,
-                                                                            strict=True)])
 
 
 @pytest.mark.parametrize("architecture,overrides", [
@@ -138,15 +81,7 @@ def test_config_variants_match_hf(architecture: str, overrides: dict, tmp_path: 
     randomise_biases(model_dir, seed=4)
     hf = load_hf(model_dir)
     with runner_for(model_dir, block_size=8) as runner:
-        prompts = random_prompts([31, 10], runner.spec.vocab_size, seed=2)
-        tables = [[7, 1, 12, 4], [3, 9]]
-        expected = [hf_logits(hf, p) for p in prompts]
-        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][:30], 0, tables[0], True),
-                                           SeqChunk("b", prompts[1][:9], 0, tables[1], True)]))
-        assert_rows_match(logits, [expected[0][29], expected[1][8]])
-        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][30:], 30, tables[0], True),
-                                           SeqChunk("b", prompts[1][9:], 9, tables[1], True)]))
-        assert_rows_match(logits, [expected[0][30], expected[1][9]])
+        two_prompts_in_two_chunks(runner, hf)
         if overrides.get("tie_word_embeddings"):
             model = runner._rank.model
             assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -181,8 +116,8 @@ def test_tp2_matches_hf(architecture: str, overrides: dict, tmp_path: Path,
 @pytest.mark.parametrize("architecture", ["deepseek_v2", "deepseek_v3"])
 def test_expert_parallel_tp2_matches_hf(architecture: str, make_model_dir) -> None:
     """Whole experts on each of two ranks (4 of 8 each), rows moved by all-to-all: a ragged
-    prefill, then single-token decodes (rank 1's token share is empty: it sends and receives
-    nothing, and still joins every collective)."""
+    prefill, then single-token decodes (rank 0's token share is empty: it sends nothing, and
+    still joins every collective)."""
     model_dir = make_model_dir(architecture, seed=3)
     hf = load_hf(model_dir)
     with runner_for(model_dir, block_size=8, tp=2, expert_parallel=True) as runner:
@@ -190,16 +125,7 @@ def test_expert_parallel_tp2_matches_hf(architecture: str, make_model_dir) -> No
         assert moe.is_expert_parallel and sorted(moe.experts) == ["0", "1", "2", "3"]
         # rank 0 loaded only its experts, whole
         assert moe.experts["0"].down_proj.weight.shape[1] == 32
-        prompts = random_prompts([13, 6], runner.spec.vocab_size, seed=7)
-        tables = [[5, 2], [9]]
-        expected = [hf_logits(hf, p) for p in prompts]
-        logits = runner.execute(StepInput([SeqChunk("a", prompts[0][:11], 0, tables[0], True),
-                                           SeqChunk("b", prompts[1][:5], 0, tables[1], True)]))
-        assert_rows_match(logits, [expected[0][10], expected[1][4]])
-        for pos in (11, 12):
-            logits = runner.execute(StepInput([SeqChunk("a", prompts[0][pos:pos + 1], pos,
-                                                        tables[0], True)]))
-            assert_rows_match(logits, [expected[0][pos]])
+        prefill_then_decodes(runner, hf, seed=7)
 
 
 def test_tensor_parallel_size_must_split_heads_and_experts(make_model_dir) -> None:

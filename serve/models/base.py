@@ -10,9 +10,19 @@ import torch
 from torch import nn
 
 from pdserve.serve.attention import AttentionMetadata
-from pdserve.serve.parallel import ParallelLMHead, TPGroup
+from pdserve.serve.layers import RMSNorm, RotaryEmbedding
+from pdserve.serve.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding
 
 LayerDone = Callable[[int], None]
+# checkpoint part -> (fused parameter, shard id): the loader routes a checkpoint tensor whose
+# name holds ".q_proj." into shard "q" of the model's qkv_proj (see serve/loader.py)
+PackedMapping = dict[str, tuple[str, str | int]]
+QKV_PACKED: PackedMapping = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+}
+GATE_UP_PACKED: PackedMapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class DecoderLayer(nn.Module):
@@ -34,17 +44,22 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """embed_tokens -> layers -> norm; subclasses set those four modules and rotary_emb.
+    """embed_tokens -> layers -> norm, with one rotary table shared by every layer.
 
     Each layer is called as layer(hidden, residual, kv_cache, meta, cos_sin) and returns
     (hidden, residual); layer_done(i) runs as soon as layer i has written its KV, so the KV
     hand-off saves layer by layer from there.
     """
 
-    embed_tokens: nn.Module
-    rotary_emb: nn.Module
-    layers: nn.ModuleList
-    norm: nn.Module
+    def __init__(self, hf_config: Mapping[str, Any], tp: TPGroup, rotary_emb: RotaryEmbedding,
+                 make_layer: Callable[[int], nn.Module]) -> None:
+        """make_layer(i) builds decoder layer i (the model file's own layer class)."""
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config["vocab_size"],
+                                                   hf_config["hidden_size"], tp)
+        self.rotary_emb = rotary_emb
+        self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config["num_hidden_layers"]))
+        self.norm = RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:

@@ -44,14 +44,19 @@ from torch import nn
 
 from pdserve.serve.attention import AttentionMetadata
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
-from pdserve.serve.models.base import CausalLM, DecoderLayer, DecoderModel
-from pdserve.serve.models.moe import DeepseekMLP, DeepseekMoE, local_experts, require_divisible
+from pdserve.serve.models.base import (
+    GATE_UP_PACKED,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    PackedMapping,
+)
+from pdserve.serve.models.moe import DeepseekMoE, GatedMLP, local_experts, require_divisible
 from pdserve.serve.parallel import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
     TPGroup,
-    VocabParallelEmbedding,
 )
 
 # Hugging Face builds q_a_layernorm and kv_a_layernorm with the RMSNorm default, not
@@ -191,8 +196,8 @@ class DeepseekDecoderLayer(DecoderLayer):
             self.mlp = DeepseekMoE(hf_config, scoring_func, tp)
         else:
             require_divisible(hf_config, "intermediate_size", tp)
-            self.mlp = DeepseekMLP(hidden, int(hf_config["intermediate_size"]),
-                                   bool(hf_config.get("mlp_bias", False)), tp)
+            self.mlp = GatedMLP(hidden, int(hf_config["intermediate_size"]),
+                                bool(hf_config.get("mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
@@ -208,25 +213,15 @@ def is_moe_layer(hf_config: Mapping[str, Any], layer_id: int) -> bool:
 class DeepseekModel(DecoderModel):
     def __init__(self, hf_config: Mapping[str, Any], max_positions: int, scoring_func: str,
                  tp: TPGroup, backend_name: str) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config["vocab_size"],
-                                                   hf_config["hidden_size"], tp)
         # V2 configs carry no rope_interleave: Hugging Face's V2 always rotates pairs.
         rotary_emb = RotaryEmbedding(int(hf_config["qk_rope_head_dim"]), max_positions,
                                      hf_config, bool(hf_config.get("rope_interleave", True)))
-        self.rotary_emb = rotary_emb
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(hf_config, i, rotary_emb, scoring_func, tp, backend_name)
-            for i in range(hf_config["num_hidden_layers"])
-        )
-        self.norm = RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
+        super().__init__(hf_config, tp, rotary_emb, lambda i: DeepseekDecoderLayer(
+            hf_config, i, rotary_emb, scoring_func, tp, backend_name))
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping: ClassVar[PackedMapping] = GATE_UP_PACKED
     scoring_func: ClassVar[str] = "softmax"
 
     def __init__(self, hf_config: Mapping[str, Any], max_positions: int, tp: TPGroup,

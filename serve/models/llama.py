@@ -22,13 +22,19 @@ from torch import nn
 
 from pdserve.serve.attention import Attention, AttentionMetadata
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from pdserve.serve.models.base import CausalLM, DecoderLayer, DecoderModel
+from pdserve.serve.models.base import (
+    GATE_UP_PACKED,
+    QKV_PACKED,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    PackedMapping,
+)
 from pdserve.serve.parallel import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     TPGroup,
-    VocabParallelEmbedding,
 )
 
 
@@ -100,26 +106,13 @@ class LlamaDecoderLayer(DecoderLayer):
 class LlamaModel(DecoderModel):
     def __init__(self, hf_config: Mapping[str, Any], max_positions: int, qkv_bias: bool,
                  tp: TPGroup, backend_name: str) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config["vocab_size"],
-                                                   hf_config["hidden_size"], tp)
         rotary_emb = RotaryEmbedding(head_dim_of(hf_config), max_positions, hf_config)
-        self.rotary_emb = rotary_emb
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, rotary_emb, qkv_bias, tp, backend_name)
-            for _ in range(hf_config["num_hidden_layers"])
-        )
-        self.norm = RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
+        super().__init__(hf_config, tp, rotary_emb, lambda _: LlamaDecoderLayer(
+            hf_config, rotary_emb, qkv_bias, tp, backend_name))
 
 
 class LlamaForCausalLM(CausalLM):
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping: ClassVar[PackedMapping] = {**QKV_PACKED, **GATE_UP_PACKED}
     qkv_bias: ClassVar[bool] = False
 
     def __init__(self, hf_config: Mapping[str, Any], max_positions: int, tp: TPGroup,

@@ -1,18 +1,27 @@
-"""DeepSeek's mixture-of-experts block: the router, the experts and how tokens reach them.
+"""Mixture-of-experts: the router, the experts and how tokens reach them.
 
-    x ─► router (replicated linear, fp32) ─► top-k experts and weights per token
-      ─► routed experts: sum_k weight_k * expert_k(x)      + shared experts(x)  ─► all-reduce
+    x ─► router (replicated linear) ─► top-k experts and weights per token
+      ─► routed experts: sum_k weight_k * expert_k(x)      + shared expert(s)(x)  ─► all-reduce
 
-V2 scores with a softmax (greedy or group-limited top-k), V3 with a sigmoid steered by
-e_score_correction_bias (group-limited); checkpoints store each expert as its own gate/up/down
-(`experts.N.*`). Experts are TP-split by default, or placed whole on ranks with expert
-parallelism (DeepseekMoE's docstring draws the all-to-all).
+One block, SparseMoE, serves every MoE model; the models differ in the router's scoring and
+in the shared expert (SparseMoE.shared_output):
+
+    DeepSeek-V2   softmax, greedy or group-limited top-k, * routed_scaling_factor; shared
+                  experts summed in (DeepseekMoE, here)
+    DeepSeek-V3   sigmoid + e_score_correction_bias to choose, group-limited, renormalised
+    Mixtral       softmax, top-k, renormalised; no shared expert (serve/models/llama_moe.py)
+    Qwen2-MoE     softmax, top-k, renormalised iff norm_topk_prob; one shared expert scaled
+                  per token by sigmoid(shared_expert_gate(x)) (serve/models/llama_moe.py)
+
+Checkpoints store each expert as its own gate/up/down (`experts.N.*`). Experts are TP-split
+by default, or placed whole on ranks with expert parallelism (SparseMoE's docstring draws
+the all-to-all).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,69 +39,78 @@ from pdserve.serve.parallel import (
 def require_divisible(hf_config: Mapping[str, Any], key: str, tp: TPGroup) -> None:
     value = int(hf_config[key])
     if value % tp.size:
-        raise ValueError(f"DeepSeek needs {key}={value} divisible by tensor_parallel_size="
-                         f"{tp.size}")
+        raise ValueError(f"tensor parallelism needs {key}={value} divisible by "
+                         f"tensor_parallel_size={tp.size}")
 
 
-class DeepseekMLP(nn.Module):
-    """silu(x W_gate) * (x W_up) W_down: the dense layers, each expert and the shared experts.
+class GatedMLP(nn.Module):
+    """silu(x W_gate) * (x W_up) W_down: dense layers, each expert and the shared experts.
 
-    reduce=False leaves the all-reduce to the MoE block that sums several of these."""
+    The two projections are registered under the checkpoint's names: gate_up_proj (gate and
+    up fused) and down_proj, or a subclass's (Mixtral's experts: w13 and w2).
+    reduce=False leaves the all-reduce to the MoE block that sums several of these.
+    """
+
+    gate_up_name: ClassVar[str] = "gate_up_proj"
+    down_name: ClassVar[str] = "down_proj"
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup,
                  reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias, tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp, reduce)
+        self.add_module(self.gate_up_name, MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias, tp))
+        self.add_module(self.down_name,
+                        RowParallelLinear(intermediate_size, hidden_size, bias, tp, reduce))
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up, down = self._modules[self.gate_up_name], self._modules[self.down_name]
+        return down(self.act_fn(gate_up(x)))  # type: ignore[misc]
 
 
 class TopKRouter(ReplicatedLinear):
-    """Scores every routed expert per token and keeps num_experts_per_tok of them.
+    """Scores every routed expert per token and keeps top_k of them.
 
-        V2 (softmax):  s = softmax(x W_g);  top-k of s, optionally within the top topk_group
-                       groups by their best expert ("group_limited_greedy");  w = s * scale
-        V3 (sigmoid):  s = sigmoid(x W_g);  c = s + e_score_correction_bias chooses: groups
-                       ranked by the sum of their two best c, top-k of c within topk_group
-                       groups;  w = s (not c), renormalised if norm_topk_prob, * scale
+        softmax:  s = softmax(x W_g);  top-k of s, within the topk_groups best groups by
+                  their best expert when group-limited;  w = s (the masked s)
+        sigmoid:  s = sigmoid(x W_g);  c = s + e_score_correction_bias chooses: groups
+                  ranked by the sum of their two best c, top-k of c within topk_groups
+                  groups;  w = s (not c)
+        then:     w renormalised over the k if norm_topk_prob;  w * routed_scaling_factor
 
-    Computed in float32 whatever the model dtype, as Hugging Face does.
+    The choice is group-limited when topk_groups < num_groups. Scores are float32 whatever
+    the model dtype; is_float32_logits says whether x W_g is too (DeepSeek in Hugging Face) or
+    runs in the model dtype and is upcast after (Mixtral, Qwen2-MoE), so that bf16 models pick
+    the experts Hugging Face picks.
     """
 
-    def __init__(self, hf_config: Mapping[str, Any], scoring_func: str) -> None:
-        num_experts = int(hf_config["n_routed_experts"])
-        super().__init__(hf_config["hidden_size"], num_experts, bias=False)
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,
+                 scoring_func: str = "softmax", norm_topk_prob: bool = False,
+                 routed_scaling_factor: float = 1.0, num_groups: int = 1,
+                 topk_groups: int | None = None, is_float32_logits: bool = True) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        if scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported scoring_func {scoring_func!r} (softmax, sigmoid)")
         self.num_experts = num_experts
-        self.top_k = int(hf_config["num_experts_per_tok"])
+        self.top_k = top_k
         self.scoring_func = scoring_func
-        self.routed_scaling_factor = float(hf_config.get("routed_scaling_factor", 1.0))
-        self.num_groups = int(hf_config.get("n_group") or 1)
-        self.topk_groups = int(hf_config.get("topk_group") or self.num_groups)
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups or num_groups
+        self.is_group_limited = self.topk_groups < num_groups
+        self.is_float32_logits = is_float32_logits
         if scoring_func == "sigmoid":
-            self.is_group_limited = True
-            self.norm_topk_prob = bool(hf_config.get("norm_topk_prob", True))
             self.e_score_correction_bias = nn.Parameter(  # float32, as HF keeps it
-                torch.empty(self.num_experts, dtype=torch.float32), requires_grad=False)
-        else:
-            topk_method = hf_config.get("topk_method") or "greedy"
-            if topk_method not in ("greedy", "group_limited_greedy"):
-                raise ValueError(f"unsupported DeepSeek-V2 topk_method {topk_method!r} "
-                                 "(greedy, group_limited_greedy)")
-            self.is_group_limited = topk_method == "group_limited_greedy"
-            # Hugging Face ignores V2's norm_topk_prob (False in every V2 checkpoint).
-            self.norm_topk_prob = False
-        if self.is_group_limited and self.num_experts % self.num_groups:
-            raise ValueError(f"n_routed_experts={self.num_experts} is not a multiple of "
-                             f"n_group={self.num_groups}")
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor  # type: ignore[override]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
+        if self.is_float32_logits:
+            logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
+        else:
+            logits = F.linear(hidden, self.weight).float()
         if self.scoring_func == "sigmoid":
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias
@@ -101,7 +119,7 @@ class TopKRouter(ReplicatedLinear):
         if self.is_group_limited:
             choice = self._mask_other_groups(choice)
             if self.scoring_func == "softmax":
-                scores = choice  # V2 weighs by the masked scores
+                scores = choice  # DeepSeek-V2 weighs by the masked scores
         expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
@@ -122,20 +140,33 @@ class TopKRouter(ReplicatedLinear):
         return grouped.masked_fill(~keep.unsqueeze(-1), dropped).view_as(choice)
 
 
-def local_experts(num_experts: int, tp: TPGroup) -> range:
+def local_experts(num_experts: int, tp: TPGroup, num_experts_key: str = "n_routed_experts"
+                  ) -> range:
     """The routed experts this rank holds: all of them (each TP-split), or with expert
-    parallelism an even, contiguous share of whole experts."""
+    parallelism an even, contiguous share of whole experts. num_experts_key names the count
+    in the model's config, for the error."""
     if not (tp.expert_parallel and tp.size > 1):
         return range(num_experts)
     if num_experts % tp.size:
-        raise ValueError(f"expert parallelism needs n_routed_experts={num_experts} divisible "
+        raise ValueError(f"expert parallelism needs {num_experts_key}={num_experts} divisible "
                          f"by tensor_parallel_size={tp.size}")
     per_rank = num_experts // tp.size
     return range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
 
 
-class DeepseekMoE(nn.Module):
-    """Routed experts (each token to its top-k, weighted) plus shared experts (every token).
+def checkpoint_expert_id(name: str, block_name: str) -> int | None:
+    """N for a routed expert's checkpoint tensor "model.layers.L.<block_name>.experts.N.*",
+    else None."""
+    parts = name.split(".")
+    if (len(parts) < 7 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
+            or parts[3:5] != [block_name, "experts"] or not parts[5].isdigit()):
+        return None
+    return int(parts[5])
+
+
+class SparseMoE(nn.Module):
+    """Routed experts: each token to its router's top-k, weighted; subclasses add a shared
+    expert through shared_output().
 
     Tensor parallel (default): every expert is TP-split like a dense MLP and sees every token
     it was routed; partial outputs are summed and all-reduced once. Expert parallel
@@ -146,33 +177,37 @@ class DeepseekMoE(nn.Module):
         expert's rank ── experts ── all-to-all ──► back, weighted into rank r's rows
         (a first, small all-to-all tells every rank how many rows per expert to expect)
 
-    The shared experts stay TP-split; one all-reduce completes both (each routed row comes
+    A shared expert stays TP-split; one all-reduce completes both (each routed row comes
     from one rank, the shared partial sums from all). On CPU the experts run one after
     another over just their rows.
+
+    intermediate_key and num_experts_key name the expert width and count in hf_config;
+    expert_cls builds each expert (its parameter names are the checkpoint's).
     """
 
-    def __init__(self, hf_config: Mapping[str, Any], scoring_func: str, tp: TPGroup) -> None:
+    def __init__(self, hf_config: Mapping[str, Any], gate: TopKRouter, tp: TPGroup,
+                 intermediate_key: str, num_experts_key: str,
+                 expert_cls: type[GatedMLP] = GatedMLP) -> None:
         super().__init__()
         self.tp = tp
         hidden = hf_config["hidden_size"]
-        inter = int(hf_config["moe_intermediate_size"])
-        self.gate = TopKRouter(hf_config, scoring_func)
-        self.local_experts = local_experts(self.gate.num_experts, tp)
-        self.is_expert_parallel = len(self.local_experts) < self.gate.num_experts
+        inter = int(hf_config[intermediate_key])
+        self.gate = gate
+        self.local_experts = local_experts(gate.num_experts, tp, num_experts_key)
+        self.is_expert_parallel = len(self.local_experts) < gate.num_experts
         if not self.is_expert_parallel:
-            require_divisible(hf_config, "moe_intermediate_size", tp)
+            require_divisible(hf_config, intermediate_key, tp)
         expert_tp = TPGroup() if self.is_expert_parallel else tp  # whole or split experts
         # Keyed by global expert id, so parameter names stay the checkpoint's (experts.N.*).
         self.experts = nn.ModuleDict({
-            str(e): DeepseekMLP(hidden, inter, False, expert_tp, reduce=False)
+            str(e): expert_cls(hidden, inter, False, expert_tp, reduce=False)
             for e in self.local_experts
         })
-        num_shared = int(hf_config.get("n_shared_experts") or 0)
-        self.shared_experts = (
-            DeepseekMLP(hidden, inter * num_shared, bool(hf_config.get("mlp_bias", False)), tp,
-                        reduce=False)
-            if num_shared else None
-        )
+
+    def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Every token's shared-expert output, this rank's partial sum ([T, hidden], not yet
+        all-reduced); None without a shared expert."""
+        return None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(hidden)  # [T, k] each
@@ -183,8 +218,9 @@ class DeepseekMoE(nn.Module):
             tokens = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
             out = self._weighted_sum(hidden, tokens, self._apply_experts(
                 hidden.index_select(0, tokens), expert_ids.flatten()), weights.flatten())
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
+        shared = self.shared_output(hidden)
+        if shared is not None:
+            out = out + shared
         return self.tp.all_reduce(out)
 
     def _dispatch_and_combine(self, hidden: torch.Tensor, weights: torch.Tensor,
@@ -232,3 +268,49 @@ class DeepseekMoE(nn.Module):
             out.index_copy_(0, index, self.experts[str(expert)](rows.index_select(0, index)))
             start += count
         return out
+
+
+def deepseek_router(hf_config: Mapping[str, Any], scoring_func: str) -> TopKRouter:
+    """DeepSeek-V2 (softmax; greedy or group_limited_greedy) or V3 (sigmoid, group-limited,
+    norm_topk_prob) routing from the checkpoint's config."""
+    num_experts = int(hf_config["n_routed_experts"])
+    num_groups = int(hf_config.get("n_group") or 1)
+    topk_groups = int(hf_config.get("topk_group") or num_groups)
+    if scoring_func == "sigmoid":
+        norm_topk_prob = bool(hf_config.get("norm_topk_prob", True))
+    else:
+        topk_method = hf_config.get("topk_method") or "greedy"
+        if topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"unsupported DeepSeek-V2 topk_method {topk_method!r} "
+                             "(greedy, group_limited_greedy)")
+        if topk_method == "greedy":
+            num_groups = topk_groups = 1
+        # Hugging Face ignores V2's norm_topk_prob (False in every V2 checkpoint).
+        norm_topk_prob = False
+    if num_experts % num_groups:
+        raise ValueError(f"n_routed_experts={num_experts} is not a multiple of "
+                         f"n_group={num_groups}")
+    return TopKRouter(hf_config["hidden_size"], num_experts,
+                      int(hf_config["num_experts_per_tok"]), scoring_func=scoring_func,
+                      norm_topk_prob=norm_topk_prob,
+                      routed_scaling_factor=float(hf_config.get("routed_scaling_factor", 1.0)),
+                      num_groups=num_groups, topk_groups=topk_groups)
+
+
+class DeepseekMoE(SparseMoE):
+    """DeepSeek's routed experts (deepseek_router) plus n_shared_experts, which every token
+    passes through, held as one MLP n_shared_experts times as wide."""
+
+    def __init__(self, hf_config: Mapping[str, Any], scoring_func: str, tp: TPGroup) -> None:
+        super().__init__(hf_config, deepseek_router(hf_config, scoring_func), tp,
+                         "moe_intermediate_size", "n_routed_experts")
+        inter = int(hf_config["moe_intermediate_size"])
+        num_shared = int(hf_config.get("n_shared_experts") or 0)
+        self.shared_experts = (
+            GatedMLP(hf_config["hidden_size"], inter * num_shared,
+                     bool(hf_config.get("mlp_bias", False)), self.tp, reduce=False)
+            if num_shared else None
+        )
+
+    def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(hidden)
