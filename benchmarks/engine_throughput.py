@@ -37,8 +37,10 @@ DEEPSEEK_CONFIG: dict[str, object] = dict(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--architecture", choices=["llama", "deepseek_v3"], default="llama",
-                        help="llama (GQA) or deepseek_v3 (MLA latent cache + MoE)")
+    parser.add_argument("--architecture", choices=["llama", "mixtral", "deepseek_v3"],
+                        default="llama",
+                        help="llama (GQA), mixtral (GQA + 8 experts, 2 per token, each "
+                             "intermediate_size / 4) or deepseek_v3 (MLA latent cache + MoE)")
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                         help="pdserve's TP degree (HF runs in one process either way)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
@@ -169,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
             num_key_value_heads=args.num_kv_heads, initializer_range=0.02)
         if args.architecture == "deepseek_v3":  # HF's MLA wants as many K/V heads as Q heads
             config.update(DEEPSEEK_CONFIG, num_key_value_heads=args.num_heads)
+        elif args.architecture == "mixtral":
+            config.update(num_local_experts=8, num_experts_per_tok=2,
+                          intermediate_size=args.intermediate_size // 4)
         model_dir = build_random_model(tmp, args.architecture, seed=args.seed, **config)
         hf_model = None
         if not args.skip_hf:
