@@ -157,7 +157,10 @@ class WorkerClient:
             # only wakes each second to stay cancellable without a pending recv.
             if not await self._socket.poll(RECEIVE_POLL_MS):
                 continue
-            raw = await self._socket.recv()
+            try:  # poll said a message is waiting: take it without blocking
+                raw = await self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
             try:
                 message = WORKER_PROTOCOL.decode(raw)
             except WireError as exc:
