@@ -4,14 +4,20 @@ and the LM head (tied to the embedding or not). A model file only builds its lay
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pdserve.serve.attention import AttentionMetadata
-from pdserve.serve.layers import RMSNorm, RotaryEmbedding
-from pdserve.serve.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding
+from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.serve.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 
 LayerDone = Callable[[int], None]
 # checkpoint part -> (fused parameter, shard id): the loader routes a checkpoint tensor whose
@@ -23,6 +29,53 @@ QKV_PACKED: PackedMapping = {
     "v_proj": ("qkv_proj", "v"),
 }
 GATE_UP_PACKED: PackedMapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def require_divisible(hf_config: Mapping[str, Any], key: str, tp: TPGroup) -> None:
+    value = int(hf_config[key])
+    if value % tp.size:
+        raise ValueError(f"tensor parallelism needs {key}={value} divisible by "
+                         f"tensor_parallel_size={tp.size}")
+
+
+def require_silu(hf_config: Mapping[str, Any]) -> None:
+    """Every MLP here (dense, expert, shared expert) is silu-gated."""
+    act = hf_config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r} (silu)")
+
+
+class GatedMLP(nn.Module):
+    """silu(x W_gate) * (x W_up) W_down: dense layers, each expert and the shared experts.
+
+    The two projections are registered under the checkpoint's names: gate_up_proj (gate and
+    up fused) and down_proj, or a subclass's (Mixtral's experts: w13 and w2).
+    reduce=False leaves the all-reduce to the MoE block that sums several of these.
+    """
+
+    gate_up_name: ClassVar[str] = "gate_up_proj"
+    down_name: ClassVar[str] = "down_proj"
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup,
+                 reduce: bool = True) -> None:
+        super().__init__()
+        self.add_module(self.gate_up_name, MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias, tp))
+        self.add_module(self.down_name,
+                        RowParallelLinear(intermediate_size, hidden_size, bias, tp, reduce))
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self._modules[self.gate_up_name], self._modules[self.down_name]
+        return down(self.act_fn(gate_up(x)))  # type: ignore[misc]
+
+
+def dense_mlp(hf_config: Mapping[str, Any], tp: TPGroup) -> GatedMLP:
+    """A layer's dense MLP: intermediate_size wide, TP-split, biases if mlp_bias."""
+    require_silu(hf_config)
+    require_divisible(hf_config, "intermediate_size", tp)
+    return GatedMLP(hf_config["hidden_size"], int(hf_config["intermediate_size"]),
+                    bool(hf_config.get("mlp_bias", False)), tp)
 
 
 class DecoderLayer(nn.Module):

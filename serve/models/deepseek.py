@@ -50,8 +50,10 @@ from pdserve.serve.models.base import (
     DecoderLayer,
     DecoderModel,
     PackedMapping,
+    dense_mlp,
+    require_divisible,
 )
-from pdserve.serve.models.moe import DeepseekMoE, GatedMLP, local_experts, require_divisible
+from pdserve.serve.models.moe import DeepseekMoE, is_other_ranks_expert, local_experts
 from pdserve.serve.parallel import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -187,17 +189,9 @@ class DeepseekDecoderLayer(DecoderLayer):
         super().__init__()
         eps = float(hf_config.get("rms_norm_eps", 1e-6))
         hidden = hf_config["hidden_size"]
-        act = hf_config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r} (silu)")
         self.self_attn = DeepseekAttention(hf_config, rotary_emb, tp, backend_name)
-        self.mlp: nn.Module
-        if is_moe_layer(hf_config, layer_id):
-            self.mlp = DeepseekMoE(hf_config, scoring_func, tp)
-        else:
-            require_divisible(hf_config, "intermediate_size", tp)
-            self.mlp = GatedMLP(hidden, int(hf_config["intermediate_size"]),
-                                bool(hf_config.get("mlp_bias", False)), tp)
+        self.mlp = (DeepseekMoE(hf_config, scoring_func, tp) if is_moe_layer(hf_config, layer_id)
+                    else dense_mlp(hf_config, tp))
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
@@ -230,19 +224,11 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekModel(hf_config, max_positions, self.scoring_func, tp,
                                    backend_name)
         self.add_lm_head(hf_config, tp)
-        self._hf_config = hf_config
         self._local_experts = local_experts(int(hf_config.get("n_routed_experts") or 0), tp)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """Routed experts held by other ranks (expert parallelism): the loader skips them."""
-        parts = name.split(".")  # model.layers.L.mlp.experts.N.*
-        if len(parts) < 6 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp",
-                                                                                "experts"]:
-            return False
-        if not (parts[2].isdigit() and parts[5].isdigit()):
-            return False
-        return (is_moe_layer(self._hf_config, int(parts[2]))
-                and int(parts[5]) not in self._local_experts)
+        return is_other_ranks_expert(name, "mlp", self._local_experts)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pdserve.serve.attention import Attention, AttentionMetadata
-from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.serve.layers import RMSNorm, RotaryEmbedding
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
     QKV_PACKED,
@@ -29,9 +29,9 @@ from pdserve.serve.models.base import (
     DecoderLayer,
     DecoderModel,
     PackedMapping,
+    dense_mlp,
 )
 from pdserve.serve.parallel import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     TPGroup,
@@ -76,31 +76,21 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Mapping[str, Any], tp: TPGroup) -> None:
-        super().__init__()
-        hidden, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
-        bias = bool(hf_config.get("mlp_bias", False))
-        act = hf_config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r} (silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(DecoderLayer):
+    """Llama attention and the two RMSNorms around an MLP: dense here; Mixtral's and
+    Qwen2-MoE's layers (llama_moe.py) override build_mlp."""
+
     def __init__(self, hf_config: Mapping[str, Any], rotary_emb: RotaryEmbedding,
-                 qkv_bias: bool, tp: TPGroup, backend_name: str) -> None:
+                 qkv_bias: bool, tp: TPGroup, backend_name: str, layer_id: int = 0) -> None:
         super().__init__()
         eps = float(hf_config.get("rms_norm_eps", 1e-6))
         self.self_attn = LlamaAttention(hf_config, rotary_emb, qkv_bias, tp, backend_name)
-        self.mlp = LlamaMLP(hf_config, tp)
         self.input_layernorm = RMSNorm(hf_config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf_config["hidden_size"], eps)
+        self.build_mlp(hf_config, layer_id, tp)
+
+    def build_mlp(self, hf_config: Mapping[str, Any], layer_id: int, tp: TPGroup) -> None:
+        self.mlp = dense_mlp(hf_config, tp)
 
 
 class LlamaModel(DecoderModel):

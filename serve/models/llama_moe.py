@@ -28,23 +28,23 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.layers import RMSNorm, RotaryEmbedding
+from pdserve.serve.layers import RotaryEmbedding
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
     QKV_PACKED,
     CausalLM,
-    DecoderLayer,
     DecoderModel,
-    PackedMapping,
-)
-from pdserve.serve.models.llama import LlamaAttention, head_dim_of
-from pdserve.serve.models.moe import (
     GatedMLP,
+    PackedMapping,
+    dense_mlp,
+    require_divisible,
+)
+from pdserve.serve.models.llama import LlamaDecoderLayer, head_dim_of
+from pdserve.serve.models.moe import (
     SparseMoE,
     TopKRouter,
-    checkpoint_expert_id,
+    is_other_ranks_expert,
     local_experts,
-    require_divisible,
 )
 from pdserve.serve.parallel import ReplicatedLinear, TPGroup
 
@@ -95,25 +95,12 @@ class Qwen2MoeSparseMoE(SparseMoE):
         return torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
 
 
-class MoEDecoderLayer(DecoderLayer):
-    """Llama attention and the two RMSNorms; subclasses add the MLP."""
-
-    def __init__(self, hf_config: Mapping[str, Any], rotary_emb: RotaryEmbedding,
-                 qkv_bias: bool, tp: TPGroup, backend_name: str) -> None:
-        super().__init__()
-        act = hf_config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r} (silu)")
-        eps = float(hf_config.get("rms_norm_eps", 1e-6))
-        self.self_attn = LlamaAttention(hf_config, rotary_emb, qkv_bias, tp, backend_name)
-        self.input_layernorm = RMSNorm(hf_config["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(hf_config["hidden_size"], eps)
-
-
-class MixtralDecoderLayer(MoEDecoderLayer):
+class MixtralDecoderLayer(LlamaDecoderLayer):
     def __init__(self, hf_config: Mapping[str, Any], layer_id: int, rotary_emb: RotaryEmbedding,
                  tp: TPGroup, backend_name: str) -> None:
-        super().__init__(hf_config, rotary_emb, False, tp, backend_name)
+        super().__init__(hf_config, rotary_emb, False, tp, backend_name, layer_id)
+
+    def build_mlp(self, hf_config: Mapping[str, Any], layer_id: int, tp: TPGroup) -> None:
         self.block_sparse_moe = MixtralMoE(hf_config, tp)
 
     @property
@@ -130,19 +117,16 @@ def is_qwen2_moe_sparse_layer(hf_config: Mapping[str, Any], layer_id: int) -> bo
             and (layer_id + 1) % int(hf_config.get("decoder_sparse_step") or 1) == 0)
 
 
-class Qwen2MoeDecoderLayer(MoEDecoderLayer):
+class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, hf_config: Mapping[str, Any], layer_id: int, rotary_emb: RotaryEmbedding,
                  tp: TPGroup, backend_name: str) -> None:
         # Qwen1.5-MoE configs predate the qkv_bias key; their Q/K/V have biases.
         super().__init__(hf_config, rotary_emb, bool(hf_config.get("qkv_bias", True)), tp,
-                         backend_name)
-        self.mlp: nn.Module
-        if is_qwen2_moe_sparse_layer(hf_config, layer_id):
-            self.mlp = Qwen2MoeSparseMoE(hf_config, tp)
-        else:
-            require_divisible(hf_config, "intermediate_size", tp)
-            self.mlp = GatedMLP(hf_config["hidden_size"], int(hf_config["intermediate_size"]),
-                                False, tp)
+                         backend_name, layer_id)
+
+    def build_mlp(self, hf_config: Mapping[str, Any], layer_id: int, tp: TPGroup) -> None:
+        self.mlp = (Qwen2MoeSparseMoE(hf_config, tp)
+                    if is_qwen2_moe_sparse_layer(hf_config, layer_id) else dense_mlp(hf_config, tp))
 
 
 class MoEDecoderModel(DecoderModel):
@@ -171,8 +155,7 @@ class MoECausalLM(CausalLM):
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """Routed experts held by other ranks (expert parallelism): the loader skips them."""
-        expert = checkpoint_expert_id(name, self.moe_block_name)
-        return expert is not None and expert not in self._local_experts
+        return is_other_ranks_expert(name, self.moe_block_name, self._local_experts)
 
 
 class MixtralForCausalLM(MoECausalLM):

@@ -21,51 +21,14 @@ the all-to-all).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.serve.layers import SiluAndMul
-from pdserve.serve.parallel import (
-    MergedColumnParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-    TPGroup,
-)
-
-
-def require_divisible(hf_config: Mapping[str, Any], key: str, tp: TPGroup) -> None:
-    value = int(hf_config[key])
-    if value % tp.size:
-        raise ValueError(f"tensor parallelism needs {key}={value} divisible by "
-                         f"tensor_parallel_size={tp.size}")
-
-
-class GatedMLP(nn.Module):
-    """silu(x W_gate) * (x W_up) W_down: dense layers, each expert and the shared experts.
-
-    The two projections are registered under the checkpoint's names: gate_up_proj (gate and
-    up fused) and down_proj, or a subclass's (Mixtral's experts: w13 and w2).
-    reduce=False leaves the all-reduce to the MoE block that sums several of these.
-    """
-
-    gate_up_name: ClassVar[str] = "gate_up_proj"
-    down_name: ClassVar[str] = "down_proj"
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup,
-                 reduce: bool = True) -> None:
-        super().__init__()
-        self.add_module(self.gate_up_name, MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias, tp))
-        self.add_module(self.down_name,
-                        RowParallelLinear(intermediate_size, hidden_size, bias, tp, reduce))
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self._modules[self.gate_up_name], self._modules[self.down_name]
-        return down(self.act_fn(gate_up(x)))  # type: ignore[misc]
+from pdserve.serve.models.base import GatedMLP, require_divisible, require_silu
+from pdserve.serve.parallel import ReplicatedLinear, TPGroup
 
 
 class TopKRouter(ReplicatedLinear):
@@ -154,14 +117,14 @@ def local_experts(num_experts: int, tp: TPGroup, num_experts_key: str = "n_route
     return range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
 
 
-def checkpoint_expert_id(name: str, block_name: str) -> int | None:
-    """N for a routed expert's checkpoint tensor "model.layers.L.<block_name>.experts.N.*",
-    else None."""
+def is_other_ranks_expert(name: str, block_name: str, mine: range) -> bool:
+    """Whether a checkpoint tensor is a routed expert outside `mine` (this rank's experts):
+    "model.layers.L.<block_name>.experts.N.*" with N not in mine. The loader skips those."""
     parts = name.split(".")
     if (len(parts) < 7 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
             or parts[3:5] != [block_name, "experts"] or not parts[5].isdigit()):
-        return None
-    return int(parts[5])
+        return False
+    return int(parts[5]) not in mine
 
 
 class SparseMoE(nn.Module):
@@ -189,6 +152,7 @@ class SparseMoE(nn.Module):
                  intermediate_key: str, num_experts_key: str,
                  expert_cls: type[GatedMLP] = GatedMLP) -> None:
         super().__init__()
+        require_silu(hf_config)
         self.tp = tp
         hidden = hf_config["hidden_size"]
         inter = int(hf_config[intermediate_key])
@@ -217,7 +181,7 @@ class SparseMoE(nn.Module):
             top_k = expert_ids.shape[1]
             tokens = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
             out = self._weighted_sum(hidden, tokens, self._apply_experts(
-                hidden.index_select(0, tokens), expert_ids.flatten()), weights.flatten())
+                hidden, expert_ids.flatten(), tokens), weights.flatten())
         shared = self.shared_output(hidden)
         if shared is not None:
             out = out + shared
@@ -251,21 +215,24 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(hidden)
         return out.index_add_(0, tokens, (outputs * weights[:, None]).to(hidden.dtype))
 
-    def _apply_experts(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """y[i] = expert expert_ids[i] (rows[i]), expert by expert over just its rows; every id
-        is one of this rank's experts.
+    def _apply_experts(self, rows: torch.Tensor, expert_ids: torch.Tensor,
+                       row_of: torch.Tensor | None = None) -> torch.Tensor:
+        """y[i] = expert expert_ids[i] (rows[row_of[i]]) (row_of: i itself when None), expert
+        by expert over just its rows, each row gathered once; every id is one of this rank's
+        experts.
 
-            rows sorted by expert:  e0: r3 r7 | e1: (none) | e2: r0 r4 r9 ...
+            pairs sorted by expert:  e0: i3 i7 | e1: (none) | e2: i0 i4 i9 ...
         """
         order = expert_ids.argsort(stable=True)
         counts = torch.bincount(expert_ids, minlength=self.gate.num_experts).tolist()
-        out = torch.empty_like(rows)
+        out = rows.new_empty((expert_ids.shape[0], rows.shape[1]))
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             index = order[start : start + count]
-            out.index_copy_(0, index, self.experts[str(expert)](rows.index_select(0, index)))
+            source = index if row_of is None else row_of.index_select(0, index)
+            out.index_copy_(0, index, self.experts[str(expert)](rows.index_select(0, source)))
             start += count
         return out
 
