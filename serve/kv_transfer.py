@@ -12,10 +12,9 @@
 Stored blocks are TP-independent ([num_layers, P, block_size, all KV heads, head_dim], P = 2
 for K/V or 1 for an MLA latent; see kvstore/connector.py), and this side always moves
 whole-head blocks through the runner's gather/scatter, so prefill and decode may run different
-TP degrees. Every full prompt block
-is stored under its chained block key; the last, partial block too, under the chain's next
-key over its tokens, so decode recomputes nothing. A failed or partial load is a miss: the
-decode worker recomputes the prompt (the KV cache is a cache).
+TP degrees. Every full prompt block is stored under its chained block key; the last, partial
+block too, under the chain's next key over its tokens, so decode recomputes nothing. A failed
+or partial load is a miss: the decode worker recomputes the prompt (the KV cache is a cache).
 """
 
 from __future__ import annotations

@@ -222,10 +222,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
     packed: Mapping[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())
-    # Layers past the model's own (DeepSeek-V3's multi-token-prediction layer) serve training
-    # and speculative decoding, not generation: skipped, as Hugging Face does.
-    num_layers = len(getattr(getattr(model, "model", None), "layers", ()))
-    # What this rank does not hold (expert parallelism: other ranks' experts).
+    # What the model does not use on this rank (DeepSeek-V3's multi-token-prediction layer,
+    # other ranks' experts under expert parallelism): its skips_checkpoint_tensor says.
     skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)
     expected_shards: dict[str, int] = {}
     for target, _ in packed.values():
@@ -250,8 +248,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
                     progress.update(1)
                     if name.endswith("rotary_emb.inv_freq") or (
                         tied and name == "lm_head.weight"
-                    ) or _layer_index(name) >= num_layers or skips(name):
-                        continue  # recomputed / shared / not generating / another rank's
+                    ) or skips(name):
+                        continue  # recomputed / shared with the embedding / not used here
                     _load_one(params, packed, loaded_shards, name,
                               _LazyCheckpointTensor(f, name))
 
@@ -263,15 +261,6 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
     if missing:
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks tensors for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-
-
-def _layer_index(name: str) -> int:
-    """N for a checkpoint tensor "model.layers.N.*", else -1."""
-    prefix = "model.layers."
-    if not name.startswith(prefix):
-        return -1
-    index = name[len(prefix):].split(".", 1)[0]
-    return int(index) if index.isdigit() else -1
 
 
 def _load_one(params: Mapping[str, nn.Parameter], packed: Mapping[str, tuple[str, str | int]],

@@ -30,8 +30,8 @@ and every expert's intermediate size (or, with expert parallelism, places whole 
 latent projections, the router and the latent cache are whole on every rank.
 
 The loader skips V3's multi-token-prediction layer (model.layers.{num_hidden_layers}.*), as
-HF does; FP8 checkpoints (block-scaled weights) are refused with a clear error: serve a bf16
-conversion.
+HF does (skips_checkpoint_tensor); FP8 checkpoints (block-scaled weights) are refused with a
+clear error: serve a bf16 conversion.
 """
 
 from __future__ import annotations
@@ -224,10 +224,17 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekModel(hf_config, max_positions, self.scoring_func, tp,
                                    backend_name)
         self.add_lm_head(hf_config, tp)
+        self._num_layers = int(hf_config["num_hidden_layers"])
         self._local_experts = local_experts(int(hf_config.get("n_routed_experts") or 0), tp)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
-        """Routed experts held by other ranks (expert parallelism): the loader skips them."""
+        """What the loader skips: the multi-token-prediction layer V3 checkpoints append
+        (model.layers.{num_hidden_layers}.*: for training and speculative decoding, not
+        generation; HF skips it too), and routed experts other ranks hold."""
+        parts = name.split(".", 3)
+        if parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            if int(parts[2]) >= self._num_layers:
+                return True
         return is_other_ranks_expert(name, "mlp", self._local_experts)
 
 
