@@ -61,15 +61,6 @@ class TPGroup:
         dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
         return out
 
-    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """send_counts [size, n] (what this rank sends to each rank, n numbers per rank) ->
-        [size, n]: what each rank sends here."""
-        if self.size == 1:
-            return send_counts.clone()
-        recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts.contiguous())
-        return recv
-
 
 class Rendezvous:
     """The TP group's key-value store (hosted by rank 0) and the stages every rank passes.
@@ -151,18 +142,13 @@ def _new_param(*shape: int) -> nn.Parameter:
 
 
 class ReplicatedLinear(nn.Module):
-    """y = x W^T + b with the whole W on every rank (no communication)."""
+    """y = x W^T + b with the whole W on every rank (no communication); the loader's default
+    copy (shape-checked) fills it."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.weight = _new_param(output_size, input_size)
-        self.weight.weight_loader = self.weight_loader
         self.bias = _new_param(output_size) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: ShardSource) -> None:
-        _copy_shard(param.data, loaded.narrow(0, 0, loaded.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

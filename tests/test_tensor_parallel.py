@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from pdserve.serve.batch import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.loader import _default_weight_loader
 from pdserve.serve.model_runner import ModelRunner
 from pdserve.serve.parallel import (
     MergedColumnParallelLinear,
@@ -92,7 +93,9 @@ def _shards(make, loader_calls, size: int) -> list[torch.nn.Module]:
         layer = make(TPGroup(rank, size))
         for param_name, tensor, *shard_id in loader_calls:
             param = getattr(layer, param_name)
-            param.weight_loader(param, tensor, *shard_id)
+            # as serve/loader.py does: the layer's loader, else the plain shape-checked copy
+            load = getattr(param, "weight_loader", _default_weight_loader)
+            load(param, tensor, *shard_id)
         layers.append(layer)
     return layers
 

@@ -198,7 +198,8 @@ class SparseMoE(nn.Module):
         order = ids.argsort(stable=True)
         tokens = torch.arange(start, end, device=hidden.device).repeat_interleave(top_k)[order]
         send = torch.bincount(ids, minlength=self.gate.num_experts).view(size, per_rank)
-        recv = self.tp.exchange_counts(send)  # [source rank, my expert]: rows coming here
+        # [source rank, my expert]: the rows coming here (row r of send goes to rank r)
+        recv = self.tp.all_to_all(send, [1] * size, [1] * size)
         send_counts, recv_counts = send.sum(1).tolist(), recv.sum(1).tolist()
         rows = self.tp.all_to_all(hidden.index_select(0, tokens), send_counts, recv_counts)
         # Each source's rows arrive sorted by expert: recover every row's expert id.
