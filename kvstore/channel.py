@@ -2,6 +2,8 @@
 
 DEALER rather than REQ: a REQ socket is stuck forever after one lost reply, while here a timed
 out request simply raises, and its late reply is recognised by its request id and dropped.
+Requests and replies are the typed messages of pdserve/protocol/store.py: the caller names the
+request type and the reply type it expects, and gets that reply or an exception.
 """
 
 from __future__ import annotations
@@ -11,13 +13,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
-from pdserve.kvstore import messages
+from pdserve.protocol.codec import WireError
+from pdserve.protocol.store import (
+    STORE_PROTOCOL,
+    ErrorReply,
+    StoreReply,
+    StoreRequest,
+    decode_store_message,
+)
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=StoreReply)
 
 
 class StoreUnavailable(TimeoutError):
@@ -25,7 +36,7 @@ class StoreUnavailable(TimeoutError):
 
 
 class StoreRequestError(RuntimeError):
-    """The store answered with an error."""
+    """The store answered with an error (or with a reply of the wrong type)."""
 
 
 class ControlChannel:
@@ -40,19 +51,22 @@ class ControlChannel:
         self._ids = itertools.count(1)
         self.lock = threading.Lock()  # also held by callers around a request + its UCX transfer
 
-    def request(self, type_: str, frames: Sequence[Any] = (), **fields: Any
-                ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """Send one request and wait for its reply: (reply fields, payload frames)."""
+    def request(self, request_type: type[StoreRequest], reply_type: type[R], **fields: Any) -> R:
+        """Send `request_type(request_id, **fields)` and wait for its reply of `reply_type`."""
         with self.lock:
-            return self.request_locked(type_, frames, **fields)
+            reply, _ = self.request_locked(request_type, reply_type, **fields)
+            return reply
 
-    def request_locked(self, type_: str, frames: Sequence[Any] = (),
-                       progress: Callable[[], None] | None = None, **fields: Any
-                       ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """request() for a caller holding self.lock; `progress` runs while waiting (a UCX
-        rendezvous send only completes while the sender's worker makes progress)."""
+    def request_locked(self, request_type: type[StoreRequest], reply_type: type[R],
+                       frames: Sequence[Any] = (), progress: Callable[[], None] | None = None,
+                       **fields: Any) -> tuple[R, list[zmq.Frame]]:
+        """request() for a caller holding self.lock, with payload `frames` after the header;
+        returns the reply and the payload frames after it. `progress` runs while waiting (a
+        UCX rendezvous send only completes while the sender's worker makes progress)."""
         request_id = next(self._ids)
-        header = messages.encode(type_, request_id, **fields)
+        # Building the request checks its fields: a client bug raises here, at its source.
+        header = STORE_PROTOCOL.encode(request_type(request_id=request_id, **fields))
+        verb = request_type.TAG  # type: ignore[attr-defined]
         self._socket.send_multipart([header, *frames], copy=False)
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -63,20 +77,27 @@ class ControlChannel:
                     continue  # 1 ms slices: progress often enough, without spinning a core
             elif remaining_ms <= 0 or not self._socket.poll(remaining_ms, zmq.POLLIN):
                 raise StoreUnavailable(
-                    f"{type_} to {self.address}: no reply within {self.timeout_s} s")
+                    f"{verb} to {self.address}: no reply within {self.timeout_s} s")
             reply_frames = self._socket.recv_multipart(copy=False)
             try:
-                reply = messages.decode_reply(reply_frames[0].bytes)
-            except messages.MessageError as e:
+                reply = decode_store_message(reply_frames[0].bytes)
+            except WireError as e:
                 logger.warning("dropping a malformed reply from %s: %s", self.address, e)
                 continue
+            if not isinstance(reply, StoreReply):
+                logger.warning("dropping a %s from %s: not a reply", type(reply).__name__,
+                               self.address)
+                continue
             if reply.request_id != request_id:
-                if reply.request_id == 0 and not reply.fields["ok"]:
-                    raise StoreRequestError(str(reply.fields.get("error")))
+                if reply.request_id == 0 and isinstance(reply, ErrorReply):
+                    raise StoreRequestError(reply.error)  # it could not decode our request
                 continue  # a late reply to a request that already timed out
-            if not reply.fields["ok"]:
-                raise StoreRequestError(f"{type_}: {reply.fields.get('error')}")
-            return reply.fields, reply_frames[1:]
+            if isinstance(reply, ErrorReply):
+                raise StoreRequestError(f"{verb}: {reply.error}")
+            if not isinstance(reply, reply_type):
+                raise StoreRequestError(f"{verb}: expected a {reply_type.__name__}, got a "
+                                        f"{type(reply).__name__}")
+            return reply, reply_frames[1:]
 
     def close(self) -> None:
         self._socket.close(linger=0)

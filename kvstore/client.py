@@ -1,9 +1,11 @@
 """The store client: batch verbs against one data server (and optionally the master).
 
-KV bytes move over UCX when both sides have it (tags `client_no << 32 | seq`, so concurrent
-clients of one server never match each other's messages), else as ZeroMQ frames; a client
-that asked for UCX and could not get it logs a WARNING naming the fallback. Every call waits
-at most `timeout_s` and raises StoreUnavailable past it.
+Each verb sends one typed request of pdserve/protocol/store.py and reads its typed reply (a
+refusal raises StoreRequestError). KV bytes move over UCX when both sides have it (tags
+`client_no << 32 | seq`, so concurrent clients of one server never match each other's
+messages), else as ZeroMQ frames; a client that asked for UCX and could not get it logs a
+WARNING naming the fallback. Every call waits at most `timeout_s` and raises StoreUnavailable
+past it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,36 @@ from pdserve.kvstore.channel import ControlChannel, StoreRequestError
 from pdserve.kvstore.master import PrefixLookup
 from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
+from pdserve.protocol.store import (
+    ByeReply,
+    ByeRequest,
+    CheckReply,
+    CheckRequest,
+    EvictReply,
+    EvictRequest,
+    ExistsReply,
+    ExistsRequest,
+    GetReply,
+    GetRequest,
+    HelloReply,
+    HelloRequest,
+    LookupPrefixReply,
+    LookupPrefixRequest,
+    NodesReply,
+    NodesRequest,
+    PinReply,
+    PinRequest,
+    PrefetchReply,
+    PrefetchRequest,
+    PutReply,
+    PutRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewReply,
+    RenewRequest,
+    StatsReply,
+    StatsRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,20 +89,19 @@ class StoreClient:
             logger.warning("store client: UCX cannot start (%s); KV bytes go over ZeroMQ/TCP", e)
             return
         try:
-            reply, _ = self._data.request("hello", ucx_address=ucx.address)
+            reply = self._data.request(HelloRequest, HelloReply, ucx_address=ucx.address)
         except StoreRequestError as e:
             logger.warning("store client: the server refused UCX (%s); KV bytes go over "
                            "ZeroMQ/TCP", e)
             ucx.close()
             return
-        address = reply.get("ucx_address")
-        if not isinstance(address, bytes):
+        if reply.ucx_address is None:
             logger.warning("store client: the server at %s has no UCX; KV bytes go over "
                            "ZeroMQ/TCP", self._data.address)
             ucx.close()
             return
-        self._endpoint = ucx.connect(address)
-        self._client_no = int(reply["client_no"])
+        self._endpoint = ucx.connect(reply.ucx_address)
+        self._client_no = reply.client_no
         self._ucx = ucx
 
     def _next_tag(self, num_blocks: int) -> int:
@@ -98,19 +129,20 @@ class StoreClient:
         sizes = [a.nbytes for a in arrays]
         with channel.lock:
             if self._ucx is None:
-                reply, _ = channel.request_locked("put", arrays, keys=list(keys), sizes=sizes,
-                                                  ucx_tag=None)
+                reply, _ = channel.request_locked(PutRequest, PutReply, arrays, keys=list(keys),
+                                                  sizes=sizes, ucx_tag=None)
             else:
                 tag = self._next_tag(len(keys))
                 sends = [self._ucx.send(self._endpoint, a, tag + i) for i, a in enumerate(arrays)]
                 try:
-                    reply, _ = channel.request_locked("put", keys=list(keys), sizes=sizes,
-                                                      ucx_tag=tag, progress=self._ucx.progress)
+                    reply, _ = channel.request_locked(
+                        PutRequest, PutReply, progress=self._ucx.progress, keys=list(keys),
+                        sizes=sizes, ucx_tag=tag)
                 except Exception:
                     self._ucx.cancel_in_flight()  # the server will not take these blocks
                     raise
                 self._ucx.wait(sends, self.timeout_s)
-        return _bools(reply, "stored", len(keys))
+        return _one_per_key(reply.stored, "stored", len(keys))
 
     def get_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """The blocks (uint8 arrays), None for each block the store does not have."""
@@ -121,86 +153,86 @@ class StoreClient:
         channel = self._data_channel()
         with channel.lock:
             if self._ucx is None:
-                reply, frames = channel.request_locked("get", keys=list(keys), ucx_tag=None)
+                reply, frames = channel.request_locked(GetRequest, GetReply, keys=list(keys),
+                                                       ucx_tag=None)
+                found = _one_per_key(reply.found, "found", len(keys))
                 payloads = [np.frombuffer(f.buffer, dtype=np.uint8) for f in frames]
             else:
                 tag = self._next_tag(len(keys))
-                reply, frames = channel.request_locked("get", keys=list(keys), ucx_tag=tag)
-                found, sizes = _bools(reply, "found", len(keys)), reply.get("sizes")
-                if not isinstance(sizes, list) or len(sizes) != len(keys) or not all(
-                        isinstance(s, int) and 0 <= s <= (1 << 40) for s in sizes):
-                    raise ValueError("get: bad sizes in reply")
-                payloads = [np.empty(s, np.uint8) for s, ok in zip(sizes, found, strict=True)
-                            if ok]
+                reply, _ = channel.request_locked(GetRequest, GetReply, keys=list(keys),
+                                                  ucx_tag=tag)
+                found = _one_per_key(reply.found, "found", len(keys))
+                # GetReply bounds every size, so a server cannot make us allocate wildly.
+                payloads = [np.empty(size, np.uint8)
+                            for size, ok in zip(reply.sizes, found, strict=True) if ok]
                 self._ucx.wait([self._ucx.recv(p, tag + i) for i, p in enumerate(payloads)],
                                self.timeout_s)
-        found = _bools(reply, "found", len(keys))
         if sum(found) != len(payloads):
             raise ValueError("get: the server sent a different number of blocks than found")
         it = iter(payloads)
         return [next(it) if ok else None for ok in found]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        reply, _ = self._data_channel().request("exists", keys=list(keys))
-        return _bools(reply, "found", len(keys))
+        reply = self._data_channel().request(ExistsRequest, ExistsReply, keys=list(keys))
+        return _one_per_key(reply.found, "found", len(keys))
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
-        """Leading blocks cached anywhere (asks the master when this client knows one)."""
+        """Leading blocks cached: anywhere in the fleet when this client knows the master,
+        else on its data server."""
         channel = self._master if self._master is not None else self._data_channel()
-        reply, _ = channel.request("lookup_prefix", keys=list(keys))
-        num_blocks = reply.get("num_blocks")
-        if not isinstance(num_blocks, int) or not 0 <= num_blocks <= len(keys):
-            raise ValueError("lookup_prefix: bad num_blocks in reply")
-        holders = [[(str(n), str(t)) for n, t in hs] for hs in reply.get("holders", [])]
-        return PrefixLookup(num_blocks, holders)
+        reply = channel.request(LookupPrefixRequest, LookupPrefixReply, keys=list(keys))
+        if reply.num_blocks > len(keys):
+            raise ValueError("lookup_prefix: more blocks found than asked for")
+        holders = [[(h.node_id, h.tier) for h in hs] for hs in reply.holders]
+        return PrefixLookup(reply.num_blocks, holders)
 
     def pin(self, keys: Sequence[bytes], ttl_s: float) -> tuple[int, list[bool]]:
         """Pin present blocks under a lease: (lease_id, pinned per key)."""
-        reply, _ = self._data_channel().request("pin", keys=list(keys), holder=self.holder,
-                                                ttl_s=float(ttl_s))
-        return int(reply["lease_id"]), _bools(reply, "pinned", len(keys))
+        reply = self._data_channel().request(PinRequest, PinReply, keys=list(keys),
+                                             holder=self.holder, ttl_s=float(ttl_s))
+        return reply.lease_id, _one_per_key(reply.pinned, "pinned", len(keys))
 
     def renew(self, lease_id: int, ttl_s: float) -> bool:
-        reply, _ = self._data_channel().request("renew", lease_id=lease_id, ttl_s=float(ttl_s))
-        return reply.get("known") is True
+        reply = self._data_channel().request(RenewRequest, RenewReply, lease_id=lease_id,
+                                             ttl_s=float(ttl_s))
+        return reply.known
 
     def release(self, lease_id: int) -> bool:
-        reply, _ = self._data_channel().request("release", lease_id=lease_id)
-        return reply.get("known") is True
+        reply = self._data_channel().request(ReleaseRequest, ReleaseReply, lease_id=lease_id)
+        return reply.known
 
     def evict(self, keys: Sequence[bytes]) -> int:
-        reply, _ = self._data_channel().request("evict", keys=list(keys))
-        return int(reply["num_evicted"])
+        reply = self._data_channel().request(EvictRequest, EvictReply, keys=list(keys))
+        return reply.num_evicted
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Bring blocks up to the server's DRAM ahead of a load."""
-        reply, _ = self._data_channel().request("prefetch", keys=list(keys))
-        return int(reply["num_moved"])
+        reply = self._data_channel().request(PrefetchRequest, PrefetchReply, keys=list(keys))
+        return reply.num_moved
 
     def stats(self) -> dict[str, int]:
+        """The data server's counters (the master's when this client knows no data server)."""
         channel = self._data if self._data is not None else self._master
         assert channel is not None
-        reply, _ = channel.request("stats")
-        return dict(reply["stats"])
+        return dict(channel.request(StatsRequest, StatsReply).stats)
 
     def check_integrity(self) -> None:
         """AssertionError with the server's description if its invariants do not hold."""
         for channel in (self._data, self._master):
             if channel is not None:
-                reply, _ = channel.request("check")
-                if reply.get("problem") is not None:
-                    raise AssertionError(f"{channel.address}: {reply['problem']}")
+                reply = channel.request(CheckRequest, CheckReply)
+                if reply.problem is not None:
+                    raise AssertionError(f"{channel.address}: {reply.problem}")
 
     def nodes(self) -> dict[str, str]:
         if self._master is None:
             raise ValueError("this client has no master address")
-        reply, _ = self._master.request("nodes")
-        return dict(reply["nodes"])
+        return dict(self._master.request(NodesRequest, NodesReply).nodes)
 
     def close(self) -> None:
         if self._ucx is not None and self._data is not None:
             try:
-                self._data.request("bye")
+                self._data.request(ByeRequest, ByeReply)
             except Exception:  # the server may be gone already; nothing to free there then
                 logger.debug("store client: bye failed", exc_info=True)
             self._ucx.close()
@@ -211,10 +243,9 @@ class StoreClient:
         self._ctx.term()
 
 
-def _bools(reply: dict, name: str, n: int) -> list[bool]:
-    value = reply.get(name)
-    if not isinstance(value, list) or len(value) != n or not all(
-            isinstance(v, bool) for v in value):
-        raise ValueError(f"reply field {name!r} is not {n} bools")
-    return value
+def _one_per_key(values: list[bool], name: str, num_keys: int) -> list[bool]:
+    """A reply's per-key list, checked to hold one entry per key asked about."""
+    if len(values) != num_keys:
+        raise ValueError(f"reply field {name!r} has {len(values)} entries for {num_keys} keys")
+    return values
 

@@ -8,7 +8,7 @@ A block is readable the moment it is inserted (from the pending-write map until 
 thread has it on disk). A read verifies the checksum; a corrupted or truncated file is deleted
 and reported as a miss (the KV cache is a cache: the engine recomputes). On start the tier
 re-indexes the files already in its directory, oldest modification time first, so the LRU
-order survives a restart approximately.
+order (an LRUIndex of key -> payload size, lru_index.py) survives a restart approximately.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import os
 import queue
 import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
 
+from pdserve.kvstore.lru_index import LRUIndex
 from pdserve.kvstore.memory_tier import as_uint8_tensor
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class DiskTier:
         self.backpressure_timeout_s = backpressure_timeout_s
         self.num_backpressure_waits = 0
         os.makedirs(directory, exist_ok=True)
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> payload bytes, oldest first
+        self._index: LRUIndex[int] = LRUIndex()  # key -> payload bytes
         self._pending: dict[bytes, torch.Tensor] = {}  # inserted, not yet on disk
         self._ops: queue.Queue[tuple[str, bytes, torch.Tensor | None] | None] = queue.Queue()
         self._lock = threading.Lock()  # guards _pending against the writer thread
@@ -88,7 +88,7 @@ class DiskTier:
             found.append((entry.stat().st_mtime, key, payload_len))
         found.sort()
         for _, key, payload_len in found[-self.capacity_blocks:]:
-            self._index[key] = payload_len
+            self._index.insert(key, payload_len)
         for _, key, _ in found[: max(0, len(found) - self.capacity_blocks)]:
             os.unlink(self._path(key))
         if found:
@@ -119,10 +119,10 @@ class DiskTier:
 
     def keys_oldest_first(self) -> Iterator[bytes]:
         """A live iterator: stop iterating before changing the tier."""
-        return iter(self._index)
+        return self._index.oldest_first()
 
     def touch(self, key: bytes) -> None:
-        self._index.move_to_end(key)
+        self._index.touch(key)
 
     # ---- data -------------------------------------------------------------------------------
     def insert(self, key: bytes, data: torch.Tensor, adopt: bool = False) -> None:
@@ -130,8 +130,7 @@ class DiskTier:
         host tensor is written from as it is (the caller gives it up), else from a copy."""
         src = as_uint8_tensor(data)
         buf = src if adopt and src.device.type == "cpu" else src.to("cpu", copy=True)
-        self._index[key] = buf.numel()
-        self._index.move_to_end(key)
+        self._index.insert(key, buf.numel())
         with self._lock:
             if len(self._pending) >= self.max_pending_writes:
                 self.num_backpressure_waits += 1
@@ -179,7 +178,7 @@ class DiskTier:
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     def remove(self, key: bytes) -> None:
-        del self._index[key]
+        self._index.pop(key)
         with self._lock:
             self._pending.pop(key, None)
             self._num_outstanding += 1
@@ -232,7 +231,7 @@ class DiskTier:
         if len(self._index) > self.capacity_blocks:
             raise AssertionError(f"{self.name}: {len(self._index)} > {self.capacity_blocks}")
         with self._lock:
-            stray = set(self._pending) - set(self._index)
+            stray = set(self._pending) - set(self._index.oldest_first())
         if stray:
             raise AssertionError(f"{self.name}: pending writes for unindexed keys {len(stray)}")
 

@@ -2,7 +2,8 @@
 
 Runs on its own thread with its own socket. Changes are buffered and sent in order each
 heartbeat interval; if the master does not know the node (it restarted, or dropped the node
-after missed heartbeats), the node joins again and sends its whole inventory.
+after missed heartbeats), the node joins again and sends its whole inventory. The messages
+are the master's verbs of pdserve/protocol/store.py: join, heartbeat, update, leave.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
+from pdserve.protocol.store import (
+    HeartbeatReply,
+    HeartbeatRequest,
+    JoinReply,
+    JoinRequest,
+    LeaveReply,
+    LeaveRequest,
+    PlacementChange,
+    UpdateReply,
+    UpdateRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +74,7 @@ class MasterReporter:
                     channel = ControlChannel(self._ctx, self._master_address, self._timeout_s)
                 self._stop.wait(self._interval_s)
             try:
-                channel.request("leave", node_id=self._node_id)
+                channel.request(LeaveRequest, LeaveReply, node_id=self._node_id)
             except (StoreUnavailable, StoreRequestError):
                 pass
         finally:
@@ -70,10 +82,11 @@ class MasterReporter:
 
     def _report(self, channel: ControlChannel) -> None:
         if self._joined:
-            reply, _ = channel.request("heartbeat", node_id=self._node_id)
-            self._joined = reply.get("known") is True
+            reply = channel.request(HeartbeatRequest, HeartbeatReply, node_id=self._node_id)
+            self._joined = reply.known
         if not self._joined:
-            channel.request("join", node_id=self._node_id, address=self._data_address)
+            channel.request(JoinRequest, JoinReply, node_id=self._node_id,
+                            address=self._data_address)
             # Outside self._lock: the inventory takes the store's lock, and the store calls
             # record() under it. Replaying buffered changes after the snapshot ends in the
             # current state, since each key's last change is the newest.
@@ -84,5 +97,5 @@ class MasterReporter:
         with self._lock:
             changes, self._changes = self._changes, []
         for start in range(0, len(changes), self._max_changes):
-            batch = [[k, t] for k, t in changes[start:start + self._max_changes]]
-            channel.request("update", node_id=self._node_id, changes=batch)
+            batch = [PlacementChange(k, t) for k, t in changes[start:start + self._max_changes]]
+            channel.request(UpdateRequest, UpdateReply, node_id=self._node_id, changes=batch)

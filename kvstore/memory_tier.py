@@ -1,4 +1,4 @@
-"""A memory tier: blocks in an LRU-ordered map, on a device (GPU pool) or in host DRAM.
+"""A memory tier: blocks in an LRUIndex (lru_index.py), on a device (GPU pool) or in host DRAM.
 
 Each block is a 1-D uint8 torch tensor owned by the tier (put copies in, so callers may reuse
 their buffers). Host buffers are pinned when CUDA is present, so device<->host copies can be
@@ -9,11 +9,12 @@ the TieredStore above it.
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from pdserve.kvstore.lru_index import LRUIndex
 
 BytesLike = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 
@@ -48,7 +49,7 @@ class MemoryTier:
         self.device = torch.device(device)
         # Pinned host memory only pays off (and only exists) with a CUDA device to copy to.
         self._pin = self.device.type == "cpu" and torch.cuda.is_available()
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # oldest first
+        self._blocks: LRUIndex[torch.Tensor] = LRUIndex()
 
     @property
     def num_blocks(self) -> int:
@@ -62,7 +63,7 @@ class MemoryTier:
 
     def keys_oldest_first(self) -> Iterator[bytes]:
         """A live iterator: stop iterating before changing the tier."""
-        return iter(self._blocks)
+        return self._blocks.oldest_first()
 
     def insert(self, key: bytes, data: BytesLike, adopt: bool = False) -> None:
         """Store `data` as the most recently used block (the caller made room): a copy, or
@@ -70,23 +71,22 @@ class MemoryTier:
         lives in the right memory, saving a copy per block."""
         src = as_uint8_tensor(data)
         if adopt and src.device == self.device and (not self._pin or src.is_pinned()):
-            self._blocks[key] = src
+            self._blocks.insert(key, src)
         else:
             buf = torch.empty(src.numel(), dtype=torch.uint8, device=self.device,
                               pin_memory=self._pin)
             buf.copy_(src)
-            self._blocks[key] = buf
-        self._blocks.move_to_end(key)
+            self._blocks.insert(key, buf)
 
     def read(self, key: bytes) -> torch.Tensor | None:
         """The stored tensor (do not modify it), or None; does not change LRU order."""
         return self._blocks.get(key)
 
     def touch(self, key: bytes) -> None:
-        self._blocks.move_to_end(key)
+        self._blocks.touch(key)
 
     def remove(self, key: bytes) -> None:
-        del self._blocks[key]
+        self._blocks.pop(key)
 
     def check_integrity(self) -> None:
         if len(self._blocks) > self.capacity_blocks:

@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.protocol.worker import StepSample
 from pdserve.router.config import ControllerConfig
 from pdserve.router.goodput_model import (
     LinearLatency,
@@ -39,7 +40,6 @@ from pdserve.router.goodput_model import (
     goodput_by_split,
     ttft_overhead_s,
 )
-from pdserve.serve.protocol import StepSample
 
 if TYPE_CHECKING:
     from pdserve.router.dispatch import Dispatcher
@@ -109,16 +109,17 @@ class GoodputController:
         pure prefill steps fit the prefill model, pure decode steps the decode model."""
         for worker in self.dispatcher.prefill + self.dispatcher.decode:
             for sample in worker.take_step_samples():
-                if sample.decode_seqs == 0 and sample.prefill_tokens > 0:
+                if sample.num_decode_seqs == 0 and sample.num_prefill_tokens > 0:
                     self.prefill_samples.append(sample)
-                elif sample.prefill_tokens == 0 and sample.decode_seqs > 0:
+                elif sample.num_prefill_tokens == 0 and sample.num_decode_seqs > 0:
                     self.decode_samples.append(sample)
 
     def fit(self) -> PhaseModels | None:
-        prefill = fit_nonnegative([(s.prefill_tokens, s.prefill_attention)
+        prefill = fit_nonnegative([(s.num_prefill_tokens, s.num_prefill_query_keys)
                                    for s in self.prefill_samples],
                                   [s.seconds for s in self.prefill_samples])
-        decode = fit_nonnegative([(s.decode_context, s.decode_seqs) for s in self.decode_samples],
+        decode = fit_nonnegative([(s.num_decode_context_tokens, s.num_decode_seqs)
+                                  for s in self.decode_samples],
                                  [s.seconds for s in self.decode_samples])
         if prefill is None or decode is None:
             return None

@@ -19,6 +19,8 @@ from contextlib import aclosing
 
 import zmq.asyncio
 
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import (
     AdmissionPolicy,
@@ -30,7 +32,6 @@ from pdserve.router.policies import (
 )
 from pdserve.router.prefix_index import PrefixIndex, StoreLookup, request_block_keys
 from pdserve.router.worker_client import WorkerClient, WorkerDied
-from pdserve.serve.protocol import GenerateRequest, Output, WireSampling
 
 logger = logging.getLogger(__name__)
 
@@ -163,11 +164,10 @@ class Dispatcher:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling: WireSampling,
-        cache_salt: str | None,
+        sampling: SamplingParams,
         first_worker: WorkerClient,
     ) -> AsyncIterator[Output]:
-        request = GenerateRequest(request_id, prompt_token_ids, sampling, cache_salt)
+        request = GenerateRequest(request_id, prompt_token_ids, sampling)
         first: Output | None = None
         async with aclosing(self._stream(first_worker, request)) as stream:
             async for output in stream:

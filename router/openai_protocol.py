@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
+
 MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
 
 
 class ErrorBody(BaseModel):
@@ -103,10 +104,14 @@ class SamplingFields(BaseModel):
             raise ValueError("cache_salt must be a non-empty string when given")
         return salt
 
-    def sampling_dict(self, max_tokens: int) -> dict[str, Any]:
-        """The engine's SamplingParams fields, as sent to workers."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The one sampling type, as sent to the workers (ValueError if inconsistent)."""
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, cache_salt=self.cache_salt,
+            **self._sampling_fields())
+
+    def _sampling_fields(self) -> dict[str, Any]:
         return {
-            "max_tokens": max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": 0 if self.top_k in (None, -1) else self.top_k,
@@ -117,8 +122,8 @@ class SamplingFields(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
-            "stop": list(self.stop or []),
-            "stop_token_ids": list(self.stop_token_ids or []),
+            "stop": tuple(self.stop or ()),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
 

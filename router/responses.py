@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.serve.protocol import Output, TokenLogprob
+from pdserve.protocol.worker import Output, TokenLogprob
 
 
 @dataclass

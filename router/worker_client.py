@@ -18,7 +18,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.serve.protocol import (
+from pdserve.protocol.codec import WireError
+from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
     AbortRequest,
     GenerateRequest,
@@ -28,7 +29,6 @@ from pdserve.serve.protocol import (
     StepSample,
     WorkerStatus,
 )
-from pdserve.wire import WireError
 
 logger = logging.getLogger(__name__)
 

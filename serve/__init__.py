@@ -10,15 +10,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdserve.protocol.sampling import SamplingParams
     from pdserve.serve.engine import Engine
     from pdserve.serve.llm import LLM
     from pdserve.serve.request import CompletionOutput, RequestOutput
-    from pdserve.serve.sampling_params import SamplingParams
 
 _LAZY = {
     "LLM": "pdserve.serve.llm",
     "Engine": "pdserve.serve.engine",
-    "SamplingParams": "pdserve.serve.sampling_params",
+    "SamplingParams": "pdserve.protocol.sampling",
     "RequestOutput": "pdserve.serve.request",
     "CompletionOutput": "pdserve.serve.request",
 }

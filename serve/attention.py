@@ -1,6 +1,6 @@
 """The engine's one attention dispatch point: step metadata in, paged-KV attention out.
 
-A step is a ragged batch of chunks (see serve/batch.py). Its metadata, built once per step
+A step is a ragged batch of chunks (see pdserve/protocol/tp.py). Its metadata, built once per step
 and shared by every layer:
 
     chunks:        A: start 0, 5 tokens       B: start 9, 1 token (decode)
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pdserve import envs
-from pdserve.serve.batch import StepInput
+from pdserve.protocol.tp import StepInput
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ROLES = ("colocated", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -93,13 +92,9 @@ class SchedulerConfig:
     """Token budget of one step: decodes first (one token each), then prefill chunks."""
     enable_chunked_prefill: bool = True
     """Split long prompts over steps to fit the budget (else a prompt waits for a whole step)."""
-    role: str = "colocated"
-    """colocated | prefill (stop after the first token, hand off KV) | decode (start from KV)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")

@@ -4,13 +4,16 @@
                                                                               │
     step() returns RequestOutput deltas (new token ids, new text, finish_reason) ◄┘
 
-The worker's role changes only a request's start and end:
+A step is schedule -> run -> postprocess. The worker's role (serve/roles.py, a policy object
+the engine holds) changes only a request's start and end:
   colocated  a request runs from prompt to its last token here.
-  prefill    a request finishes after its first token (finish_reason 'handoff'); its output
-             carries a KVHandoff (block ids, block keys, sampling position) and the optional
-             handoff_hook sees it before the blocks are freed (a KV connector saves them there).
+  prefill    a request finishes after its first token (finish_reason 'handoff'); the role's
+             hooks see its KV before the blocks are freed (per layer during the step, then
+             on_handoff), and its output carries a KVHandoff (block keys, first token).
   decode     add_prefilled_request admits a request whose prompt KV is (or will be, before
              the next step) in the blocks it names; decoding starts at its next token.
+Every step that ran leaves a StepSample (its work by phase and its wall time) in
+`step_samples`, for the router's step-latency models.
 
 The engine is single-threaded: a worker calls add/abort/step from one thread (or under one
 lock), so nothing changes under a running step.
@@ -19,29 +22,27 @@ lock), so nothing changes under a running step.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker import KVHandoff, StepSample
 from pdserve.serve.block_manager import BlockManager
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.detokenizer import IncrementalDetokenizer
-from pdserve.serve.request import (
-    CompletionOutput,
-    KVHandoff,
-    Request,
-    RequestOutput,
-    RequestStatus,
-)
+from pdserve.serve.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from pdserve.serve.roles import Role
 from pdserve.serve.sampler import Sampler
-from pdserve.serve.sampling_params import SamplingParams
 from pdserve.serve.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-HandoffHook = Callable[[Request, KVHandoff], None]
-PromptDoneHook = Callable[[list[Request]], Callable[[int], None] | None]
+NUM_STEP_SAMPLES_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -64,41 +65,28 @@ class EngineStats:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """The work one step did, by phase (a worker's step samples; see protocol.StepSample).
-
-    A chunk is a decode iff it is one token at or past the end of its prompt; every other
-    chunk is prefill, including a decode worker's recompute of a prompt and its outputs."""
-
-    prefill_tokens: int
-    prefill_attention: int
-    """Sum over prefill chunks of tokens x (start_pos + tokens): queries times keys."""
-    decode_seqs: int
-    decode_context: int
-    """Sum over decode chunks of start_pos + 1: the keys each decode attends to."""
-
-    @classmethod
-    def of(cls, scheduled: SchedulerOutput) -> StepShape:
-        prefill_tokens = prefill_attention = decode_seqs = decode_context = 0
-        for (request, _), chunk in zip(scheduled.scheduled, scheduled.step.chunks,
-                                       strict=True):
-            num_tokens = len(chunk.token_ids)
-            end = chunk.start_pos + num_tokens
-            if num_tokens == 1 and chunk.start_pos >= request.num_prompt_tokens:
-                decode_seqs += 1
-                decode_context += end
-            else:
-                prefill_tokens += num_tokens
-                prefill_attention += num_tokens * end
-        return cls(prefill_tokens, prefill_attention, decode_seqs, decode_context)
+def step_sample(scheduled: SchedulerOutput, seq: int, seconds: float) -> StepSample:
+    """What a step computed, by phase: a chunk is a decode iff it is one token at or past the
+    end of its prompt; every other chunk is prefill, including a decode worker's recompute of
+    a prompt and its outputs."""
+    prefill_tokens = query_keys = decode_seqs = decode_context = 0
+    for (request, _), chunk in zip(scheduled.scheduled, scheduled.step.chunks, strict=True):
+        num_tokens = len(chunk.token_ids)
+        end = chunk.start_pos + num_tokens
+        if num_tokens == 1 and chunk.start_pos >= request.num_prompt_tokens:
+            decode_seqs += 1
+            decode_context += end
+        else:
+            prefill_tokens += num_tokens
+            query_keys += num_tokens * end
+    return StepSample(seq, prefill_tokens, query_keys, decode_seqs, decode_context, seconds)
 
 
 class Engine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  parallel_config: ParallelConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, tokenizer: Any = None,
-                 runner: Any = None, handoff_hook: HandoffHook | None = None) -> None:
+                 runner: Any = None, role: Role | None = None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -110,10 +98,8 @@ class Engine:
         self.runner = runner
         self.spec = runner.spec
         self.tokenizer = tokenizer
-        self.handoff_hook = handoff_hook
-        # Called before a step with the requests whose prompt completes in it; may return a
-        # per-layer callback for the runner (the KV hand-off saves each layer as it is done).
-        self.prompt_done_hook: PromptDoneHook | None = None
+        self.role = role or Role()
+        """The worker's role policy (serve/roles.py); swapped only while no request runs."""
         self.max_model_len = self.spec.max_model_len
         self.block_manager = BlockManager(
             runner.num_blocks, runner.block_size, self.spec.model_id,
@@ -122,12 +108,15 @@ class Engine:
         self.sampler = Sampler(model_config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_reported_tokens: dict[str, int] = {}
-        # What the last step() computed (None: it had nothing to run), for step-time models.
-        self.last_step_shape: StepShape | None = None
+        self.step_samples: deque[StepSample] = deque(maxlen=NUM_STEP_SAMPLES_KEPT)
+        """The most recent steps' work and wall time, oldest first (seq increases from 1)."""
+        self._num_steps = 0
 
-    @property
-    def role(self) -> str:
-        return self.scheduler_config.role
+    def set_role(self, role: Role) -> None:
+        """Take another role's policy; only between requests (nothing may be in flight)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("the role changes only while no request is in the engine")
+        self.role = role
 
     # ---- requests in --------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -231,27 +220,35 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule -> run -> postprocess: one forward over every scheduled chunk, then
+        sampling and stop checks for the chunks that end at a request's last token."""
+        start_s = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            self.last_step_shape = None
             return []
-        self.last_step_shape = StepShape.of(scheduled)
         to_sample = [request for (request, _), chunk in
                      zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
                      if chunk.need_logits]
-        layer_done = None
-        if self.prompt_done_hook is not None:
-            # Requests whose prompt completes in this step (prefill role: their KV leaves now).
-            finishing = [r for r in to_sample if r.num_output_tokens == 0]
-            layer_done = self.prompt_done_hook(finishing) if finishing else None
-        if layer_done is None:
-            logits = self.runner.execute(scheduled.step)  # [num chunks needing logits, vocab]
-        else:
-            logits = self.runner.execute(scheduled.step, layer_done)
+        logits = self._run(scheduled, to_sample)
+        outputs = self._postprocess(to_sample, logits)
+        self._num_steps += 1
+        self.step_samples.append(
+            step_sample(scheduled, self._num_steps, time.perf_counter() - start_s))
+        return outputs
+
+    def _run(self, scheduled: SchedulerOutput, to_sample: list[Request]) -> torch.Tensor:
+        """The forward: logits [len(to_sample), vocab]. Requests whose prompt completes in
+        this step are shown to the role first (a prefill role saves their KV per layer)."""
+        layer_done = self.role.layer_saver([r for r in to_sample if r.num_output_tokens == 0])
+        logits = self.runner.execute(scheduled.step, layer_done)
         self.scheduler.update_after_step(scheduled)
         if logits.shape[0] != len(to_sample):
             raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for "
                                f"{len(to_sample)} chunks that need logits")
+        return logits
+
+    def _postprocess(self, to_sample: list[Request], logits: torch.Tensor
+                     ) -> list[RequestOutput]:
         if not to_sample:
             return []
         outputs = []
@@ -282,7 +279,7 @@ class Engine:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         if status is None and request.num_output_tokens >= request.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
-        if status is None and self.role == "prefill":
+        if status is None and self.role.ends_at_first_token:
             status = RequestStatus.FINISHED_HANDOFF
         return status
 
@@ -290,14 +287,10 @@ class Engine:
         handoff = None
         if status is RequestStatus.FINISHED_HANDOFF:
             block_ids, block_keys = self.block_manager.request_blocks(request)
-            handoff = KVHandoff(
-                block_ids=block_ids, block_keys=block_keys,
-                num_computed_tokens=request.num_computed_tokens,
-                seed=request.sampling_params.seed,
-                num_generated_tokens=request.num_output_tokens,
-                output_token_ids=list(request.output_token_ids))
-            if self.handoff_hook is not None:
-                self.handoff_hook(request, handoff)
+            self.role.on_handoff(request, block_ids, block_keys)  # before the blocks are freed
+            handoff = KVHandoff(block_keys=block_keys,
+                                first_token_id=request.output_token_ids[0],
+                                num_output_tokens=request.num_output_tokens)
         detokenizer = self._detokenizers.get(request.request_id)
         ends_text = status is not RequestStatus.FINISHED_HANDOFF
         if detokenizer is not None and ends_text and not isinstance(request.stop_reason, str):

@@ -28,7 +28,7 @@ import torch
 
 from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, TransferResult
-from pdserve.serve.request import KVHandoff, Request
+from pdserve.serve.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,14 @@ class TransferDone:
 
 
 class KVTransfer:
-    def __init__(self, engine, connector: KVConnector) -> None:
-        self.engine = engine
+    """Moves a request's KV between this worker's pool and the store: the prefill role's KV
+    saver (serve/roles.py) and the loads of the hand-off component (serve/handoff.py)."""
+
+    def __init__(self, runner, block_manager, connector: KVConnector) -> None:
+        self.runner = runner
+        """The model runner: every TP rank's pool, read and written whole-head."""
+        self.block_manager = block_manager
+        """Block tables and block keys of the engine's requests."""
         self.connector = connector
         self._save_keys: dict[str, list[bytes]] = {}
         self._loads: dict[str, tuple[list[bytes], PendingLoad]] = {}
@@ -64,22 +70,23 @@ class KVTransfer:
                         "layerwise_save_count": 0.0}
 
     @classmethod
-    def connect(cls, engine, data_address: str, master_address: str | None = None,
-                timeout_s: float = 10.0, lease_ttl_s: float = 30.0) -> KVTransfer:
+    def connect(cls, runner, block_manager, data_address: str,
+                master_address: str | None = None, timeout_s: float = 10.0,
+                lease_ttl_s: float = 30.0) -> KVTransfer:
         """A transfer over a store server; a prefill's saved blocks stay pinned under a lease
         of `lease_ttl_s` until the decode worker has loaded them (or the lease expires)."""
         from pdserve.kvstore.client import StoreClient
 
         client = StoreClient(data_address, master_address, timeout_s=timeout_s,
-                             holder=f"worker-{id(engine):x}")
+                             holder=f"worker-{id(runner):x}")
         logger.info("KV store at %s (KV bytes over %s)", data_address, client.transport)
-        layout = engine.spec.kv_layout(engine.runner.block_size)
-        return cls(engine, KVConnector(client, layout, timeout_s=timeout_s,
-                                       lease_ttl_s=lease_ttl_s))
+        layout = runner.spec.kv_layout(runner.block_size)
+        return cls(runner, block_manager, KVConnector(client, layout, timeout_s=timeout_s,
+                                                      lease_ttl_s=lease_ttl_s))
 
     def prompt_keys(self, request: Request, block_keys: list[bytes]) -> list[bytes]:
         """Keys of every block holding the prompt: the full ones, then the partial tail."""
-        bm = self.engine.block_manager
+        bm = self.block_manager
         tail = request.prompt_token_ids[len(block_keys) * bm.block_size:]
         if not tail:
             return list(block_keys)
@@ -90,7 +97,7 @@ class KVTransfer:
     def store_prefix_keys(self, request: Request) -> list[bytes]:
         """Keys of the prompt's leading full blocks worth loading from the store: those it
         holds, when they reach past what this worker's own prefix cache already has."""
-        bm = self.engine.block_manager
+        bm = self.block_manager
         keys = block_keys(request.prompt_token_ids, bm.block_size, bm.root(request.cache_salt))
         num_local = bm.num_cached_tokens(request) // bm.block_size
         if len(keys) <= num_local:
@@ -104,7 +111,7 @@ class KVTransfer:
         as the layer wrote them, so the transfer overlaps the rest of the forward. TP > 1
         MHA pools hold a head slice per rank: those save after the step (save_handoff); an
         MLA latent is whole on rank 0, which saves it layer by layer at any TP degree."""
-        runner, bm = self.engine.runner, self.engine.block_manager
+        runner, bm = self.runner, self.block_manager
         if runner.tensor_parallel_size > 1 and self.connector.layout.kind == "mha":
             return None
         plans = []
@@ -139,15 +146,16 @@ class KVTransfer:
         self._started_s.pop(("save", request_id), None)
         self._failed.append(TransferDone(request_id, "save", False, keys))
 
-    def save_handoff(self, request: Request, handoff: KVHandoff) -> None:
-        """Engine hook, called before the request's blocks are freed: unless its layers are
+    def save_handoff(self, request: Request, block_ids: list[int], block_keys: list[bytes]
+                     ) -> None:
+        """Role hook, called before the request's blocks are freed: unless its layers are
         already on their way (start_layerwise_save), gather its blocks from every TP rank
         and let the connector put them in the background."""
         if request.request_id in self._save_keys:
             return
-        keys = self.prompt_keys(request, handoff.block_keys)
+        keys = self.prompt_keys(request, block_keys)
         try:
-            staged = self.engine.runner.read_kv_blocks(handoff.block_ids[:len(keys)])
+            staged = self.runner.read_kv_blocks(block_ids[:len(keys)])
             local_ids = list(range(len(keys)))
             for layer, layer_blocks in enumerate(staged):  # [P, n, bs, all heads, D]
                 self.connector.save_layer(request.request_id, layer, keys, local_ids,
@@ -164,7 +172,7 @@ class KVTransfer:
     def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0) -> None:
         """Fetch blocks into a staging area in the background; then release the lease that
         pinned them for this load (0: none)."""
-        spec, layout = self.engine.spec, self.connector.layout
+        spec, layout = self.runner.spec, self.connector.layout
         _, planes, block_size, heads, dim = layout.block_shape()
         shape = (planes, len(keys), block_size, heads, dim)
         staging = [torch.zeros(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
@@ -174,7 +182,7 @@ class KVTransfer:
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank)."""
-        self.engine.runner.write_kv_blocks(block_ids, staging)
+        self.runner.write_kv_blocks(block_ids, staging)
         self._totals["loaded_bytes"] += sum(t.nbytes for t in staging)
 
     # ---- completions -----------------------------------------------------------------------

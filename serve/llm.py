@@ -12,10 +12,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.engine import Engine
 from pdserve.serve.request import CompletionOutput, RequestOutput
-from pdserve.serve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 PromptInput = str | list[int] | dict[str, Any]  # dicts as vLLM's TextPrompt / TokensPrompt

@@ -23,8 +23,9 @@ from torch import nn
 
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.serve.config import ModelConfig
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.models import get_model_class, is_supported
-from pdserve.serve.parallel import ShardSource, TPGroup
+from pdserve.serve.parallel import ShardSource
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,12 @@
     │   forward + gather logits │◄═══════════►│  (no logits: rank 0 has) │
     └──────────────────────────┘ collectives └─────────────────────────┘
 
-Steps go to workers as msgpack bytes in a uint8 tensor over a gloo "control" group (length
-first, then bytes), never pickled. The control group is separate from the compute group so
-a heartbeat (sent while the engine is idle, so workers' receive never times out) cannot
-interleave with a step's all-reduces. A dead rank turns into an exception on the others:
-gloo notices the closed connection, and every collective has a timeout.
+Steps and KV commands go to workers as pdserve/protocol/tp.py messages (checked msgpack) in a
+uint8 tensor over a gloo "control" group (length first, then bytes), never pickled. The
+control group is separate from the compute group so a heartbeat (sent while the engine is
+idle, so workers' receive never times out) cannot interleave with a step's all-reduces. A
+dead rank turns into an exception on the others: gloo notices the closed connection, and
+every collective has a timeout.
 """
 
 from __future__ import annotations
@@ -35,19 +36,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pdserve import envs
+from pdserve.protocol.tp import TP_PROTOCOL, Ping, ReadKV, StepInput, Stop, WriteKV
 from pdserve.serve.attention import build_attention_metadata, default_backend_name
-from pdserve.serve.batch import StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.distributed import Rendezvous, TPGroup, init_tp_group
 from pdserve.serve.kv_cache import KVCachePool, num_blocks_for
 from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
-from pdserve.serve.parallel import Rendezvous, TPGroup, init_tp_group, kv_heads_per_rank
-from pdserve.serve.tp_messages import (
-    PING,
-    KVCommand,
-    decode_message,
-    encode_kv_command,
-    encode_step,
-)
+from pdserve.serve.parallel import kv_heads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +104,9 @@ class _Rank:
         mine = full[:, :, :, :, self.layout.rank_heads(self.tp.rank, self.tp.size)]
         self.pool.write_blocks(block_ids, list(mine.unbind(0)))
 
-    def serve_kv_command(self, command: KVCommand, control: Any) -> None:
+    def serve_kv_command(self, command: ReadKV | WriteKV, control: Any) -> None:
         """A non-zero rank's part of ModelRunner.read_kv_blocks / write_kv_blocks."""
-        if command.kind == "read_kv":
+        if isinstance(command, ReadKV):
             dist.gather(self.read_kv(command.block_ids).cpu(), None, dst=0, group=control)
         else:
             spec, layout = self.spec, self.layout
@@ -209,13 +204,16 @@ def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig
         raise SystemExit(1) from None
     try:
         while True:
-            message = decode_message(_receive(control))
-            if message == "stop":
-                break
-            if isinstance(message, StepInput):
-                state.execute(message)
-            elif isinstance(message, KVCommand):
-                state.serve_kv_command(message, control)
+            # A malformed message raises WireError: this rank leaves, and rank 0 sees it die.
+            match TP_PROTOCOL.decode(_receive(control)):
+                case StepInput() as step:
+                    state.execute(step)
+                case ReadKV() | WriteKV() as command:
+                    state.serve_kv_command(command, control)
+                case Ping():
+                    pass
+                case Stop():
+                    break
     finally:
         dist.destroy_process_group()
 
@@ -294,7 +292,7 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         with self._collective():
             if self._tp_size > 1:
-                self._send(encode_step(step))
+                self._send(TP_PROTOCOL.encode(step))
             logits = self._rank.execute(step, layer_done)
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
@@ -309,7 +307,7 @@ class ModelRunner:
             return list(local.cpu().unbind(0))
         self._check_kv_split()
         with self._collective(), self._send_lock:
-            self._send_locked(encode_kv_command(KVCommand("read_kv", list(block_ids))))
+            self._send_locked(TP_PROTOCOL.encode(ReadKV(list(block_ids))))
             parts = [torch.empty_like(local, device="cpu") for _ in range(self._tp_size)]
             dist.gather(local.cpu(), parts, dst=0, group=self._control)
         return list(torch.cat(parts, dim=4).unbind(0))
@@ -321,7 +319,7 @@ class ModelRunner:
         if self._tp_size > 1:
             self._check_kv_split()
             with self._collective(), self._send_lock:
-                self._send_locked(encode_kv_command(KVCommand("write_kv", list(block_ids))))
+                self._send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
                 dist.broadcast(full, src=0, group=self._control)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
@@ -380,7 +378,7 @@ class ModelRunner:
             if time.monotonic() - self._last_send_s < self._heartbeat_s:
                 continue
             try:
-                self._send(PING)
+                self._send(TP_PROTOCOL.encode(Ping()))
             except Exception:  # a dead worker: execute() reports it
                 logger.exception("TP heartbeat failed")
                 return
@@ -398,7 +396,7 @@ class ModelRunner:
                     and all(w.is_alive() for w in self._workers))
         if graceful:
             try:
-                self._send(encode_step(None))
+                self._send(TP_PROTOCOL.encode(Stop()))
             except Exception:
                 logger.exception("could not send stop to TP workers")
                 graceful = False

@@ -14,7 +14,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.serve.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker import KVHandoff
 
 
 class RequestStatus(enum.Enum):
@@ -121,23 +122,6 @@ class Request:
 
 
 @dataclass
-class KVHandoff:
-    """What a prefill worker hands a decode worker about a request (besides its tokens).
-
-    block_ids are valid only inside the prefill worker and only until the engine frees them
-    right after its handoff hook returns; block_keys name the same KV anywhere (store)."""
-
-    block_ids: list[int]
-    block_keys: list[bytes]
-    num_computed_tokens: int
-    """Tokens whose KV exists: the prompt (the sampled first token's KV is not computed)."""
-    seed: int | None
-    num_generated_tokens: int
-    """Seeded sampling resumes at output index num_generated_tokens (see sampler.py)."""
-    output_token_ids: list[int]
-
-
-@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -164,4 +148,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     kv_handoff: KVHandoff | None = None
-    """Set by a prefill-role engine on the request's last output."""
+    """Set by a prefill-role engine on the request's last output (the block keys are its full
+    prompt blocks; the worker's hand-off component fills in what the save produced)."""

@@ -19,7 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.block_manager import BlockManager, NoFreeBlocksError
 from pdserve.serve.config import SchedulerConfig
 from pdserve.serve.request import Request, RequestStatus

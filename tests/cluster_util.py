@@ -52,6 +52,11 @@ class Cluster:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
+    def store_client(self) -> StoreClient:
+        """A client of the cluster's store (`pdserve up`: master at store_port, data next)."""
+        return StoreClient(f"tcp://127.0.0.1:{self.store_port + 1}",
+                           f"tcp://127.0.0.1:{self.store_port}", transport="zmq", timeout_s=5)
+
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
@@ -80,12 +85,30 @@ def workers_idle(base_url: str) -> bool:
                for w in workers)
 
 
+def assert_nothing_leaked(base_url: str, store: StoreClient | None = None,
+                          timeout_s: float = 30.0) -> None:
+    """The end of every end-to-end test: every worker idle with all its blocks free, and the
+    store (when given) holding no lease and no pinned block. Waits up to timeout_s, since a
+    finished request's last release may still be on its way."""
+    assert wait_until(lambda: workers_idle(base_url), timeout_s), \
+        httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
+    if store is None:
+        return
+
+    def released() -> bool:
+        stats = store.stats()
+        return stats["num_leases"] == 0 and stats["num_pinned"] == 0
+
+    assert wait_until(released, timeout_s), store.stats()
+    store.check_integrity()
+
+
 def start_cluster(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float = 240.0
                   ) -> Cluster:
     base = free_port_block(40)
     port, store_port, worker_base = base, base + 10, base + 20
     log_path = log_dir / f"pdserve-up-{port}.log"
-    argv = [sys.executable, "-m", "pdserve.serve.cli", "up", "--model", str(model_dir),
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir),
             "--port", str(port), "--store-port", str(store_port),
             "--worker-base-port", str(worker_base), *extra]
     env = dict(os.environ, PDSERVE_LOG_LEVEL="INFO")
@@ -132,7 +155,7 @@ class Roles:
     def start(self, name: str, *argv: str) -> None:
         log = open(self.log_dir / f"{name}-{len(self.processes)}.log", "ab")
         self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.serve.cli", *argv], stdout=log,
+            [sys.executable, "-m", "pdserve.cli", *argv], stdout=log,
             stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="INFO"))
 
     def start_worker(self, role: str, index: int = 0) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from test_model_fidelity import BlockAllocator, hf_logits, random_prompts
 
-from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.model_runner import ModelRunner
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvstore.block_key import KVLayout, block_keys, root_key
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.block_manager import (
     BlockManager,
     BlockManagerIntegrityError,
     NoFreeBlocksError,
 )
 from pdserve.serve.request import Request
-from pdserve.serve.sampling_params import SamplingParams
 
 BLOCK = 4
 LAYOUT = KVLayout(dtype="float32", block_size=BLOCK, num_layers=2, num_kv_heads=2, head_dim=16)

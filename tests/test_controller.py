@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
+from pdserve.protocol.codec import WireError
+from pdserve.protocol.worker import WORKER_PROTOCOL, StepSample, WorkerStatus
 from pdserve.router.config import ControllerConfig
 from pdserve.router.controller import Estimate, GoodputController, wanted_prefill
 from pdserve.router.goodput_model import LinearLatency, PhaseModels, SimulationConfig
-from pdserve.serve.protocol import WORKER_PROTOCOL, StepSample, WorkerStatus
-from pdserve.wire import WireError
 
 PREFILL = LinearLatency(0.01, (1e-4, 1e-8), 0, 0.0)
 DECODE = LinearLatency(0.003, (1e-6, 1e-4), 0, 0.0)
@@ -163,7 +163,7 @@ def test_config_rejects_bad_values(bad):
 
 
 @pytest.mark.parametrize("bad", [{"seconds": float("nan")}, {"seconds": -1.0},
-                                 {"decode_seqs": -2}])
+                                 {"num_decode_seqs": -2}])
 def test_a_bad_step_sample_is_a_malformed_status(bad):
     """Samples feed least squares: a NaN or negative one would poison every fit after it."""
     status = WorkerStatus("w", "prefill", "m", 64, True, 0, 0, 8, 8, 16,

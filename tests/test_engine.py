@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_util import prefill_engine
 
 from pdserve.serve import LLM, SamplingParams
-from pdserve.serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.engine import Engine
-from pdserve.serve.request import KVHandoff, Request, RequestOutput
+from pdserve.serve.request import RequestOutput
+from pdserve.serve.roles import DecodeRole
 from pdserve.serve.scheduler import RequestRejectedError
 
 PROMPT_LENGTHS = [1, 2, 5, 16, 17, 40, 64, 100]
@@ -191,20 +193,14 @@ def test_prefill_handoff_then_decode_equals_colocated(llama_dir: Path) -> None:
     """Prefill role hands off after one token; a decode-role engine given the KV blocks and
     the sampling position continues exactly as the colocated engine (greedy and seeded)."""
     prompt = list(range(3, 45))
-    saved: dict[str, list[torch.Tensor]] = {}
-
-    def save_kv(request: Request, handoff: KVHandoff) -> None:
-        saved[request.request_id] = prefill.runner.kv_pool.read_blocks(handoff.block_ids)
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
     model_config = ModelConfig(model=str(llama_dir))
     cache_config = CacheConfig(num_blocks=64)
-    prefill = Engine(model_config, cache_config, scheduler_config=SchedulerConfig(
-        role="prefill"), tokenizer=tokenizer, handoff_hook=save_kv)
-    decode = Engine(model_config, cache_config, scheduler_config=SchedulerConfig(
-        role="decode"), tokenizer=tokenizer)
+    prefill, saver = prefill_engine(model_config, cache_config, tokenizer=tokenizer)
+    decode = Engine(model_config, cache_config, tokenizer=tokenizer, role=DecodeRole())
     try:
         with LLM(llama_dir, num_kv_blocks=64) as colocated:
             for params in (GREEDY, SamplingParams(temperature=1.0, seed=7, max_tokens=20,
@@ -215,13 +211,12 @@ def test_prefill_handoff_then_decode_equals_colocated(llama_dir: Path) -> None:
                 (first,) = prefill.step()
                 assert first.outputs[0].finish_reason == "handoff" and first.finished
                 handoff = first.kv_handoff
-                assert handoff is not None and handoff.num_computed_tokens == len(prompt)
-                assert len(handoff.block_keys) == len(prompt) // 16
-                assert handoff.num_generated_tokens == 1
+                assert handoff is not None and len(handoff.block_keys) == len(prompt) // 16
+                assert handoff.num_output_tokens == 1
                 block_ids = decode.add_prefilled_request(
-                    "r", prompt, params, handoff.output_token_ids)
-                decode.runner.kv_pool.write_blocks(block_ids, saved.pop("r"))
-                tokens, text = list(handoff.output_token_ids), first.outputs[0].text
+                    "r", prompt, params, [handoff.first_token_id])
+                decode.runner.write_kv_blocks(block_ids, saver.blocks.pop("r"))
+                tokens, text = [handoff.first_token_id], first.outputs[0].text
                 while decode.has_unfinished_requests():
                     for out in decode.step():
                         tokens += out.outputs[0].token_ids

@@ -5,28 +5,31 @@ missing), and the tokens equal a colocated run, greedy and seeded."""
 from __future__ import annotations
 
 import pytest
-from engine_util import run_to_completion, token_ids
+from engine_util import prefill_engine, run_to_completion, token_ids
 from transformers import AutoTokenizer
 
-from pdserve.serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.engine import Engine
-from pdserve.serve.sampling_params import SamplingParams
+from pdserve.serve.roles import make_role
 
 PROMPTS = [list(range(5, 5 + n)) for n in (1, 7, 16, 33)]
 
 
-def _engine(model_dir, role: str) -> Engine:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=8, num_blocks=64),
-                  scheduler_config=SchedulerConfig(role=role), tokenizer=tokenizer)
+def _configs(model_dir) -> tuple:
+    return ModelConfig(str(model_dir)), CacheConfig(block_size=8, num_blocks=64)
 
 
 @pytest.fixture(scope="module")
 def engines(llama_dir):
-    engines = {role: _engine(llama_dir, role) for role in ("colocated", "prefill", "decode")}
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    engines = {role: Engine(*_configs(llama_dir), tokenizer=tokenizer, role=make_role(role))
+               for role in ("colocated", "decode")}
+    engines["prefill"], engines["saver"] = prefill_engine(*_configs(llama_dir),
+                                                          tokenizer=tokenizer)
     yield engines
-    for engine in engines.values():
-        engine.shutdown()
+    for role in ("colocated", "prefill", "decode"):
+        engines[role].shutdown()
 
 
 @pytest.mark.parametrize("params", [
@@ -36,6 +39,7 @@ def engines(llama_dir):
 @pytest.mark.parametrize("with_kv", [True, False], ids=["kv-copied", "recompute"])
 def test_handoff_continues_exactly(engines, params, with_kv):
     colocated, prefill, decode = engines["colocated"], engines["prefill"], engines["decode"]
+    saver = engines["saver"]
     for i, prompt in enumerate(PROMPTS):
         colocated.add_request(prompt, params, f"c{i}")
         prefill.add_request(prompt, params, f"p{i}")
@@ -46,13 +50,13 @@ def test_handoff_continues_exactly(engines, params, with_kv):
         [last] = prefilled[f"p{i}"]
         assert last.outputs[0].finish_reason == "handoff"
         handoff = last.kv_handoff
-        assert handoff.num_computed_tokens == len(prompt)
         assert len(handoff.block_keys) == len(prompt) // 8  # full blocks only
-        first = handoff.output_token_ids
+        assert handoff.num_output_tokens == 1
+        first = [handoff.first_token_id]
+        assert last.outputs[0].token_ids == first
         if with_kv:
-            kv = prefill.runner.kv_pool.read_blocks(handoff.block_ids)
             block_ids = decode.add_prefilled_request(f"d{i}", prompt, params, first)
-            decode.runner.kv_pool.write_blocks(block_ids, kv)
+            decode.runner.write_kv_blocks(block_ids, saver.blocks.pop(f"p{i}"))
         else:
             decode.add_continued_request(f"d{i}", prompt, params, first)
     decoded = run_to_completion(decode)
@@ -60,6 +64,6 @@ def test_handoff_continues_exactly(engines, params, with_kv):
         first = prefilled[f"p{i}"][0].outputs[0].token_ids
         rest = token_ids(decoded[f"d{i}"])
         assert first + rest == expected[f"c{i}"]
-    for engine in engines.values():
+    for engine in (colocated, prefill, decode):
         engine.block_manager.check_integrity()
         assert engine.block_manager.num_used_blocks == 0

@@ -6,29 +6,33 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_util import run_to_completion, token_ids
+from engine_util import prefill_engine, run_to_completion, token_ids
 from transformers import AutoTokenizer
 
-from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.engine import Engine
-from pdserve.serve.sampling_params import SamplingParams
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 40)]
 
 
-def _engine(model_dir, role: str, tp: int) -> Engine:
-    return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=16, num_blocks=32),
-                  ParallelConfig(tensor_parallel_size=tp), SchedulerConfig(role=role),
-                  tokenizer=AutoTokenizer.from_pretrained(model_dir))
+def _configs(model_dir, tp: int) -> tuple:
+    return (ModelConfig(str(model_dir)), CacheConfig(block_size=16, num_blocks=32),
+            ParallelConfig(tensor_parallel_size=tp))
+
+
+def _engine(model_dir, tp: int) -> Engine:
+    return Engine(*_configs(model_dir, tp), tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
 @pytest.mark.parametrize("architecture", ["llama", "deepseek_v3"])
 def test_tp2_prefill_hands_off_to_tp1_decode(architecture, make_model_dir):
     model_dir = make_model_dir(architecture, **({} if architecture == "llama" else {"seed": 3}))
     params = SamplingParams(temperature=0, max_tokens=8)
-    colocated = _engine(model_dir, "colocated", 1)
-    decode = _engine(model_dir, "decode", 1)
-    prefill = _engine(model_dir, "prefill", 2)
+    colocated = _engine(model_dir, 1)
+    decode = _engine(model_dir, 1)  # a decode engine differs only in how requests come in
+    prefill, saver = prefill_engine(*_configs(model_dir, 2),
+                                    tokenizer=AutoTokenizer.from_pretrained(model_dir))
     try:
         for i, prompt in enumerate(PROMPTS):
             colocated.add_request(prompt, params, f"c{i}")
@@ -39,13 +43,13 @@ def test_tp2_prefill_hands_off_to_tp1_decode(architecture, make_model_dir):
         for i, prompt in enumerate(PROMPTS):
             handoff = handoffs[f"p{i}"].kv_handoff
             num_blocks = -(-len(prompt) // 16)
-            blocks = prefill.runner.read_kv_blocks(handoff.block_ids[:num_blocks])
+            blocks = saver.blocks[f"p{i}"]  # read from both ranks as the request handed off
             # whole heads from both ranks: the TP=1 pool's layout
             planes = 2 if architecture == "llama" else 1
             assert blocks[0].shape == (planes, num_blocks, 16, prefill.spec.num_kv_heads,
                                        prefill.spec.head_dim)
             ids = decode.add_prefilled_request(f"d{i}", prompt, params,
-                                               handoff.output_token_ids)
+                                               [handoff.first_token_id])
             decode.runner.write_kv_blocks(ids, blocks)
             # and back: the TP=1 copy equals what the TP=2 ranks held
             for a, b in zip(decode.runner.read_kv_blocks(ids), blocks, strict=True):

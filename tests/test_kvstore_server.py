@@ -17,12 +17,24 @@ import numpy as np
 import pytest
 import zmq
 
-from pdserve.kvstore import server as server_module
-from pdserve.kvstore.channel import StoreRequestError
+from pdserve.kvstore import data_service as data_service_module
+from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.server import StoreServer
 from pdserve.kvstore.ucx_transport import UcxUnavailable
+from pdserve.protocol.store import (
+    STORE_PROTOCOL,
+    ErrorReply,
+    ExistsReply,
+    ExistsRequest,
+    HelloRequest,
+    JoinReply,
+    JoinRequest,
+    StatsReply,
+    StatsRequest,
+    decode_store_message,
+)
 
 
 def key(i: int) -> bytes:
@@ -168,7 +180,8 @@ def test_garbage_and_pickle_are_rejected_and_server_keeps_serving(make_server, t
                        "ucx_tag": None}),  # no payload frame
         msgpack.packb({"type": "__import__", "request_id": 1}),
         msgpack.packb({"type": "pin", "request_id": 1, "keys": [key(0)] * 5000,
-                       "holder": "x", "ttl_s": 1.0}),  # too many keys
+                       "holder": "x", "ttl_s": 1.0}),  # more than max_keys_per_message
+        STORE_PROTOCOL.encode(StatsReply(7, {"n": 1})),  # a reply is not a request
     ]
     ctx = zmq.Context()
     for address in (server.data_address, server.master_address):
@@ -178,17 +191,56 @@ def test_garbage_and_pickle_are_rejected_and_server_keeps_serving(make_server, t
         for payload in hostile:
             sock.send_multipart([payload])
             assert sock.poll(5000), "the server stopped answering"
-            reply = msgpack.unpackb(sock.recv_multipart()[0])
-            assert reply["ok"] is False and reply["error"]
+            reply = decode_store_message(sock.recv_multipart()[0])
+            assert isinstance(reply, ErrorReply) and reply.error
         sock.close()
     ctx.term()
     assert not marker.exists()
-    assert server.num_rejected >= len(hostile)
+    # all but the put without its payload (a valid message whose handler fails), per socket
+    assert server.num_rejected == 2 * (len(hostile) - 1)
     got = client.get_many([key(0)])  # still serving
     assert np.array_equal(got[0], block(0))
-    with pytest.raises(StoreRequestError):
-        client._data_channel().request("join", node_id="x", address="y")  # master verb
+    with pytest.raises(StoreRequestError, match="not served by the data service"):
+        client._data_channel().request(JoinRequest, JoinReply, node_id="x", address="y")
+    with pytest.raises(StoreRequestError, match="not served by the master service"):
+        client._master.request(ExistsRequest, ExistsReply, keys=[key(0)])
     finish(server, client)
+
+
+def test_channel_checks_the_reply_type():
+    """A reply of the wrong type raises; a malformed one is dropped (then the request times
+    out); a late reply to an earlier request is skipped."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    answers = [
+        [STORE_PROTOCOL.encode(StatsReply(999, {"late": 1})),  # skipped: not our request
+         STORE_PROTOCOL.encode(StatsReply(1, {"num_leases": 0}))],
+        [STORE_PROTOCOL.encode(ExistsReply(2, [True]))],  # wrong type
+        [b"\xc1not msgpack"],  # dropped
+    ]
+
+    def serve() -> None:
+        for replies in answers:
+            identity, _ = router.recv_multipart()
+            for reply in replies:
+                router.send_multipart([identity, reply])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    channel = ControlChannel(ctx, f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+    assert channel.request(StatsRequest, StatsReply).stats == {"num_leases": 0}
+    with pytest.raises(StoreRequestError, match="expected a StatsReply, got a ExistsReply"):
+        channel.request(StatsRequest, StatsReply)
+    with pytest.raises(StoreUnavailable):
+        channel.request(StatsRequest, StatsReply)
+    with pytest.raises(ValueError):  # built locally, never sent
+        channel.request(ExistsRequest, ExistsReply, keys=[b"x" * 65])
+    thread.join(timeout=5)
+    channel.close()
+    router.close()
+    ctx.term()
 
 
 def test_data_node_reports_to_a_separate_master(make_server):
@@ -223,15 +275,15 @@ def test_ucx_data_path(make_server):
     assert np.array_equal(got[0], blocks[0]) and got[1] is None
     assert np.array_equal(got[2], blocks[4])
     # UCX aborts a process on a malformed worker address: the server must refuse it unharmed
-    hostile = msgpack.packb({"type": "hello", "request_id": 3, "ucx_address": os.urandom(217)})
+    hostile = STORE_PROTOCOL.encode(HelloRequest(3, ucx_address=os.urandom(217)))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.data_address)
     sock.send_multipart([hostile])
     assert sock.poll(30_000)
-    reply = msgpack.unpackb(sock.recv_multipart()[0])
-    assert reply["ok"] is False and "UCX" in reply["error"]
+    reply = decode_store_message(sock.recv_multipart()[0])
+    assert isinstance(reply, ErrorReply) and reply.request_id == 3 and "UCX" in reply.error
     sock.close()
     ctx.term()
     assert np.array_equal(client.get_many([key(1)])[0], blocks[1])
@@ -242,7 +294,7 @@ def test_ucx_unavailable_falls_back_to_zmq_loudly(make_server, monkeypatch, capl
     def broken(*args, **kwargs):
         raise UcxUnavailable("no transports")
 
-    monkeypatch.setattr(server_module, "UcxDataPlane", broken)
+    monkeypatch.setattr(data_service_module, "UcxDataPlane", broken)
     with caplog.at_level(logging.WARNING):
         server = make_server(transport="ucx")
     assert any("fall back to ZeroMQ" in r.getMessage() for r in caplog.records)
@@ -262,7 +314,7 @@ def _free_port() -> int:
 def test_cli_serves_and_stops_on_sigterm(tmp_path):
     master_port, data_port = _free_port(), _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.serve.cli", "store", "--transport", "zmq",
+        [sys.executable, "-m", "pdserve.cli", "store", "--transport", "zmq",
          "--master-port", str(master_port), "--data-port", str(data_port),
          "--dram-blocks", "8", "--disk-blocks", "8", "--disk-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

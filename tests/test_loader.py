@@ -1,4 +1,4 @@
-"""Loader, ModelSpec, rope config forms, KV pool and the runner's control-message codec."""
+"""Loader, ModelSpec, rope config forms and the KV pool (TP messages: test_tp_protocol.py)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,16 @@ import json
 import shutil
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 
 from pdserve.kvstore.block_key import KVLayout
-from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.kv_cache import KVCachePool, bytes_per_block, num_blocks_for
 from pdserve.serve.layers import rope_parameters
 from pdserve.serve.loader import checkpoint_files, load_model_spec
 from pdserve.serve.model_runner import ModelRunner
-from pdserve.serve.tp_messages import decode_message, encode_step
 
 
 def _copy_checkpoint(src: Path, dst: Path) -> Path:
@@ -172,18 +170,6 @@ def test_kv_pool_shape_sizing_and_block_copies() -> None:
         pool.read_blocks([6])
     with pytest.raises(ValueError, match="blocks must be"):
         pool.write_blocks([0], blocks)
-
-
-def test_control_message_roundtrip_and_validation() -> None:
-    step = StepInput([SeqChunk("a", [1, 2], 3, [7], True), SeqChunk("b", [9], 0, [2], False)])
-    decoded = decode_message(encode_step(step))
-    assert isinstance(decoded, StepInput) and decoded == step
-    assert decode_message(encode_step(None)) == "stop"
-    for bad in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"kind": "exec"}),
-                msgpack.packb({"kind": "step", "chunks": [["a", [1.5], 0, [0], True]]}),
-                msgpack.packb({"kind": "step", "chunks": [["a", [1], 0, [0]]]})):
-        with pytest.raises(ValueError):
-            decode_message(bad)
 
 
 @pytest.mark.parametrize("architecture", ["MistralForCausalLM", "MixtralForCausalLM"])

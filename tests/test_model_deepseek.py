@@ -29,10 +29,10 @@ from model_walks import (
 )
 from test_model_fidelity import hf_logits, random_prompts
 
-from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.default_model import build_random_model
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from pdserve.serve.parallel import TPGroup
 
 
 @pytest.mark.parametrize("backend,block_size,num_decodes", [
@@ -152,7 +152,7 @@ def test_worker_with_a_tp_degree_the_model_cannot_take_exits_with_one_clear_line
     import sys
 
     model_dir = make_model_dir("deepseek_v3", seed=3)
-    done = subprocess.run([sys.executable, "-m", "pdserve.serve.cli", "prefill", "--model",
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--model",
                            str(model_dir), "--tp", "3", "--port", "1"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2

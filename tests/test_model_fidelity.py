@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.default_model import build_random_model
 from pdserve.serve.model_runner import ModelRunner

@@ -26,8 +26,8 @@ from model_walks import (
 )
 
 from pdserve.serve.default_model import build_random_model
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.models.llama_moe import MixtralForCausalLM, Qwen2MoeForCausalLM
-from pdserve.serve.parallel import TPGroup
 
 ARCHITECTURES = ["mixtral", "qwen2_moe"]
 

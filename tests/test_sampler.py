@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.detokenizer import IncrementalDetokenizer
 from pdserve.serve.request import Request
 from pdserve.serve.sampler import (
@@ -18,7 +19,6 @@ from pdserve.serve.sampler import (
     apply_top_p,
     exponential_noise,
 )
-from pdserve.serve.sampling_params import SamplingParams
 
 VOCAB = 50
 EOS = 3

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvstore.block_key import KVLayout
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.block_manager import BlockManager
 from pdserve.serve.config import SchedulerConfig
 from pdserve.serve.request import Request, RequestStatus
-from pdserve.serve.sampling_params import SamplingParams
 from pdserve.serve.scheduler import RequestRejectedError, Scheduler
 
 BLOCK = 4

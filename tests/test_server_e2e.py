@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 import torch
-from cluster_util import start_cluster
+from cluster_util import assert_nothing_leaked, start_cluster
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.serve import LLM, SamplingParams
@@ -33,7 +33,9 @@ def reference(llama_dir):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         hf_ids = hf.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS,
                              pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
-        assert out.outputs[0].token_ids == hf_ids[:len(out.outputs[0].token_ids)]
+        # the whole completion: an engine that returned nothing (or stopped early) fails here
+        assert out.outputs[0].token_ids == hf_ids and len(hf_ids) > 0
+        assert out.outputs[0].text == tokenizer.decode(hf_ids, skip_special_tokens=True)
         texts[prompt] = out.outputs[0].text
     return texts
 
@@ -44,6 +46,22 @@ def cluster(request, llama_dir, tmp_path_factory):
                             "--num-kv-blocks", "512")
     yield cluster
     assert cluster.stop() == 0, cluster.log()
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind(request):
+    """After every test on the shared cluster: workers idle, no store lease or pin left."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("cluster")
+    with_store = any(w["role"] == "prefill" for w in cluster.status()["workers"])
+    store = cluster.store_client() if with_store else None
+    try:
+        assert_nothing_leaked(cluster.base_url, store)
+    finally:
+        if store is not None:
+            store.close()
 
 
 def _complete(base_url: str, **body) -> dict:
@@ -67,6 +85,7 @@ def test_completions_match_reference(cluster, reference):
     for prompt in PROMPTS:
         body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert body["choices"][0]["text"] == reference[prompt]
+        assert body["usage"]["completion_tokens"] > 0
         chunks = _stream(cluster.base_url, "/v1/completions",
                          {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
         assert "".join(c["choices"][0]["text"] for c in chunks) == reference[prompt]
@@ -176,5 +195,10 @@ def test_prefill_tp2_decode_tp1_same_tokens(llama_dir, reference, tmp_path_facto
             body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,
                              temperature=0)
             assert body["choices"][0]["text"] == reference[prompt]
+        store = cluster.store_client()
+        try:
+            assert_nothing_leaked(cluster.base_url, store)
+        finally:
+            store.close()
     finally:
         assert cluster.stop() == 0, cluster.log()

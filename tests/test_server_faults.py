@@ -70,7 +70,7 @@ def test_garbage_and_pickle_on_worker_port_are_dropped(roles, tmp_path):
 
     import zmq
 
-    from pdserve.serve.protocol import WORKER_PROTOCOL, StatusRequest, WorkerStatus
+    from pdserve.protocol.worker import WORKER_PROTOCOL, StatusRequest, WorkerStatus
 
     sentinel = tmp_path / "pwned"
 
@@ -101,7 +101,8 @@ def test_handoff_blocks_are_leased_until_decode_loads_them(roles):
     store lease pinning the prompt's blocks; the decode worker releases it after loading."""
     import zmq
 
-    from pdserve.serve.protocol import WORKER_PROTOCOL, GenerateRequest, Output, WireSampling
+    from pdserve.protocol.sampling import SamplingParams
+    from pdserve.protocol.worker import WORKER_PROTOCOL, GenerateRequest, Output
 
     def collect(socket, request) -> list[Output]:
         socket.send(WORKER_PROTOCOL.encode(request))
@@ -123,7 +124,7 @@ def test_handoff_blocks_are_leased_until_decode_loads_them(roles):
     client = roles.store_client()
     try:
         prompt = list(range(40, 90))
-        request = GenerateRequest("lease-1", prompt, WireSampling(max_tokens=4, temperature=0))
+        request = GenerateRequest("lease-1", prompt, SamplingParams(max_tokens=4, temperature=0))
         [first] = collect(sockets["prefill"], request)
         assert first.finish_reason == "handoff" and first.handoff.lease_id > 0
         assert client.stats()["num_leases"] >= 1

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdserve.serve.batch import SeqChunk, StepInput
+from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.loader import _default_weight_loader
 from pdserve.serve.model_runner import ModelRunner
 from pdserve.serve.parallel import (
@@ -23,7 +24,6 @@ from pdserve.serve.parallel import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    TPGroup,
     VocabParallelEmbedding,
 )
 

@@ -5,49 +5,55 @@ worker between the prefill and decode roles. In-process workers over real ZeroMQ
 from __future__ import annotations
 
 import threading
-import time
 
 import msgpack
 import pytest
 import zmq
 from cluster_util import free_port_block
 from engine_util import run_to_completion
-from test_worker_store import BLOCK, _collect, _engine
+from worker_util import BLOCK, assert_worker_idle, collect, make_engine, status_reply
 
-from pdserve.serve.engine import StepShape
-from pdserve.serve.protocol import (
+from pdserve.protocol.codec import WireError
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
     GenerateRequest,
     SetRole,
-    StatusRequest,
     StepSample,
-    WireSampling,
     WorkerStatus,
 )
-from pdserve.serve.sampling_params import SamplingParams
 from pdserve.serve.worker import Worker
-from pdserve.wire import WireError
 
-GREEDY = WireSampling(max_tokens=6, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
-def test_step_shape_counts_prefill_and_decode_work(llama_dir):
-    engine = _engine(llama_dir, "colocated")
+def _work(engine) -> tuple[int, int, int, int]:
+    """What the engine's last step computed, by phase."""
+    s = engine.step_samples[-1]
+    return (s.num_prefill_tokens, s.num_prefill_query_keys, s.num_decode_seqs,
+            s.num_decode_context_tokens)
+
+
+def test_step_samples_count_prefill_and_decode_work(llama_dir):
+    engine = make_engine(llama_dir)
     try:
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         first = list(range(10, 23))  # 13 tokens: one full block, then 5
         engine.add_request(first, params, "r1")
         engine.step()
-        assert engine.last_step_shape == StepShape(13, 13 * 13, 0, 0)
+        assert _work(engine) == (13, 13 * 13, 0, 0)
         # r2 shares r1's first block: its prefill starts at position 8
         engine.add_request(first[:BLOCK] + [50, 51, 52], params, "r2")
         engine.step()
-        assert engine.last_step_shape == StepShape(3, 3 * 11, 1, 14)
+        assert _work(engine) == (3, 3 * 11, 1, 14)
         engine.step()
-        assert engine.last_step_shape == StepShape(0, 0, 2, 15 + 12)
+        assert _work(engine) == (0, 0, 2, 15 + 12)
         run_to_completion(engine)
-        engine.step()
-        assert engine.last_step_shape is None
+        num_steps = len(engine.step_samples)
+        assert [s.seq for s in engine.step_samples] == list(range(1, num_steps + 1))
+        assert all(s.seconds > 0 for s in engine.step_samples)
+        engine.step()  # nothing to run: no sample
+        assert len(engine.step_samples) == num_steps
         engine.block_manager.check_integrity()
         assert engine.block_manager.num_used_blocks == 0
     finally:
@@ -62,7 +68,7 @@ def workers(llama_dir):
     workers, threads, sockets = {}, [], {}
     for i, role in enumerate(("prefill", "colocated")):
         address = f"tcp://127.0.0.1:{base + i}"
-        workers[role] = Worker(_engine(llama_dir, role), role, address, role)
+        workers[role] = Worker(make_engine(llama_dir), role, address, role)
         threads.append(threading.Thread(target=workers[role].serve_forever, daemon=True))
         threads[-1].start()
         sockets[role] = context.socket(zmq.DEALER)
@@ -74,43 +80,29 @@ def workers(llama_dir):
     for thread in threads:
         thread.join(10)
     for worker in workers.values():
-        worker.engine.block_manager.check_integrity()
-        assert worker.engine.block_manager.num_used_blocks == 0
+        assert_worker_idle(worker)
         worker.close()
     for socket in sockets.values():
         socket.close()
     context.term()
 
 
-def _status_reply(socket, message: SetRole | StatusRequest | None = None,
-                  timeout_s: float = 30.0) -> WorkerStatus:
-    """Send `message` (a StatusRequest by default) and wait for the WorkerStatus answer."""
-    socket.send(WORKER_PROTOCOL.encode(message or StatusRequest()))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if socket.poll(100):
-            reply = WORKER_PROTOCOL.decode(socket.recv())
-            if isinstance(reply, WorkerStatus):
-                return reply
-    raise TimeoutError("no WorkerStatus")
-
-
 def _tokens(socket, request: GenerateRequest) -> list[int]:
-    return [t for output in _collect(socket, request) for t in output.token_ids]
+    return [t for output in collect(socket, request) for t in output.token_ids]
 
 
 def test_status_carries_step_samples(workers):
     _, sockets = workers
     prompt = list(range(30, 41))
     tokens = _tokens(sockets["colocated"], GenerateRequest("s1", prompt, GREEDY))
-    samples = _status_reply(sockets["colocated"]).step_samples
+    samples = status_reply(sockets["colocated"]).step_samples
     assert 0 < len(samples) <= 64
     assert [s.seq for s in samples] == sorted({s.seq for s in samples})
     assert all(s.seconds > 0 for s in samples)
     # the last steps were s1's: its prompt, then a decode per further token
     mine = samples[-len(tokens):]
-    assert (mine[0].prefill_tokens, mine[0].decode_seqs) == (len(prompt), 0)
-    assert [s.decode_context for s in mine[1:]] == \
+    assert (mine[0].num_prefill_tokens, mine[0].num_decode_seqs) == (len(prompt), 0)
+    assert [s.num_decode_context_tokens for s in mine[1:]] == \
         [len(prompt) + i for i in range(1, len(tokens))]
 
 
@@ -118,22 +110,22 @@ def test_worker_flips_between_prefill_and_decode(workers):
     by_role, sockets = workers
     prompt = list(range(60, 79))
     expected = _tokens(sockets["colocated"], GenerateRequest("ref", prompt, GREEDY))
-    [first] = _collect(sockets["prefill"], GenerateRequest("f1", prompt, GREEDY))
+    [first] = collect(sockets["prefill"], GenerateRequest("f1", prompt, GREEDY))
     assert first.finish_reason == "handoff" and first.handoff.block_keys == []
-    assert _status_reply(sockets["prefill"], SetRole("decode")).role == "decode"
-    assert by_role["prefill"].engine.scheduler.config.role == "decode"
+    assert status_reply(sockets["prefill"], SetRole("decode")).role == "decode"
+    assert by_role["prefill"].engine.role.name == "decode"
     rest = _tokens(sockets["prefill"], GenerateRequest("f1", prompt, GREEDY,
                                                        handoff=first.handoff))
     assert first.token_ids + rest == expected
-    assert _status_reply(sockets["prefill"], SetRole("prefill")).role == "prefill"
-    [again] = _collect(sockets["prefill"], GenerateRequest("f2", prompt, GREEDY))
+    assert status_reply(sockets["prefill"], SetRole("prefill")).role == "prefill"
+    [again] = collect(sockets["prefill"], GenerateRequest("f2", prompt, GREEDY))
     assert again.finish_reason == "handoff" and again.token_ids == expected[:1]
 
 
 def test_colocated_worker_never_flips(workers):
     by_role, sockets = workers
-    assert _status_reply(sockets["colocated"], SetRole("prefill")).role == "colocated"
-    assert by_role["colocated"].engine.role == "colocated"
+    assert status_reply(sockets["colocated"], SetRole("prefill")).role == "colocated"
+    assert by_role["colocated"].engine.role.name == "colocated"
 
 
 def test_busy_worker_refuses_to_flip(workers):
@@ -145,16 +137,16 @@ def test_busy_worker_refuses_to_flip(workers):
     worker.engine.step = lambda: real_step() if may_step.is_set() else []
     try:
         socket.send(WORKER_PROTOCOL.encode(GenerateRequest("b1", [5, 6, 7], GREEDY)))
-        status = _status_reply(socket, SetRole("decode"))
+        status = status_reply(socket, SetRole("decode"))
         assert (status.role, status.num_waiting) == ("prefill", 1)
         may_step.set()
-        [output] = _collect(socket, GenerateRequest("b2", [5, 6, 7], GREEDY))
+        [output] = collect(socket, GenerateRequest("b2", [5, 6, 7], GREEDY))
         # b1's hand-off came first and _collect skipped it; b2 ran on a prefill worker too
         assert output.finish_reason == "handoff"
     finally:
         del worker.engine.step
-    assert _status_reply(socket, SetRole("decode")).role == "decode"
-    assert _status_reply(socket, SetRole("prefill")).role == "prefill"
+    assert status_reply(socket, SetRole("decode")).role == "decode"
+    assert status_reply(socket, SetRole("prefill")).role == "prefill"
 
 
 def test_bogus_role_is_dropped(workers):
@@ -165,8 +157,8 @@ def test_bogus_role_is_dropped(workers):
     with pytest.raises(ValueError):
         SetRole("colocated")
     sockets["prefill"].send(bogus)
-    assert _status_reply(sockets["prefill"]).role == "prefill"  # no reply to the bogus one
-    [output] = _collect(sockets["prefill"], GenerateRequest("g1", [9, 8, 7], GREEDY))
+    assert status_reply(sockets["prefill"]).role == "prefill"  # no reply to the bogus one
+    [output] = collect(sockets["prefill"], GenerateRequest("g1", [9, 8, 7], GREEDY))
     assert output.finish_reason == "handoff"
 
 

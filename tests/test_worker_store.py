@@ -5,30 +5,19 @@ and the tokens equal a colocated engine's. Real ZeroMQ sockets, real Worker loop
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import zmq
 from cluster_util import free_port_block
 from engine_util import run_to_completion, token_ids
-from transformers import AutoTokenizer
+from worker_util import BLOCK, assert_worker_idle, collect, make_engine
 
 from pdserve.kvstore.connector import KVConnector
 from pdserve.kvstore.tiered_store import TieredStore
-from pdserve.serve.config import CacheConfig, ModelConfig, SchedulerConfig
-from pdserve.serve.engine import Engine
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.serve.kv_transfer import KVTransfer
-from pdserve.serve.protocol import WORKER_PROTOCOL, GenerateRequest, Output, WireSampling
-from pdserve.serve.sampling_params import SamplingParams
 from pdserve.serve.worker import Worker
-
-BLOCK = 8
-
-
-def _engine(model_dir, role: str) -> Engine:
-    return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=BLOCK, num_blocks=64),
-                  scheduler_config=SchedulerConfig(role=role),
-                  tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +27,10 @@ def fleet(llama_dir):
     workers, threads = {}, []
     for i, (name, role) in enumerate([("prefill-a", "prefill"), ("prefill-b", "prefill"),
                                       ("decode", "decode")]):
-        engine = _engine(llama_dir, role)
+        engine = make_engine(llama_dir)
         connector = KVConnector(store, engine.spec.kv_layout(BLOCK))
         worker = Worker(engine, role, f"tcp://127.0.0.1:{base + i}", name,
-                        KVTransfer(engine, connector))
+                        KVTransfer(engine.runner, engine.block_manager, connector))
         thread = threading.Thread(target=worker.serve_forever, daemon=True)
         thread.start()
         workers[name], threads = worker, threads + [thread]
@@ -57,32 +46,19 @@ def fleet(llama_dir):
     for thread in threads:
         thread.join(10)
     for worker in workers.values():
-        worker.kv_transfer.close()
+        worker.handoff.kv_transfer.close()
         worker.close()
     for socket in sockets.values():
         socket.close()
     context.term()
 
 
-def _collect(socket, request: GenerateRequest, timeout_s: float = 60.0) -> list[Output]:
-    socket.send(WORKER_PROTOCOL.encode(request))
-    outputs, deadline = [], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if socket.poll(100):
-            message = WORKER_PROTOCOL.decode(socket.recv())
-            if isinstance(message, Output) and message.request_id == request.request_id:
-                outputs.append(message)
-                if message.finish_reason is not None:
-                    return outputs
-    raise TimeoutError(f"no finish for {request.request_id}")
-
-
 def _disagg(sockets, prefill: str, request_id: str, prompt: list[int]) -> tuple[Output, list]:
-    sampling = WireSampling(max_tokens=8, temperature=0.0)
-    [first] = _collect(sockets[prefill], GenerateRequest(request_id, prompt, sampling))
+    sampling = SamplingParams(max_tokens=8, temperature=0.0)
+    [first] = collect(sockets[prefill], GenerateRequest(request_id, prompt, sampling))
     assert first.finish_reason == "handoff" and first.handoff is not None
     assert first.handoff.block_keys  # the prompt is in the store
-    rest = _collect(sockets["decode"], GenerateRequest(request_id, prompt, sampling,
+    rest = collect(sockets["decode"], GenerateRequest(request_id, prompt, sampling,
                                                        handoff=first.handoff))
     return first, first.token_ids + [t for o in rest for t in o.token_ids]
 
@@ -91,7 +67,7 @@ def test_prefix_from_the_store_is_reused_by_another_prefill_worker(fleet, llama_
     workers, sockets, store = fleet
     shared = list(range(10, 10 + 4 * BLOCK))  # four full blocks
     prompts = {"r1": shared + [7, 8, 9], "r2": shared + [11, 12]}
-    reference = _engine(llama_dir, "colocated")
+    reference = make_engine(llama_dir)
     try:
         for rid, prompt in prompts.items():
             reference.add_request(prompt, SamplingParams(temperature=0, max_tokens=8), rid)
@@ -105,12 +81,12 @@ def test_prefix_from_the_store_is_reused_by_another_prefill_worker(fleet, llama_
     first, tokens = _disagg(sockets, "prefill-b", "r2", prompts["r2"])
     assert first.num_cached_tokens == 4 * BLOCK
     assert tokens == expected["r2"]
-    assert workers["prefill-b"].kv_transfer.totals()["load_count"] == 1
+    assert workers["prefill-b"].handoff.kv_transfer.totals()["load_count"] == 1
     # TP=1: each prefill saved its prompt layer by layer during the forward
     for name in ("prefill-a", "prefill-b"):
-        totals = workers[name].kv_transfer.totals()
+        totals = workers[name].handoff.kv_transfer.totals()
         assert totals["layerwise_save_count"] == totals["save_count"] == 1
     for worker in workers.values():
-        worker.engine.block_manager.check_integrity()
-        assert worker.engine.block_manager.num_used_blocks == 0
+        assert_worker_idle(worker)
     store.check_integrity()
+    assert store.num_pinned_blocks == 0

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from pdserve.serve.attention import AttentionMetadata
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from pdserve.serve.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    TPGroup,
     VocabParallelEmbedding,
 )
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from pdserve.serve.attention import AttentionMetadata
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
@@ -58,7 +59,6 @@ from pdserve.serve.parallel import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    TPGroup,
 )
 
 # Hugging Face builds q_a_layernorm and kv_a_layernorm with the RMSNorm default, not

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pdserve.serve.attention import Attention, AttentionMetadata
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
@@ -34,7 +35,6 @@ from pdserve.serve.models.base import (
 from pdserve.serve.parallel import (
     QKVParallelLinear,
     RowParallelLinear,
-    TPGroup,
 )
 
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.layers import RotaryEmbedding
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
@@ -46,7 +47,7 @@ from pdserve.serve.models.moe import (
     is_other_ranks_expert,
     local_experts,
 )
-from pdserve.serve.parallel import ReplicatedLinear, TPGroup
+from pdserve.serve.parallel import ReplicatedLinear
 
 
 def softmax_router(hf_config: Mapping[str, Any], num_experts_key: str,

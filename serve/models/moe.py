@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.serve.distributed import TPGroup
 from pdserve.serve.models.base import GatedMLP, require_divisible, require_silu
-from pdserve.serve.parallel import ReplicatedLinear, TPGroup
+from pdserve.serve.parallel import ReplicatedLinear
 
 
 class TopKRouter(ReplicatedLinear):

@@ -1,4 +1,4 @@
-"""Router <-> worker messages (ZeroMQ DEALER/ROUTER, msgpack; see pdserve/wire.py).
+"""Router <-> worker messages (ZeroMQ DEALER/ROUTER, msgpack; see protocol/codec.py).
 
     router --GenerateRequest--> prefill worker --Output(first token, KVHandoff)--> router
     router --GenerateRequest(handoff)--> decode worker --Output(deltas)...--> router
@@ -8,43 +8,18 @@
 
 The prefill -> decode hand-off travels through the router inside these messages: it names the
 prompt's KV blocks in the store (by block key) and the sampling state, never the bytes.
-This module imports neither torch nor model code, so the router can use it.
+This module imports neither torch nor model code: the router and the workers both use it and
+neither owns it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.wire import Protocol
+from pdserve.protocol.codec import Protocol
+from pdserve.protocol.sampling import SamplingParams
 
 WORKER_PROTOCOL = Protocol("worker")
-
-
-@dataclass(frozen=True)
-class WireSampling:
-    """The request's sampling parameters (the engine's SamplingParams fields)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be in [0, 20]")
 
 
 @dataclass(frozen=True)
@@ -68,14 +43,16 @@ class KVHandoff:
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: WireSampling
-    cache_salt: str | None = None
+    sampling: SamplingParams
+    """max_tokens is always set by the router (it knows the room left in the context)."""
     handoff: KVHandoff | None = None
     """None: start from the prompt. Set: decode role, continue after the prefill worker."""
 
     def __post_init__(self) -> None:
         if not self.request_id or not self.prompt_token_ids:
             raise ValueError("request_id and prompt_token_ids must not be empty")
+        if self.sampling.max_tokens is None:
+            raise ValueError("sampling.max_tokens must be set")
 
 
 @WORKER_PROTOCOL.message("abort")
@@ -135,19 +112,19 @@ class StepSample:
     chunk (a prompt chunk, a recomputed prompt with its outputs) is prefill."""
 
     seq: int
-    """Per-worker sample number, increasing from 1."""
-    prefill_tokens: int
-    prefill_attention: int
+    """Per-engine step number, increasing from 1 (a reader dedups by it)."""
+    num_prefill_tokens: int
+    num_prefill_query_keys: int
     """Sum over prefill chunks of tokens x (start_pos + tokens): queries times keys."""
-    decode_seqs: int
-    decode_context: int
+    num_decode_seqs: int
+    num_decode_context_tokens: int
     """Sum over decode chunks of start_pos + 1: the keys each decode attends to."""
     seconds: float
-    """Wall time of engine.step()."""
+    """Wall time of the step."""
 
     def __post_init__(self) -> None:
-        counts = (self.seq, self.prefill_tokens, self.prefill_attention, self.decode_seqs,
-                  self.decode_context)
+        counts = (self.seq, self.num_prefill_tokens, self.num_prefill_query_keys,
+                  self.num_decode_seqs, self.num_decode_context_tokens)
         if min(counts) < 0 or not 0 <= self.seconds < float("inf"):
             raise ValueError("a step sample's counts and seconds must be finite and >= 0")
 

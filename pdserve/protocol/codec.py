@@ -1,4 +1,4 @@
-"""Typed msgpack messages: the one encoder/decoder every process boundary uses.
+"""Typed msgpack messages: the one checked codec every process boundary uses.
 
 A message is a frozen dataclass registered under a type tag. On the wire it is a msgpack map
 `{"type": tag, field: value, ...}`; decoding checks the tag, that every required field is
@@ -20,6 +20,9 @@ import msgpack
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 T = TypeVar("T")
+
+# Types whose values msgpack decodes to exactly that type (a bool is not an int here).
+_EXACT_SCALARS = (int, str, bytes, bool)
 
 
 class WireError(ValueError):
@@ -57,7 +60,9 @@ class Protocol:
         tag = getattr(type(message), "TAG", None)
         if tag is None or self._types.get(tag) is not type(message):
             raise WireError(f"{type(message).__name__} is not a {self.name} message")
-        return msgpack.packb(_to_plain(message, tag), use_bin_type=True)
+        top = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+        top["type"] = tag
+        return msgpack.packb(top, default=_fields_of, use_bin_type=True)
 
     def decode(self, raw: bytes) -> Any:
         if len(raw) > MAX_MESSAGE_BYTES:
@@ -113,7 +118,18 @@ class Protocol:
             if not isinstance(value, list):
                 raise WireError(f"{where}: expected a list")
             (item,) = typing.get_args(hint)
+            if item in _EXACT_SCALARS and set(map(type, value)) <= {item}:
+                return value  # fast path: a list of token or block ids checks in C speed
             return [self._check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if origin is tuple:  # only the homogeneous form, tuple[X, ...]; a list on the wire
+            item, ellipsis = typing.get_args(hint)
+            if ellipsis is not Ellipsis:
+                raise WireError(f"{where}: unsupported field type {hint}")
+            if not isinstance(value, list):
+                raise WireError(f"{where}: expected a list")
+            if item in _EXACT_SCALARS and set(map(type, value)) <= {item}:
+                return tuple(value)
+            return tuple(self._check(item, v, f"{where}[{i}]") for i, v in enumerate(value))
         if origin is dict:
             if not isinstance(value, dict):
                 raise WireError(f"{where}: expected a map")
@@ -137,14 +153,8 @@ class Protocol:
         raise WireError(f"{where}: unsupported field type {hint}")
 
 
-def _to_plain(value: Any, tag: str | None = None) -> Any:
-    if dataclasses.is_dataclass(value):
-        out = {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if tag is not None:
-            out["type"] = tag
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    return value
+def _fields_of(value: Any) -> Any:
+    """msgpack's hook for what it cannot pack itself: a nested message becomes its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    raise TypeError(f"cannot encode {type(value).__name__}")

@@ -35,7 +35,7 @@ class Child:
     def start(self) -> None:
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children
         # in order (router, workers, store), so none waits on a peer that is already gone.
-        self.process = subprocess.Popen([sys.executable, "-m", "pdserve.serve.cli", *self.argv],
+        self.process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.argv],
                                         start_new_session=True)
 
     @property

@@ -19,7 +19,7 @@ from pdserve import __version__, envs
 
 # name -> (module, one-line description). Add a role here when its module exists.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("pdserve.serve.launcher", "start store, workers and router on this host"),
+    "up": ("pdserve.launcher", "start store, workers and router on this host"),
     "router": ("pdserve.router.server", "OpenAI-compatible HTTP router"),
     "prefill": ("pdserve.serve.worker", "prefill worker (stops after the first token)"),
     "decode": ("pdserve.serve.worker", "decode worker (continues from the KV store)"),

@@ -1,12 +1,16 @@
-"""How one request samples and when it stops, in vLLM's vocabulary.
+"""How one request samples and when it stops, in vLLM's vocabulary: the one sampling type.
 
-The field names and meanings follow vLLM's `SamplingParams` so client code ports unchanged;
-only n == 1 is supported (one completion per request).
+The router builds it from an OpenAI body, it crosses to the workers inside GenerateRequest
+(protocol/worker.py) and the engine samples by it. The field names and meanings follow vLLM's
+`SamplingParams` so client code ports unchanged; only n == 1 is supported (one completion per
+request). This module imports nothing but the standard library, so every side can use it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,6 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     cache_salt: str | None = None
     """Tenant salt folded into the block-key root: salted prefixes never match unsalted."""
-    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
-    """Free-form annotations carried to the output untouched (e.g. the router's tags)."""
 
     def __post_init__(self) -> None:
         # vLLM accepts a bare string and lists; normalise to tuples so the object stays hashable.
@@ -87,8 +89,8 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

@@ -1,0 +1,61 @@
+"""What the store's socket loop (server.py) asks of a service behind one of its sockets.
+
+Two services implement it: MasterService (master_service.py, the block index and node
+membership) and DataService (data_service.py, the tiered store, leases and UCX clients). A
+service maps each request TYPE of pdserve/protocol/store.py to a handler; a handler takes the
+decoded request and the Peer it came from and returns an Answer: the typed reply, plus the
+payload frames that follow it (get's blocks on the zmq path; usually none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from pdserve.protocol.store import CheckReply, CheckRequest, StoreReply, StoreRequest
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a request, and what came with it."""
+
+    identity: bytes
+    """The client connection's ZeroMQ identity (a UCX client is known by it)."""
+    payloads: list[zmq.Frame]
+    """Frames after the header: put's blocks on the zmq path, else empty."""
+
+
+Answer = tuple[StoreReply, list[Any]]
+Handler = Callable[[Any, Peer], Answer]
+
+
+class StoreService(Protocol):
+    name: str
+    """Names the service in logs and errors ("master", "data")."""
+    handlers: Mapping[type[StoreRequest], Handler]
+    """The request types this service answers; any other is refused with an ErrorReply."""
+    num_rejected: int
+    """Malformed requests its socket received (the loop counts them; stats reports them)."""
+
+    def tick(self) -> None:
+        """Periodic work, each loop turn (expire leases or silent nodes)."""
+
+    def after_reply(self) -> None:
+        """Work that must wait until the reply is sent (a UCX get's sends)."""
+
+    def check_integrity(self) -> None:
+        """AssertionError naming the first invariant that does not hold."""
+
+    def close(self) -> None: ...
+
+
+def answer_check(request: CheckRequest, check_integrity: Callable[[], None]) -> Answer:
+    """The reply to a `check`: what `check_integrity` found wrong, or None."""
+    try:
+        check_integrity()
+    except AssertionError as e:
+        return CheckReply(request.request_id, str(e)), []
+    return CheckReply(request.request_id, None), []

@@ -1,0 +1,216 @@
+"""The router's endpoints. Operations (/health, /status, /metrics) are open; the OpenAI API
+(/v1/...) sits behind the API key when one is set (`app.py` adds that dependency).
+
+A completion request goes: tokenize (chat template included) → check the model name and the
+context length → admit it on a first worker (or refuse: 429 overloaded, 503 no worker) →
+stream or collect the workers' outputs (`streaming.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.controller import GoodputController
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.errors import ApiError, error_response
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    new_id,
+    now_s,
+)
+from pdserve.router.policies import NoWorkerAvailable, Overloaded
+from pdserve.router.streaming import Reply, RequestObserver, RequestTiming, collect, stream
+from pdserve.router.worker_client import WorkerClient
+
+
+class ModelFacts:
+    """What the router knows of the served model: name, tokenizer, context length."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        from transformers import AutoTokenizer  # tokenizers only; no model code
+
+        model_dir = Path(config.model)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json: not a checkpoint directory")
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        self.name = config.served_model_name or model_dir.name
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.vocab_size = int(hf_config.get("vocab_size", len(self.tokenizer)))
+        self.max_model_len = int(config.max_model_len or
+                                 hf_config.get("max_position_embeddings", 2048))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What the endpoints work with, built once per app by `build_app`."""
+
+    config: RouterConfig
+    model: ModelFacts
+    dispatcher: Dispatcher
+    controller: GoodputController
+    metrics: RouterMetrics
+    observer: RequestObserver
+
+    @classmethod
+    def create(cls, config: RouterConfig, dispatcher: Dispatcher | None = None
+               ) -> ServingContext:
+        """Loads the tokenizer: raises FileNotFoundError/OSError for a bad checkpoint dir."""
+        model = ModelFacts(config)
+        dispatcher = dispatcher or Dispatcher(config)
+        controller = GoodputController(config.controller, dispatcher)
+        metrics = RouterMetrics(model.name, controller)
+        return cls(config, model, dispatcher, controller, metrics,
+                   RequestObserver(metrics, controller))
+
+
+def serving_context(request: Request) -> ServingContext:
+    return request.app.state.serving
+
+
+Serving = Annotated[ServingContext, Depends(serving_context)]
+
+ops_routes = APIRouter()
+openai_routes = APIRouter()
+
+
+# ---- operations -------------------------------------------------------------------------
+@ops_routes.get("/health")
+async def health(serving: Serving) -> Response:
+    if serving.dispatcher.is_ready():
+        return JSONResponse({"status": "ok"})
+    return error_response(503, "not ready: waiting for workers")
+
+
+@ops_routes.get("/status")
+async def status(serving: Serving) -> dict[str, Any]:
+    """Every worker as the router sees it (the launcher prints this while starting)."""
+    workers = []
+    for w in serving.dispatcher.workers:
+        entry: dict[str, Any] = {"address": w.address, "role": w.role,
+                                 "worker_id": w.worker_id, "is_alive": w.is_alive,
+                                 "is_ready": w.is_ready, "num_inflight": w.num_inflight}
+        if w.status is not None:
+            entry.update(num_running=w.status.num_running, num_waiting=w.status.num_waiting,
+                         num_free_blocks=w.status.num_free_blocks,
+                         num_total_blocks=w.status.num_total_blocks,
+                         kv_transfer=dict(w.status.kv_transfer))
+        workers.append(entry)
+    return {"ready": serving.dispatcher.is_ready(), "workers": workers,
+            "controller": serving.controller.snapshot()}
+
+
+@ops_routes.get("/metrics")
+async def prometheus(serving: Serving) -> Response:
+    return Response(serving.metrics.render(serving.dispatcher.workers), media_type="text/plain")
+
+
+# ---- OpenAI API -------------------------------------------------------------------------
+@openai_routes.get("/v1/models")
+async def models(serving: Serving) -> dict[str, Any]:
+    return {"object": "list", "data": [{
+        "id": serving.model.name, "object": "model", "created": now_s(), "owned_by": "pdserve",
+        "root": serving.config.model, "max_model_len": serving.model.max_model_len}]}
+
+
+@openai_routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, serving: Serving) -> Response:
+    tokenizer = serving.model.tokenizer
+    prompt_ids = (tokenizer(body.prompt).input_ids if isinstance(body.prompt, str)
+                  else list(body.prompt))
+    max_tokens = body.max_tokens or serving.config.default_max_tokens
+    return await _serve(serving, request, body, prompt_ids, max_tokens, body.logprobs,
+                        is_chat=False)
+
+
+@openai_routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving
+                           ) -> Response:
+    model = serving.model
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = model.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message)
+    except Exception as exc:  # a template may raise on roles it does not know
+        raise ApiError(400, f"chat template failed: {exc}", "messages") from None
+    # The template already wrote the special tokens it wants (BOS and role markers).
+    prompt_ids = model.tokenizer(text, add_special_tokens=False).input_ids
+    max_tokens = body.requested_max_tokens or max(model.max_model_len - len(prompt_ids), 1)
+    return await _serve(serving, request, body, prompt_ids, max_tokens, body.num_logprobs,
+                        is_chat=True)
+
+
+async def _serve(serving: ServingContext, request: Request, body: SamplingFields,
+                 prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
+                 is_chat: bool) -> Response:
+    arrival_s = time.monotonic()
+    request_id = new_id("chatcmpl" if is_chat else "cmpl")
+    _check_model(serving.model, body.model)
+    _check_lengths(serving.model, prompt_ids, max_tokens)
+    try:
+        sampling = body.sampling_params(max_tokens, num_logprobs)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    first_worker = await _admit(serving, request_id, prompt_ids, body.cache_salt)
+    outputs = serving.dispatcher.run(request_id, prompt_ids, sampling, first_worker)
+    timing = RequestTiming(arrival_s)
+    metrics = serving.metrics
+    metrics.labels(metrics.prompt_tokens).inc(len(prompt_ids))
+    reply = Reply(request_id, serving.model.name, serving.model.token_text, is_chat,
+                  num_logprobs)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(outputs, reply, timing, serving.observer, include_usage),
+                                 media_type="text/event-stream")
+    acc = await collect(request, outputs, timing, serving.observer)
+    return JSONResponse(reply.body(now_s(), acc))
+
+
+async def _admit(serving: ServingContext, request_id: str, prompt_ids: list[int],
+                 cache_salt: str | None) -> WorkerClient:
+    """The request's first worker, its slot reserved; or an ApiError that refuses it."""
+    dispatcher, metrics = serving.dispatcher, serving.metrics
+    try:
+        ctx, keys = await dispatcher.route_context(prompt_ids, cache_salt)
+        if dispatcher.store_lookup is not None:
+            metrics.labels(metrics.external_queries).inc(len(prompt_ids))
+            metrics.labels(metrics.external_hits).inc(ctx.num_store_cached_tokens)
+        return dispatcher.admit(request_id, ctx, keys)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    except Overloaded as exc:
+        metrics.labels(metrics.rejected, "overloaded").inc()
+        raise ApiError(429, str(exc)) from None
+    except NoWorkerAvailable as exc:
+        metrics.labels(metrics.rejected, "no_worker").inc()
+        raise ApiError(503, str(exc)) from None
+
+
+def _check_model(model: ModelFacts, name: str | None) -> None:
+    if name is not None and name != model.name:
+        raise ApiError(404, f"The model `{name}` does not exist.", "model")
+
+
+def _check_lengths(model: ModelFacts, prompt_ids: list[int], max_tokens: int) -> None:
+    if any(not 0 <= t < model.vocab_size for t in prompt_ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
+    if len(prompt_ids) + max_tokens > model.max_model_len:
+        raise ApiError(
+            400, f"This model's maximum context length is {model.max_model_len} tokens. "
+            f"However, you requested {len(prompt_ids) + max_tokens} tokens "
+            f"({len(prompt_ids)} in the prompt, {max_tokens} in the completion).",
+            "max_tokens")

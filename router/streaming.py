@@ -1,0 +1,178 @@
+"""From the workers' Output stream to the client: SSE chunks as they come (`stream`) or one
+accumulated response (`collect`), timing each request on the way (TTFT, TPOT, ITL, E2E) and
+recording it in the metrics and the goodput controller's samples once it ends.
+
+    dispatcher.run ──Output──▶ stream  ──▶ data: {chunk}\\n\\n ... data: [DONE]\\n\\n
+                           └─▶ collect ──▶ Accumulated ──▶ Reply.body
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from pdserve.protocol.worker import Output, TokenLogprob
+from pdserve.router import responses as R
+from pdserve.router.controller import GoodputController
+from pdserve.router.dispatch import RequestFailed
+from pdserve.router.errors import ApiError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_protocol import now_s
+from pdserve.router.policies import NoWorkerAvailable
+
+DISCONNECT_POLL_S = 0.5
+"""How often a non-streaming request checks whether its client hung up."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """How one request's outputs are rendered: as a completion or a chat completion, under
+    which id and model name, with logprobs or without."""
+
+    request_id: str
+    model_name: str
+    token_text: R.TokenText
+    is_chat: bool
+    num_logprobs: int | None
+
+    def logprobs(self, entries: Sequence[TokenLogprob], text_offset: int = 0
+                 ) -> dict[str, Any] | None:
+        if self.num_logprobs is None:
+            return None
+        if self.is_chat:
+            return R.chat_logprobs(entries, self.token_text)
+        return R.completion_logprobs(entries, self.token_text, text_offset)
+
+    def role_chunk(self, created: int) -> dict[str, Any] | None:
+        """A chat stream opens by naming the speaker; a completion stream has no such chunk."""
+        if not self.is_chat:
+            return None
+        return R.chat_chunk(self.request_id, created, self.model_name,
+                            {"role": "assistant", "content": ""}, None, None)
+
+    def chunk(self, created: int, output: Output, text_offset: int) -> dict[str, Any]:
+        # A delta without tokens (a bare finish) carries no logprobs, not an empty list.
+        logprobs = self.logprobs(output.logprobs, text_offset) if output.logprobs else None
+        if self.is_chat:
+            return R.chat_chunk(self.request_id, created, self.model_name,
+                                {"content": output.text}, output.finish_reason, logprobs)
+        return R.completion_chunk(self.request_id, created, self.model_name, output.text,
+                                  output.finish_reason, logprobs)
+
+    def usage_chunk(self, created: int, acc: R.Accumulated) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.is_chat else "text_completion"
+        return R.usage_chunk(self.request_id, created, self.model_name, obj, acc)
+
+    def body(self, created: int, acc: R.Accumulated) -> dict[str, Any]:
+        make = R.chat_body if self.is_chat else R.completion_body
+        return make(self.request_id, created, self.model_name, acc, self.logprobs(acc.logprobs))
+
+
+@dataclass
+class RequestTiming:
+    """When one request's outputs reached the router (time.monotonic seconds)."""
+
+    arrival_s: float
+    last_s: float = field(init=False)
+    first_s: float | None = field(default=None, init=False)
+    gaps_s: list[float] = field(default_factory=list, init=False)
+    """Inter-token latencies: the time between two consecutive output deltas."""
+
+    def __post_init__(self) -> None:
+        self.last_s = self.arrival_s
+
+    def on_output(self, _: Output) -> None:
+        now = time.monotonic()
+        if self.first_s is None:
+            self.first_s = now
+        else:
+            self.gaps_s.append(now - self.last_s)
+        self.last_s = now
+
+
+@dataclass(frozen=True)
+class RequestObserver:
+    """Where a finished request's timing and token counts go."""
+
+    metrics: RouterMetrics
+    controller: GoodputController
+
+    def observe(self, timing: RequestTiming, acc: R.Accumulated) -> None:
+        metrics, num_tokens = self.metrics, len(acc.token_ids)
+        ttft_s = None if timing.first_s is None else timing.first_s - timing.arrival_s
+        self.controller.record_request(acc.num_prompt_tokens, acc.num_cached_tokens,
+                                       num_tokens, ttft_s)
+        metrics.labels(metrics.generation_tokens).inc(num_tokens)
+        metrics.labels(metrics.cached_tokens).inc(acc.num_cached_tokens)
+        metrics.labels(metrics.success, acc.finish_reason or "unknown").inc()
+        if timing.first_s is not None:
+            metrics.labels(metrics.ttft).observe(ttft_s)
+            metrics.labels(metrics.e2e).observe(timing.last_s - timing.arrival_s)
+            if num_tokens > 1:
+                metrics.labels(metrics.tpot).observe(
+                    (timing.last_s - timing.first_s) / (num_tokens - 1))
+        for gap_s in timing.gaps_s:
+            metrics.labels(metrics.itl).observe(gap_s)
+
+
+async def stream(outputs: AsyncIterator[Output], reply: Reply, timing: RequestTiming,
+                 observer: RequestObserver, include_usage: bool) -> AsyncIterator[bytes]:
+    """The request's outputs as SSE events, ending with `[DONE]`. The status line has gone out
+    already, so a failure midway is an error event, not an HTTP error."""
+    created, acc = now_s(), R.Accumulated()
+    role_chunk = reply.role_chunk(created)
+    if role_chunk is not None:
+        yield R.sse(role_chunk)
+    try:
+        async with aclosing(outputs) as deltas:
+            async for output in deltas:
+                timing.on_output(output)
+                text_offset = len(acc.text)
+                acc.add(output)
+                yield R.sse(reply.chunk(created, output, text_offset))
+    except (RequestFailed, NoWorkerAvailable) as exc:
+        yield R.sse(R.error_body(f"request failed: {exc}", 503))
+        yield R.sse("[DONE]")
+        return
+    observer.observe(timing, acc)
+    if include_usage:
+        yield R.sse(reply.usage_chunk(created, acc))
+    yield R.sse("[DONE]")
+
+
+async def collect(request: Request, outputs: AsyncIterator[Output], timing: RequestTiming,
+                  observer: RequestObserver) -> R.Accumulated:
+    """All of the request's outputs, or an ApiError: 503 when the workers failed it, 499 when
+    its client hung up (then the outputs are closed, which aborts it on the workers)."""
+    acc = R.Accumulated()
+
+    async def consume() -> None:
+        async with aclosing(outputs) as deltas:
+            async for output in deltas:
+                timing.on_output(output)
+                acc.add(output)
+
+    task = asyncio.create_task(consume())
+    try:
+        while not task.done():  # watch for a client that hung up
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+        await task
+    except RequestFailed as exc:
+        raise ApiError(503, f"request failed: {exc}") from None
+    except NoWorkerAvailable as exc:
+        raise ApiError(503, str(exc)) from None
+    except asyncio.CancelledError:
+        raise ApiError(499, "client disconnected") from None
+    finally:
+        if not task.done():
+            task.cancel()
+    observer.observe(timing, acc)
+    return acc

@@ -1,0 +1,196 @@
+"""The worker's hand-off component: requests in from the wire, deltas out to it, and the KV
+that crosses between prefill and decode in the middle.
+
+    GenerateRequest ─► add ─┬─ new prompt ─────────────► engine (prefill: maybe a store prefix
+                            │                                      load first, see below)
+                            └─ with a KVHandoff (decode) ─► load the prompt's KV ─► engine
+    engine RequestOutput ─► to_wire ─► Output        (a prefill hand-off is held until its
+                                                      save completed: poll releases it)
+
+It owns the three things the hand-off needs between engine steps: the prefill outputs held
+for their save, the requests whose KV is loading, and the role policy (serve/roles.py), which
+it swaps on a role flip. A prefill worker with a store also loads a prompt's prefix from the
+store when the store holds more of it than the worker's own prefix cache. Every failure of the
+store is a miss: the request recomputes what did not arrive (the KV cache is a cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output, TokenLogprob
+from pdserve.serve.engine import Engine
+from pdserve.serve.kv_transfer import KVTransfer, TransferDone
+from pdserve.serve.request import RequestOutput
+from pdserve.serve.roles import make_role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Loading:
+    message: GenerateRequest
+    """The request whose KV (decode: the whole prompt; prefill: a stored prefix) is loading."""
+
+
+class HandOff:
+    def __init__(self, engine: Engine, role: str, worker_id: str,
+                 kv_transfer: KVTransfer | None = None) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.kv_transfer = kv_transfer
+        self._held: dict[str, RequestOutput] = {}  # prefill: hand-offs waiting for the save
+        self._loading: dict[str, _Loading] = {}
+        engine.set_role(make_role(role, kv_transfer))
+
+    @property
+    def role(self) -> str:
+        return self.engine.role.name
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    @property
+    def is_busy(self) -> bool:
+        """Something is held or loading (the worker's loop must not sleep)."""
+        return bool(self._held or self._loading)
+
+    # ---- requests in ------------------------------------------------------------------------
+    def add(self, message: GenerateRequest) -> None:
+        """Start a request; raises (ValueError, RequestRejectedError, ...) when it can't be
+        served, which is that request's error, not the worker's."""
+        if message.handoff is not None:
+            self._add_handed_off(message)
+        else:
+            self._add_new(message)
+
+    def _add_new(self, message: GenerateRequest) -> None:
+        request = self.engine.make_request(message.prompt_token_ids, message.sampling,
+                                           message.request_id)
+        if self.kv_transfer is not None and self.role == "prefill":
+            keys = self.kv_transfer.store_prefix_keys(request)
+            if keys:
+                self.kv_transfer.start_load(message.request_id, keys)
+                self._loading[message.request_id] = _Loading(message)
+                return
+        self.engine.submit(request)
+
+    def _add_handed_off(self, message: GenerateRequest) -> None:
+        """Continue a request that a prefill worker started: with a store, its KV loads in
+        the background and it joins the batch once it arrived; else it recomputes."""
+        handoff = message.handoff
+        assert handoff is not None
+        if self.kv_transfer is not None and handoff.block_keys:
+            self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
+            self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
+                                        handoff.lease_id)
+            self._loading[message.request_id] = _Loading(message)
+            return
+        self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
+                                          message.sampling, [handoff.first_token_id])
+
+    def abort(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+        self._loading.pop(request_id, None)
+        if self.kv_transfer is not None:
+            self.kv_transfer.forget(request_id)
+        self.engine.abort_request(request_id)
+
+    # ---- transfers --------------------------------------------------------------------------
+    def poll(self) -> list[Output]:
+        """Finish what the store completed: the hand-offs whose save ended (to send), and
+        requests whose KV arrived (into the engine; an error Output if that fails)."""
+        if self.kv_transfer is None:
+            return []
+        outputs: list[Output] = []
+        for done in self.kv_transfer.poll():
+            if done.kind == "save":
+                output = self._held.pop(done.request_id, None)
+                if output is not None and done.ok:
+                    outputs.append(self._wire_output(output, done.keys, done.lease_id))
+                else:  # finished at its first token, aborted, or the save failed
+                    self.kv_transfer.release(done.lease_id)
+                    if output is not None:
+                        outputs.append(self._wire_output(output, [], None))
+                continue
+            loading = self._loading.pop(done.request_id, None)
+            if loading is None:
+                continue
+            try:
+                self._admit_loaded(loading.message, done)
+            except Exception as exc:  # e.g. no free blocks: this request's error
+                logger.warning("could not admit %s: %s", done.request_id, exc)
+                self.engine.abort_request(done.request_id)
+                outputs.append(Output(done.request_id, [], "", "error", error=str(exc)))
+        return outputs
+
+    def _admit_loaded(self, message: GenerateRequest, done: TransferDone) -> None:
+        """A load finished: the request joins the batch with its KV, or (a miss) recomputes
+        what was not loaded."""
+        engine, request_id, params = self.engine, message.request_id, message.sampling
+        assert self.kv_transfer is not None
+        if message.handoff is None:  # prefill: the prompt's prefix
+            request = engine.make_request(message.prompt_token_ids, params, request_id)
+            if not done.ok:
+                engine.submit(request)
+                return
+            block_size = engine.block_manager.block_size
+            block_ids = engine.add_request_with_prefix(request, len(done.keys) * block_size)
+            self.kv_transfer.install(block_ids, [t[:, :len(block_ids)] for t in done.staging])
+            return
+        first = [message.handoff.first_token_id]  # decode: the whole prompt
+        if not done.ok:
+            logger.info("KV of %s not in the store; recomputing", request_id)
+            engine.add_continued_request(request_id, message.prompt_token_ids, params, first)
+            return
+        block_ids = engine.add_prefilled_request(request_id, message.prompt_token_ids, params,
+                                                 first)
+        self.kv_transfer.install(block_ids, done.staging)
+
+    # ---- deltas out -------------------------------------------------------------------------
+    def to_wire(self, output: RequestOutput) -> Output | None:
+        """The Output for an engine delta; None for a prefill hand-off, which waits for its
+        save and comes out of poll()."""
+        if output.kv_handoff is not None and self.kv_transfer is not None:
+            self._held[output.request_id] = output
+            return None
+        return self._wire_output(output, [], None)
+
+    def _wire_output(self, output: RequestOutput, saved_keys: list[bytes],
+                     lease_id: int | None) -> Output:
+        """`saved_keys`: what decode loads (empty: the save failed or there is no store, and
+        decode recomputes the prompt)."""
+        completion = output.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [
+                TokenLogprob(token_id, entry[token_id].logprob,
+                             {t: lp.logprob for t, lp in entry.items()})
+                for token_id, entry in zip(completion.token_ids, completion.logprobs,
+                                           strict=False)
+            ]
+        handoff: KVHandoff | None = None
+        if output.kv_handoff is not None:
+            handoff = replace(output.kv_handoff, block_keys=saved_keys,
+                              prefill_worker_id=self.worker_id, lease_id=lease_id or 0)
+        return Output(output.request_id, list(completion.token_ids), completion.text,
+                      completion.finish_reason, logprobs, len(output.prompt_token_ids),
+                      output.num_cached_tokens, handoff)
+
+    # ---- role -------------------------------------------------------------------------------
+    def can_switch_role(self) -> bool:
+        """Only a drained prefill or decode worker flips: nothing in the engine, held for a
+        save, or loading."""
+        return (self.engine.role.can_flip and not self.engine.has_unfinished_requests()
+                and not self._held and not self._loading)
+
+    def switch_role(self, role: str) -> None:
+        """Become a `role` worker; the KV transfer (or its absence) stays."""
+        if not self.can_switch_role():
+            raise RuntimeError(f"{self.worker_id} cannot switch role now")
+        self.engine.set_role(make_role(role, self.kv_transfer))
+
+    def describe_in_flight(self) -> str:
+        return f"{len(self._held)} hand-offs saving, {len(self._loading)} loads"

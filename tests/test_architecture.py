@@ -1,0 +1,141 @@
+"""The dependency picture of docs/architecture.md, checked: every import in every module
+(lazy ones inside functions included) points the right way.
+
+    protocol ◄── router      kernels ◄── serve ──► kvstore
+        ▲          │                       │
+        │          └──► kvstore            └──► protocol
+        └── serve, kvstore                 benchmarks: HTTP, except offline engine/store/
+                                             kernel micro-benchmarks
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {  # repository folder -> the package it installs as
+    "pdserve": "pdserve",
+    "serve": "pdserve.serve",
+    "kernels": "pdserve.kernels",
+    "kvstore": "pdserve.kvstore",
+    "router": "pdserve.router",
+    "benchmarks": "pdserve.benchmarks",
+}
+
+# module prefix -> the pdserve packages it must never import
+FORBIDDEN = {
+    "pdserve.protocol": ("pdserve.serve", "pdserve.router", "pdserve.kvstore",
+                         "pdserve.kernels", "pdserve.benchmarks", "pdserve.cli",
+                         "pdserve.launcher"),
+    "pdserve.kernels": ("pdserve.serve", "pdserve.router", "pdserve.kvstore",
+                        "pdserve.benchmarks", "pdserve.protocol", "pdserve.cli",
+                        "pdserve.launcher"),
+    "pdserve.kvstore": ("pdserve.serve", "pdserve.router", "pdserve.kernels",
+                        "pdserve.benchmarks", "pdserve.cli", "pdserve.launcher"),
+    "pdserve.router": ("pdserve.serve", "pdserve.kernels", "pdserve.benchmarks",
+                       "pdserve.cli", "pdserve.launcher"),
+    "pdserve.serve": ("pdserve.router", "pdserve.benchmarks", "pdserve.cli",
+                      "pdserve.launcher"),
+    "pdserve.benchmarks": ("pdserve.serve", "pdserve.router", "pdserve.kvstore",
+                           "pdserve.kernels", "pdserve.cli", "pdserve.launcher"),
+}
+
+# Benchmarks that measure a component in-process rather than a server over HTTP.
+OFFLINE_BENCHMARKS = {
+    "pdserve.benchmarks.engine_throughput": ("pdserve.serve",),   # offline engine
+    "pdserve.benchmarks.step_roofline": ("pdserve.serve",),       # offline engine step
+    "pdserve.benchmarks.store_replay": ("pdserve.kvstore",),      # the store's tiers
+    "pdserve.benchmarks.kv_transfer": ("pdserve.kvstore",),       # the UCX data plane
+    "pdserve.benchmarks.kernels.bench_attention": ("pdserve.kernels",),
+    # runs the router's own goodput simulator on what the router's /status published
+    "pdserve.benchmarks.controller_check": ("pdserve.router.goodput_model",),
+}
+# The protocol package depends on nothing but the standard library and msgpack.
+PROTOCOL_THIRD_PARTY = {"msgpack"}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    found = []
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found.append((".".join((package, *parts)), path))
+    return found
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every absolute module name `path` imports, at any depth of the file."""
+    names: set[str] = set()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                package = module.split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]  # a plain module's package is its parent
+                prefix = ".".join(package[:len(package) - node.level + 1])
+                target = f"{prefix}.{node.module}" if node.module else prefix
+            else:
+                target = node.module or ""
+            names.add(target)
+            names.update(f"{target}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _matches(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def wrong_way_arrows() -> list[str]:
+    problems = []
+    for module, path in _modules():
+        rules = [banned for owner, banned in FORBIDDEN.items() if _matches(module, owner)]
+        allowed = OFFLINE_BENCHMARKS.get(module, ())
+        for name in sorted(_imports(module, path)):
+            for banned in (b for rule in rules for b in rule):
+                if _matches(name, banned) and not any(_matches(name, a) for a in allowed):
+                    problems.append(f"{module} imports {name}")
+            if _matches(module, "pdserve.protocol") and "." not in name.strip(".") and \
+                    name not in PROTOCOL_THIRD_PARTY and name not in _stdlib():
+                problems.append(f"{module} imports third-party {name}")
+    return sorted(set(problems))
+
+
+def _stdlib() -> frozenset[str]:
+    import sys
+
+    return frozenset(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_every_import_points_the_right_way():
+    assert wrong_way_arrows() == []
+
+
+def test_the_checker_sees_a_wrong_way_arrow(tmp_path, monkeypatch):
+    """The walk must find an arrow hidden in a function body (a lazy import)."""
+    fake = tmp_path / "router"
+    fake.mkdir()
+    (fake / "sneaky.py").write_text("def f():\n    from pdserve.serve.engine import Engine\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    monkeypatch.setattr(f"{__name__}.FOLDERS", {"router": "pdserve.router"})
+    assert "pdserve.router.sneaky imports pdserve.serve.engine" in wrong_way_arrows()
+
+
+@pytest.mark.parametrize("module", ["pdserve.protocol.worker", "pdserve.protocol.store",
+                                    "pdserve.protocol.tp", "pdserve.protocol.sampling"])
+def test_protocol_modules_import_without_torch(module):
+    """The router and the store import the protocol: it must not drag in torch."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
