@@ -92,10 +92,10 @@ def measure_pdserve(model_dir: Path, prompts: list[list[int]], args: argparse.Na
         runner, execute = engine.runner, engine.runner.execute
         runner_s = [0.0]
 
-        def timed_execute(step: Any) -> Any:
+        def timed_execute(step: Any, *rest: Any) -> Any:
             start = time.perf_counter()
             try:
-                return execute(step)
+                return execute(step, *rest)
             finally:
                 runner_s[0] += time.perf_counter() - start
 

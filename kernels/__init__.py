@@ -1,16 +1,22 @@
 """pdserve.kernels: attention over the paged KV cache, by backend.
 
-    get_attention_backend("torch")   plain torch (kernels/reference.py): the CPU path
+    get_attention_backend("torch")   plain torch (kernels/reference.py): the reference
+    get_attention_backend("cpu")     the torch path, with decode attention and KV writes from
+                                     compiled C++ kernels that read and write the paged cache
+                                     in place (kernels/cpu_attention.py): the CPU default
+                                     where they build
     get_attention_backend("triton")  Triton kernels; on a machine without CUDA they run in
                                      Triton's interpreter (TRITON_INTERPRET=1), for tests
 
-Triton is imported only when the "triton" backend is asked for. This package imports nothing
+Triton is imported only when the "triton" backend is asked for, the C++ kernel only when "cpu"
+is. This package imports nothing
 else of pdserve; the engine picks the name (serve/attention.py: PDSERVE_ATTENTION_BACKEND,
 else triton on CUDA and torch on CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ("torch", "cpu", "triton")
 # In import-dependency order (a module's Triton helpers come from the ones before it).
 _TRITON_MODULES = ("paged_tile", "kv_cache_write", "prefill_attention", "decode_attention",
                    "mla_decode", "mla_prefill")
@@ -91,6 +97,16 @@ def get_attention_backend(name: str) -> AttentionBackend:
             mla_prefill_attention=reference.mla_prefill_attention,
             write_latent_cache=reference.write_latent_cache,
         )
+    if name == "cpu":
+        from . import cpu_attention, cpu_ops
+
+        if cpu_ops.load() is None:
+            raise RuntimeError("the cpu backend's kernel could not be built (see the log)")
+        return dataclasses.replace(
+            get_attention_backend("torch"), name="cpu",
+            write_kv_cache=cpu_attention.write_kv_cache,
+            decode_attention=cpu_attention.decode_attention,
+            mla_decode_attention=cpu_attention.mla_decode_attention)
     if name == "triton":
         _enable_interpreter_without_cuda()
         from . import (
@@ -111,3 +127,4 @@ def get_attention_backend(name: str) -> AttentionBackend:
             write_latent_cache=kv_cache_write.write_latent_cache,
         )
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+

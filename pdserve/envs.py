@@ -9,10 +9,11 @@ import os
 
 
 def attention_backend() -> str | None:
-    """PDSERVE_ATTENTION_BACKEND=triton|torch overrides the attention dispatch."""
+    """PDSERVE_ATTENTION_BACKEND=triton|cpu|torch overrides the attention dispatch."""
     value = os.environ.get("PDSERVE_ATTENTION_BACKEND")
-    if value is not None and value not in ("triton", "torch"):
-        raise ValueError(f"PDSERVE_ATTENTION_BACKEND must be 'triton' or 'torch', got {value!r}")
+    if value is not None and value not in ("triton", "cpu", "torch"):
+        raise ValueError("PDSERVE_ATTENTION_BACKEND must be 'triton', 'cpu' or 'torch', "
+                         f"got {value!r}")
     return value
 
 
@@ -26,3 +27,22 @@ def cache_dir() -> str:
 def log_level() -> str:
     """PDSERVE_LOG_LEVEL: the root log level of every pdserve process (default INFO)."""
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def cpu_prepack() -> bool:
+    """PDSERVE_CPU_PREPACK=0 keeps linear weights in torch's plain layout on CPU (default 1:
+    oneDNN's packed layout, about 2x faster for decode-sized matmuls; see serve/parallel.py)."""
+    value = os.environ.get("PDSERVE_CPU_PREPACK", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_CPU_PREPACK must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def cpu_kernels() -> bool:
+    """PDSERVE_CPU_KERNELS=0 turns pdserve's compiled CPU ops off (fused norm, rotary, SiLU,
+    KV writes, in-place decode attention): the plain-torch paths run, as on a
+    machine without a compiler. Default 1."""
+    value = os.environ.get("PDSERVE_CPU_KERNELS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_CPU_KERNELS must be 0 or 1, got {value!r}")
+    return value == "1"

@@ -4,6 +4,15 @@ Starts the KV store, the workers (prefill + decode, or colocated) and the router
 processes on loopback, prints one status line per role as it becomes ready, then the URL.
 Ctrl-C (or SIGTERM) stops every process it started. Each role is an ordinary `pdserve <role>`
 command, so the same flags run one role per machine in a real cluster.
+
+On a GPU host every worker gets its own GPUs through CUDA_VISIBLE_DEVICES in its environment,
+handed out in start order from the GPUs this process sees:
+
+    --num-prefill 2 --prefill-tp 2 --num-decode 1, 5 GPUs:
+      prefill-0: 0,1    prefill-1: 2,3    decode-0: 4
+
+More ranks than GPUs is an error, unless --allow-gpu-sharing wraps around (each worker then
+gets --gpu-memory-utilization divided by the number of workers on its busiest GPU).
 """
 
 from __future__ import annotations
@@ -11,16 +20,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from pdserve.router.server import add_controller_arguments, controller_argv
+from pdserve.serve.config import CacheConfig
+
+GPU_QUERY_TIMEOUT_S = 60.0
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +43,8 @@ logger = logging.getLogger(__name__)
 class Child:
     role: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """Set in the child's environment on top of the launcher's (CUDA_VISIBLE_DEVICES)."""
     process: subprocess.Popen | None = None
     state: str = "starting"
 
@@ -36,7 +52,8 @@ class Child:
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children
         # in order (router, workers, store), so none waits on a peer that is already gone.
         self.process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.argv],
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        env={**os.environ, **self.env} if self.env else None)
 
     @property
     def exited(self) -> bool:
@@ -85,12 +102,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run without the KV store (decode recomputes the prompt)")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks per worker (default: sized from memory)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="where the workers run (default: cuda when a GPU is found)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=CacheConfig().gpu_memory_utilization,
+                        help="each worker's fraction of its GPUs' memory (weights, "
+                             "activations, KV cache)")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="KV cache per worker rank in GiB (default: 0.5 on CPU; on GPUs, "
+                             "sized by --gpu-memory-utilization)")
+    parser.add_argument("--allow-gpu-sharing", action="store_true",
+                        help="with more ranks than GPUs, put several workers on one GPU "
+                             "(each gets a share of --gpu-memory-utilization) instead of "
+                             "failing")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     add_controller_arguments(parser)
 
 
-def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
-    """The children `pdserve up` starts, in start order (store, workers, router)."""
+def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None) -> Cluster:
+    """The children `pdserve up` starts, in start order (store, workers, router).
+
+    `gpus`: the CUDA_VISIBLE_DEVICES entries to hand out (None: the GPUs this host has,
+    see visible_gpus). Raises ValueError when the workers' ranks do not fit on them."""
     cluster = Cluster()
     store_addr = None
     if args.mode == "disagg" and not args.no_store:
@@ -107,35 +140,98 @@ def plan(args: argparse.Namespace, model_dir: str) -> Cluster:
     roles = ([("colocated", 1, args.prefill_tp)] if args.mode == "colocated" else
              [("prefill", args.num_prefill, args.prefill_tp),
               ("decode", args.num_decode, args.decode_tp)])
+    workers = [(role, i, tp) for role, count, tp in roles for i in range(count)]
+    device = args.device
+    if device != "cpu":
+        gpus = visible_gpus() if gpus is None else gpus
+        if device == "cuda" and not gpus:
+            raise ValueError("--device cuda, but no GPU is visible (nvidia-smi -L lists none, "
+                             "or CUDA_VISIBLE_DEVICES is empty)")
+        device = "cuda" if gpus else "cpu"
+    placement: list[list[str]] = []
+    if device == "cuda":
+        placement = assign_gpus([tp for _, _, tp in workers], gpus or [],
+                                args.allow_gpu_sharing)
+    shares = Counter(gpu for worker_gpus in placement for gpu in worker_gpus)
     # On a CPU host every rank of every worker shares the cores: give each its share, as
     # pinning does for real deployments, so one worker's burst does not starve another.
-    num_ranks = sum(count * tp for _, count, tp in roles)
-    cpu_threads = None if _has_cuda() else max(1, (os.cpu_count() or 1) // num_ranks)
-    for role, count, tp in roles:
-        for i in range(count):
-            argv = [role, "--model", model_dir, "--port", str(port),
-                    "--tensor-parallel-size", str(tp), "--worker-id", f"{role}-{i}"]
-            if store_addr:
-                argv += ["--store", store_addr, "--store-master", master_addr]
-            if args.num_kv_blocks:
-                argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-            if args.enable_expert_parallel:
-                argv.append("--enable-expert-parallel")
-            if cpu_threads is not None:
-                argv += ["--cpu-threads", str(cpu_threads)]
-            cluster.children.append(Child(f"{role}-{i}", argv))
-            router_argv += [f"--{role}", f"tcp://127.0.0.1:{port}"]
-            port += 1
+    num_ranks = sum(tp for _, _, tp in workers)
+    cpu_threads = None if device == "cuda" else max(1, (os.cpu_count() or 1) // num_ranks)
+    for index, (role, i, tp) in enumerate(workers):
+        argv = [role, "--model", model_dir, "--port", str(port),
+                "--tensor-parallel-size", str(tp), "--worker-id", f"{role}-{i}"]
+        env: dict[str, str] = {}
+        if store_addr:
+            argv += ["--store", store_addr, "--store-master", master_addr]
+        if args.num_kv_blocks:
+            argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+        if args.kv_cache_memory_gb is not None:
+            argv += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+        if args.enable_expert_parallel:
+            argv.append("--enable-expert-parallel")
+        if cpu_threads is not None:
+            argv += ["--cpu-threads", str(cpu_threads)]
+        if args.device is not None:
+            argv += ["--device", device]
+        if placement:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(placement[index])
+            num_sharing = max(shares[gpu] for gpu in placement[index])
+            argv += ["--gpu-memory-utilization",
+                     f"{args.gpu_memory_utilization / num_sharing:.4g}"]
+        cluster.children.append(Child(f"{role}-{i}", argv, env))
+        router_argv += [f"--{role}", f"tcp://127.0.0.1:{port}"]
+        port += 1
     cluster.children.append(Child("router", router_argv))
     return cluster
 
 
-def _has_cuda() -> bool:
+def assign_gpus(tp_sizes: list[int], gpus: list[str], allow_sharing: bool = False
+                ) -> list[list[str]]:
+    """Each worker's GPUs, in order: worker i with TP t takes the next t of `gpus`
+    (wrapping around only with allow_sharing; a worker's own ranks never share one)."""
+    num_ranks = sum(tp_sizes)
+    if num_ranks > len(gpus) and not allow_sharing:
+        raise ValueError(
+            f"the workers need {num_ranks} GPUs (TP sizes {' + '.join(map(str, tp_sizes))}) "
+            f"but {len(gpus)} are visible ({','.join(gpus) or 'none'}): start fewer or "
+            "smaller workers, or pass --allow-gpu-sharing to put several workers on a GPU")
+    placement, next_gpu = [], 0
+    for tp in tp_sizes:
+        if tp > len(gpus):
+            raise ValueError(f"a worker with TP {tp} needs {tp} GPUs of its own but "
+                             f"{len(gpus)} are visible")
+        placement.append([gpus[(next_gpu + r) % len(gpus)] for r in range(tp)])
+        next_gpu += tp
+    return placement
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs children may use, as CUDA_VISIBLE_DEVICES entries: this process's
+    CUDA_VISIBLE_DEVICES if set, else one index per GPU that `nvidia-smi -L` lists (without
+    nvidia-smi: torch.cuda.device_count() in a subprocess, so the launcher never imports
+    torch)."""
+    num_gpus = _count_gpus()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if num_gpus == 0 or visible is None:
+        return [str(i) for i in range(num_gpus)]
+    return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+
+
+def _count_gpus() -> int:
+    if shutil.which("nvidia-smi"):
+        try:
+            listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                     timeout=GPU_QUERY_TIMEOUT_S, check=True).stdout
+        except (OSError, subprocess.SubprocessError):  # no driver loaded
+            return 0
+        return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
     try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+        done = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT_S, check=True)
+        return int(done.stdout.strip() or 0)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0
 
 
 def _poll_states(cluster: Cluster, base_url: str) -> None:
@@ -168,7 +264,11 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
-    cluster = plan(args, model_dir)
+    try:
+        cluster = plan(args, model_dir)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
     base_url = f"http://{args.host}:{args.port}"
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and `kill -INT` must
     # still stop the cluster.
@@ -177,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         for child in cluster.children:
             child.start()
-            print(f"  {child.role:<12} starting (pid {child.process.pid})", flush=True)
+            gpus = child.env.get("CUDA_VISIBLE_DEVICES")
+            on = f", GPUs {gpus}" if gpus is not None else ""
+            print(f"  {child.role:<12} starting (pid {child.process.pid}{on})", flush=True)
         deadline = time.monotonic() + args.ready_timeout_s
         shown = {c.role: "starting" for c in cluster.children}
         while True:

@@ -59,9 +59,12 @@ class RouterConfig:
     api_key: str | None = None
     """When set, every /v1 request needs `Authorization: Bearer <api_key>`."""
     max_model_len: int | None = None
-    """Prompt + output token limit; None takes the checkpoint's max_position_embeddings."""
-    default_max_tokens: int = 16
-    """max_tokens when a request gives none (OpenAI's completions default)."""
+    """Prompt + output token limit; None takes the checkpoint's max_position_embeddings.
+    Either way the smallest limit a worker reports (its KV pool caps it) wins."""
+    default_max_tokens: int | None = 16
+    """max_tokens of a /v1/completions request that gives none (OpenAI's and vLLM's 16),
+    capped to the room left in the context; None: the room left. A chat request without
+    max_tokens always gets the room left (vLLM)."""
     max_inflight_per_worker: int = 256
     """Admission: requests one worker may hold before new ones get HTTP 429."""
     max_predicted_ttft_s: float | None = None

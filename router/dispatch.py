@@ -28,6 +28,7 @@ from pdserve.router.policies import (
     MostFreeKVDecode,
     NoWorkerAvailable,
     RouteContext,
+    num_blocks_needed_now,
     num_queued,
 )
 from pdserve.router.prefix_index import PrefixIndex, StoreLookup, request_block_keys
@@ -91,6 +92,14 @@ class Dispatcher:
         if self.config.is_disaggregated:
             return any(w.is_ready for w in self.prefill) and any(w.is_ready for w in self.decode)
         return any(w.is_ready for w in self.colocated)
+
+    def max_model_len(self) -> int | None:
+        """The smallest context limit a live worker reports (None before any reported): a
+        worker caps its model's limit to what its KV pool holds, and a request may go to
+        any worker."""
+        limits = [w.status.max_model_len for w in self.workers
+                  if w.is_alive and w.status is not None]
+        return min(limits, default=None)
 
     @property
     def first_pool(self) -> list[WorkerClient]:
@@ -187,10 +196,10 @@ class Dispatcher:
         decode_request = dataclasses.replace(request, handoff=first.handoff)
         tried: set[str] = set()
         block_size = max((w.status.block_size for w in self.decode if w.status), default=16)
-        num_blocks = (len(request.prompt_token_ids) + request.sampling.max_tokens) // block_size
+        num_blocks = num_blocks_needed_now(len(request.prompt_token_ids), block_size)
         while True:
             candidates = [w for w in self.decode if w.address not in tried]
-            worker = self.decode_policy.choose(candidates, num_blocks + 1)
+            worker = self.decode_policy.choose(candidates, num_blocks)
             tried.add(worker.address)
             sent_any = False
             try:

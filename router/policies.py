@@ -57,8 +57,18 @@ class CacheAwarePrefill:
         return min(ready, key=cost)
 
 
+def num_blocks_needed_now(num_prompt_tokens: int, block_size: int) -> int:
+    """KV blocks a decode worker must have free to admit a handed-off request: its prompt's
+    and the next token's. Not prompt + max_tokens: a worker grows a request a block at a
+    time (preempting, or holding a loaded request back, when short), so it never needs the
+    worst case free at once; and counting that, a long-context default max_tokens (the room
+    left in the context) would make every worker look too small to take the request."""
+    return -(-(num_prompt_tokens + 1) // block_size)
+
+
 class MostFreeKVDecode:
-    """Decode score: most free KV blocks, then smallest running batch."""
+    """Decode score: most free KV blocks, then smallest running batch; among the workers
+    with num_blocks_needed free when any has (else all: the chosen one queues it)."""
 
     def choose(self, workers: Sequence[WorkerClient], num_blocks_needed: int) -> WorkerClient:
         ready = [w for w in workers if w.accepting]

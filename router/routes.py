@@ -123,7 +123,7 @@ async def prometheus(serving: Serving) -> Response:
 async def models(serving: Serving) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": serving.model.name, "object": "model", "created": now_s(), "owned_by": "pdserve",
-        "root": serving.config.model, "max_model_len": serving.model.max_model_len}]}
+        "root": serving.config.model, "max_model_len": _max_model_len(serving)}]}
 
 
 @openai_routes.post("/v1/completions")
@@ -131,8 +131,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     tokenizer = serving.model.tokenizer
     prompt_ids = (tokenizer(body.prompt).input_ids if isinstance(body.prompt, str)
                   else list(body.prompt))
-    max_tokens = body.max_tokens or serving.config.default_max_tokens
-    return await _serve(serving, request, body, prompt_ids, max_tokens, body.logprobs,
+    return await _serve(serving, request, body, prompt_ids, body.max_tokens, body.logprobs,
                         is_chat=False)
 
 
@@ -149,18 +148,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
         raise ApiError(400, f"chat template failed: {exc}", "messages") from None
     # The template already wrote the special tokens it wants (BOS and role markers).
     prompt_ids = model.tokenizer(text, add_special_tokens=False).input_ids
-    max_tokens = body.requested_max_tokens or max(model.max_model_len - len(prompt_ids), 1)
-    return await _serve(serving, request, body, prompt_ids, max_tokens, body.num_logprobs,
-                        is_chat=True)
+    return await _serve(serving, request, body, prompt_ids, body.requested_max_tokens,
+                        body.num_logprobs, is_chat=True)
 
 
 async def _serve(serving: ServingContext, request: Request, body: SamplingFields,
-                 prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
-                 is_chat: bool) -> Response:
+                 prompt_ids: list[int], requested_max_tokens: int | None,
+                 num_logprobs: int | None, is_chat: bool) -> Response:
     arrival_s = time.monotonic()
     request_id = new_id("chatcmpl" if is_chat else "cmpl")
     _check_model(serving.model, body.model)
-    _check_lengths(serving.model, prompt_ids, max_tokens)
+    # vLLM's rule: no max_tokens gets the room left in the context (a completion: OpenAI's
+    # default of 16 when that fits); one that does not fit is the client's error.
+    default = None if is_chat else serving.config.default_max_tokens
+    max_tokens = _check_lengths(serving.model, prompt_ids, requested_max_tokens, default,
+                                _max_model_len(serving))
     try:
         sampling = body.sampling_params(max_tokens, num_logprobs)
     except ValueError as exc:
@@ -205,12 +207,32 @@ def _check_model(model: ModelFacts, name: str | None) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", "model")
 
 
-def _check_lengths(model: ModelFacts, prompt_ids: list[int], max_tokens: int) -> None:
+def _max_model_len(serving: ServingContext) -> int:
+    """The context served: the router's limit, or a worker's if smaller (see Dispatcher)."""
+    reported = serving.dispatcher.max_model_len()
+    limit = serving.model.max_model_len
+    return limit if reported is None else min(limit, reported)
+
+
+def _check_lengths(model: ModelFacts, prompt_ids: list[int], requested_max_tokens: int | None,
+                   default_max_tokens: int | None, max_model_len: int) -> int:
+    """The request's max_tokens: the one asked for if it fits (else a 400); without one,
+    the default capped to the room left, or the room left."""
     if any(not 0 <= t < model.vocab_size for t in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
-    if len(prompt_ids) + max_tokens > model.max_model_len:
+    num_prompt = len(prompt_ids)
+    room = max_model_len - num_prompt
+    if requested_max_tokens is None and room <= 0:
         raise ApiError(
-            400, f"This model's maximum context length is {model.max_model_len} tokens. "
-            f"However, you requested {len(prompt_ids) + max_tokens} tokens "
-            f"({len(prompt_ids)} in the prompt, {max_tokens} in the completion).",
+            400, f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your request has {num_prompt} input tokens, which leaves no room to generate. "
+            "Please reduce the length of the input.", "prompt")
+    if requested_max_tokens is None:
+        return room if default_max_tokens is None else min(default_max_tokens, room)
+    if num_prompt + requested_max_tokens > max_model_len:
+        raise ApiError(
+            400, f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {num_prompt + requested_max_tokens} tokens "
+            f"({num_prompt} in the prompt, {requested_max_tokens} in the completion).",
             "max_tokens")
+    return requested_max_tokens

@@ -76,8 +76,16 @@ def build_attention_metadata(step: StepInput, block_size: int, device: torch.dev
 
 
 def default_backend_name(device: torch.device) -> str:
-    """PDSERVE_ATTENTION_BACKEND if set, else triton on CUDA and torch elsewhere."""
-    return envs.attention_backend() or ("triton" if device.type == "cuda" else "torch")
+    """PDSERVE_ATTENTION_BACKEND if set, else triton on CUDA and, on CPU, the compiled "cpu"
+    backend (plain "torch" where its kernel cannot be built)."""
+    from pdserve.serve.layers import cpu_kernels
+
+    chosen = envs.attention_backend()
+    if chosen is not None:
+        return chosen
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if cpu_kernels() is not None else "torch"
 
 
 class Attention(nn.Module):

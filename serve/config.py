@@ -34,14 +34,31 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class CacheConfig:
+    """How big the KV pool is; the numbers it comes to are a KVCachePlan (serve/kv_cache.py).
+
+    The pool's size, first rule that applies (vLLM's rules):
+      1. num_blocks, when set;
+      2. kv_cache_memory_bytes, when set (on CPU it defaults to 512 MiB, vLLM CPU's
+         VLLM_CPU_KVCACHE_SPACE): checked against the host's available memory on CPU;
+      3. on CUDA: gpu_memory_utilization x device memory, less what the weights and a
+         profiling forward of max_num_batched_tokens tokens took.
+    """
+
     block_size: int = 16
     """Tokens per KV block."""
     num_blocks: int | None = None
-    """KV blocks in the pool; None sizes the pool from kv_cache_memory_bytes."""
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    """Memory for the KV pool (summed over layers, per TP rank) when num_blocks is None."""
+    """KV blocks in the pool (per TP rank, the same on every rank); overrides both budgets."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the KV pool (summed over layers, per TP rank). None: on CUDA, sized from
+    gpu_memory_utilization; on CPU, DEFAULT_CPU_KV_CACHE_MEMORY_BYTES."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: the fraction of each device's memory this worker may use in all (weights,
+    activations, KV pool), as vLLM's --gpu-memory-utilization. Ignored on CPU."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose chained block key matches (see kvstore/block_key.py)."""
 
@@ -50,8 +67,11 @@ class CacheConfig:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +85,8 @@ class ParallelConfig:
     master_port: int | None = None
     """Rendezvous port of the TP group; None picks a free one."""
     device: str | None = None
-    """cuda or cpu; None picks cuda when available."""
+    """cuda or cpu; None picks cuda when available. On cuda, rank r takes the r-th device
+    this process sees (CUDA_VISIBLE_DEVICES applies)."""
     cpu_threads: int | None = None
     """torch threads per rank on CPU; None divides the machine's cores among the ranks.
     Several workers on one host (`pdserve up`) each get their share so none starves."""

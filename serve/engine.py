@@ -94,13 +94,15 @@ class Engine:
             from pdserve.serve.model_runner import ModelRunner
 
             runner = ModelRunner(model_config, self.cache_config,
-                                 parallel_config or ParallelConfig())
+                                 parallel_config or ParallelConfig(),
+                                 scheduler_config=self.scheduler_config)
         self.runner = runner
         self.spec = runner.spec
         self.tokenizer = tokenizer
         self.role = role or Role()
         """The worker's role policy (serve/roles.py); swapped only while no request runs."""
         self.max_model_len = self.spec.max_model_len
+        """Longest prompt + output: the model's, capped to what the KV pool holds."""
         self.block_manager = BlockManager(
             runner.num_blocks, runner.block_size, self.spec.model_id,
             self.spec.kv_layout(runner.block_size), self.cache_config.enable_prefix_caching)

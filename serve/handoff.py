@@ -7,19 +7,23 @@ that crosses between prefill and decode in the middle.
     engine RequestOutput ─► to_wire ─► Output        (a prefill hand-off is held until its
                                                       save completed: poll releases it)
 
-It owns the three things the hand-off needs between engine steps: the prefill outputs held
-for their save, the requests whose KV is loading, and the role policy (serve/roles.py), which
-it swaps on a role flip. A prefill worker with a store also loads a prompt's prefix from the
-store when the store holds more of it than the worker's own prefix cache. Every failure of the
-store is a miss: the request recomputes what did not arrive (the KV cache is a cache).
+It owns what the hand-off needs between engine steps: the prefill outputs held for their
+save, the requests whose KV is loading, those whose KV arrived while no blocks were free
+(they wait, in arrival order, for the running requests to free some: a worker queues rather
+than refuses), and the role policy (serve/roles.py), which it swaps on a role flip. A
+prefill worker with a store also loads a prompt's prefix from the store when the store holds
+more of it than the worker's own prefix cache. Every failure of the store is a miss: the
+request recomputes what did not arrive (the KV cache is a cache).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, replace
 
 from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output, TokenLogprob
+from pdserve.serve.block_manager import NoFreeBlocksError
 from pdserve.serve.engine import Engine
 from pdserve.serve.kv_transfer import KVTransfer, TransferDone
 from pdserve.serve.request import RequestOutput
@@ -42,6 +46,7 @@ class HandOff:
         self.kv_transfer = kv_transfer
         self._held: dict[str, RequestOutput] = {}  # prefill: hand-offs waiting for the save
         self._loading: dict[str, _Loading] = {}
+        self._waiting_for_blocks: deque[tuple[_Loading, TransferDone]] = deque()
         engine.set_role(make_role(role, kv_transfer))
 
     @property
@@ -50,12 +55,13 @@ class HandOff:
 
     @property
     def num_loading(self) -> int:
-        return len(self._loading)
+        """Requests not in the engine yet: KV loading, or loaded and waiting for blocks."""
+        return len(self._loading) + len(self._waiting_for_blocks)
 
     @property
     def is_busy(self) -> bool:
-        """Something is held or loading (the worker's loop must not sleep)."""
-        return bool(self._held or self._loading)
+        """Something is held, loading or waiting for blocks (the loop must not sleep)."""
+        return bool(self._held or self._loading or self._waiting_for_blocks)
 
     # ---- requests in ------------------------------------------------------------------------
     def add(self, message: GenerateRequest) -> None:
@@ -94,6 +100,9 @@ class HandOff:
     def abort(self, request_id: str) -> None:
         self._held.pop(request_id, None)
         self._loading.pop(request_id, None)
+        self._waiting_for_blocks = deque(
+            (loading, done) for loading, done in self._waiting_for_blocks
+            if done.request_id != request_id)
         if self.kv_transfer is not None:
             self.kv_transfer.forget(request_id)
         self.engine.abort_request(request_id)
@@ -104,7 +113,7 @@ class HandOff:
         requests whose KV arrived (into the engine; an error Output if that fails)."""
         if self.kv_transfer is None:
             return []
-        outputs: list[Output] = []
+        outputs = self._admit_waiting()
         for done in self.kv_transfer.poll():
             if done.kind == "save":
                 output = self._held.pop(done.request_id, None)
@@ -118,36 +127,75 @@ class HandOff:
             loading = self._loading.pop(done.request_id, None)
             if loading is None:
                 continue
-            try:
-                self._admit_loaded(loading.message, done)
-            except Exception as exc:  # e.g. no free blocks: this request's error
-                logger.warning("could not admit %s: %s", done.request_id, exc)
-                self.engine.abort_request(done.request_id)
-                outputs.append(Output(done.request_id, [], "", "error", error=str(exc)))
+            if self._waiting_for_blocks:  # first come, first served
+                self._waiting_for_blocks.append((loading, done))
+                continue
+            outputs += self._try_admit(loading, done)
         return outputs
 
-    def _admit_loaded(self, message: GenerateRequest, done: TransferDone) -> None:
+    def _admit_waiting(self) -> list[Output]:
+        """Admit loaded requests that waited for blocks, in order, while blocks suffice."""
+        outputs: list[Output] = []
+        while self._waiting_for_blocks:
+            loading, done = self._waiting_for_blocks.popleft()
+            outputs += self._try_admit(loading, done)
+            if self._waiting_for_blocks and self._waiting_for_blocks[0][1] is done:
+                break  # it went back to the front: still no room
+        return outputs
+
+    def _try_admit(self, loading: _Loading, done: TransferDone) -> list[Output]:
+        """Admit one loaded request; an error Output if it can never be; back to the front
+        of the wait when no blocks are free now (the running requests will free some)."""
+        try:
+            self._admit_loaded(loading.message, done, can_wait=True)
+        except NoFreeBlocksError:
+            self._waiting_for_blocks.appendleft((loading, done))
+        except Exception as exc:  # e.g. longer than the pool: this request's error
+            logger.warning("could not admit %s: %s", done.request_id, exc)
+            self.engine.abort_request(done.request_id)
+            return [Output(done.request_id, [], "", "error", error=str(exc))]
+        return []
+
+    def _admit_loaded(self, message: GenerateRequest, done: TransferDone,
+                      can_wait: bool = False) -> None:
         """A load finished: the request joins the batch with its KV, or (a miss) recomputes
-        what was not loaded."""
+        what was not loaded. With `can_wait`, NoFreeBlocksError means "not now" (nothing
+        changed); an idle engine has every block free, so there it recomputes instead."""
         engine, request_id, params = self.engine, message.request_id, message.sampling
         assert self.kv_transfer is not None
+        if can_wait and not engine.has_unfinished_requests():
+            can_wait = False  # nothing will free blocks: do not wait for them
         if message.handoff is None:  # prefill: the prompt's prefix
             request = engine.make_request(message.prompt_token_ids, params, request_id)
-            if not done.ok:
-                engine.submit(request)
-                return
-            block_size = engine.block_manager.block_size
-            block_ids = engine.add_request_with_prefix(request, len(done.keys) * block_size)
-            self.kv_transfer.install(block_ids, [t[:, :len(block_ids)] for t in done.staging])
+            if done.ok:
+                block_size = engine.block_manager.block_size
+                try:
+                    block_ids = engine.add_request_with_prefix(request,
+                                                               len(done.keys) * block_size)
+                except NoFreeBlocksError:
+                    if can_wait:
+                        raise
+                else:
+                    self.kv_transfer.install(block_ids,
+                                             [t[:, :len(block_ids)] for t in done.staging])
+                    return
+            engine.submit(request)  # the scheduler queues it until blocks are free
             return
         first = [message.handoff.first_token_id]  # decode: the whole prompt
-        if not done.ok:
+        if done.ok:
+            try:
+                block_ids = engine.add_prefilled_request(request_id, message.prompt_token_ids,
+                                                         params, first)
+            except NoFreeBlocksError:
+                if can_wait:
+                    raise
+                logger.info("no free KV blocks for %s; recomputing its prompt", request_id)
+            else:
+                self.kv_transfer.install(block_ids, done.staging)
+                return
+        else:
             logger.info("KV of %s not in the store; recomputing", request_id)
-            engine.add_continued_request(request_id, message.prompt_token_ids, params, first)
-            return
-        block_ids = engine.add_prefilled_request(request_id, message.prompt_token_ids, params,
-                                                 first)
-        self.kv_transfer.install(block_ids, done.staging)
+        engine.add_continued_request(request_id, message.prompt_token_ids, params, first)
 
     # ---- deltas out -------------------------------------------------------------------------
     def to_wire(self, output: RequestOutput) -> Output | None:
@@ -184,7 +232,7 @@ class HandOff:
         """Only a drained prefill or decode worker flips: nothing in the engine, held for a
         save, or loading."""
         return (self.engine.role.can_flip and not self.engine.has_unfinished_requests()
-                and not self._held and not self._loading)
+                and not self.is_busy)
 
     def switch_role(self, role: str) -> None:
         """Become a `role` worker; the KV transfer (or its absence) stays."""
@@ -193,4 +241,5 @@ class HandOff:
         self.engine.set_role(make_role(role, self.kv_transfer))
 
     def describe_in_flight(self) -> str:
-        return f"{len(self._held)} hand-offs saving, {len(self._loading)} loads"
+        return (f"{len(self._held)} hand-offs saving, {len(self._loading)} loads, "
+                f"{len(self._waiting_for_blocks)} waiting for KV blocks")

@@ -6,13 +6,35 @@ logits match transformers to float32 rounding, not just "approximately".
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdserve import envs
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """pdserve's compiled CPU ops (kernels/cpu_ops.py), or None: switched off by
+    PDSERVE_CPU_KERNELS=0, or not buildable here. Decided once per process."""
+    if not envs.cpu_kernels():
+        return None
+    from pdserve.kernels import cpu_ops
+
+    return cpu_ops.load()
+
+
+def fused_fp32(x: torch.Tensor) -> ModuleType | None:
+    """The compiled ops when they apply to x (an fp32 CPU tensor), else None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return cpu_kernels()
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +52,10 @@ class RMSNorm(nn.Module):
         The pre-norm block reads `h = h + f(norm(h))`: fusing the add here saves one pass and
         hands the sum on as the next residual.
         """
+        ops = fused_fp32(x)
+        if ops is not None and x.dim() == 2 and self.weight.dtype == torch.float32:
+            normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed, residual
         if residual is not None:
             x = x + residual
         residual = x
@@ -44,6 +70,9 @@ class SiluAndMul(nn.Module):
     """[.., 2 * d] (gate | up) -> [.., d] = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_fp32(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -192,7 +221,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H, D], key [T, Hkv, D] -> rotated (query, key)."""
+        """query [T, H, D], key [T, Hkv, D] -> rotated (query, key); with the CPU kernels
+        (NeoX layout, fp32) the rotation is in place in the caller's tensors."""
+        ops = fused_fp32(query)
+        if ops is not None and not self.is_interleaved and key.dtype == torch.float32 \
+                and query.stride(-1) == 1 and key.stride(-1) == 1:
+            cos, sin = (t.reshape(t.shape[0], t.shape[-1]) for t in cos_sin)
+            ops.rotary_neox_(query, cos, sin, self.rotary_dim)
+            ops.rotary_neox_(key, cos, sin, self.rotary_dim)
+            return query, key
         rotate = _rotate_interleaved if self.is_interleaved else _rotate_neox
         return (_apply_rotary(rotate, query, cos_sin, self.rotary_dim),
                 _apply_rotary(rotate, key, cos_sin, self.rotary_dim))

@@ -4,11 +4,18 @@
     llm = LLM("path/to/checkpoint")
     outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
     print(outputs[0].outputs[0].text)
+    llm.shutdown()   # or `with LLM(...) as llm:`, or drop the last reference
+
+An LLM holds its TP ranks (processes) and the torch.distributed process group until it is
+shut down; shutting down (any of the three ways) releases both, so LLMs can be made one after
+another in one process. Two with tensor_parallel_size > 1 cannot be open at once (torch has
+one default process group per process).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,25 +36,32 @@ class LLM:
                  enable_prefix_caching: bool = True, dtype: str = "auto", seed: int = 0,
                  max_model_len: int | None = None, enable_chunked_prefill: bool = True,
                  kv_cache_memory_bytes: int | None = None, device: str | None = None,
-                 enable_expert_parallel: bool = False) -> None:
+                 enable_expert_parallel: bool = False,
+                 gpu_memory_utilization: float = 0.9) -> None:
+        """The KV pool: num_kv_blocks if given; else kv_cache_memory_bytes per rank if given
+        (on CPU it defaults to 512 MiB); else, on CUDA, gpu_memory_utilization of each GPU
+        less the weights and the largest step's activations (vLLM's rules; CacheConfig)."""
         from transformers import AutoTokenizer
 
         model_dir = str(model)
         self.model_config = ModelConfig(model=model_dir, dtype=dtype, seed=seed,
                                         max_model_len=max_model_len)
-        cache_kwargs: dict[str, Any] = dict(block_size=block_size, num_blocks=num_kv_blocks,
-                                            enable_prefix_caching=enable_prefix_caching)
-        if kv_cache_memory_bytes is not None:
-            cache_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        cache_config = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                   gpu_memory_utilization=gpu_memory_utilization,
+                                   enable_prefix_caching=enable_prefix_caching)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.engine = Engine(
-            self.model_config, CacheConfig(**cache_kwargs),
+            self.model_config, cache_config,
             ParallelConfig(tensor_parallel_size=tensor_parallel_size, device=device,
                            enable_expert_parallel=enable_expert_parallel),
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_chunked_prefill=enable_chunked_prefill),
             tokenizer=self.tokenizer)
+        # What __del__ would do, but run exactly once: on shutdown(), when the last reference
+        # goes, or at interpreter exit; it holds the engine, never the LLM.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._next_request_id = 0
 
     def get_tokenizer(self) -> Any:
@@ -116,7 +130,10 @@ class LLM:
         return f"llm-{self._next_request_id}"
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the TP ranks and leave the process group; idempotent."""
+        self._finalizer()
+
+    close = shutdown
 
     def __enter__(self) -> LLM:
         return self

@@ -14,6 +14,13 @@ control group is separate from the compute group so a heartbeat (sent while the 
 idle, so workers' receive never times out) cannot interleave with a step's all-reduces. A
 dead rank turns into an exception on the others: gloo notices the closed connection, and
 every collective has a timeout.
+
+Starting: every rank loads its shard; once all have, each plans its KV pool (on CUDA after a
+profiling forward of the largest step the scheduler can build; serve/kv_cache.py has the
+rules) and the ranks take the smallest block count. The spawned ranks, the control channel
+and the heartbeat are serve/rank_processes.py; shutdown (explicit, a `with` block, or the
+last reference dropped) stops them and destroys the process group, so another runner can
+start in this process.
 """
 
 from __future__ import annotations
@@ -25,30 +32,36 @@ import itertools
 import logging
 import os
 import socket
-import threading
-import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pdserve import envs
-from pdserve.protocol.tp import TP_PROTOCOL, Ping, ReadKV, StepInput, Stop, WriteKV
+from pdserve.protocol.tp import TP_PROTOCOL, Ping, ReadKV, SeqChunk, StepInput, Stop, WriteKV
 from pdserve.serve.attention import build_attention_metadata, default_backend_name
-from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.distributed import Rendezvous, TPGroup, init_tp_group
-from pdserve.serve.kv_cache import KVCachePool, num_blocks_for
+from pdserve.serve.kv_cache import (
+    KVCachePlan,
+    KVCachePool,
+    MemoryProfile,
+    available_host_memory_bytes,
+    bytes_per_block,
+    check_fits_host_memory,
+    plan_kv_cache,
+)
 from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
 from pdserve.serve.parallel import kv_heads_per_rank
+from pdserve.serve.rank_processes import RankProcesses
 
 logger = logging.getLogger(__name__)
 
 DIST_TIMEOUT_S = 300.0  # every collective (a step, a heartbeat) must finish within this
 START_TIMEOUT_S = 1800.0  # spawning workers and loading weights on every rank
-JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for a worker before terminating it
 MAX_MESSAGE_BYTES = 1 << 30
 
 
@@ -58,28 +71,67 @@ MAX_MESSAGE_BYTES = 1 << 30
 class _Rank:
     """One TP rank's model and KV pool, and the step it runs (identical on every rank)."""
 
-    def __init__(self, spec: ModelSpec, cache_config: CacheConfig, tp: TPGroup,
+    def __init__(self, spec: ModelSpec, block_size: int, tp: TPGroup,
                  device: torch.device) -> None:
-        self.spec = spec
+        """Load this rank's shard; the pool comes after every rank loaded (allocate_pool)."""
         self.tp = tp
         self.device = device
-        self.block_size = cache_config.block_size
-        backend_name = default_backend_name(device)
-        self.model = load_model(spec, tp, device, backend_name, show_progress=tp.rank == 0)
-        self.layout = spec.kv_layout(self.block_size)
-        planes = self.layout.num_planes
+        self.block_size = block_size
+        self.spec = spec
+        self._free_before_load = _free_device_memory(device)
+        self.model = load_model(spec, tp, device, default_backend_name(device),
+                                show_progress=tp.rank == 0)
+        self.layout = spec.kv_layout(block_size)
         # An MLA latent is replicated; GQA heads split (or replicate past num_kv_heads ranks).
-        kv_heads = (spec.num_kv_heads if self.layout.kind == "mla"
-                    else kv_heads_per_rank(spec.num_kv_heads, tp.size))
-        # Sized from configs and the spec only, so every rank gets the same count.
-        self.num_blocks = num_blocks_for(cache_config, spec.num_layers, kv_heads,
-                                         spec.head_dim, spec.torch_dtype, planes)
-        self.pool = KVCachePool(spec.num_layers, self.num_blocks, self.block_size, kv_heads,
-                                spec.head_dim, spec.torch_dtype, device, planes)
+        self.num_kv_heads_per_rank = (spec.num_kv_heads if self.layout.kind == "mla"
+                                      else kv_heads_per_rank(spec.num_kv_heads, tp.size))
+
+    def allocate_pool(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                      min_over_ranks: Callable[[int], int] = lambda n: n) -> None:
+        """Plan the pool (profiling the largest step on CUDA), agree on the block count with
+        the other ranks (collectives: call on every rank together), allocate it."""
+        spec, device = self.spec, self.device
+        per_block = bytes_per_block(spec.num_layers, self.block_size,
+                                    self.num_kv_heads_per_rank, spec.head_dim,
+                                    spec.torch_dtype, self.layout.num_planes)
+        plan: KVCachePlan | None = None
+        error: ValueError | None = None
+        try:
+            profile = None
+            if (device.type == "cuda" and cache_config.num_blocks is None
+                    and cache_config.kv_cache_memory_bytes is None):
+                profile = self.profile_memory(scheduler_config)
+            plan = plan_kv_cache(cache_config, per_block, spec.max_model_len, device.type,
+                                 profile)
+        except ValueError as exc:  # still take part in the agreement, then fail together
+            error = exc
+        # Every rank must hold the same block ids: the smallest rank's count wins.
+        num_blocks = min_over_ranks(plan.num_blocks if plan is not None else 0)
+        if plan is None or num_blocks == 0:
+            raise error or ValueError("another tensor-parallel rank has no memory for the KV "
+                                      "cache (see its log)")
+        plan = dataclasses.replace(plan, num_blocks=num_blocks)
+        if device.type == "cpu" and self.tp.rank == 0:  # every rank's pool is on this host
+            check_fits_host_memory(plan, self.tp.size, available_host_memory_bytes())
+        self.plan: KVCachePlan = plan
+        self.num_blocks = plan.num_blocks
+        # The served context is what the pool holds: a longer request could never run.
+        self.spec = dataclasses.replace(spec, max_model_len=plan.max_model_len)
+        self.pool = self._new_pool(self.num_blocks)
+
+    def _new_pool(self, num_blocks: int) -> KVCachePool:
+        spec = self.spec
+        return KVCachePool(spec.num_layers, num_blocks, self.block_size,
+                           self.num_kv_heads_per_rank, spec.head_dim, spec.torch_dtype,
+                           self.device, self.layout.num_planes)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
                 ) -> torch.Tensor | None:
+        return self._forward(step, self.pool.kv_caches, layer_done)
+
+    def _forward(self, step: StepInput, kv_caches: list[torch.Tensor],
+                 layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
         meta = build_attention_metadata(step, self.block_size, self.device)
         token_ids = np.fromiter(  # chain iterates in C: no Python work per token
             itertools.chain.from_iterable(c.token_ids for c in step.chunks), dtype=np.int64,
@@ -90,10 +142,37 @@ class _Rank:
         chunk_ends = np.cumsum([len(c.token_ids) for c in step.chunks]) - 1
         need = np.array([c.need_logits for c in step.chunks], dtype=bool)
         logits_rows = torch.from_numpy(chunk_ends[need]).to(self.device)
-        hidden = self.model(input_ids, self.pool.kv_caches, meta, layer_done)  # [T, hidden]
+        hidden = self.model(input_ids, kv_caches, meta, layer_done)  # [T, hidden]
         if logits_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, logits_rows))
+
+    @torch.inference_mode()
+    def profile_run(self, scheduler_config: SchedulerConfig) -> int:
+        """Run the largest step the scheduler can build (profile_step) on a scratch pool just
+        big enough for it; returns its number of tokens. Every TP rank runs it together."""
+        step = profile_step(scheduler_config.max_num_batched_tokens,
+                            scheduler_config.max_num_seqs, self.spec.max_model_len,
+                            self.block_size, self.spec.vocab_size)
+        scratch = self._new_pool(sum(len(c.block_table) for c in step.chunks))
+        self._forward(step, scratch.kv_caches)
+        return step.num_tokens
+
+    def profile_memory(self, scheduler_config: SchedulerConfig) -> MemoryProfile:
+        """CUDA: what the weights took and what the largest step's activations peak at."""
+        assert self._free_before_load is not None, "profiling measures CUDA memory"
+        free_before, total = self._free_before_load
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        # The scratch pool is allocated inside: its bytes count as activations, which only
+        # errs on the safe side (it is a few blocks).
+        num_tokens = self.profile_run(scheduler_config)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        free_after, _ = _free_device_memory(self.device) or (0, 0)
+        profile = MemoryProfile(total, free_before, free_after, peak, num_tokens)
+        logger.debug("rank %d memory profile: %s", self.tp.rank, profile)
+        return profile
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's heads of the blocks: [layers, P, n, block_size, local heads, dim]."""
@@ -141,6 +220,46 @@ def _device_for(parallel_config: ParallelConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
 
 
+def _free_device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device, its allocator's cache emptied; None on CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
+def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
+                 vocab_size: int) -> StepInput:
+    """The largest step the scheduler can build, to measure a step's peak memory:
+
+        max_num_seqs - 1 decodes (one token each: one logits row each)
+        + the rest of the token budget as one prompt chunk (split at max_model_len)
+
+    so both the widest attention (one long prompt) and the most logits rows are in it.
+    Blocks are numbered afresh from 0 (a scratch pool of exactly that many)."""
+    num_seqs = max(1, min(max_num_seqs, num_tokens))
+    lengths = [1] * (num_seqs - 1)
+    rest = num_tokens - len(lengths)
+    while rest > 0:
+        lengths.append(min(rest, max_model_len))
+        rest -= lengths[-1]
+    chunks, next_block = [], 0
+    for i, length in enumerate(lengths):
+        num_blocks = -(-length // block_size)
+        token_ids = [(i + t) % vocab_size for t in range(length)]
+        chunks.append(SeqChunk(f"profile-{i}", token_ids, 0,
+                               list(range(next_block, next_block + num_blocks)), True))
+        next_block += num_blocks
+    return StepInput(chunks)
+
+
+def _min_over_ranks(value: int, control: Any) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control)
+    return int(tensor.item())
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -148,7 +267,8 @@ def _free_port(host: str) -> int:
 
 
 def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
-                parallel_config: ParallelConfig, timeout_s: float, start_timeout_s: float,
+                scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
+                timeout_s: float, start_timeout_s: float,
                 peers_alive: Callable[[], bool] | None = None) -> tuple[_Rank, Any]:
     """Join the group, load this rank's shard; returns the rank and its control group."""
     size = parallel_config.tensor_parallel_size
@@ -172,10 +292,14 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
         control = dist.new_group(backend="gloo",
                                  timeout=datetime.timedelta(seconds=timeout_s))
     spec = load_model_spec(model_config)
-    state = _Rank(spec, cache_config, tp, device)
+    state = _Rank(spec, cache_config.block_size, tp, device)
     if rendezvous is not None:
-        # Every rank loaded before any waits on a step: loading may outlast a collective.
+        # Every rank loaded before any enters a collective (the profiling forward, the
+        # block-count agreement, a step): loading may outlast a collective's timeout.
         rendezvous.arrive_and_wait("loaded", peers_alive)
+    state.allocate_pool(cache_config, scheduler_config,
+                        (lambda n: _min_over_ranks(n, control)) if control is not None
+                        else (lambda n: n))
     return state, control
 
 
@@ -191,12 +315,12 @@ def _receive(control: Any) -> bytes:
 
 
 def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
-                 parallel_config: ParallelConfig, timeout_s: float, start_timeout_s: float
-                 ) -> None:
+                 scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
+                 timeout_s: float, start_timeout_s: float) -> None:
     logging.basicConfig(level=envs.log_level())
     try:
-        state, control = _setup_rank(rank, model_config, cache_config, parallel_config,
-                                     timeout_s, start_timeout_s)
+        state, control = _setup_rank(rank, model_config, cache_config, scheduler_config,
+                                     parallel_config, timeout_s, start_timeout_s)
     except (ValueError, FileNotFoundError) as exc:
         # A checkpoint or config this TP degree cannot take fails rank 0 alike, which reports
         # it to the user: no second copy, and no traceback, from here.
@@ -222,59 +346,69 @@ def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig
 
 
 class ModelRunner:
-    """Loads the model on every TP rank and runs steps; rank 0 lives in this process."""
+    """Loads the model on every TP rank and runs steps; rank 0 lives in this process.
+
+    `shutdown()` (also on `with` exit, and when the last reference goes) stops the other
+    ranks and destroys the process group, so another runner can start in this process."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  parallel_config: ParallelConfig | None = None,
                  dist_timeout_s: float = DIST_TIMEOUT_S,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S,
+                 scheduler_config: SchedulerConfig | None = None) -> None:
         parallel_config = parallel_config or ParallelConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
         size = parallel_config.tensor_parallel_size
+        _check_devices(parallel_config)
+        if size > 1 and dist.is_initialized():
+            raise RuntimeError(
+                "this process already has a torch.distributed process group (another LLM or "
+                "ModelRunner with tensor_parallel_size > 1 still open?): shut it down first "
+                "(llm.shutdown(), a `with` block, or drop its last reference)")
         if parallel_config.master_port is None:
             parallel_config = dataclasses.replace(
                 parallel_config, master_port=_free_port(parallel_config.master_addr)
             )
-        self._workers: list[Any] = []
         self._closed = False
-        self._is_broken = False
-        self._send_lock = threading.Lock()
-        self._stop_heartbeat = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        self._heartbeat_s = dist_timeout_s / 4
-        self._last_send_s = time.monotonic()
         self._tp_size = size
-        self._num_threads = torch.get_num_threads()  # _setup_rank lowers it under CPU TP
+        self._procs = RankProcesses(heartbeat_s=dist_timeout_s / 4)
+        procs = self._procs
         try:
-            context = mp.get_context("spawn")
             for rank in range(1, size):
-                worker = context.Process(
-                    target=_worker_main, name=f"pdserve-tp{rank}", daemon=True,
-                    args=(rank, model_config, cache_config, parallel_config, dist_timeout_s,
-                          start_timeout_s),
-                )
-                worker.start()
-                self._workers.append(worker)
-            self._rank, self._control = _setup_rank(
-                0, model_config, cache_config, parallel_config, dist_timeout_s, start_timeout_s,
-                peers_alive=lambda: all(w.is_alive() for w in self._workers),
+                procs.spawn(_worker_main, rank, model_config, cache_config, scheduler_config,
+                            parallel_config, dist_timeout_s, start_timeout_s)
+            procs.owns_process_group = size > 1
+            self._rank, procs.control = _setup_rank(
+                0, model_config, cache_config, scheduler_config, parallel_config,
+                dist_timeout_s, start_timeout_s, peers_alive=procs.peers_alive,
             )
         except BaseException:
-            self._stop_workers(send_stop=False)
+            procs.stop(send_stop=False)
             raise
-        self.spec: ModelSpec = self._rank.spec
+        self._finalizer = weakref.finalize(self, procs.stop, True)
+        self.plan: KVCachePlan = self._rank.plan
+        """The pool's numbers: blocks, bytes, and the served max_model_len."""
+        self.spec: ModelSpec = self._rank.spec  # max_model_len capped to the pool
         self.num_blocks: int = self._rank.num_blocks
         self.block_size: int = cache_config.block_size
         self.device: torch.device = self._rank.device
         self.kv_pool: KVCachePool = self._rank.pool
         self.kv_caches: list[torch.Tensor] = self._rank.pool.kv_caches
+        _log_plan(self.plan, model_config)
         if size > 1:
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop,
-                                               name="pdserve-tp-heartbeat", daemon=True)
-            self._heartbeat.start()
+            procs.start_heartbeat()
 
     @property
     def tensor_parallel_size(self) -> int:
         return self._tp_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.spec.max_model_len
+
+    @property
+    def _workers(self) -> list[Any]:
+        return self._procs.workers
 
     def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
                 ) -> torch.Tensor:
@@ -292,7 +426,7 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         with self._collective():
             if self._tp_size > 1:
-                self._send(TP_PROTOCOL.encode(step))
+                self._procs.send(TP_PROTOCOL.encode(step))
             logits = self._rank.execute(step, layer_done)
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
@@ -306,10 +440,11 @@ class ModelRunner:
         if self._tp_size == 1 or self._rank.layout.kind == "mla":  # rank 0 holds it all
             return list(local.cpu().unbind(0))
         self._check_kv_split()
-        with self._collective(), self._send_lock:
-            self._send_locked(TP_PROTOCOL.encode(ReadKV(list(block_ids))))
+        procs = self._procs
+        with self._collective(), procs.send_lock:
+            procs.send_locked(TP_PROTOCOL.encode(ReadKV(list(block_ids))))
             parts = [torch.empty_like(local, device="cpu") for _ in range(self._tp_size)]
-            dist.gather(local.cpu(), parts, dst=0, group=self._control)
+            dist.gather(local.cpu(), parts, dst=0, group=procs.control)
         return list(torch.cat(parts, dim=4).unbind(0))
 
     def write_kv_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
@@ -318,9 +453,10 @@ class ModelRunner:
         full = torch.stack([b.to(self.spec.torch_dtype) for b in blocks]).cpu().contiguous()
         if self._tp_size > 1:
             self._check_kv_split()
-            with self._collective(), self._send_lock:
-                self._send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
-                dist.broadcast(full, src=0, group=self._control)
+            procs = self._procs
+            with self._collective(), procs.send_lock:
+                procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
+                dist.broadcast(full, src=0, group=procs.control)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:
@@ -329,11 +465,10 @@ class ModelRunner:
                              f"divisible by the TP size ({self._tp_size})")
 
     def shutdown(self) -> None:
-        """Stop workers (stop message, join, terminate) and leave the process group."""
-        if self._closed:
-            return
+        """Stop workers (stop message, join, terminate) and leave the process group.
+        Idempotent; also what happens when the last reference to the runner goes."""
         self._closed = True
-        self._stop_workers(send_stop=True)
+        self._finalizer()  # runs RankProcesses.stop once, whoever calls first
 
     def __enter__(self) -> ModelRunner:
         return self
@@ -346,7 +481,7 @@ class ModelRunner:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("ModelRunner is shut down")
-        if self._is_broken:
+        if self._procs.is_broken:
             raise RuntimeError("ModelRunner failed in an earlier step; shut it down")
         self._check_workers()
 
@@ -359,58 +494,38 @@ class ModelRunner:
             yield
         except BaseException:
             # One rank has nobody to fall out of step with: it stays usable.
-            self._is_broken = self._tp_size > 1
+            self._procs.is_broken = self._tp_size > 1
             raise
 
-    def _send(self, payload: bytes) -> None:
-        with self._send_lock:
-            self._send_locked(payload)
-
-    def _send_locked(self, payload: bytes) -> None:
-        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0,
-                       group=self._control)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0,
-                       group=self._control)
-        self._last_send_s = time.monotonic()
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop_heartbeat.wait(self._heartbeat_s / 2):
-            if time.monotonic() - self._last_send_s < self._heartbeat_s:
-                continue
-            try:
-                self._send(TP_PROTOCOL.encode(Ping()))
-            except Exception:  # a dead worker: execute() reports it
-                logger.exception("TP heartbeat failed")
-                return
-
     def _check_workers(self) -> None:
-        dead = [w.name for w in self._workers if not w.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died")
+        self._procs.check_alive()
 
-    def _stop_workers(self, send_stop: bool) -> None:
-        self._stop_heartbeat.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=JOIN_TIMEOUT_S)
-        graceful = (send_stop and not self._is_broken and bool(self._workers)
-                    and all(w.is_alive() for w in self._workers))
-        if graceful:
-            try:
-                self._send(TP_PROTOCOL.encode(Stop()))
-            except Exception:
-                logger.exception("could not send stop to TP workers")
-                graceful = False
-        for worker in self._workers:
-            # Without a stop message a worker may sit in a wait that only a timeout ends.
-            if graceful:
-                worker.join(timeout=JOIN_TIMEOUT_S)
-            if worker.is_alive():
-                worker.terminate()
-                worker.join(timeout=JOIN_TIMEOUT_S)
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=JOIN_TIMEOUT_S)  # SIGKILL cannot be ignored
-        self._workers = []
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(self._num_threads)
+    def _send(self, payload: bytes) -> None:
+        """Raw bytes to the other ranks' receive loop (tests send malformed ones)."""
+        self._procs.send(payload)
+
+
+def _check_devices(parallel_config: ParallelConfig) -> None:
+    """Fail before spawning anything when the devices asked for are not there."""
+    if _device_for(parallel_config, 0).type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but no CUDA device is visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    size, visible = parallel_config.tensor_parallel_size, torch.cuda.device_count()
+    if size > visible:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs but {visible} are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+
+
+def _log_plan(plan: KVCachePlan, model_config: ModelConfig) -> None:
+    logger.info("KV cache: %s; max_model_len %d", plan.describe(), plan.max_model_len)
+    if plan.is_capped:
+        # An explicit --max-model-len the pool cannot hold is worth a warning; the model's
+        # own (often very long) context being capped is expected.
+        log = logger.warning if model_config.max_model_len else logger.info
+        log("max_model_len capped from %d to %d tokens: the KV cache holds only %d blocks x "
+            "%d tokens; for longer contexts raise --gpu-memory-utilization, "
+            "--kv-cache-memory-gb or --num-kv-blocks", plan.model_max_len, plan.max_model_len,
+            plan.num_blocks, plan.block_size)

@@ -243,8 +243,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--enable-expert-parallel", action="store_true",
         help="MoE models: whole experts spread over the TP ranks, tokens sent to them by "
              "all-to-all (default: every expert TP-split)")
+    add("--device", choices=("cuda", "cpu"), default=parallel.device,
+        help="where the ranks run (default: cuda when available); rank r of a TP group "
+             "takes the r-th GPU of CUDA_VISIBLE_DEVICES")
     add("--block-size", type=int, default=cache.block_size)
-    add("--num-kv-blocks", type=int, default=cache.num_blocks)
+    add("--num-kv-blocks", type=int, default=cache.num_blocks,
+        help="KV blocks per rank; overrides the memory-based sizing below")
+    add("--gpu-memory-utilization", type=float, default=cache.gpu_memory_utilization,
+        help="CUDA: fraction of each GPU's memory for weights, activations and the KV cache; "
+             "the KV cache gets what the weights and a profiling step of "
+             "--max-num-batched-tokens leave (vLLM's flag)")
+    add("--kv-cache-memory-gb", type=float, default=None,
+        help="KV cache size per rank in GiB (default: 0.5 on CPU, checked against the "
+             "host's available memory; on CUDA, sized by --gpu-memory-utilization)")
     add("--max-num-seqs", type=int, default=sched.max_num_seqs)
     add("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
     add("--no-prefix-caching", action="store_true")
@@ -268,14 +279,24 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_cache_memory_bytes=_gib_to_bytes(args.kv_cache_memory_gb),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                cpu_threads=args.cpu_threads,
+                                cpu_threads=args.cpu_threads, device=args.device,
                                 enable_expert_parallel=args.enable_expert_parallel),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         store_address=args.store, store_master_address=args.store_master,
         store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s)
+
+
+def _gib_to_bytes(gib: float | None) -> int | None:
+    if gib is None:
+        return None
+    if gib <= 0:
+        raise ValueError(f"--kv-cache-memory-gb must be positive, got {gib}")
+    return int(gib * (1 << 30))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,16 @@ class Cluster:
         return StoreClient(f"tcp://127.0.0.1:{self.store_port + 1}",
                            f"tcp://127.0.0.1:{self.store_port}", transport="zmq", timeout_s=5)
 
+    def assert_nothing_leaked(self, with_store: bool = True, timeout_s: float = 30.0) -> None:
+        """assert_nothing_leaked for this cluster; with_store=False where it runs no store
+        (colocated mode)."""
+        store = self.store_client() if with_store else None
+        try:
+            assert_nothing_leaked(self.base_url, store, timeout_s)
+        finally:
+            if store is not None:
+                store.close()
+
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
@@ -79,18 +90,30 @@ def wait_until(predicate, timeout_s: float = 30.0) -> bool:
 
 
 def workers_idle(base_url: str) -> bool:
-    """Every worker behind the router holds no request and has all its KV blocks free."""
+    """Every worker behind the router is alive, holds no request and has all its KV blocks
+    free."""
+    return surviving_workers_idle(base_url, killed_addresses=())
+
+
+def surviving_workers_idle(base_url: str, killed_addresses: Collection[str]) -> bool:
+    """Every worker but those a test killed on purpose (by address: a worker's id is known only
+    from its status) is alive, holds no request and has all its KV blocks free. A killed
+    worker is left out: the router keeps its last status, or none once the connection
+    dropped, so it reads neither idle nor busy."""
     workers = httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
-    return all(w.get("num_free_blocks") == w.get("num_total_blocks") and w["num_inflight"] == 0
-               for w in workers)
+    return all(w["is_alive"] and w["num_free_blocks"] == w["num_total_blocks"]
+               and w["num_inflight"] == 0
+               for w in workers if w["address"] not in killed_addresses)
 
 
 def assert_nothing_leaked(base_url: str, store: StoreClient | None = None,
-                          timeout_s: float = 30.0) -> None:
-    """The end of every end-to-end test: every worker idle with all its blocks free, and the
-    store (when given) holding no lease and no pinned block. Waits up to timeout_s, since a
-    finished request's last release may still be on its way."""
-    assert wait_until(lambda: workers_idle(base_url), timeout_s), \
+                          timeout_s: float = 30.0,
+                          killed_addresses: Collection[str] = ()) -> None:
+    """The end of every end-to-end test: every worker (but those at killed_addresses) alive
+    and idle with all its blocks free, and the store (when given) holding no lease and no
+    pinned block. Waits up to timeout_s, since a finished request's last release may still be
+    on its way, and a killed worker's leases only go when their TTL runs out."""
+    assert wait_until(lambda: surviving_workers_idle(base_url, killed_addresses), timeout_s), \
         httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
     if store is None:
         return
@@ -143,6 +166,7 @@ class Roles:
         self.decode_ports = [base + 4 + i for i in range(num_decode)]
         self.router_args = router_args
         self.processes: dict[str, subprocess.Popen] = {}
+        self.killed: set[str] = set()  # names killed on purpose and not started again
 
     @property
     def decode_port(self) -> int:
@@ -153,10 +177,18 @@ class Roles:
         return f"http://127.0.0.1:{self.router_port}"
 
     def start(self, name: str, *argv: str) -> None:
+        self.killed.discard(name)
         log = open(self.log_dir / f"{name}-{len(self.processes)}.log", "ab")
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv], stdout=log,
             stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="INFO"))
+
+    def worker_address(self, name: str) -> str:
+        """The address the router reaches worker `name` (prefill, decode, decode-1, ...) at."""
+        if name == "prefill":
+            return f"tcp://127.0.0.1:{self.prefill_port}"
+        index = int(name.removeprefix("decode").removeprefix("-") or 0)
+        return f"tcp://127.0.0.1:{self.decode_ports[index]}"
 
     def start_worker(self, role: str, index: int = 0) -> None:
         port = self.prefill_port if role == "prefill" else self.decode_ports[index]
@@ -178,6 +210,24 @@ class Roles:
         self.start("router", "router", "--model", self.model_dir, "--port",
                    str(self.router_port), "--prefill", f"tcp://127.0.0.1:{self.prefill_port}",
                    *decode_args, *self.router_args)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process, as a crash would, and remember it for the leak check."""
+        self.killed.add(name)
+        self.processes[name].kill()
+
+    def assert_nothing_leaked(self, timeout_s: float = 30.0) -> None:
+        """assert_nothing_leaked for this cluster. Workers killed on purpose are left out and
+        every other must be alive and idle; the store is checked unless it was killed, as
+        nothing is then left to ask (the workers alone are checked)."""
+        store = None if "store" in self.killed else self.store_client()
+        try:
+            killed_addresses = [self.worker_address(name) for name in self.killed
+                                if name != "store"]
+            assert_nothing_leaked(self.base_url, store, timeout_s, killed_addresses)
+        finally:
+            if store is not None:
+                store.close()
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,15 @@ import pytest
 from pdserve.serve.default_model import build_random_model, build_tokenizer
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU kernels (kernels/csrc) once, up front: a first build takes a minute or
+    two, and a worker process started by an end-to-end test must not spend its ready timeout
+    on it. Where they cannot be built every test runs the plain-torch paths."""
+    from pdserve.kernels import cpu_ops
+
+    cpu_ops.load()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")

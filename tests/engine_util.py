@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from pdserve.serve.engine import Engine
 from pdserve.serve.request import RequestOutput
 from pdserve.serve.roles import PrefillRole
@@ -48,3 +50,10 @@ def prefill_engine(*args, **kwargs) -> tuple[Engine, CopyingSaver]:
     engine = Engine(*args, role=PrefillRole(saver), **kwargs)
     saver.engine = engine
     return engine, saver
+
+
+def assert_tied_head(model) -> None:
+    """A tied LM head reads the embedding's rows: the same tensor, or (CPU prepacking,
+    serve/parallel.py) a packed copy of exactly those rows."""
+    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+    assert head is embedding or (head.is_mkldnn and torch.equal(head.to_dense(), embedding))

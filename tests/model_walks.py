@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from test_model_fidelity import BlockAllocator, hf_logits, random_prompts
+from model_util import BlockAllocator, hf_logits, random_prompts
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
@@ -17,12 +17,6 @@ from pdserve.serve.model_runner import ModelRunner
 
 ATOL = 1e-4
 NUM_BLOCKS = 32
-
-
-def load_hf(model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
 def runner_for(model_dir: Path, block_size: int, tp: int = 1,

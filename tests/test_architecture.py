@@ -139,3 +139,24 @@ def test_protocol_modules_import_without_torch(module):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in helper modules (model_util, kernel_cases, cluster_util, ...),
+    never in a test module: importing one runs its module-level setup and ties its helpers to
+    its tests."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+                if node.level or node.module == "tests":  # `from . import test_x`
+                    modules += [alias.name for alias in node.names]
+            else:
+                continue
+            offenders += [f"{path.name} imports {module}" for module in modules
+                          if any(part.startswith("test_") for part in module.split("."))]
+    assert offenders == []

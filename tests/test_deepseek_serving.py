@@ -75,5 +75,6 @@ def test_disaggregated_server_moves_mla_blocks_through_the_store(make_model_dir,
         saved = [line for line in metrics.splitlines() if line.startswith(
             "pdserve:kv_transfer_bytes_total{") and 'direction="save"' in line]
         assert saved and float(saved[0].split()[-1]) > 0, saved
+        cluster.assert_nothing_leaked()
     finally:
         assert cluster.stop() == 0, cluster.log()

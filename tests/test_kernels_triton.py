@@ -27,7 +27,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_kernels_reference import (  # noqa: E402
+from kernel_cases import (  # noqa: E402
     make_mla_case,
     make_mla_prefill_case,
     make_paged_case,

@@ -17,17 +17,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_util import assert_tied_head
+from model_util import hf_logits, load_hf, random_prompts
 from model_walks import (
     NUM_BLOCKS,
     assert_rows_match,
-    load_hf,
     prefill_then_decodes,
     ragged_chunked_then_decodes,
     randomise_biases,
     runner_for,
     two_prompts_in_two_chunks,
 )
-from test_model_fidelity import hf_logits, random_prompts
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.default_model import build_random_model
@@ -38,6 +38,7 @@ from pdserve.serve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCa
 @pytest.mark.parametrize("backend,block_size,num_decodes", [
     ("torch", 8, 3),
     ("torch", 16, 3),
+    ("cpu", 16, 3),  # the C++ MLA decode kernel reading the latent cache in place
     ("triton", 16, 2),  # the interpreter is slow: one block size, fewer decode steps
 ])
 @pytest.mark.parametrize("architecture", ["deepseek_v2", "deepseek_v3"])
@@ -84,7 +85,7 @@ def test_config_variants_match_hf(architecture: str, overrides: dict, tmp_path: 
         two_prompts_in_two_chunks(runner, hf)
         if overrides.get("tie_word_embeddings"):
             model = runner._rank.model
-            assert model.lm_head.weight is model.model.embed_tokens.weight
+            assert_tied_head(model)
 
 
 @pytest.mark.parametrize("architecture,overrides", [

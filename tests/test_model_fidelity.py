@@ -6,11 +6,11 @@ Tolerance 1e-4 (fp32): both sides compute the same float32 math in a different o
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from model_util import BlockAllocator, hf_logits, load_hf, random_prompts
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig
@@ -23,42 +23,14 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def hf_models():
-    from transformers import AutoModelForCausalLM
-
     cache: dict[Path, torch.nn.Module] = {}
 
     def get(model_dir: Path) -> torch.nn.Module:
         if model_dir not in cache:
-            cache[model_dir] = AutoModelForCausalLM.from_pretrained(
-                str(model_dir), dtype=torch.float32
-            ).eval()
+            cache[model_dir] = load_hf(model_dir)
         return cache[model_dir]
 
     return get
-
-
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """[len(token_ids), vocab] logits for every position of one unpadded sequence."""
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float()
-
-
-class BlockAllocator:
-    """Hands out shuffled (non-contiguous) block ids, as a long-running block manager would."""
-
-    def __init__(self, num_blocks: int, seed: int = 0) -> None:
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
-
-    def table(self, num_tokens: int, block_size: int) -> list[int]:
-        count = -(-num_tokens // block_size)
-        table, self.free = self.free[:count], self.free[count:]
-        return table
-
-
-def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.fixture(params=["llama", "qwen2"])
@@ -140,11 +112,19 @@ def test_step_validation_rejects_bad_ids(llama_dir: Path) -> None:
         runner.execute(StepInput([]))
 
 
-def test_tied_embeddings_share_one_tensor(qwen2_dir: Path) -> None:
+@pytest.mark.parametrize("prepack", ["0", "1"])
+def test_tied_embeddings_load_once(qwen2_dir: Path, prepack: str, monkeypatch) -> None:
+    """A tied head reads the embedding's rows: the same tensor, or (CPU prepacking) a packed
+    copy of exactly those rows, since the embedding must keep its plain rows to index."""
+    monkeypatch.setenv("PDSERVE_CPU_PREPACK", prepack)
     with ModelRunner(ModelConfig(str(qwen2_dir)), CacheConfig(num_blocks=4)) as runner:
         model = runner._rank.model
         assert runner.spec.tie_word_embeddings
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+        if prepack == "0":
+            assert head is embedding
+        else:
+            assert head.is_mkldnn and torch.equal(head.to_dense(), embedding)
 
 
 def test_llama3_rope_scaling_matches_hf(tmp_path: Path, tokenizer_dir: Path, hf_models) -> None:

@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 
 import pytest
+from engine_util import assert_tied_head
+from model_util import load_hf
 from model_walks import (
-    load_hf,
     prefill_then_decodes,
     ragged_chunked_then_decodes,
     randomise_biases,
@@ -88,7 +89,7 @@ def test_config_variants_match_hf(architecture: str, overrides: dict, tmp_path: 
                 "GatedMLP", "Qwen2MoeSparseMoE", "GatedMLP", "Qwen2MoeSparseMoE"]
             assert model.model.layers[0].self_attn.qkv_proj.bias is None
         else:
-            assert model.lm_head.weight is model.model.embed_tokens.weight
+            assert_tied_head(model)
         two_prompts_in_two_chunks(runner, hf)
 
 

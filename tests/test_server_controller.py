@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster_util import start_cluster, wait_until, workers_idle
+from cluster_util import start_cluster
 
-from pdserve.kvstore.client import StoreClient
 from pdserve.serve import LLM, SamplingParams
 
 FLIP_TIMEOUT_S = 90.0
@@ -99,13 +98,5 @@ def test_prefill_bound_load_flips_a_decode_worker(cluster, llama_dir):
                      metrics)
 
     # Nothing leaks across the flip: every worker's blocks are free, no lease or pin remains.
-    assert wait_until(lambda: workers_idle(base)), httpx.get(f"{base}/status").json()
-    store = StoreClient(f"tcp://127.0.0.1:{cluster.store_port + 1}",
-                        f"tcp://127.0.0.1:{cluster.store_port}", transport="zmq")
-    try:
-        assert wait_until(lambda: store.stats()["num_leases"] == 0)
-        assert store.stats()["num_pinned"] == 0
-        store.check_integrity()
-    finally:
-        store.close()
+    cluster.assert_nothing_leaked()
 

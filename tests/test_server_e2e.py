@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 import torch
-from cluster_util import assert_nothing_leaked, start_cluster
+from cluster_util import start_cluster
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.serve import LLM, SamplingParams
@@ -55,13 +55,8 @@ def leaves_nothing_behind(request):
     if "cluster" not in request.fixturenames:
         return
     cluster = request.getfixturevalue("cluster")
-    with_store = any(w["role"] == "prefill" for w in cluster.status()["workers"])
-    store = cluster.store_client() if with_store else None
-    try:
-        assert_nothing_leaked(cluster.base_url, store)
-    finally:
-        if store is not None:
-            store.close()
+    cluster.assert_nothing_leaked(
+        with_store=any(w["role"] == "prefill" for w in cluster.status()["workers"]))
 
 
 def _complete(base_url: str, **body) -> dict:
@@ -195,10 +190,6 @@ def test_prefill_tp2_decode_tp1_same_tokens(llama_dir, reference, tmp_path_facto
             body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,
                              temperature=0)
             assert body["choices"][0]["text"] == reference[prompt]
-        store = cluster.store_client()
-        try:
-            assert_nothing_leaked(cluster.base_url, store)
-        finally:
-            store.close()
+        cluster.assert_nothing_leaked()
     finally:
         assert cluster.stop() == 0, cluster.log()

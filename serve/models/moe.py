@@ -68,6 +68,9 @@ class TopKRouter(ReplicatedLinear):
             self.e_score_correction_bias = nn.Parameter(  # float32, as HF keeps it
                 torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
 
+    def process_weights_after_loading(self) -> None:
+        """Kept plain: the router's small matmul may run in float32 over a bf16 weight."""
+
     def forward(self, hidden: torch.Tensor  # type: ignore[override]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""

@@ -1,0 +1,71 @@
+"""vLLM's offline decode step and prefill time, as step_roofline measures pdserve's.
+
+Runs inside vLLM's own venv (../shared/tools/vllm-peer python benchmarks/peer_step.py ...), so
+it imports nothing of pdserve. Prints one JSON object on its last line:
+
+    {"decode": [{"batch", "context", "step_s"}], "prefill": [{"tokens", "seconds"}]}
+
+Every timed prompt is fresh (random tokens from a new seed; prefix caching off), so nothing
+is served from a cache. The decode step is (time to generate N tokens - time to generate 1)
+/ (N - 1) for the same batch of fresh prompts of the same length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, required=True)
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    longest = max(args.contexts + args.prefill_lengths) + args.decode_tokens + 8
+    llm = LLM(args.model, dtype="float32", max_model_len=longest, enable_prefix_caching=False,
+              max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, longest),
+              seed=0)
+    rng = random.Random(1234)
+
+    def fresh(length: int) -> TokensPrompt:
+        return TokensPrompt(prompt_token_ids=[rng.randrange(10, args.vocab_size)
+                                              for _ in range(length)])
+
+    def timed(prompts: list[TokensPrompt], max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed([fresh(32)], 4)  # warm-up
+    decode = []
+    for context in args.contexts:
+        for batch in args.batch_sizes:
+            best = float("inf")
+            for _ in range(args.repeats):
+                one = timed([fresh(context) for _ in range(batch)], 1)
+                many = timed([fresh(context) for _ in range(batch)], args.decode_tokens)
+                best = min(best, (many - one) / (args.decode_tokens - 1))
+            decode.append({"batch": batch, "context": context, "step_s": max(best, 0.0)})
+            print(f"vllm decode batch {batch} context {context}: {best * 1e3:.2f} ms",
+                  flush=True)
+    prefill = []
+    for length in args.prefill_lengths:
+        seconds = min(timed([fresh(length)], 1) for _ in range(args.repeats))
+        prefill.append({"tokens": length, "seconds": seconds})
+        print(f"vllm prefill {length}: {seconds * 1e3:.1f} ms", flush=True)
+    print(json.dumps({"decode": decode, "prefill": prefill}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The engine step against the machine's floor: decode by bytes moved, prefill by FLOPs.
+
+    python -m pdserve.benchmarks.step_roofline [--model DIR] [--threads N] [--with-vllm]
+
+A decode step must read every weight once and each sequence's KV once, so it cannot beat
+
+    floor_s = (weight bytes + batch * context * KV bytes per token) / read bandwidth
+
+where the read bandwidth is measured here, on the same threads (torch sum over 512 MiB). A
+prefill must do 2 * params FLOPs per token plus the causal attention's, so it cannot beat
+FLOPs / the fp32 matmul peak measured here on the same threads (a large square matmul).
+Every timed prompt is fresh (random tokens from a new seed, prefix caching off).
+
+Without --model it builds (and caches in PDSERVE_CACHE_DIR) a llama-mid-like random Llama:
+hidden 512, 8 layers, 8 heads of 64, 4 KV heads, intermediate 1408, fp32 (about 24M
+parameters). With --with-vllm (and vLLM installed: ../shared/tools/vllm-peer install) the same
+table is measured for vLLM's offline LLM on the same model and threads, side by side
+(benchmarks/peer_step.py in vLLM's venv). Prints a table, writes a plot and the JSON next to
+--output, and prints the JSON object last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MID_CONFIG: dict[str, Any] = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                  num_attention_heads=8, num_key_value_heads=4,
+                                  max_position_embeddings=4096)
+PEER_PYTHON = os.environ.get("VLLM_PEER_PYTHON", "/tmp/vllm-peer/bin/python")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local HF checkpoint (default: the llama-mid-like random Llama)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch threads for pdserve, the floors and vLLM")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--prefill-lengths", type=int, nargs="+",
+                        default=[256, 512, 1024, 2048])
+    parser.add_argument("--decode-steps", type=int, default=12,
+                        help="timed decode steps per point (the median is kept)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--with-vllm", action="store_true",
+                        help=f"also measure vLLM offline (its python: {PEER_PYTHON})")
+    parser.add_argument("--output", default="benchmarks/results/step_roofline.json")
+
+
+def mid_model_dir() -> Path:
+    """The llama-mid-like random Llama, built once into the cache directory."""
+    from pdserve import envs
+    from pdserve.serve.default_model import build_random_model
+
+    target = Path(envs.cache_dir()) / "llama-mid-random"
+    if not (target / "config.json").exists():
+        build_random_model(target, "llama", seed=0, **MID_CONFIG)
+    return target
+
+
+# ---- the machine's ceilings, on the same threads ---------------------------------------------
+def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
+    data = torch.ones(nbytes // 4)
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def matmul_peak_flops(n: int = 2048) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+# ---- the model's byte and FLOP counts -------------------------------------------------------
+def model_facts(model_dir: Path) -> dict[str, Any]:
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden \
+        + 3 * hidden * inter + 2 * hidden
+    matmul_params = layers * per_layer + vocab * hidden + hidden  # + LM head, final norm
+    return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": head_dim, "vocab": vocab, "matmul_params": matmul_params,
+            "weight_bytes": 4 * matmul_params,
+            "kv_bytes_per_token": 4 * layers * 2 * kv_heads * head_dim}
+
+
+def prefill_flops(facts: dict[str, Any], tokens: int) -> float:
+    """2 FLOPs per parameter per token, plus causal attention (QK^T and PV, half the square)."""
+    attention = 2 * 2 * facts["layers"] * facts["heads"] * facts["head_dim"] * tokens * tokens / 2
+    return 2.0 * facts["matmul_params"] * tokens + attention
+
+
+# ---- pdserve ----------------------------------------------------------------------------------
+def measure_pdserve(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    from pdserve.serve import LLM, SamplingParams
+
+    longest = max(args.contexts + args.prefill_lengths) + args.decode_steps + 16
+    num_blocks = max(args.batch_sizes) * (-(-(max(args.contexts) + args.decode_steps + 16)
+                                          // args.block_size)) + 64
+    generator = torch.Generator().manual_seed(1234)
+
+    def fresh(length: int) -> list[int]:
+        return torch.randint(10, vocab, (length,), generator=generator).tolist()
+
+    decode, prefill = [], []
+    with LLM(str(model_dir), block_size=args.block_size, num_kv_blocks=num_blocks,
+             max_num_seqs=max(args.batch_sizes), max_model_len=longest,
+             max_num_batched_tokens=max(2048, max(args.prefill_lengths)),
+             enable_prefix_caching=False) as llm:
+        torch.set_num_threads(args.threads)  # the engine set its share; use the asked number
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 4,
+                                ignore_eos=True)
+        llm.generate([fresh(32)], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+        for context in args.contexts:
+            for batch in args.batch_sizes:
+                for _ in range(batch):
+                    engine.add_request(fresh(context), params)
+                while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
+                        engine.scheduler.waiting:
+                    engine.step()  # prefill (chunked by the token budget), untimed
+                times = []
+                for _ in range(args.decode_steps):
+                    start = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - start)
+                while engine.has_unfinished_requests():
+                    engine.step()
+                times.sort()
+                decode.append({"batch": batch, "context": context,
+                               "step_s": times[len(times) // 2]})
+                print(f"pdserve decode batch {batch} context {context}: "
+                      f"{decode[-1]['step_s'] * 1e3:.2f} ms", flush=True)
+        one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        for length in args.prefill_lengths:
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                llm.generate([fresh(length)], one_token)
+                best = min(best, time.perf_counter() - start)
+            prefill.append({"tokens": length, "seconds": best})
+            print(f"pdserve prefill {length}: {best * 1e3:.1f} ms", flush=True)
+    return {"decode": decode, "prefill": prefill}
+
+
+def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any] | None:
+    if not Path(PEER_PYTHON).exists():
+        print(f"vLLM not installed ({PEER_PYTHON}); skipping the peer", flush=True)
+        return None
+    script = Path(__file__).with_name("peer_step.py")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_NO_USAGE_STATS="1",
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
+               VLLM_CPU_OMP_THREADS_BIND="all")
+    command = [PEER_PYTHON, str(script), "--model", str(model_dir), "--vocab-size", str(vocab),
+               "--batch-sizes", *map(str, args.batch_sizes),
+               "--contexts", *map(str, args.contexts),
+               "--prefill-lengths", *map(str, args.prefill_lengths),
+               "--decode-tokens", str(args.decode_steps)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        print(f"vLLM run failed:\n{done.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- report -----------------------------------------------------------------------------------
+def analyse(facts: dict[str, Any], bandwidth: float, peak: float, runs: dict[str, Any]
+            ) -> dict[str, Any]:
+    decode = []
+    for row in runs["pdserve"]["decode"]:
+        nbytes = facts["weight_bytes"] + row["batch"] * row["context"] * facts["kv_bytes_per_token"]
+        floor_s = nbytes / bandwidth
+        entry = {**row, "bytes": nbytes, "floor_s": floor_s, "x_floor": row["step_s"] / floor_s}
+        peer = _match(runs.get("vllm"), "decode", row, ("batch", "context"))
+        if peer is not None:
+            entry.update(vllm_step_s=peer["step_s"], x_vllm=row["step_s"] / peer["step_s"],
+                         vllm_x_floor=peer["step_s"] / floor_s)
+        decode.append(entry)
+    prefill = []
+    for row in runs["pdserve"]["prefill"]:
+        flops = prefill_flops(facts, row["tokens"])
+        entry = {**row, "flops": flops, "gflops_per_s": flops / row["seconds"] / 1e9,
+                 "fraction_of_peak": flops / row["seconds"] / peak}
+        peer = _match(runs.get("vllm"), "prefill", row, ("tokens",))
+        if peer is not None:
+            entry.update(vllm_seconds=peer["seconds"], x_vllm=row["seconds"] / peer["seconds"])
+        prefill.append(entry)
+    return {"decode": decode, "prefill": prefill}
+
+
+def _match(run: dict[str, Any] | None, kind: str, row: dict[str, Any], keys: tuple[str, ...]
+           ) -> dict[str, Any] | None:
+    if run is None:
+        return None
+    return next((r for r in run[kind] if all(r[k] == row[k] for k in keys)), None)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\nread bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s, fp32 matmul peak "
+          f"{result['matmul_peak_gflops']:.0f} GFLOP/s on {result['threads']} threads; "
+          f"weights {result['model']['weight_bytes'] / 1e6:.1f} MB")
+    print(f"{'batch':>5} {'ctx':>5} | {'step ms':>8} {'floor ms':>8} {'x floor':>7} | "
+          f"{'vLLM ms':>8} {'x vLLM':>6}")
+    for r in result["decode"]:
+        peer = (f"{r['vllm_step_s'] * 1e3:8.2f} {r['x_vllm']:6.2f}" if "vllm_step_s" in r
+                else f"{'-':>8} {'-':>6}")
+        print(f"{r['batch']:>5} {r['context']:>5} | {r['step_s'] * 1e3:8.2f} "
+              f"{r['floor_s'] * 1e3:8.2f} {r['x_floor']:7.2f} | {peer}")
+    print(f"{'tokens':>6} | {'prefill ms':>10} {'GFLOP/s':>8} {'of peak':>7} | "
+          f"{'vLLM ms':>8} {'x vLLM':>6}")
+    for r in result["prefill"]:
+        peer = (f"{r['vllm_seconds'] * 1e3:8.1f} {r['x_vllm']:6.2f}" if "vllm_seconds" in r
+                else f"{'-':>8} {'-':>6}")
+        print(f"{r['tokens']:>6} | {r['seconds'] * 1e3:10.1f} {r['gflops_per_s']:8.1f} "
+              f"{100 * r['fraction_of_peak']:6.0f}% | {peer}")
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = [f"b{r['batch']}\nc{r['context']}" for r in result["decode"]]
+    xs = range(len(labels))
+    left.bar([x - 0.27 for x in xs], [r["floor_s"] * 1e3 for r in result["decode"]], 0.27,
+             label="floor (bytes / bandwidth)", color="lightgrey")
+    left.bar(list(xs), [r["step_s"] * 1e3 for r in result["decode"]], 0.27, label="pdserve")
+    if any("vllm_step_s" in r for r in result["decode"]):
+        left.bar([x + 0.27 for x in xs], [r.get("vllm_step_s", 0) * 1e3
+                                          for r in result["decode"]], 0.27, label="vLLM")
+    left.set_xticks(list(xs), labels)
+    left.set_ylabel("decode step (ms)")
+    left.set_title("decode step against its memory floor")
+    left.legend()
+    tokens = [r["tokens"] for r in result["prefill"]]
+    right.plot(tokens, [r["gflops_per_s"] for r in result["prefill"]], marker="o",
+               label="pdserve")
+    if any("vllm_seconds" in r for r in result["prefill"]):
+        right.plot(tokens, [r["flops"] / r["vllm_seconds"] / 1e9 for r in result["prefill"]
+                            if "vllm_seconds" in r], marker="s", label="vLLM")
+    right.axhline(result["matmul_peak_gflops"], color="grey", linestyle="--",
+                  label="fp32 matmul peak")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("prompt tokens (fresh)")
+    right.set_ylabel("GFLOP/s")
+    right.set_title("prefill against the matmul peak")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else mid_model_dir()
+    facts = model_facts(model_dir)
+    bandwidth, peak = read_bandwidth_bytes_per_s(), matmul_peak_flops()
+    print(f"measured on {args.threads} threads: read {bandwidth / 1e9:.1f} GB/s, "
+          f"matmul {peak / 1e9:.0f} GFLOP/s", flush=True)
+    runs = {"pdserve": measure_pdserve(model_dir, args, facts["vocab"])}
+    if args.with_vllm:
+        peer = measure_vllm(model_dir, args, facts["vocab"])
+        if peer is not None:
+            runs["vllm"] = peer
+    result = {"model": {**facts, "dir": str(model_dir)}, "threads": args.threads,
+              "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflops": peak / 1e9,
+              **analyse(facts, bandwidth, peak, runs)}
+    print_table(result)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot(result, output.with_suffix(".png")))
+    output.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Paged decode attention for CPUs: a small C++ kernel that reads the paged cache in place.
+
+The plain-torch path (kernels/reference.py) gathers every sequence's whole context out of the
+paged cache into a padded copy, per layer and step, before SDPA: on a decode step that copy
+was 44% of the time. This kernel walks each sequence's block table instead and reads every
+K and V row once, where it lies:
+
+    work item (s, kv head)                 [S * Hkv items, split over torch's threads]
+      q_g   = scale * q[s, kv head's group of G query heads]          fp32 [G, Dk]
+      pass 1: for pos < seq_len: row = cache[table[s, pos // bs], pos % bs]
+                 score[g, pos] = q_g . K(row)                          K row read once for G
+      softmax over pos, per g (fp32)
+      pass 2: out[g] = sum_pos p[g, pos] V(row)                        V row read once for G
+
+One kernel serves both cache kinds through strided K and V views of the same pool:
+    mha: K = kv_cache[0], V = kv_cache[1]       [blocks, bs, Hkv, D]
+    mla: K = latent[:, :, None, :] (R + P wide), V = its first R columns, Hkv = 1
+so MLA's absorbed decode (every head over the shared latent) is the G = H case.
+
+The kernel is kernels/csrc/paged_attention.cpp, built with pdserve's other CPU kernels
+(kernels/cpu_ops.py). Lengths and block ids are checked before any read (a bad table is a
+ValueError, never a read outside the pool). Inputs may be fp32, bf16 or fp16; the math is
+fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_ops
+from .reference import check_decode, check_kv_cache_write, check_mla_decode
+
+
+def last_token_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float
+                         ) -> torch.Tensor:
+    """query [S, H, Dk] (each row its sequence's last token), k_cache [blocks, bs, Hkv, Dk],
+    v_cache [blocks, bs, Hkv, Dv] -> [S, H, Dv]. The caller checked shapes and tables."""
+    module = cpu_ops.load()
+    assert module is not None, "call only when cpu_ops.load() succeeded"
+    return module.paged_last_token_attention(
+        query if query.stride(-1) == 1 else query.contiguous(), k_cache, v_cache,
+        seq_lens.to(torch.int32), block_tables.to(torch.int32).contiguous(), float(scale))
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """reference.decode_attention's contract, reading the paged cache in place."""
+    check_decode(query, kv_cache, seq_lens, block_tables)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    return last_token_attention(query, kv_cache[0], kv_cache[1], seq_lens, block_tables, scale)
+
+
+def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
+                         latent_cache: torch.Tensor, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """reference.mla_decode_attention's contract: one latent "KV head" shared by every query
+    head, K = the whole row [c_kv | k_rope], V = its c_kv part."""
+    check_mla_decode(q_latent, q_rope, latent_cache, seq_lens, block_tables)
+    if q_latent.shape[0] == 0:
+        return torch.empty_like(q_latent)
+    rows = latent_cache[:, :, None, :]  # [blocks, bs, 1, R + P]
+    query = torch.cat([q_latent, q_rope.to(q_latent.dtype)], dim=-1)
+    return last_token_attention(query, rows, rows[..., :q_latent.shape[-1]], seq_lens,
+                                block_tables, scale)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """reference.write_kv_cache's contract: one row copy per token and KV head, no index
+    tensors built; slots are checked against the pool before any write."""
+    check_kv_cache_write(key, value, kv_cache, slot_mapping)
+    module = cpu_ops.load()
+    assert module is not None, "call only when cpu_ops.load() succeeded"
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or not kv_cache.is_contiguous():
+        from .reference import write_kv_cache as plain
+
+        plain(key, value, kv_cache, slot_mapping)
+        return
+    module.write_kv_cache(key, value, kv_cache, slot_mapping)

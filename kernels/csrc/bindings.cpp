@@ -1,0 +1,9 @@
+#include "cpu_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_last_token_attention", &paged_last_token_attention);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotary_neox_", &rotary_neox_);
+  m.def("write_kv_cache", &write_kv_cache);
+}

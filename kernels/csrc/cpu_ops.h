@@ -1,0 +1,15 @@
+// pdserve's CPU kernels: one extension, built once per machine by kernels/cpu_ops.py.
+#pragma once
+#include <torch/extension.h>
+
+// paged_attention.cpp
+torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_cache,
+                                         torch::Tensor v_cache, torch::Tensor seq_lens,
+                                         torch::Tensor block_tables, double scale);
+// fused_ops.cpp
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                        torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_neox_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim);
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
+                    torch::Tensor slot_mapping);

@@ -1,0 +1,132 @@
+// The small per-layer ops of a decoder block, fused: at decode batch sizes each is a few
+// microseconds of arithmetic behind several torch dispatches, so one call replaces many.
+// fp32 only (callers keep the torch path for other dtypes); each follows Hugging Face's
+// order of operations.
+#include "cpu_ops.h"
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+
+// (x + residual) normalised: returns {weight * (s / rms(s)), s} with s = x + residual (or x).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                        torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous() &&
+              weight.numel() == x.size(1), "weight");
+  const int64_t T = x.size(0), D = x.size(1);
+  auto sum = torch::empty({T, D}, x.options());
+  auto out = torch::empty({T, D}, x.options());
+  const float* rp = nullptr;
+  int64_t ldr = 0;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
+                residual->scalar_type() == torch::kFloat, "residual");
+    rp = residual->data_ptr<float>();
+    ldr = residual->stride(0);
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* s = sp + t * D;
+      const float* xr = xp + t * ldx;
+      float squares = 0.f;
+      if (rp) {
+        const float* rr = rp + t * ldr;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t d = 0; d < D; ++d) { s[d] = xr[d] + rr[d]; squares += s[d] * s[d]; }
+      } else {
+#pragma omp simd reduction(+ : squares)
+        for (int64_t d = 0; d < D; ++d) { s[d] = xr[d]; squares += s[d] * s[d]; }
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(D) + static_cast<float>(eps));
+      float* o = op + t * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = wp[d] * (s[d] * inv);
+    }
+  });
+  return {out, sum};
+}
+
+// [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
+              x.size(1) % 2 == 0, "x");
+  const int64_t T = x.size(0), I = x.size(1) / 2, ldx = x.stride(0);
+  auto out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * I, 16384, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / I, j = i % I;
+      const float g = xp[t * ldx + j], u = xp[t * ldx + I + j];
+      op[i] = g / (1.f + std::exp(-g)) * u;
+    }
+  });
+  return out;
+}
+
+// In place on x [T, H, D] (last dim contiguous; rows may be strided views into a fused QKV
+// output): the first rotary_dim of each head rotated NeoX-style by token t's angles:
+//   x1, x2 = halves of x[..., :rotary_dim];  x <- [x1 cos - x2 sin | x2 cos + x1 sin]
+// with cos/sin [T, rotary_dim] (rows contiguous) laid out [freqs | freqs].
+void rotary_neox_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1, "x");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+              cos.size(1) == rotary_dim && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+              rotary_dim % 2 == 0 && rotary_dim <= x.size(2), "cos/sin");
+  const int64_t T = x.size(0), H = x.size(1), half = rotary_dim / 2;
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), lc = cos.stride(0), ls = sin.stride(0);
+  at::parallel_for(0, T * H, std::max<int64_t>(1, 4096 / rotary_dim), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H;
+      float* r = xp + t * s0 + h * s1;
+      const float* c = cp + t * lc;
+      const float* s = sp + t * ls;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = r[d], x2 = r[d + half];
+        r[d] = x1 * c[d] - x2 * s[d];
+        r[d + half] = x2 * c[d + half] + x1 * s[d + half];
+      }
+    }
+  });
+}
+
+// kv_cache [2, blocks, bs, Hkv, D] (contiguous); key/value [T, Hkv, D] (last dim contiguous);
+// token t goes to slot slot_mapping[t] = block * bs + offset.
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() &&
+              kv_cache.scalar_type() == key.scalar_type() &&
+              key.scalar_type() == value.scalar_type(), "cache");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 &&
+              value.stride(2) == 1 && key.size(1) == kv_cache.size(3) &&
+              key.size(2) == kv_cache.size(4), "key/value");
+  const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_VALUE(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
+  const int64_t plane = num_slots * H * D, row = H * D;
+  const int64_t elem = kv_cache.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t k0 = key.stride(0), k1 = key.stride(1), v0 = value.stride(0), v1 = value.stride(1);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(cache + (sl[t] * row + h * D) * elem, kp + (t * k0 + h * k1) * elem, D * elem);
+      std::memcpy(cache + (plane + sl[t] * row + h * D) * elem, vp + (t * v0 + h * v1) * elem,
+                  D * elem);
+    }
+  }
+}

@@ -1,0 +1,93 @@
+"""`pdserve up`'s plan: which GPUs each worker gets (CUDA_VISIBLE_DEVICES in its environment),
+the error when the ranks do not fit, sharing when asked, and a CPU plan as before."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve import launcher
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _workers(cluster: launcher.Cluster) -> dict[str, launcher.Child]:
+    return {c.role: c for c in cluster.children if c.role not in ("store", "router")}
+
+
+def _flag(child: launcher.Child, name: str) -> str | None:
+    return child.argv[child.argv.index(name) + 1] if name in child.argv else None
+
+
+TWO_TP2_PREFILL_ONE_DECODE = ("--num-prefill", "2", "--prefill-tp", "2", "--num-decode", "1")
+
+
+def test_each_worker_gets_its_own_gpus() -> None:
+    cluster = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE), "/m",
+                            gpus=["0", "1", "2", "3", "4"])
+    workers = _workers(cluster)
+    assert {role: c.env["CUDA_VISIBLE_DEVICES"] for role, c in workers.items()} == {
+        "prefill-0": "0,1", "prefill-1": "2,3", "decode-0": "4"}
+    for child in workers.values():
+        assert _flag(child, "--gpu-memory-utilization") == "0.9"  # nobody shares
+        assert "--cpu-threads" not in child.argv
+    assert [c.role for c in cluster.children] == ["store", "prefill-0", "prefill-1",
+                                                  "decode-0", "router"]
+    assert all(not c.env for c in cluster.children if c.role in ("store", "router"))
+
+
+def test_gpu_ids_come_from_the_visible_set() -> None:
+    cluster = launcher.plan(_args("--num-decode", "2"), "/m", gpus=["3", "5", "GPU-abc"])
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in _workers(cluster).values()] == [
+        "3", "5", "GPU-abc"]
+
+
+def test_more_ranks_than_gpus_fails_clearly() -> None:
+    with pytest.raises(ValueError, match=r"need 5 GPUs \(TP sizes 2 \+ 2 \+ 1\) but 3 are "
+                                         r"visible .*--allow-gpu-sharing"):
+        launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE), "/m", gpus=["0", "1", "2"])
+    with pytest.raises(ValueError, match="--device cuda, but no GPU"):
+        launcher.plan(_args("--device", "cuda"), "/m", gpus=[])
+
+
+def test_sharing_wraps_around_and_splits_the_memory() -> None:
+    cluster = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE, "--allow-gpu-sharing",
+                                  "--gpu-memory-utilization", "0.8"), "/m",
+                            gpus=["0", "1", "2"])
+    workers = _workers(cluster)
+    assert {role: c.env["CUDA_VISIBLE_DEVICES"] for role, c in workers.items()} == {
+        "prefill-0": "0,1", "prefill-1": "2,0", "decode-0": "1"}
+    # GPUs 0 and 1 carry two workers each, GPU 2 one: a worker takes its busiest GPU's share
+    assert {role: _flag(c, "--gpu-memory-utilization") for role, c in workers.items()} == {
+        "prefill-0": "0.4", "prefill-1": "0.4", "decode-0": "0.4"}
+    with pytest.raises(ValueError, match="TP 4 needs 4 GPUs of its own"):
+        launcher.assign_gpus([4], ["0", "1", "2"], allow_sharing=True)
+
+
+def test_cpu_plan_is_unchanged() -> None:
+    cluster = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE), "/m", gpus=[])
+    for child in _workers(cluster).values():
+        assert not child.env and "--device" not in child.argv
+        assert "--gpu-memory-utilization" not in child.argv
+        assert int(_flag(child, "--cpu-threads")) >= 1
+    # --device cpu on a GPU host: no GPUs handed out, the workers told to stay on CPU
+    cluster = launcher.plan(_args("--device", "cpu", "--kv-cache-memory-gb", "2"), "/m",
+                            gpus=["0", "1"])
+    for child in _workers(cluster).values():
+        assert not child.env and _flag(child, "--device") == "cpu"
+        assert _flag(child, "--kv-cache-memory-gb") == "2.0"
+
+
+def test_visible_gpus_reads_cuda_visible_devices(monkeypatch) -> None:
+    monkeypatch.setattr(launcher, "_count_gpus", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")
+    assert launcher.visible_gpus() == ["4", "6"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert launcher.visible_gpus() == [str(i) for i in range(8)]
+    monkeypatch.setattr(launcher, "_count_gpus", lambda: 0)
+    assert launcher.visible_gpus() == []

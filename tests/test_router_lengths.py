@@ -1,0 +1,126 @@
+"""The router's length rules (vLLM's), through the real app with stand-in workers: no
+max_tokens gets the room left in the context (a completion: 16 when that fits), an explicit
+one that does not fit is a 400, and the context is the smallest a worker reports (its KV pool
+caps it). And the decode pick reserves what a request needs now, not its worst case."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pdserve.protocol.worker import Output, WorkerStatus
+from pdserve.router.app import build_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.policies import (
+    MostFreeKVDecode,
+    NoWorkerAvailable,
+    num_blocks_needed_now,
+)
+
+
+def _status(max_model_len: int, num_free_blocks: int = 64) -> WorkerStatus:
+    return WorkerStatus("w", "colocated", "m", max_model_len, True, 0, 0, num_free_blocks,
+                        64, 16)
+
+
+class RecordingDispatcher(Dispatcher):
+    """The real dispatcher and policies; its workers are stand-ins that report a status and
+    answer every request with one token, and the sampling params sent are kept."""
+
+    def __init__(self, config: RouterConfig, worker_max_model_len: int) -> None:
+        super().__init__(config)
+        for worker in self.workers:
+            worker.status = _status(worker_max_model_len)
+            worker.last_seen_s = time.monotonic() + 3600  # alive for the test's length
+        self.sent = []
+
+    def start(self) -> None:  # no sockets to poll
+        pass
+
+    async def run(self, request_id, prompt_token_ids, sampling, first_worker):
+        self.sent.append(sampling)
+        first_worker.finish(request_id)
+        yield Output(request_id, [7], "x", "length", num_prompt_tokens=len(prompt_token_ids))
+
+
+@pytest.fixture()
+def router(llama_dir: Path):
+    config = RouterConfig(model=str(llama_dir), colocated_addrs=("tcp://127.0.0.1:1",))
+    dispatcher = RecordingDispatcher(config, worker_max_model_len=100)
+    with TestClient(build_app(config, dispatcher)) as client:
+        yield client, dispatcher
+
+
+def _prompt_ids(n: int) -> list[int]:
+    return [5 + i % 50 for i in range(n)]
+
+
+def test_unset_max_tokens_gets_the_room_left(router) -> None:
+    client, dispatcher = router
+    # the checkpoint says 2048; the worker's KV pool holds 100: 100 is the context
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["max_model_len"] == 100
+
+    r = client.post("/v1/completions", json={"prompt": _prompt_ids(30)})
+    assert r.status_code == 200, r.text
+    assert dispatcher.sent[-1].max_tokens == 16  # OpenAI's default: it fits
+    r = client.post("/v1/completions", json={"prompt": _prompt_ids(90)})
+    assert r.status_code == 200, r.text
+    assert dispatcher.sent[-1].max_tokens == 10  # only 10 left: not a 400
+
+    r = client.post("/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200, r.text
+    num_prompt = r.json()["usage"]["prompt_tokens"]
+    assert dispatcher.sent[-1].max_tokens == 100 - num_prompt
+
+    r = client.post("/v1/completions", json={"prompt": _prompt_ids(30), "max_tokens": 70})
+    assert r.status_code == 200 and dispatcher.sent[-1].max_tokens == 70  # exactly fits
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": _prompt_ids(30), "max_tokens": 71},  # explicit, one too many
+    {"prompt": _prompt_ids(30), "max_tokens": 10**9},
+    {"prompt": _prompt_ids(100)},  # no room left to generate
+])
+def test_what_does_not_fit_is_a_400(router, body) -> None:
+    client, dispatcher = router
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert "maximum context length is 100 tokens" in r.json()["error"]["message"]
+    assert dispatcher.sent == []
+
+
+def test_chat_too_long_for_the_context_is_a_400(router) -> None:
+    client, _ = router
+    r = client.post("/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hello " * 200}]})
+    assert r.status_code == 400, r.text
+
+
+class _Decoder:
+    def __init__(self, address: str, num_free_blocks: int) -> None:
+        self.address = address
+        self.status = _status(4096, num_free_blocks)
+        self.accepting = True
+        self.num_inflight = 0
+
+
+def test_decode_pick_reserves_what_is_needed_now() -> None:
+    """What a decode worker must have free is the prompt and the next token, whatever
+    max_tokens is; a worker with that much is preferred, and with none the pick still goes
+    to one (it queues the request) rather than failing."""
+    assert num_blocks_needed_now(num_prompt_tokens=40, block_size=16) == 3  # 41 tokens
+    assert num_blocks_needed_now(num_prompt_tokens=47, block_size=16) == 3  # 48 tokens
+    assert num_blocks_needed_now(num_prompt_tokens=48, block_size=16) == 4
+    policy = MostFreeKVDecode()
+    roomy, tight = _Decoder("a", num_free_blocks=9), _Decoder("b", num_free_blocks=2)
+    assert policy.choose([tight, roomy], num_blocks_needed=3) is roomy
+    full = _Decoder("c", num_free_blocks=0)
+    assert policy.choose([full, tight], num_blocks_needed=3) is tight  # none fits: queues
+    with pytest.raises(NoWorkerAvailable):
+        policy.choose([], num_blocks_needed=1)
