@@ -170,8 +170,7 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
         return None
     script = Path(__file__).with_name("peer_step.py")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_NO_USAGE_STATS="1",
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads),
-               VLLM_CPU_OMP_THREADS_BIND="all")
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
     command = [PEER_PYTHON, str(script), "--model", str(model_dir), "--vocab-size", str(vocab),
                "--batch-sizes", *map(str, args.batch_sizes),
                "--contexts", *map(str, args.contexts),

@@ -10,6 +10,9 @@ namespace {
 template <typename T>
 inline float as_float(T x) { return static_cast<float>(x); }
 
+// Rows this many positions ahead are prefetched: a memory latency's worth of rows.
+constexpr int64_t kAhead = 8;
+
 template <typename T>
 void last_token_attention(
     const T* q, int64_t q_s, int64_t q_h,
@@ -33,6 +36,13 @@ void last_token_attention(
       scores.assign(group * len, 0.f);
       for (int64_t pos = 0; pos < len; ++pos) {  // pass 1: every K row once
         const T* kr = k + table[pos / block_size] * k_b + (pos % block_size) * k_t + hk * k_h;
+        if (pos + kAhead < len) {  // rows sit a token row apart, blocks anywhere: fetch ahead
+          const int64_t next = pos + kAhead;
+          const char* ahead = reinterpret_cast<const char*>(
+              k + table[next / block_size] * k_b + (next % block_size) * k_t + hk * k_h);
+          for (int64_t b = 0; b < dk * static_cast<int64_t>(sizeof(T)); b += 64)
+            __builtin_prefetch(ahead + b);
+        }
         for (int64_t d = 0; d < dk; ++d) row[d] = as_float(kr[d]);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dk;
@@ -57,6 +67,13 @@ void last_token_attention(
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = 0; pos < len; ++pos) {  // pass 2: every V row once
         const T* vr = v + table[pos / block_size] * v_b + (pos % block_size) * v_t + hk * v_h;
+        if (pos + kAhead < len) {
+          const int64_t next = pos + kAhead;
+          const char* ahead = reinterpret_cast<const char*>(
+              v + table[next / block_size] * v_b + (next % block_size) * v_t + hk * v_h);
+          for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(T)); b += 64)
+            __builtin_prefetch(ahead + b);
+        }
         for (int64_t d = 0; d < dv; ++d) row[d] = as_float(vr[d]);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + pos];
