@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output, TokenLogprob
 from pdserve.serve.block_manager import NoFreeBlocksError
@@ -32,12 +32,6 @@ from pdserve.serve.roles import make_role
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Loading:
-    message: GenerateRequest
-    """The request whose KV (decode: the whole prompt; prefill: a stored prefix) is loading."""
-
-
 class HandOff:
     def __init__(self, engine: Engine, role: str, worker_id: str,
                  kv_transfer: KVTransfer | None = None) -> None:
@@ -45,8 +39,10 @@ class HandOff:
         self.worker_id = worker_id
         self.kv_transfer = kv_transfer
         self._held: dict[str, RequestOutput] = {}  # prefill: hand-offs waiting for the save
-        self._loading: dict[str, _Loading] = {}
-        self._waiting_for_blocks: deque[tuple[_Loading, TransferDone]] = deque()
+        # Requests whose KV (decode: the whole prompt; prefill: a stored prefix) is loading,
+        # and those loaded while no blocks were free.
+        self._loading: dict[str, GenerateRequest] = {}
+        self._waiting_for_blocks: deque[tuple[GenerateRequest, TransferDone]] = deque()
         engine.set_role(make_role(role, kv_transfer))
 
     @property
@@ -79,7 +75,7 @@ class HandOff:
             keys = self.kv_transfer.store_prefix_keys(request)
             if keys:
                 self.kv_transfer.start_load(message.request_id, keys)
-                self._loading[message.request_id] = _Loading(message)
+                self._loading[message.request_id] = message
                 return
         self.engine.submit(request)
 
@@ -92,7 +88,7 @@ class HandOff:
             self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
             self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
                                         handoff.lease_id)
-            self._loading[message.request_id] = _Loading(message)
+            self._loading[message.request_id] = message
             return
         self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
                                           message.sampling, [handoff.first_token_id])
@@ -101,7 +97,7 @@ class HandOff:
         self._held.pop(request_id, None)
         self._loading.pop(request_id, None)
         self._waiting_for_blocks = deque(
-            (loading, done) for loading, done in self._waiting_for_blocks
+            (message, done) for message, done in self._waiting_for_blocks
             if done.request_id != request_id)
         if self.kv_transfer is not None:
             self.kv_transfer.forget(request_id)
@@ -124,32 +120,32 @@ class HandOff:
                     if output is not None:
                         outputs.append(self._wire_output(output, [], None))
                 continue
-            loading = self._loading.pop(done.request_id, None)
-            if loading is None:
+            message = self._loading.pop(done.request_id, None)
+            if message is None:
                 continue
             if self._waiting_for_blocks:  # first come, first served
-                self._waiting_for_blocks.append((loading, done))
+                self._waiting_for_blocks.append((message, done))
                 continue
-            outputs += self._try_admit(loading, done)
+            outputs += self._try_admit(message, done)
         return outputs
 
     def _admit_waiting(self) -> list[Output]:
         """Admit loaded requests that waited for blocks, in order, while blocks suffice."""
         outputs: list[Output] = []
         while self._waiting_for_blocks:
-            loading, done = self._waiting_for_blocks.popleft()
-            outputs += self._try_admit(loading, done)
+            message, done = self._waiting_for_blocks.popleft()
+            outputs += self._try_admit(message, done)
             if self._waiting_for_blocks and self._waiting_for_blocks[0][1] is done:
                 break  # it went back to the front: still no room
         return outputs
 
-    def _try_admit(self, loading: _Loading, done: TransferDone) -> list[Output]:
+    def _try_admit(self, message: GenerateRequest, done: TransferDone) -> list[Output]:
         """Admit one loaded request; an error Output if it can never be; back to the front
         of the wait when no blocks are free now (the running requests will free some)."""
         try:
-            self._admit_loaded(loading.message, done, can_wait=True)
+            self._admit_loaded(message, done, can_wait=True)
         except NoFreeBlocksError:
-            self._waiting_for_blocks.appendleft((loading, done))
+            self._waiting_for_blocks.appendleft((message, done))
         except Exception as exc:  # e.g. longer than the pool: this request's error
             logger.warning("could not admit %s: %s", done.request_id, exc)
             self.engine.abort_request(done.request_id)

@@ -161,15 +161,6 @@ def plan_kv_cache(cache_config: CacheConfig, bytes_per_block: int, model_max_len
     return plan(kv_bytes // bytes_per_block, "gpu_memory_utilization")
 
 
-def num_blocks_for(cache_config: CacheConfig, num_layers: int, num_kv_heads: int,
-                   head_dim: int, dtype: torch.dtype, num_planes: int = 2) -> int:
-    """CacheConfig.num_blocks, or as many blocks as the CPU budget holds (the count alone;
-    plan_kv_cache gives the whole plan)."""
-    per_block = bytes_per_block(num_layers, cache_config.block_size, num_kv_heads, head_dim,
-                                dtype, num_planes)
-    return plan_kv_cache(cache_config, per_block, model_max_len=1).num_blocks
-
-
 def available_host_memory_bytes() -> int | None:
     """The kernel's MemAvailable (what can be allocated without swapping); None if unknown."""
     try:

@@ -12,7 +12,7 @@ import torch
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig
-from pdserve.serve.kv_cache import KVCachePool, bytes_per_block, num_blocks_for
+from pdserve.serve.kv_cache import KVCachePool, bytes_per_block, plan_kv_cache
 from pdserve.serve.layers import rope_parameters
 from pdserve.serve.loader import checkpoint_files, load_model_spec
 from pdserve.serve.model_runner import ModelRunner
@@ -150,12 +150,13 @@ def test_rope_config_forms() -> None:
 def test_kv_pool_shape_sizing_and_block_copies() -> None:
     per_block = bytes_per_block(2, 4, 2, 8, torch.float32)
     assert per_block == 2 * 2 * 4 * 2 * 8 * 4
-    assert num_blocks_for(CacheConfig(block_size=4, kv_cache_memory_bytes=10 * per_block + 1),
-                          2, 2, 8, torch.float32) == 10
-    assert num_blocks_for(CacheConfig(block_size=4, num_blocks=3), 2, 2, 8, torch.float32) == 3
+    budget = CacheConfig(block_size=4, kv_cache_memory_bytes=10 * per_block + 1)
+    assert plan_kv_cache(budget, per_block, model_max_len=64).num_blocks == 10
+    assert plan_kv_cache(CacheConfig(block_size=4, num_blocks=3), per_block,
+                         model_max_len=64).num_blocks == 3
     with pytest.raises(ValueError, match="smaller than one KV block"):
-        num_blocks_for(CacheConfig(block_size=4, kv_cache_memory_bytes=1), 2, 2, 8,
-                       torch.float32)
+        plan_kv_cache(CacheConfig(block_size=4, kv_cache_memory_bytes=1), per_block,
+                      model_max_len=64)
 
     pool = KVCachePool(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
     assert pool.kv_caches[0].shape == (2, 6, 4, 2, 8) and pool.num_bytes == 6 * per_block

@@ -13,6 +13,32 @@ inline float as_float(T x) { return static_cast<float>(x); }
 // Rows this many positions ahead are prefetched: a memory latency's worth of rows.
 constexpr int64_t kAhead = 8;
 
+// One sequence's rows of one KV head in a paged cache plane (K or V): the row of position
+// pos lies in block table[pos / block_size] at offset pos % block_size.
+template <typename T>
+struct PagedRows {
+  const T* base;  // the plane, already offset to this KV head
+  int64_t block_stride, token_stride;
+  const int32_t* table;
+  int64_t block_size, dim, len;
+
+  const T* at(int64_t pos) const {
+    return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+  }
+
+  // Row pos as floats into out. Consecutive rows sit a token row apart and blocks anywhere,
+  // so the hardware prefetcher falls behind: the row kAhead positions on is fetched now.
+  void load(int64_t pos, float* out) const {
+    if (pos + kAhead < len) {
+      const char* ahead = reinterpret_cast<const char*>(at(pos + kAhead));
+      for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
+        __builtin_prefetch(ahead + b);
+    }
+    const T* row = at(pos);
+    for (int64_t d = 0; d < dim; ++d) out[d] = as_float(row[d]);
+  }
+};
+
 template <typename T>
 void last_token_attention(
     const T* q, int64_t q_s, int64_t q_h,
@@ -24,26 +50,21 @@ void last_token_attention(
     int64_t block_size, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dk), acc(group * dv), scores, row(std::max(dk, dv));
+    std::vector<float> qf(group * dk), acc(group * dv), inv_sum(group), scores,
+        row(std::max(dk, dv));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, hk = item % num_kv_heads;
       const int64_t len = seq_lens[s];
       const int32_t* table = tables + s * table_stride;
+      const PagedRows<T> keys{k + hk * k_h, k_b, k_t, table, block_size, dk, len};
+      const PagedRows<T> values{v + hk * v_h, v_b, v_t, table, block_size, dv, len};
       for (int64_t g = 0; g < group; ++g) {
         const T* qr = q + s * q_s + (hk * group + g) * q_h;
         for (int64_t d = 0; d < dk; ++d) qf[g * dk + d] = as_float(qr[d]) * scale;
       }
       scores.assign(group * len, 0.f);
       for (int64_t pos = 0; pos < len; ++pos) {  // pass 1: every K row once
-        const T* kr = k + table[pos / block_size] * k_b + (pos % block_size) * k_t + hk * k_h;
-        if (pos + kAhead < len) {  // rows sit a token row apart, blocks anywhere: fetch ahead
-          const int64_t next = pos + kAhead;
-          const char* ahead = reinterpret_cast<const char*>(
-              k + table[next / block_size] * k_b + (next % block_size) * k_t + hk * k_h);
-          for (int64_t b = 0; b < dk * static_cast<int64_t>(sizeof(T)); b += 64)
-            __builtin_prefetch(ahead + b);
-        }
-        for (int64_t d = 0; d < dk; ++d) row[d] = as_float(kr[d]);
+        keys.load(pos, row.data());
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dk;
           float dot = 0.f;
@@ -52,7 +73,6 @@ void last_token_attention(
           scores[g * len + pos] = dot;
         }
       }
-      std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {  // softmax per query head
         float* sg = scores.data() + g * len;
         float top = -std::numeric_limits<float>::infinity();
@@ -66,15 +86,7 @@ void last_token_attention(
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = 0; pos < len; ++pos) {  // pass 2: every V row once
-        const T* vr = v + table[pos / block_size] * v_b + (pos % block_size) * v_t + hk * v_h;
-        if (pos + kAhead < len) {
-          const int64_t next = pos + kAhead;
-          const char* ahead = reinterpret_cast<const char*>(
-              v + table[next / block_size] * v_b + (next % block_size) * v_t + hk * v_h);
-          for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(T)); b += 64)
-            __builtin_prefetch(ahead + b);
-        }
-        for (int64_t d = 0; d < dv; ++d) row[d] = as_float(vr[d]);
+        values.load(pos, row.data());
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + pos];
           float* ag = acc.data() + g * dv;
