@@ -5,12 +5,15 @@ paged cache into a padded copy, per layer and step, before SDPA: on a decode ste
 was 44% of the time. This kernel walks each sequence's block table instead and reads every
 K and V row once, where it lies:
 
-    work item (s, kv head)                 [S * Hkv items, split over torch's threads]
-      q_g   = scale * q[s, kv head's group of G query heads]          fp32 [G, Dk]
-      pass 1: for pos < seq_len: row = cache[table[s, pos // bs], pos % bs]
-                 score[g, pos] = q_g . K(row)                          K row read once for G
-      softmax over pos, per g (fp32)
-      pass 2: out[g] = sum_pos p[g, pos] V(row)                        V row read once for G
+    work item (s, chunk)     a sequence's context, or a chunk of whole blocks of it when
+                             there are fewer long sequences than threads can share
+      q     = scale * q[s]                                            fp32 [H, Dk]
+      pass 1: block by block: score[h, t] = q_h . K[t, kv head of h]  8 rows per register
+                 tile; every KV head's rows of a token lie side by side, so a block streams
+                 once, and the next block (anywhere in the pool) is prefetched meanwhile
+      e^(score - max) per h (a vectorised exp)
+      pass 2: block by block: acc[h] += p[h, t] V[t, kv head of h]    acc in registers
+    chunks of one sequence merge by their maxima and sums (flash-decoding)
 
 One kernel serves both cache kinds through strided K and V views of the same pool:
     mha: K = kv_cache[0], V = kv_cache[1]       [blocks, bs, Hkv, D]

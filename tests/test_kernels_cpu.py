@@ -41,6 +41,29 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads):
                                rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_splits_and_merges(threads, dtype):
+    """A long sequence beside short ones: the kernel splits the long context into chunks of
+    whole blocks (flash-decoding) and merges them by their maxima and sums; head_dim 24 and
+    block size 8 leave vector tails and ragged last blocks."""
+    torch.manual_seed(5)
+    block_size, num_blocks, head_dim = 8, 160, 24
+    seq_lens = torch.tensor([1000, 3, 77, 8], dtype=torch.int32)
+    tables = _tables(len(seq_lens), 125, num_blocks, seed=6)
+    kv_cache = (torch.randn(2, num_blocks, block_size, 2, head_dim) * 2).to(dtype)
+    query = (torch.randn(len(seq_lens), 6, head_dim) * 2).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_attention.decode_attention(query, kv_cache, seq_lens, tables, 0.4)
+    finally:
+        torch.set_num_threads(before)
+    expected = ref.decode_attention(query, kv_cache, seq_lens, tables, 0.4)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
 def test_strided_query_and_single_block_length():
     torch.manual_seed(1)
     kv_cache = torch.randn(2, 8, 4, 2, 16)

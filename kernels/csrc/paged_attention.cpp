@@ -3,100 +3,351 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+// Paged decode attention (see kernels/cpu_attention.py for the picture). A work item is one
+// sequence's chunk of context, whole blocks of it, with every KV head: a token's K (or V)
+// rows for all heads lie side by side in the pool, so an item streams its blocks once per
+// pass and the hardware prefetcher keeps up inside a block; the next block's rows, which lie
+// anywhere, are prefetched by hand a block ahead. Long sequences split into several chunks
+// (flash-decoding) so a small batch still uses every thread; their partial results merge at
+// the end through their running max and sum.
 
 namespace {
 
+// Chunks are at least this many tokens (rounded up to whole blocks): shorter ones cost more
+// to merge than they give back in parallelism.
+constexpr int64_t kMinChunkTokens = 64;
+// Aim for this many items per thread, so unequal sequence lengths still balance.
+constexpr int64_t kItemsPerThread = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  for (; d + 8 <= n; d += 8)
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+  float tail = 0.f;
+  for (; d < n; ++d) tail += a[d] * b[d];
+  return hsum(_mm256_add_ps(s0, s1)) + tail;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+  for (; d < n; ++d) y[d] += p * x[d];
+}
+
+// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, e^r by a degree-5 polynomial; ~1 ulp).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// s[i] <- e^(s[i] - top); returns the sum.
+inline float exp_shifted_sum(float* s, int64_t n, float top) {
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), t));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - top));
+  return sum;
+}
+#else
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) y[d] += p * x[d];
+}
+
+inline float exp_shifted_sum(float* s, int64_t n, float top) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += (s[i] = std::exp(s[i] - top));
+  return sum;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Sums of 8 vectors, as one vector: lane i = sum of a[i]'s lanes.
+inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                      __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out[t] = q . k_t for 8 rows k_t = k + t * ts (dk a multiple of 8): q is loaded once per
+// 8 columns for all 8 rows, and the 8 sums are reduced together.
+inline void dot8(const float* q, const float* k, int64_t ts, int64_t dk, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < dk; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    const float* kd = k + d;
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + ts), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 2 * ts), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 3 * ts), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 4 * ts), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 5 * ts), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 6 * ts), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 7 * ts), a7);
+  }
+  _mm256_storeu_ps(out, reduce8(a0, a1, a2, a3, a4, a5, a6, a7));
+}
+
+// acc[0, 8 R) += sum_t p[t] v_t[0, 8 R) over n rows v_t = v + t * ts, acc held in registers.
+template <int R>
+inline void weighted_rows(const float* p, int64_t n, const float* v, int64_t ts, float* acc) {
+  __m256 r[R];
+  for (int j = 0; j < R; ++j) r[j] = _mm256_loadu_ps(acc + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 pv = _mm256_set1_ps(p[t]);
+    const float* vt = v + t * ts;
+    for (int j = 0; j < R; ++j) r[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + 8 * j), r[j]);
+  }
+  for (int j = 0; j < R; ++j) _mm256_storeu_ps(acc + 8 * j, r[j]);
+}
+#endif
+
+// scores[t] = q . k_t for t < n (rows k + t * ts).
+inline void block_scores(const float* q, const float* k, int64_t ts, int64_t dk, int64_t n,
+                         float* scores) {
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dk % 8 == 0)
+    for (; t + 8 <= n; t += 8) dot8(q, k + t * ts, ts, dk, scores + t);
+#endif
+  for (; t < n; ++t) scores[t] = dot(q, k + t * ts, dk);
+}
+
+// acc[0, dv) += sum_{t < n} p[t] v_t (rows v + t * ts).
+inline void block_values(const float* p, const float* v, int64_t ts, int64_t dv, int64_t n,
+                         float* acc) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d + 64 <= dv; d += 64) weighted_rows<8>(p, n, v + d, ts, acc + d);
+  for (; d + 8 <= dv; d += 8) weighted_rows<1>(p, n, v + d, ts, acc + d);
+#endif
+  if (d < dv)
+    for (int64_t t = 0; t < n; ++t) axpy(p[t], v + t * ts + d, acc + d, dv - d);
+}
+
+// One plane (K or V) of a paged cache: rows at (block, offset, kv head).
 template <typename T>
-inline float as_float(T x) { return static_cast<float>(x); }
+struct Plane {
+  const T* base;
+  int64_t block_stride, token_stride, head_stride, dim;
 
-// Rows this many positions ahead are prefetched: a memory latency's worth of rows.
-constexpr int64_t kAhead = 8;
-
-// One sequence's rows of one KV head in a paged cache plane (K or V): the row of position
-// pos lies in block table[pos / block_size] at offset pos % block_size.
-template <typename T>
-struct PagedRows {
-  const T* base;  // the plane, already offset to this KV head
-  int64_t block_stride, token_stride;
-  const int32_t* table;
-  int64_t block_size, dim, len;
-
-  const T* at(int64_t pos) const {
-    return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+  const T* row(int64_t block, int64_t offset, int64_t head) const {
+    return base + block * block_stride + offset * token_stride + head * head_stride;
   }
 
-  // Row pos as floats into out. Consecutive rows sit a token row apart and blocks anywhere,
-  // so the hardware prefetcher falls behind: the row kAhead positions on is fetched now.
-  void load(int64_t pos, float* out) const {
-    if (pos + kAhead < len) {
-      const char* ahead = reinterpret_cast<const char*>(at(pos + kAhead));
-      for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
-        __builtin_prefetch(ahead + b);
+  // Rows [0, n) of a block, every KV head, as fp32: the cache itself for fp32 (row of token
+  // t, head h at ptr + t * ts + h * hs), else upcast into buf [n, num_kv_heads, dim].
+  const float* block(int64_t id, int64_t n, int64_t num_kv_heads, std::vector<float>& buf,
+                     int64_t* ts, int64_t* hs) const {
+    if constexpr (std::is_same_v<T, float>) {
+      *ts = token_stride;
+      *hs = head_stride;
+      return row(id, 0, 0);
+    } else {
+      buf.resize(n * num_kv_heads * dim);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const T* r = row(id, t, h);
+          float* o = buf.data() + (t * num_kv_heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<float>(r[d]);
+        }
+      *ts = num_kv_heads * dim;
+      *hs = dim;
+      return buf.data();
     }
-    const T* row = at(pos);
-    for (int64_t d = 0; d < dim; ++d) out[d] = as_float(row[d]);
+  }
+
+  // Ask for part `part` of `parts` of a block's first n rows (every KV head) now: blocks
+  // lie anywhere, so no hardware prefetcher finds the next one. Spread over the current
+  // block's work, the requests never queue up behind each other.
+  void prefetch(int64_t id, int64_t n, int64_t num_kv_heads, int64_t part, int64_t parts) const {
+    const int64_t rows = n * num_kv_heads, row_bytes = dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t i = part * rows / parts; i < (part + 1) * rows / parts; ++i) {
+      const char* r = reinterpret_cast<const char*>(row(id, i % n, i / n));
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(r + b);
+    }
   }
 };
 
+struct Item {
+  int64_t seq, begin, end;  // tokens [begin, end) of sequence seq; begin on a block edge
+  int64_t slot;             // its partial result's slot, or -1: it is the whole sequence
+};
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, group, dk, dv, block_size;
+};
+
+// Attention of every query head of one sequence over tokens [begin, end): writes
+// acc[h] = sum_t e^(s_t - top_h) V_t (unnormalised), top[h] and sum[h].
+template <typename T>
+void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
+                  const Plane<T>& values, const int32_t* table, const Shape& sh,
+                  std::vector<float>& scores, std::vector<float>& rowbuf, float* acc,
+                  float* top, float* sum) {
+  const int64_t len = item.end - item.begin, bs = sh.block_size;
+  scores.resize(sh.num_heads * len);
+  const int64_t first_block = item.begin / bs, last_block = (item.end - 1) / bs;
+  auto rows_in = [&](int64_t b) { return std::min(item.end, (b + 1) * bs) - b * bs; };
+  int64_t ts = 0, hs = 0;
+  // pass 1: scores[h, t] = q_h . K_t, a block at a time
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t n = rows_in(b);
+    const float* k = keys.block(table[b], n, sh.num_kv_heads, rowbuf, &ts, &hs);
+    for (int64_t h = 0; h < sh.num_heads; ++h) {
+      if (b < last_block) keys.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, h, sh.num_heads);
+      block_scores(qf + h * sh.dk, k + (h / sh.group) * hs, ts, sh.dk, n,
+                   scores.data() + h * len + (b * bs - item.begin));
+    }
+  }
+  for (int64_t h = 0; h < sh.num_heads; ++h) {  // e^(s - max) per head
+    float* s = scores.data() + h * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    top[h] = m;
+    sum[h] = exp_shifted_sum(s, len, m);
+  }
+  std::fill(acc, acc + sh.num_heads * sh.dv, 0.f);
+  // pass 2: acc[h] += p[h, t] V_t, a block at a time
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t n = rows_in(b);
+    const float* v = values.block(table[b], n, sh.num_kv_heads, rowbuf, &ts, &hs);
+    for (int64_t h = 0; h < sh.num_heads; ++h) {
+      if (b < last_block) values.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, h, sh.num_heads);
+      block_values(scores.data() + h * len + (b * bs - item.begin), v + (h / sh.group) * hs,
+                   ts, sh.dv, n, acc + h * sh.dv);
+    }
+  }
+}
+
 template <typename T>
 void last_token_attention(
-    const T* q, int64_t q_s, int64_t q_h,
-    const T* k, int64_t k_b, int64_t k_t, int64_t k_h,
-    const T* v, int64_t v_b, int64_t v_t, int64_t v_h,
+    const T* q, int64_t q_s, int64_t q_h, const Plane<T>& keys, const Plane<T>& values,
     const int32_t* seq_lens, const int32_t* tables, int64_t table_stride,
-    T* out, int64_t o_s, int64_t o_h,
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t dk, int64_t dv,
-    int64_t block_size, float scale) {
-  const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dk), acc(group * dv), inv_sum(group), scores,
-        row(std::max(dk, dv));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, hk = item % num_kv_heads;
-      const int64_t len = seq_lens[s];
-      const int32_t* table = tables + s * table_stride;
-      const PagedRows<T> keys{k + hk * k_h, k_b, k_t, table, block_size, dk, len};
-      const PagedRows<T> values{v + hk * v_h, v_b, v_t, table, block_size, dv, len};
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qr = q + s * q_s + (hk * group + g) * q_h;
-        for (int64_t d = 0; d < dk; ++d) qf[g * dk + d] = as_float(qr[d]) * scale;
-      }
-      scores.assign(group * len, 0.f);
-      for (int64_t pos = 0; pos < len; ++pos) {  // pass 1: every K row once
-        keys.load(pos, row.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dk;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dk; ++d) dot += qg[d] * row[d];
-          scores[g * len + pos] = dot;
+    T* out, int64_t o_s, int64_t o_h, int64_t num_seqs, const Shape& sh, float scale) {
+  // Split the context into items: whole sequences, or chunks of whole blocks when there
+  // are fewer long sequences than threads can share.
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
+  const int64_t want = kItemsPerThread * at::get_num_threads();
+  int64_t chunk = std::max(kMinChunkTokens, (total + want - 1) / want);
+  chunk = (chunk + sh.block_size - 1) / sh.block_size * sh.block_size;
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(num_seqs + 1);
+  int64_t num_slots = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    first_item[s] = static_cast<int64_t>(items.size());
+    const int64_t len = seq_lens[s];
+    if (len <= chunk) {
+      items.push_back({s, 0, len, -1});
+      continue;
+    }
+    for (int64_t b = 0; b < len; b += chunk) items.push_back({s, b, std::min(len, b + chunk),
+                                                              num_slots++});
+  }
+  first_item[num_seqs] = static_cast<int64_t>(items.size());
+  const int64_t H = sh.num_heads, dv = sh.dv;
+  // Partial results of split sequences: unnormalised acc, running max and sum per head.
+  std::vector<float> part_acc(num_slots * H * dv), part_top(num_slots * H),
+      part_sum(num_slots * H);
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(H * sh.dk), scores, rowbuf, acc(H * dv), top(H), sum(H);
+    int64_t q_seq = -1;
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& item = items[i];
+      if (item.seq != q_seq) {
+        q_seq = item.seq;
+        for (int64_t h = 0; h < H; ++h) {
+          const T* qr = q + item.seq * q_s + h * q_h;
+          for (int64_t d = 0; d < sh.dk; ++d) qf[h * sh.dk + d] = static_cast<float>(qr[d]) * scale;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax per query head
-        float* sg = scores.data() + g * len;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t pos = 0; pos < len; ++pos) top = std::max(top, sg[pos]);
-        float sum = 0.f;
-        for (int64_t pos = 0; pos < len; ++pos) {
-          sg[pos] = std::exp(sg[pos] - top);
-          sum += sg[pos];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < len; ++pos) {  // pass 2: every V row once
-        values.load(pos, row.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + pos];
-          float* ag = acc.data() + g * dv;
-#pragma omp simd
-          for (int64_t d = 0; d < dv; ++d) ag[d] += p * row[d];
+      const bool whole = item.slot < 0;
+      float* a = whole ? acc.data() : part_acc.data() + item.slot * H * dv;
+      float* m = whole ? top.data() : part_top.data() + item.slot * H;
+      float* l = whole ? sum.data() : part_sum.data() + item.slot * H;
+      attend_chunk(item, qf.data(), keys, values, tables + item.seq * table_stride, sh,
+                   scores, rowbuf, a, m, l);
+      if (whole) {
+        for (int64_t h = 0; h < H; ++h) {
+          T* orow = out + item.seq * o_s + h * o_h;
+          const float inv = 1.f / l[h];
+          for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(a[h * dv + d] * inv);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* orow = out + s * o_s + (hk * group + g) * o_h;
-        for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(acc[g * dv + d] * inv_sum[g]);
+    }
+  });
+  if (num_slots == 0) return;
+  // Merge each split sequence's chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<float> merged(dv);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t c0 = first_item[s], c1 = first_item[s + 1];
+      if (items[c0].slot < 0) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        float top_all = -std::numeric_limits<float>::infinity();
+        for (int64_t c = c0; c < c1; ++c)
+          top_all = std::max(top_all, part_top[items[c].slot * H + h]);
+        std::fill(merged.begin(), merged.end(), 0.f);
+        float total_sum = 0.f;
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t slot = items[c].slot;
+          const float w = std::exp(part_top[slot * H + h] - top_all);
+          total_sum += w * part_sum[slot * H + h];
+          axpy(w, part_acc.data() + (slot * H + h) * dv, merged.data(), dv);
+        }
+        T* orow = out + s * o_s + h * o_h;
+        const float inv = 1.f / total_sum;
+        for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(merged[d] * inv);
       }
     }
   });
@@ -139,15 +390,17 @@ torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_ca
     }
   }
   auto out = torch::empty({num_seqs, num_heads, dv}, query.options());
+  const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, dk, dv, k_cache.size(1)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged", [&] {
+    const Plane<scalar_t> keys{k_cache.data_ptr<scalar_t>(), k_cache.stride(0),
+                               k_cache.stride(1), k_cache.stride(2), dk};
+    const Plane<scalar_t> values{v_cache.data_ptr<scalar_t>(), v_cache.stride(0),
+                                 v_cache.stride(1), v_cache.stride(2), dv};
     last_token_attention<scalar_t>(
-        query.data_ptr<scalar_t>(), query.stride(0), query.stride(1),
-        k_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.data_ptr<scalar_t>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), keys, values,
         seq_lens_c.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
         block_tables.stride(0), out.data_ptr<scalar_t>(), out.stride(0), out.stride(1),
-        num_seqs, num_heads, num_kv_heads, dk, dv, k_cache.size(1),
-        static_cast<float>(scale));
+        num_seqs, shape, static_cast<float>(scale));
   });
   return out;
 }
