@@ -44,6 +44,9 @@ class StoreConfig:
     """How often a data node reports to its master."""
     request_timeout_s: float = 10.0
     """Every wait on a peer (reply, UCX transfer) gives up after this long."""
+    num_data_threads: int = 4
+    """Worker threads of the data service for the verbs that may block (put, get, prefetch,
+    hello, bye): disk reads and UCX transfers run there, off the socket loop."""
     max_keys_per_message: int = 4096
     """Largest batch one control message may carry; larger ones are rejected."""
     max_block_bytes: int = 256 * 1024 * 1024
@@ -68,5 +71,7 @@ class StoreConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_interval_s >= self.node_ttl_s:
             raise ValueError("heartbeat_interval_s must be shorter than node_ttl_s")
+        if self.num_data_threads <= 0:
+            raise ValueError(f"num_data_threads must be positive, got {self.num_data_threads}")
         if self.max_keys_per_message <= 0 or self.max_block_bytes <= 0:
             raise ValueError("max_keys_per_message and max_block_bytes must be positive")

@@ -15,11 +15,19 @@ at another TP degree re-lays blocks out for free); an MLA latent is whole on eve
 Saving from a TP>1 MHA worker needs all heads, so the caller gathers heads to one rank first
 (or saves at TP=1); a sharded save raises.
 
+A worker serving hand-offs has its own data node (kvstore/handoff_node.py, `handoff_node`):
+a save lands there, in process and pinned under a lease, and the hand-off names that node
+(`source`), so the decode worker reads the blocks straight from the prefill worker's memory,
+one hop. The fleet store (`backend`) then gets a write-back copy off the critical path: it
+keeps the prefix for later requests, and a decode worker that cannot reach the source loads
+from it instead. Without a node, saves go to the fleet store directly (the older two-hop
+path), and without a fleet store, a worker still hands off through its node.
+
 Loads and saves run on one background thread; the engine polls for completions. The KV cache
 is a cache: a load that fails (store down, timeout, missing or malformed block) reports the
 blocks it did place, possibly none, and the engine recomputes the rest.
 
-    lookup(keys) -> n          start_load(req, keys[:n], block_ids, kv_caches)
+    lookup(keys) -> n          start_load(req, keys[:n], block_ids, kv_caches, source)
     wait_for_layer_load(req, l)   save_layer(req, l, keys, block_ids, kv_caches[l])
     poll() -> [TransferResult]
 """
@@ -62,6 +70,8 @@ class TransferResult:
     lease_id: int | None = None
     """Save with a lease TTL: the store lease pinning the saved blocks (release it, or it
     expires), so they survive until the reader (a decode worker) has loaded them."""
+    source: str = ""
+    """Save: the data node holding the blocks and the lease ("": the fleet store)."""
 
 
 @dataclass
@@ -83,12 +93,20 @@ class _Save:
 
 
 class KVConnector:
-    def __init__(self, backend: BlockBackend, layout: KVLayout, tp_rank: int = 0,
-                 tp_size: int = 1, timeout_s: float = 10.0, lease_ttl_s: float | None = None):
-        """`lease_ttl_s`: pin every completed save under a store lease of this TTL (needs a
-        backend with leases, i.e. a StoreClient: `pin(keys, ttl_s)`, `release(lease_id)`)."""
+    def __init__(self, backend: BlockBackend | None, layout: KVLayout, tp_rank: int = 0,
+                 tp_size: int = 1, timeout_s: float = 10.0, lease_ttl_s: float | None = None,
+                 handoff_node: Any = None,
+                 connect: Callable[[str], BlockBackend] | None = None):
+        """`backend`: the fleet store (None: none). `lease_ttl_s`: pin every completed save
+        under a lease of this TTL (the save target must have leases: `pin(keys, ttl_s)`,
+        `release(lease_id)`). `handoff_node`: this worker's own data node (a HandoffNode),
+        where saves land; `connect(address)` opens a client to another worker's node, the
+        source of a load."""
         self._heads = layout.rank_heads(tp_rank, tp_size)  # raises on a bad rank or split
         self.backend = backend
+        self.handoff_node = handoff_node
+        self._connect = connect
+        self._peers: dict[str, BlockBackend] = {}  # source address -> client (job thread)
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
@@ -107,6 +125,8 @@ class KVConnector:
     # ---- lookup -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks the store holds (0 when it cannot be asked)."""
+        if self.backend is None:
+            return 0
         try:
             found = self.backend.lookup_prefix(list(keys))
         except Exception as e:  # a cache lookup must never fail a request
@@ -117,11 +137,13 @@ class KVConnector:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Ask the store to bring a queued request's blocks up to DRAM before its load (fire
         and forget: a failure only means the load reads from disk)."""
-        keys = list(keys)
+        keys, backend = list(keys), self.backend
+        if backend is None:
+            return
 
         def job() -> None:
             try:
-                self.backend.prefetch(keys)
+                backend.prefetch(keys)
             except Exception as e:  # a hint, never an error
                 logger.debug("kv connector: prefetch failed (%s)", e)
 
@@ -129,8 +151,10 @@ class KVConnector:
 
     # ---- load -------------------------------------------------------------------------------
     def start_load(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
-                   kv_caches: Sequence[torch.Tensor]) -> None:
-        """Fetch blocks `keys` into pool blocks `block_ids` of every layer, asynchronously."""
+                   kv_caches: Sequence[torch.Tensor], source: str = "") -> None:
+        """Fetch blocks `keys` into pool blocks `block_ids` of every layer, asynchronously:
+        from the data node at `source` (a prefill worker's), else (or when that fails) from
+        the fleet store."""
         if len(keys) != len(block_ids) or len(kv_caches) != self.layout.num_layers:
             raise ValueError("start_load: one block id per key and one cache per layer")
         with self._lock:
@@ -138,19 +162,62 @@ class KVConnector:
                 raise ValueError(f"request {request_id!r} already has a load in flight")
             load = self._loads[request_id] = _Load(self.layout.num_layers)
         keys, block_ids = list(keys), list(block_ids)
-        self._jobs.put(lambda: self._load(request_id, load, keys, block_ids, kv_caches))
+        self._jobs.put(lambda: self._load(request_id, load, keys, block_ids, kv_caches, source))
 
-    def _load(self, request_id: str, load: _Load, keys: list[bytes], block_ids: list[int],
-              kv_caches: Sequence[torch.Tensor]) -> None:
-        error = None
-        try:
-            blocks = self.backend.get_many(keys) if keys else []
+    def _fetch(self, keys: list[bytes], source: str) -> list[torch.Tensor]:
+        """The leading run of present, well-formed blocks: from `source`, else the fleet
+        store (each failure logged and passed over)."""
+        names = ([source] if source else []) + ([""] if self.backend is not None else [])
+        best: list[torch.Tensor] = []
+        for name in names:
+            try:
+                backend = self._backend_for(name) if name else self.backend
+                assert backend is not None
+                blocks = backend.get_many(keys) if keys else []
+            except Exception as e:
+                logger.warning("kv connector: reading from %s failed (%s)", name or "the store",
+                               e)
+                self._drop_peer(name)
+                continue
             usable = []
-            for block in blocks:  # the leading run of present, well-formed blocks
+            for block in blocks:
                 data = None if block is None else as_uint8_tensor(block)
                 if data is None or data.numel() != self.block_bytes:
                     break
                 usable.append(data)
+            if len(usable) > len(best):
+                best = usable
+            if len(best) == len(keys):
+                break
+        return best
+
+    def _backend_for(self, source: str) -> BlockBackend:
+        """The client of the data node at `source` (this worker's own node in process)."""
+        node = self.handoff_node
+        if node is not None and source == node.address:
+            return node
+        peer = self._peers.get(source)
+        if peer is None:
+            if self._connect is None:
+                raise RuntimeError(f"no way to reach data node {source}")
+            peer = self._peers[source] = self._connect(source)
+        return peer
+
+    def _drop_peer(self, source: str) -> None:
+        """Forget a failed peer's client (a later hand-off from it reconnects)."""
+        peer = self._peers.pop(source, None)
+        close = getattr(peer, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as e:  # it failed already; closing is best effort
+                logger.debug("kv connector: closing the client of %s: %s", source, e)
+
+    def _load(self, request_id: str, load: _Load, keys: list[bytes], block_ids: list[int],
+              kv_caches: Sequence[torch.Tensor], source: str) -> None:
+        error = None
+        try:
+            usable = self._fetch(keys, source)
             if len(usable) < len(keys):
                 error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
             load.num_blocks = len(usable)  # before any layer is signalled as done
@@ -220,27 +287,49 @@ class KVConnector:
             self._jobs.put(lambda: self._put(request_id, save))
 
     def _put(self, request_id: str, save: _Save) -> None:
+        """Store the staged blocks where decode reads them (this worker's node, else the
+        fleet store), pinned; then, with a node, write them back to the fleet store after
+        the result is out (off the hand-off's critical path)."""
+        node = self.handoff_node
+        target = node if node is not None else self.backend
         num_stored, error, lease_id = 0, None, None
+        blocks: list[torch.Tensor] = []
         try:
+            if target is None:
+                raise RuntimeError("no data node and no store to save to")
             for event in save.copy_done:
                 event.synchronize()
             blocks = [save.staging[i].view(-1).view(torch.uint8) for i in range(len(save.keys))]
-            stored = self.backend.put_many(save.keys, blocks)
+            stored = target.put_many(save.keys, blocks)
             num_stored = next((i for i, ok in enumerate(stored) if not ok), len(stored))
             if self.lease_ttl_s is not None and num_stored:
-                lease_id, _ = self.backend.pin(save.keys[:num_stored], self.lease_ttl_s)
+                lease_id, _ = target.pin(save.keys[:num_stored], self.lease_ttl_s)
         except Exception as e:  # a lost save only costs a future recompute
             logger.warning("kv connector: save of %s failed (%s)", request_id, e)
             error = repr(e)
         with self._lock:
-            self._results.append(TransferResult(request_id, "save", num_stored, error,
-                                                lease_id))
+            self._results.append(TransferResult(
+                request_id, "save", num_stored, error, lease_id,
+                node.address if node is not None else ""))
+        if node is not None and self.backend is not None and num_stored:
+            backend, keys = self.backend, save.keys[:num_stored]
 
-    def release(self, lease_id: int) -> None:
-        """Give a save's lease back (asynchronously); a failure leaves it to expire."""
+            def write_back() -> None:
+                try:
+                    backend.put_many(keys, blocks[:num_stored])
+                except Exception as e:  # the store is a cache: the prefix is just not kept
+                    logger.warning("kv connector: write-back of %s failed (%s)", request_id, e)
+
+            self._jobs.put(write_back)
+
+    def release(self, lease_id: int, source: str = "") -> None:
+        """Give a save's lease back to the node holding it (asynchronously); a failure
+        leaves it to expire."""
         def job() -> None:
             try:
-                self.backend.release(lease_id)
+                backend = self._backend_for(source) if source else self.backend
+                if backend is not None:
+                    backend.release(lease_id)
             except Exception as e:
                 logger.warning("kv connector: releasing lease %d failed (%s); it will expire",
                                lease_id, e)
@@ -276,6 +365,8 @@ class KVConnector:
         self.drain()
         self._jobs.put(None)
         self._worker.join(timeout=self.timeout_s)
+        for source in list(self._peers):
+            self._drop_peer(source)
 
     def _run_jobs(self) -> None:
         while True:

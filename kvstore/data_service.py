@@ -8,14 +8,28 @@
 
 Every pin is held by exactly one lease: a lease that is released or expires (`tick`) unpins
 its blocks, so a crashed client never pins forever. A UCX get replies first and sends the
-blocks after the reply is out (`after_reply`): the client posts its receives only once it
-knows their sizes.
+blocks after the reply is handed on (its Answer's `after_reply`): the client posts its
+receives only once it knows their sizes.
+
+Threads: put, get, prefetch, hello and bye (`offloaded`) run on the server's worker threads,
+since they may wait on the disk, on UCX transfers or on the address prober; every other verb
+runs on the socket loop. Three locks, each held briefly:
+
+    _lease_lock                  the LeaseTable, with the pins its leases hold (taken before
+                                 the store's lock: a lease and its pins change together)
+    TieredStore's own lock       blocks and pins (disk reads happen outside it)
+    _ucx_lock                    the UCX data plane (not thread-safe) and the UCX clients;
+                                 held through a transfer, so one transfer at a time; no other
+                                 lock is taken under it
+
+A peer's UCX address is checked by a UcxAddressProber child before `connect`: UCX aborts the
+process that parses a malformed one.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
 
 import numpy as np
 
@@ -23,7 +37,8 @@ from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.lease import Lease, LeaseTable
 from pdserve.kvstore.service import Answer, Peer, answer_check
 from pdserve.kvstore.tiered_store import ChangeListener, TieredStore
-from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable, is_connectable
+from pdserve.kvstore.ucx_prober import UcxAddressProber
+from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
 from pdserve.protocol.store import (
     BlockHolder,
     ByeReply,
@@ -68,7 +83,12 @@ class DataService:
             on_change=on_change)
         self.leases = LeaseTable()
         self.num_rejected = 0
+        self.offloaded = frozenset({PutRequest, GetRequest, PrefetchRequest, HelloRequest,
+                                    ByeRequest})
+        self._lease_lock = threading.Lock()
+        self._ucx_lock = threading.Lock()
         self._ucx: UcxDataPlane | None = None
+        self._prober: UcxAddressProber | None = None
         if config.transport == "ucx":
             try:
                 self._ucx = UcxDataPlane(config.ucx_tls)
@@ -76,9 +96,10 @@ class DataService:
             except UcxUnavailable as e:
                 logger.warning("store: UCX cannot start (%s); KV bytes fall back to "
                                "ZeroMQ over TCP", e)
+            else:
+                self._prober = UcxAddressProber(self._ucx.tls, config.request_timeout_s)
         self._ucx_clients: dict[bytes, tuple[int, int]] = {}  # zmq identity -> (client_no, ep)
         self._next_client_no = 1
-        self._pending_sends: list[tuple[Any, np.ndarray]] = []  # UCX gets awaiting completion
         self.handlers = {
             HelloRequest: self.hello, ByeRequest: self.bye, PutRequest: self.put,
             GetRequest: self.get, ExistsRequest: self.exists, PinRequest: self.pin,
@@ -94,36 +115,31 @@ class DataService:
 
     # ---- loop hooks -------------------------------------------------------------------------
     def tick(self) -> None:
-        for lease in self.leases.expire():
-            logger.info("store: lease %d of %s expired; unpinning %d blocks",
-                        lease.lease_id, lease.holder, len(lease.keys))
-            self._unpin(lease)
-
-    def after_reply(self) -> None:
-        if not self._pending_sends:
-            return
-        assert self._ucx is not None
-        sends, self._pending_sends = self._pending_sends, []
-        try:
-            self._ucx.wait([request for request, _ in sends], self.config.request_timeout_s)
-        except TimeoutError:
-            logger.warning("store: a client did not take its UCX get within %.1f s",
-                           self.config.request_timeout_s)
+        with self._lease_lock:
+            for lease in self.leases.expire():
+                logger.info("store: lease %d of %s expired; unpinning %d blocks",
+                            lease.lease_id, lease.holder, len(lease.keys))
+                self._unpin(lease)
 
     def check_integrity(self) -> None:
-        """Store invariants hold and every pin is held by exactly one live lease. Runs on the
-        server thread for a `check` request; call it directly only when the server is idle."""
+        """Store invariants hold and every pin is held by exactly one live lease."""
         self.store.check_integrity()
-        held, pins = self.leases.num_leased_keys, self.store.num_pins
+        with self._lease_lock:
+            held, pins = self.leases.num_leased_keys, self.store.num_pins
         if held != pins:
             raise AssertionError(f"{pins} pins but leases hold {held}")
 
     def close(self) -> None:
-        for lease in self.leases.release_all():
-            self._unpin(lease)
+        """After the server's threads stopped (or gave up waiting for them)."""
+        with self._lease_lock:
+            for lease in self.leases.release_all():
+                self._unpin(lease)
         self.store.close()
+        if self._prober is not None:
+            self._prober.close()
         if self._ucx is not None:
-            self._ucx.close()
+            with self._ucx_lock:
+                self._ucx.close()
 
     def _unpin(self, lease: Lease) -> None:
         if lease.keys:
@@ -132,24 +148,28 @@ class DataService:
     # ---- session ----------------------------------------------------------------------------
     def hello(self, request: HelloRequest, peer: Peer) -> Answer:
         if self._ucx is None or request.ucx_address is None:
-            return HelloReply(request.request_id, ucx_address=None, client_no=0), []
-        # UCX aborts the process on a malformed worker address: probe it in a child first.
-        if not is_connectable(request.ucx_address, self._ucx.tls, self.config.request_timeout_s):
+            return Answer(HelloReply(request.request_id, ucx_address=None, client_no=0))
+        assert self._prober is not None
+        # UCX aborts the process on a malformed worker address: a child parses it first.
+        if not self._prober.is_connectable(request.ucx_address):
             raise ValueError("hello: not a usable UCX worker address")
-        if peer.identity in self._ucx_clients:
-            self._ucx.disconnect(self._ucx_clients.pop(peer.identity)[1])
-        client_no = self._next_client_no
-        self._next_client_no += 1
-        self._ucx_clients[peer.identity] = (client_no, self._ucx.connect(request.ucx_address))
-        return HelloReply(request.request_id, self._ucx.address, client_no), []
+        with self._ucx_lock:
+            if peer.identity in self._ucx_clients:
+                self._ucx.disconnect(self._ucx_clients.pop(peer.identity)[1])
+            client_no = self._next_client_no
+            self._next_client_no += 1
+            self._ucx_clients[peer.identity] = (client_no, self._ucx.connect(request.ucx_address))
+        return Answer(HelloReply(request.request_id, self._ucx.address, client_no))
 
     def bye(self, request: ByeRequest, peer: Peer) -> Answer:
-        if self._ucx is not None and peer.identity in self._ucx_clients:
-            self._ucx.disconnect(self._ucx_clients.pop(peer.identity)[1])
-        return ByeReply(request.request_id), []
+        with self._ucx_lock:
+            if self._ucx is not None and peer.identity in self._ucx_clients:
+                self._ucx.disconnect(self._ucx_clients.pop(peer.identity)[1])
+        return Answer(ByeReply(request.request_id))
 
     def _ucx_endpoint(self, peer: Peer, tag: int) -> int:
-        """The endpoint of a client that said hello, if `tag` is one of its tags."""
+        """The endpoint of a client that said hello, if `tag` is one of its tags (call with
+        _ucx_lock held)."""
         client = self._ucx_clients.get(peer.identity)
         if self._ucx is None or client is None or tag >> 32 != client[0]:
             raise ValueError("ucx_tag without a UCX hello, or not this client's tag")
@@ -161,76 +181,100 @@ class DataService:
         if any(size > self.config.max_block_bytes for size in sizes):
             raise ValueError("put: a block is larger than max_block_bytes")
         if request.ucx_tag is not None:
-            self._ucx_endpoint(peer, request.ucx_tag)
-            assert self._ucx is not None
             blocks = [np.empty(size, dtype=np.uint8) for size in sizes]
-            receives = [self._ucx.recv(b, request.ucx_tag + i) for i, b in enumerate(blocks)]
-            self._ucx.wait(receives, self.config.request_timeout_s)
+            with self._ucx_lock:
+                self._ucx_endpoint(peer, request.ucx_tag)
+                assert self._ucx is not None
+                receives = [self._ucx.recv(b, request.ucx_tag + i) for i, b in enumerate(blocks)]
+                self._ucx.wait(receives, self.config.request_timeout_s)
             # Fresh buffers nobody else holds: the store keeps them instead of copying.
             stored = self.store.put_many(keys, blocks, adopt=True)
-            return PutReply(request.request_id, stored), []
+            return Answer(PutReply(request.request_id, stored))
         if len(peer.payloads) != len(keys) or any(
                 len(p.buffer) != size for p, size in zip(peer.payloads, sizes, strict=True)):
             raise ValueError("put: one payload frame of the stated size per key")
         # ZeroMQ owns the frames' memory (read-only): the store copies them.
         stored = self.store.put_many(keys, [p.buffer for p in peer.payloads])
-        return PutReply(request.request_id, stored), []
+        return Answer(PutReply(request.request_id, stored))
 
     def get(self, request: GetRequest, peer: Peer) -> Answer:
+        if request.ucx_tag is not None:
+            with self._ucx_lock:  # refuse a stranger's tag before reading anything
+                self._ucx_endpoint(peer, request.ucx_tag)
         blocks = self.store.get_many(request.keys)
         arrays = [b.numpy() for b in blocks if b is not None]
         reply = GetReply(request.request_id, found=[b is not None for b in blocks],
                          sizes=[b.nbytes if b is not None else 0 for b in blocks])
         if request.ucx_tag is None:
-            return reply, arrays
-        endpoint = self._ucx_endpoint(peer, request.ucx_tag)
-        assert self._ucx is not None
-        # Waited on in after_reply(), once the reply is out.
-        self._pending_sends = [(self._ucx.send(endpoint, a, request.ucx_tag + i), a)
-                               for i, a in enumerate(arrays)]
-        return reply, []
+            return Answer(reply, arrays)
+        tag = request.ucx_tag
+        return Answer(reply, after_reply=lambda: self._send_over_ucx(peer, tag, arrays))
+
+    def _send_over_ucx(self, peer: Peer, tag: int, arrays: list[np.ndarray]) -> None:
+        """A UCX get's blocks, once its reply is on the way (tags match in any order)."""
+        with self._ucx_lock:
+            try:
+                endpoint = self._ucx_endpoint(peer, tag)
+            except ValueError:
+                logger.warning("store: a client said bye before taking its UCX get")
+                return
+            assert self._ucx is not None
+            sends = [self._ucx.send(endpoint, a, tag + i) for i, a in enumerate(arrays)]
+            try:
+                self._ucx.wait(sends, self.config.request_timeout_s)
+            except TimeoutError:
+                logger.warning("store: a client did not take its UCX get within %.1f s",
+                               self.config.request_timeout_s)
 
     def exists(self, request: ExistsRequest, peer: Peer) -> Answer:
-        return ExistsReply(request.request_id, [self.store.exists(k) for k in request.keys]), []
+        return Answer(ExistsReply(request.request_id,
+                                  [self.store.exists(k) for k in request.keys]))
 
     def evict(self, request: EvictRequest, peer: Peer) -> Answer:
-        return EvictReply(request.request_id, self.store.evict(request.keys)), []
+        return Answer(EvictReply(request.request_id, self.store.evict(request.keys)))
 
     def prefetch(self, request: PrefetchRequest, peer: Peer) -> Answer:
-        return PrefetchReply(request.request_id, self.store.prefetch(request.keys)), []
+        return Answer(PrefetchReply(request.request_id, self.store.prefetch(request.keys)))
 
     def lookup_prefix(self, request: LookupPrefixRequest, peer: Peer) -> Answer:
-        """This node's view only (the master has the fleet's)."""
+        """This node's view only (the master has the fleet's). A block that leaves between
+        the count and its tier ends the prefix there (other threads move blocks)."""
         num_blocks = self.store.lookup_prefix(request.keys)
         holders = []
         for key in request.keys[:num_blocks]:
             tier = self.store.tier_of(key)
-            assert tier is not None  # one thread: nothing moved since lookup_prefix
+            if tier is None:
+                break
             holders.append([BlockHolder(self.config.node_id, tier)])
-        return LookupPrefixReply(request.request_id, num_blocks, holders), []
+        return Answer(LookupPrefixReply(request.request_id, len(holders), holders))
 
     # ---- leases -----------------------------------------------------------------------------
     def pin(self, request: PinRequest, peer: Peer) -> Answer:
-        pinned = self.store.pin(request.keys)
-        keys = [k for k, ok in zip(request.keys, pinned, strict=True) if ok]
-        lease = self.leases.acquire(request.holder, keys, request.ttl_s)
-        return PinReply(request.request_id, lease.lease_id, pinned), []
+        with self._lease_lock:
+            pinned = self.store.pin(request.keys)
+            keys = [k for k, ok in zip(request.keys, pinned, strict=True) if ok]
+            lease = self.leases.acquire(request.holder, keys, request.ttl_s)
+        return Answer(PinReply(request.request_id, lease.lease_id, pinned))
 
     def renew(self, request: RenewRequest, peer: Peer) -> Answer:
-        return RenewReply(request.request_id, self.leases.renew(request.lease_id,
-                                                                request.ttl_s)), []
+        with self._lease_lock:
+            known = self.leases.renew(request.lease_id, request.ttl_s)
+        return Answer(RenewReply(request.request_id, known))
 
     def release(self, request: ReleaseRequest, peer: Peer) -> Answer:
-        lease = self.leases.release(request.lease_id)
-        if lease is not None:
-            self._unpin(lease)
-        return ReleaseReply(request.request_id, lease is not None), []
+        with self._lease_lock:
+            lease = self.leases.release(request.lease_id)
+            if lease is not None:
+                self._unpin(lease)
+        return Answer(ReleaseReply(request.request_id, lease is not None))
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self, request: StatsRequest, peer: Peer) -> Answer:
         stats = dict(self.store.stats())
-        stats.update(num_leases=self.leases.num_leases, num_rejected=self.num_rejected)
-        return StatsReply(request.request_id, stats), []
+        with self._lease_lock:
+            num_leases = self.leases.num_leases
+        stats.update(num_leases=num_leases, num_rejected=self.num_rejected)
+        return Answer(StatsReply(request.request_id, stats))
 
     def check(self, request: CheckRequest, peer: Peer) -> Answer:
         return answer_check(request, self.check_integrity)

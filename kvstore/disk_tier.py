@@ -9,6 +9,10 @@ thread has it on disk). A read verifies the checksum; a corrupted or truncated f
 and reported as a miss (the KV cache is a cache: the engine recomputes). On start the tier
 re-indexes the files already in its directory, oldest modification time first, so the LRU
 order (an LRUIndex of key -> payload size, lru_index.py) survives a restart approximately.
+
+Threads: the index is the TieredStore's to guard (it calls every index verb under its lock);
+the pending map is shared with the writer thread under this tier's own lock. `load` reads a
+block without touching the index, so the store can run it outside its lock.
 """
 
 from __future__ import annotations
@@ -147,11 +151,7 @@ class DiskTier:
         """The block, or None when absent or corrupted (then it is also dropped)."""
         if key not in self._index:
             return None
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None:
-            return pending
-        payload = self._read_file(key)
+        payload = self.load(key)
         if payload is None:
             self.num_corrupted += 1
             logger.warning("%s: block %s is corrupted or missing on disk; dropped (a miss)",
@@ -159,6 +159,16 @@ class DiskTier:
             self.remove(key)
             return None
         return payload
+
+    def load(self, key: bytes) -> torch.Tensor | None:
+        """The block from the pending-write map or its file (checksum verified), None when
+        neither has it intact. Touches no index: the TieredStore calls it without its lock,
+        so a slow read holds up nobody, and confirms the placement afterwards."""
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None:
+            return pending
+        return self._read_file(key)
 
     def _read_file(self, key: bytes) -> torch.Tensor | None:
         try:

@@ -3,14 +3,28 @@
     master socket ──► MasterService (master_service.py): block index, node membership
     data socket   ──► DataService   (data_service.py):   tiered store, leases, UCX clients
 
-One thread owns every socket (ZeroMQ sockets are not thread-safe) and serves requests one at a
-time, so the services need no extra locking. Each request is decoded into its typed message
-(pdserve/protocol/store.py), checked against the batch limit (max_keys_per_message), routed by
-its type to the handler of the service owning the socket, and answered with the typed reply
-the handler returns. Each loop turn also ticks the services: leases expire (unpinning their
-blocks) and silent nodes are dropped. A data-only node reports placement changes and
-heartbeats to its master from a small reporter thread with its own socket; in role `all` the
-data service reports to the master service directly.
+Threads. ZeroMQ sockets are not thread-safe, so one thread, the socket loop, owns the ROUTER
+sockets and sends every reply. Each request is decoded there into its typed message
+(pdserve/protocol/store.py), checked against the batch limit (max_keys_per_message) and routed
+by its type to the handler of the service owning the socket. Cheap handlers (every master
+verb: lookups never wait behind data-plane work; the data service's exists, pin, renew,
+release, lookup_prefix, evict, stats, check) run right there. The types a service lists as
+`offloaded` (put, get, prefetch, hello, bye: disk reads, big copies, UCX transfers, the UCX
+address prober) go to a queue served by `num_data_threads` worker threads:
+
+    clients ──► ROUTER ──► socket loop ──(cheap)──► handler ──► reply ──► ROUTER ──► client
+                                │                                            ▲
+                                └──(offloaded)──► job queue ──► worker ──► PUSH ─inproc─► PULL
+                                                                   │
+                                                                   └─► after_reply (UCX sends)
+
+A worker pushes [socket number, client identity, reply, payload frames] through its own inproc
+PUSH socket; the loop forwards them to that socket and identity, so every reply reaches the
+client that asked. The services guard their own state with small locks (see each). Each loop
+turn also ticks the services: leases expire (unpinning their blocks) and silent nodes are
+dropped. A data-only node reports placement changes and heartbeats to its master from a
+small reporter thread with its own socket; in role `all` the data service reports to the
+master service directly. Every wait has a timeout; `stop()` joins the threads within one.
 
 A malformed request (not msgpack, unknown type or field, wrong types or sizes, pickle bytes,
 too large a batch) is logged, counted and answered with an ErrorReply; the loop keeps serving.
@@ -21,9 +35,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
+import queue
 import signal
+import sys
 import threading
+import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -47,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
 _MAX_ERROR_CHARS = 500
+_SWITCH_INTERVAL_S = 0.001
+_server_numbers = itertools.count()  # names each server's inproc reply channel
 
 
 def _bind(socket: zmq.Socket, host: str, port: int) -> str:
@@ -64,6 +85,16 @@ def _batch_size(request: StoreRequest) -> int:
     return max(lengths, default=0)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """An offloaded request, waiting for a worker thread."""
+
+    socket_no: int
+    service: StoreService
+    request: StoreRequest
+    peer: Peer
+
+
 class StoreServer:
     """Serves a DataService (role data/all) and a MasterService (role master/all) until
     stopped."""
@@ -73,11 +104,19 @@ class StoreServer:
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._jobs: queue.Queue[_Job] = queue.Queue()
         self.master_service: MasterService | None = None
         self.data_service: DataService | None = None
         self.master_address: str | None = None
         self.data_address: str | None = None
+        self._sockets: list[zmq.Socket] = []  # a worker names its reply's socket by index
         self._services: dict[zmq.Socket, StoreService] = {}
+        # Workers' replies come back to the loop here (each worker has its own PUSH end).
+        self._reply_address = f"inproc://store-replies-{next(_server_numbers)}"
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.LINGER, 0)
+        self._replies.bind(self._reply_address)
         self._reporter: MasterReporter | None = None
         if config.role in ("master", "all"):
             self.master_service = MasterService(Master(config.node_ttl_s))
@@ -100,6 +139,7 @@ class StoreServer:
     def _serve_on(self, port: int, service: StoreService) -> str:
         socket = self._ctx.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        self._sockets.append(socket)
         self._services[socket] = service
         return _bind(socket, self.config.host, port)
 
@@ -122,8 +162,8 @@ class StoreServer:
         return sum(service.num_rejected for service in self._services.values())
 
     def check_integrity(self) -> None:
-        """Every service's invariants (store, leases, master index). Runs on the server
-        thread for a `check` request; call it directly only when the server is idle."""
+        """Every service's invariants (store, leases, master index); each service checks
+        under its own locks, so this may run while the server serves."""
         for service in self._services.values():
             service.check_integrity()
 
@@ -131,14 +171,27 @@ class StoreServer:
     def start(self) -> StoreServer:
         self._thread = threading.Thread(target=self._serve, name="store-server", daemon=True)
         self._thread.start()
+        if self.data_service is not None:
+            self._workers = [
+                threading.Thread(target=self._work, name=f"store-data-{i}", daemon=True)
+                for i in range(self.config.num_data_threads)]
+            for worker in self._workers:
+                worker.start()
         if self._reporter is not None:
             self._reporter.start()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop and the workers (each finishes the request in hand), then close the
+        services; waits at most about `timeout_s` for the threads."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
+        deadline_s = time.monotonic() + timeout_s
+        for thread in [self._thread, *self._workers]:
+            if thread is not None:
+                thread.join(timeout=max(0.0, deadline_s - time.monotonic()))
+                if thread.is_alive():
+                    logger.warning("store: thread %s did not stop within %.1f s", thread.name,
+                                   timeout_s)
         if self._reporter is not None:
             self._reporter.stop(timeout_s)
         for service in self._services.values():
@@ -159,11 +212,12 @@ class StoreServer:
         elif self._reporter is not None:
             self._reporter.record(key, tier)
 
-    # ---- loop -------------------------------------------------------------------------------
+    # ---- socket loop ------------------------------------------------------------------------
     def _serve(self) -> None:
         poller = zmq.Poller()
-        for socket in self._services:
+        for socket in self._sockets:
             poller.register(socket, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll(_POLL_MS))
@@ -171,23 +225,77 @@ class StoreServer:
                 break
             for socket in ready:
                 try:
-                    self._serve_one(socket, self._services[socket])
+                    if socket is self._replies:
+                        self._forward_reply()
+                    else:
+                        self._serve_one(socket)
                 except Exception:  # never let one request end the server
                     logger.exception("store: request handling failed")
             for service in self._services.values():
                 service.tick()
 
-    def _serve_one(self, socket: zmq.Socket, service: StoreService) -> None:
+    def _serve_one(self, socket: zmq.Socket) -> None:
         frames = socket.recv_multipart(copy=False)
         if len(frames) < 2:
             return
-        identity, header = frames[0].bytes, frames[1].bytes
-        reply, reply_frames = self._answer(service, header, Peer(identity, frames[2:]))
-        socket.send_multipart([identity, STORE_PROTOCOL.encode(reply), *reply_frames],
-                              copy=False)
-        service.after_reply()
+        service = self._services[socket]
+        identity, peer = frames[0].bytes, Peer(frames[0].bytes, frames[2:])
+        request = self._decode(service, frames[1].bytes)
+        if isinstance(request, Answer):  # refused
+            self._send(socket, identity, request)
+        elif type(request) in service.offloaded:
+            self._jobs.put(_Job(self._sockets.index(socket), service, request, peer))
+        else:
+            answer = self._handle(service, request, peer)
+            self._send(socket, identity, answer)
+            _run_after_reply(answer)
 
-    def _answer(self, service: StoreService, header: bytes, peer: Peer) -> Answer:
+    def _forward_reply(self) -> None:
+        """A worker's reply: [socket number, client identity, reply, payload frames...]."""
+        socket_no, identity, *reply_frames = self._replies.recv_multipart(copy=False)
+        self._sockets[socket_no.bytes[0]].send_multipart([identity, *reply_frames], copy=False)
+
+    @staticmethod
+    def _send(socket: zmq.Socket, identity: bytes, answer: Answer) -> None:
+        socket.send_multipart([identity, STORE_PROTOCOL.encode(answer.reply), *answer.frames],
+                              copy=False)
+
+    # ---- worker threads ---------------------------------------------------------------------
+    def _work(self) -> None:
+        """Serve offloaded requests until stopped; replies go back through the loop."""
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        # The loop drains the channel every turn; a full one means the loop is gone.
+        push.setsockopt(zmq.SNDTIMEO, int(self.config.request_timeout_s * 1000))
+        push.connect(self._reply_address)
+        try:
+            while not self._stop.is_set():
+                try:
+                    job = self._jobs.get(timeout=_POLL_MS / 1000)
+                except queue.Empty:
+                    continue
+                try:
+                    self._run_job(push, job)
+                except Exception:  # never let one request end a worker
+                    logger.exception("store: request handling failed")
+        finally:
+            push.close(linger=0)
+
+    def _run_job(self, push: zmq.Socket, job: _Job) -> None:
+        answer = self._handle(job.service, job.request, job.peer)
+        try:
+            push.send_multipart([bytes([job.socket_no]), job.peer.identity,
+                                 STORE_PROTOCOL.encode(answer.reply), *answer.frames],
+                                copy=False)
+        except zmq.Again:
+            logger.warning("store: dropped a %s reply: the socket loop is not taking replies",
+                           type(job.request).TAG)  # type: ignore[attr-defined]
+            return
+        _run_after_reply(answer)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _decode(self, service: StoreService, header: bytes) -> StoreRequest | Answer:
+        """The checked request, or the ErrorReply refusing it (counted as rejected)."""
         try:
             request = decode_store_message(header)
             if not isinstance(request, StoreRequest):
@@ -197,24 +305,35 @@ class StoreServer:
         if _batch_size(request) > self.config.max_keys_per_message:
             return self._reject(service, request.request_id,
                                 f"more than {self.config.max_keys_per_message} keys")
+        return request
+
+    def _handle(self, service: StoreService, request: StoreRequest, peer: Peer) -> Answer:
         verb = type(request).TAG  # type: ignore[attr-defined]
         handler = service.handlers.get(type(request))
         if handler is None:
-            return ErrorReply(request.request_id,
-                              f"{verb} is not served by the {service.name} service"), []
+            return Answer(ErrorReply(request.request_id,
+                                     f"{verb} is not served by the {service.name} service"))
         try:
             return handler(request, peer)
         except (ValueError, KeyError, TimeoutError) as e:
             logger.warning("store: %s failed: %s", verb, e)
-            return ErrorReply(request.request_id, str(e)[:_MAX_ERROR_CHARS]), []
+            return Answer(ErrorReply(request.request_id, str(e)[:_MAX_ERROR_CHARS]))
         except Exception as e:  # a bug must not take the whole store down
             logger.exception("store: %s crashed", verb)
-            return ErrorReply(request.request_id, repr(e)[:_MAX_ERROR_CHARS]), []
+            return Answer(ErrorReply(request.request_id, repr(e)[:_MAX_ERROR_CHARS]))
 
     def _reject(self, service: StoreService, request_id: int, why: str) -> Answer:
-        service.num_rejected += 1
+        service.num_rejected += 1  # only the loop thread counts
         logger.warning("store: %s service rejected a malformed request (%s)", service.name, why)
-        return ErrorReply(request_id, f"malformed: {why}"[:_MAX_ERROR_CHARS]), []
+        return Answer(ErrorReply(request_id, f"malformed: {why}"[:_MAX_ERROR_CHARS]))
+
+
+def _run_after_reply(answer: Answer) -> None:
+    if answer.after_reply is not None:
+        try:
+            answer.after_reply()
+        except Exception:
+            logger.exception("store: work after a reply failed")
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
@@ -243,6 +362,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default %(default)s")
     add("--request-timeout-s", type=float, default=d.request_timeout_s,
         help="default %(default)s")
+    add("--data-threads", dest="num_data_threads", type=int, default=d.num_data_threads,
+        help="worker threads for put/get/prefetch/hello/bye (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> StoreConfig:
@@ -251,6 +372,9 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A worker thread holding the GIL (copying a block) delays the socket loop's next reply by
+    # up to the switch interval; 1 ms instead of 5 keeps lookups quick. The store's own process.
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     server = StoreServer(config_from_args(args)).start()
 
     def shut_down(signum: int, _frame: object) -> None:

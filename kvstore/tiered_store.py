@@ -9,8 +9,11 @@ demoted or dropped.
     put ──► [device] ──LRU──► [DRAM] ──LRU──► [disk] ──LRU──► dropped
     get ◄── promote to top ◄──────────────────────┘
 
-All verbs are thread-safe (one lock); batch forms take lists. `on_change(key, tier | None)`
-reports every placement change (the master's block index follows it).
+All verbs are thread-safe (one lock, held for bookkeeping only); batch forms take lists. A
+block that get or prefetch must read from disk is read *outside* the lock, then its placement
+is confirmed under it (`_read_then`), so a slow disk holds up no other verb. `on_change(key,
+tier | None)` reports every placement change, under the lock (the master's block index
+follows it).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +33,11 @@ logger = logging.getLogger(__name__)
 
 Tier = MemoryTier | DiskTier
 ChangeListener = Callable[[bytes, "str | None"], None]
+T = TypeVar("T")
+
+# A disk read outside the lock is retried this often when the block moved meanwhile; then it
+# is read under the lock (other verbs wait, but the read is sure to finish).
+_MAX_UNLOCKED_READS = 3
 
 
 class TieredStore:
@@ -81,9 +90,10 @@ class TieredStore:
             victim = next((k for k in tier.keys_oldest_first() if not self._pins[k]), None)
             if victim is None:
                 return False
-            data = tier.read(victim)
+            # The bottom tier drops its victim: no need to read it (from disk, at that).
+            data = tier.read(victim) if i + 1 < len(self.tiers) else None
             tier.remove(victim)
-            if data is not None and i + 1 < len(self.tiers) and self._make_room(i + 1):
+            if data is not None and self._make_room(i + 1):
                 self.tiers[i + 1].insert(victim, data, adopt=True)  # tier i let go of it
                 self._notify(victim, self.tiers[i + 1].name)
             else:
@@ -125,23 +135,50 @@ class TieredStore:
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         return [self.put(k, b, adopt) for k, b in zip(keys, blocks, strict=True)]
 
+    def _read_then(self, key: bytes, dst: int,
+                   then: Callable[[int | None, torch.Tensor | None], T]) -> T:
+        """`then(i, data)` under the lock, with i the tier holding `key` (None: absent) and data
+        its block (None: corrupted, or on disk at or above tier `dst`, so not needed).
+
+        A disk block is read without the lock, then the lock is taken again and the block
+        must still be in the same tier, else it moved meanwhile and is looked up again. Keys
+        name content, so a block that left and came back has the same bytes."""
+        for attempt in range(_MAX_UNLOCKED_READS + 1):
+            with self._lock:
+                i = self._tier_index(key)
+                if i is None:
+                    return then(None, None)
+                tier = self.tiers[i]
+                if not isinstance(tier, DiskTier) or attempt == _MAX_UNLOCKED_READS:
+                    return then(i, tier.read(key))
+                if i <= dst:
+                    return then(i, None)
+            data = tier.load(key)  # the slow part, lock free
+            with self._lock:
+                if self._tier_index(key) == i:
+                    # A failed load is judged under the lock by read(), which drops a
+                    # corrupted file (a concurrent write could also have made it fail).
+                    return then(i, data if data is not None else tier.read(key))
+        raise AssertionError("unreachable: the last attempt reads under the lock")
+
     def get(self, key: bytes) -> torch.Tensor | None:
         """The block (read-only: do not modify) or None; a hit promotes it to the top tier."""
-        with self._lock:
-            i = self._tier_index(key)
-            data = None if i is None else self.tiers[i].read(key)
-            if i is None or data is None:
-                self.num_misses += 1
-                if i is not None:
-                    self._notify(key, None)  # the tier dropped a corrupted block
-                return None
-            self.num_hits[self.tiers[i].name] += 1
-            if i == 0:
-                self.tiers[0].touch(key)
-                return data
-            self._move(key, i, 0, data)
-            j = self._tier_index(key)
-            return data if j is None else self.tiers[j].read(key)
+        return self._read_then(key, 0, lambda i, data: self._hit(key, i, data))
+
+    def _hit(self, key: bytes, i: int | None, data: torch.Tensor | None) -> torch.Tensor | None:
+        """get's bookkeeping, under the lock: count, promote, return the stored block."""
+        if i is None or data is None:
+            self.num_misses += 1
+            if i is not None:
+                self._notify(key, None)  # the tier dropped a corrupted block
+            return None
+        self.num_hits[self.tiers[i].name] += 1
+        if i == 0:
+            self.tiers[0].touch(key)
+            return data
+        self._move(key, i, 0, data)
+        j = self._tier_index(key)
+        return data if j is None else self.tiers[j].read(key)
 
     def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
         return [self.get(k) for k in keys]
@@ -165,22 +202,21 @@ class TieredStore:
 
     def prefetch(self, keys: Sequence[bytes], tier: str = "dram") -> int:
         """Bring blocks below `tier` up into it ahead of use; returns how many moved."""
-        with self._lock:
-            dst = next((i for i, t in enumerate(self.tiers) if t.name == tier), None)
-            if dst is None:
-                raise ValueError(f"no tier named {tier!r}")
-            num_moved = 0
-            for key in keys:
-                i = self._tier_index(key)
-                if i is None or i <= dst:
-                    continue
-                data = self.tiers[i].read(key)
-                if data is None:
-                    self._notify(key, None)
-                    continue
-                self._move(key, i, dst, data)
-                num_moved += 1
-            return num_moved
+        dst = next((i for i, t in enumerate(self.tiers) if t.name == tier), None)
+        if dst is None:
+            raise ValueError(f"no tier named {tier!r}")
+        return sum(self._read_then(key, dst, lambda i, data, key=key: self._promote(
+            key, i, data, dst)) for key in keys)
+
+    def _promote(self, key: bytes, i: int | None, data: torch.Tensor | None, dst: int) -> bool:
+        """prefetch's bookkeeping, under the lock: True if the block moved up to tier dst."""
+        if i is None or i <= dst:
+            return False
+        if data is None:
+            self._notify(key, None)  # the tier dropped a corrupted block
+            return False
+        self._move(key, i, dst, data)
+        return True
 
     def pin(self, keys: Sequence[bytes]) -> list[bool]:
         """Pin present blocks (counted); True for each block that is now pinned."""

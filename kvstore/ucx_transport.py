@@ -7,15 +7,15 @@ sm/cma, so the caller drives progress inside `wait`, with a timeout: by default 
 mode (epoll with a 1 ms cap), else by busy polling. UCX_TLS must be
 set before ucxx is imported, so ucxx is imported here, lazily, on first use.
 
-A UcxDataPlane is not thread-safe: its owner (server loop or client) serialises calls.
+A UcxDataPlane is not thread-safe: its owner (the data service's UCX lock, or a client)
+serialises calls. Before `connect` to an address a peer sent, a server asks a
+UcxAddressProber (ucx_prober.py) whether UCX can parse it without aborting the process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -24,31 +24,6 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _SPIN_S = 200e-6  # poll this long before sleeping in epoll: short transfers finish spinning
-
-
-# Run in a throwaway process by `is_connectable`: UCX *aborts the process* (an assertion, not an
-# error) on a malformed worker address, so a server never parses a peer's address in its own.
-_PROBE = """
-import os, sys
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-import numpy as np
-import ucxx._lib.libucxx as u
-address = u.UCXAddress.create_from_buffer(np.frombuffer(bytes.fromhex(sys.stdin.read()), np.uint8))
-worker = u.UCXWorker(u.UCXContext(feature_flags=(u.Feature.TAG,)))
-u.UCXEndpoint.create_from_worker_address(worker, address, endpoint_error_handling=False)
-"""
-
-
-def is_connectable(address: bytes, tls: str, timeout_s: float) -> bool:
-    """Whether an endpoint can be made from `address` without UCX aborting (checked in a
-    child process, ~1 s; call it once per peer, before `connect`)."""
-    env = {**os.environ, "UCX_TLS": tls, "UCX_LOG_LEVEL": "fatal"}
-    try:
-        probe = subprocess.run([sys.executable, "-c", _PROBE], input=address.hex(), text=True,
-                               env=env, capture_output=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False
-    return probe.returncode == 0
 
 
 class UcxUnavailable(RuntimeError):

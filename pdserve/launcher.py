@@ -99,7 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-port", type=int, default=18050,
                         help="KV store master port (the data server takes the next one)")
     parser.add_argument("--no-store", action="store_true",
-                        help="run without the KV store (decode recomputes the prompt)")
+                        help="run without the fleet KV store (prefill still hands its KV to "
+                             "decode directly; no shared prefix tier)")
+    parser.add_argument("--handoff-dram-gb", type=float, default=None,
+                        help="host DRAM of each worker's own hand-off node (default 1; 0: "
+                             "hand off through the store)")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks per worker (default: sized from memory)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -165,6 +169,8 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv += ["--store", store_addr, "--store-master", master_addr]
         if args.num_kv_blocks:
             argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+        if args.handoff_dram_gb is not None and role != "colocated":
+            argv += ["--handoff-dram-gb", str(args.handoff_dram_gb)]
         if args.kv_cache_memory_gb is not None:
             argv += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
         if args.enable_expert_parallel:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
@@ -22,6 +23,7 @@ import zmq.asyncio
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.router.config import RouterConfig
+from pdserve.router.phases import RequestPhases, WorkerLeg
 from pdserve.router.policies import (
     AdmissionPolicy,
     CacheAwarePrefill,
@@ -175,10 +177,14 @@ class Dispatcher:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         first_worker: WorkerClient,
+        phases: RequestPhases | None = None,
     ) -> AsyncIterator[Output]:
+        """`phases`: where the request's send and first-Output times and the workers'
+        reported phases are recorded (router/phases.py)."""
         request = GenerateRequest(request_id, prompt_token_ids, sampling)
+        phases = phases or RequestPhases(0.0)
         first: Output | None = None
-        async with aclosing(self._stream(first_worker, request)) as stream:
+        async with aclosing(self._stream(first_worker, request, phases.first)) as stream:
             async for output in stream:
                 if output.finish_reason == HANDOFF and output.handoff is not None:
                     first = output  # the stream ends here: prefill is done with it
@@ -187,11 +193,12 @@ class Dispatcher:
         if first is None:
             return
         yield dataclasses.replace(first, finish_reason=None, handoff=None)
-        async with aclosing(self._decode(request, first)) as stream:
+        async with aclosing(self._decode(request, first, phases.decode)) as stream:
             async for output in stream:
                 yield output
 
-    async def _decode(self, request: GenerateRequest, first: Output) -> AsyncIterator[Output]:
+    async def _decode(self, request: GenerateRequest, first: Output, leg: WorkerLeg
+                      ) -> AsyncIterator[Output]:
         """Stream from a decode worker; move to another if one dies before its first delta."""
         decode_request = dataclasses.replace(request, handoff=first.handoff)
         tried: set[str] = set()
@@ -203,7 +210,7 @@ class Dispatcher:
             tried.add(worker.address)
             sent_any = False
             try:
-                async with aclosing(self._stream(worker, decode_request)) as stream:
+                async with aclosing(self._stream(worker, decode_request, leg)) as stream:
                     async for output in stream:
                         sent_any = True
                         yield output
@@ -216,9 +223,13 @@ class Dispatcher:
                 if all(w.address in tried for w in self.decode if w.accepting):
                     raise NoWorkerAvailable("no other decode worker is ready") from exc
 
-    async def _stream(self, worker: WorkerClient, request: GenerateRequest
+    async def _stream(self, worker: WorkerClient, request: GenerateRequest, leg: WorkerLeg
                       ) -> AsyncIterator[Output]:
+        # Stamped before the send: on a busy host the worker may run before this task does
+        # again, and the worker's phases must fall inside the interval the router measures.
+        sent_s = time.monotonic()
         queue = await worker.generate(request)
+        leg.on_sent(sent_s)
         finished = False
         timeout_s = self.config.first_token_timeout_s
         try:
@@ -232,6 +243,8 @@ class Dispatcher:
                 if isinstance(item, BaseException):
                     finished = True  # the worker is gone; nothing left to abort there
                     raise RequestFailed(str(item)) from item
+                item, received_s = item
+                leg.on_output(item, received_s)
                 if item.error is not None:
                     finished = True
                     raise RequestFailed(item.error)

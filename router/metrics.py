@@ -22,6 +22,8 @@ from pdserve.router.worker_client import WorkerClient
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
+PHASE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                    0.75, 1.0, 2.5, 5.0)
 
@@ -32,8 +34,10 @@ class RouterMetrics:
         labels = ["model_name"]
         self.model_name = model_name
 
-        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        def hist(name: str, doc: str, buckets: Sequence[float], extra: Sequence[str] = ()
+                 ) -> Histogram:
+            return Histogram(name, doc, labels + list(extra), buckets=buckets,
+                             registry=self.registry)
 
         def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
             return Counter(name, doc, labels + list(extra), registry=self.registry)
@@ -47,6 +51,15 @@ class RouterMetrics:
                         TOKEN_BUCKETS_S)
         self.e2e = hist("pdserve:e2e_request_latency_seconds", "End-to-end request latency",
                         LATENCY_BUCKETS_S)
+        # router/phases.py: the first-token path's phases add up to the TTFT above
+        self.request_phase = hist(
+            "pdserve:request_phase_seconds",
+            "Time of a request in each phase of its first-token path (router/phases.py)",
+            PHASE_BUCKETS_S, ["phase"])
+        self.handover_phase = hist(
+            "pdserve:request_handover_phase_seconds",
+            "Time of a request in each phase of the prefill -> decode hand-over, after the "
+            "first token (router/phases.py)", PHASE_BUCKETS_S, ["phase"])
         self.prompt_tokens = counter("pdserve:prompt_tokens_total", "Prompt tokens")
         self.generation_tokens = counter("pdserve:generation_tokens_total", "Generated tokens")
         self.cached_tokens = counter("pdserve:prompt_tokens_cached_total",

@@ -128,16 +128,18 @@ async def models(serving: Serving) -> dict[str, Any]:
 
 @openai_routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, serving: Serving) -> Response:
+    arrival_s = time.monotonic()
     tokenizer = serving.model.tokenizer
     prompt_ids = (tokenizer(body.prompt).input_ids if isinstance(body.prompt, str)
                   else list(body.prompt))
     return await _serve(serving, request, body, prompt_ids, body.max_tokens, body.logprobs,
-                        is_chat=False)
+                        is_chat=False, arrival_s=arrival_s)
 
 
 @openai_routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving
                            ) -> Response:
+    arrival_s = time.monotonic()
     model = serving.model
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
@@ -149,13 +151,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
     # The template already wrote the special tokens it wants (BOS and role markers).
     prompt_ids = model.tokenizer(text, add_special_tokens=False).input_ids
     return await _serve(serving, request, body, prompt_ids, body.requested_max_tokens,
-                        body.num_logprobs, is_chat=True)
+                        body.num_logprobs, is_chat=True, arrival_s=arrival_s)
 
 
 async def _serve(serving: ServingContext, request: Request, body: SamplingFields,
                  prompt_ids: list[int], requested_max_tokens: int | None,
-                 num_logprobs: int | None, is_chat: bool) -> Response:
-    arrival_s = time.monotonic()
+                 num_logprobs: int | None, is_chat: bool, arrival_s: float) -> Response:
+    """`arrival_s`: time.monotonic() when the endpoint got the parsed body (before
+    tokenizing): TTFT and the request's phases start there."""
     request_id = new_id("chatcmpl" if is_chat else "cmpl")
     _check_model(serving.model, body.model)
     # vLLM's rule: no max_tokens gets the room left in the context (a completion: OpenAI's
@@ -168,8 +171,9 @@ async def _serve(serving: ServingContext, request: Request, body: SamplingFields
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     first_worker = await _admit(serving, request_id, prompt_ids, body.cache_salt)
-    outputs = serving.dispatcher.run(request_id, prompt_ids, sampling, first_worker)
     timing = RequestTiming(arrival_s)
+    outputs = serving.dispatcher.run(request_id, prompt_ids, sampling, first_worker,
+                                     phases=timing.phases)
     metrics = serving.metrics
     metrics.labels(metrics.prompt_tokens).inc(len(prompt_ids))
     reply = Reply(request_id, serving.model.name, serving.model.token_text, is_chat,

@@ -24,6 +24,7 @@ from pdserve.router.dispatch import RequestFailed
 from pdserve.router.errors import ApiError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import now_s
+from pdserve.router.phases import RequestPhases
 from pdserve.router.policies import NoWorkerAvailable
 
 DISCONNECT_POLL_S = 0.5
@@ -83,9 +84,12 @@ class RequestTiming:
     first_s: float | None = field(default=None, init=False)
     gaps_s: list[float] = field(default_factory=list, init=False)
     """Inter-token latencies: the time between two consecutive output deltas."""
+    phases: RequestPhases = field(init=False)
+    """Where the time to the first token went (the dispatcher fills it in)."""
 
     def __post_init__(self) -> None:
         self.last_s = self.arrival_s
+        self.phases = RequestPhases(self.arrival_s)
 
     def on_output(self, _: Output) -> None:
         now = time.monotonic()
@@ -113,6 +117,10 @@ class RequestObserver:
         metrics.labels(metrics.success, acc.finish_reason or "unknown").inc()
         if timing.first_s is not None:
             metrics.labels(metrics.ttft).observe(ttft_s)
+            for phase, seconds in timing.phases.ttft_phases(timing.first_s).items():
+                metrics.labels(metrics.request_phase, phase).observe(seconds)
+            for phase, seconds in timing.phases.handover_phases().items():
+                metrics.labels(metrics.handover_phase, phase).observe(seconds)
             metrics.labels(metrics.e2e).observe(timing.last_s - timing.arrival_s)
             if num_tokens > 1:
                 metrics.labels(metrics.tpot).observe(

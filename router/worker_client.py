@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from typing import NamedTuple
 
 import zmq
 import zmq.asyncio
@@ -40,6 +41,13 @@ class WorkerDied(RuntimeError):
     """The worker stopped answering while a request was in flight."""
 
 
+class Received(NamedTuple):
+    """An Output and when the receive loop read it (time.monotonic seconds)."""
+
+    output: Output
+    received_s: float
+
+
 class WorkerClient:
     def __init__(
         self,
@@ -63,7 +71,7 @@ class WorkerClient:
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
-        self._queues: dict[str, asyncio.Queue[Output | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[Received | BaseException]] = {}
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -113,9 +121,10 @@ class WorkerClient:
         """Count an admitted request against this worker until generate() sends it."""
         self._reservations[request_id] = time.monotonic()
 
-    async def generate(self, request: GenerateRequest) -> asyncio.Queue[Output | BaseException]:
+    async def generate(self, request: GenerateRequest
+                       ) -> asyncio.Queue[Received | BaseException]:
         """Send a request; its outputs (or a WorkerDied) arrive on the returned queue."""
-        queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[Received | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._reservations.pop(request.request_id, None)
         await self._socket.send(WORKER_PROTOCOL.encode(request))
@@ -172,7 +181,7 @@ class WorkerClient:
             elif isinstance(message, Output):
                 queue = self._queues.get(message.request_id)
                 if queue is not None:  # else: aborted already; late outputs are dropped
-                    queue.put_nowait(message)
+                    queue.put_nowait(Received(message, self.last_seen_s))
             else:
                 logger.warning("unexpected %s from %s", type(message).__name__, self.address)
 

@@ -225,9 +225,13 @@ class Engine:
         """Schedule -> run -> postprocess: one forward over every scheduled chunk, then
         sampling and stop checks for the chunks that end at a request's last token."""
         start_s = time.perf_counter()
+        started_s = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        for request, _ in scheduled.scheduled:
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = started_s
         to_sample = [request for (request, _), chunk in
                      zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
                      if chunk.need_logits]
@@ -254,8 +258,12 @@ class Engine:
         if not to_sample:
             return []
         outputs = []
-        for request, result in zip(to_sample, self.sampler(logits, to_sample), strict=True):
+        results = self.sampler(logits, to_sample)
+        sampled_s = time.monotonic()
+        for request, result in zip(to_sample, results, strict=True):
             request.append_output_token(result.token_id, result.logprobs)
+            if request.first_sampled_s is None:
+                request.first_sampled_s = sampled_s
             finished_status = self._check_stop(request)
             if finished_status is not None:
                 outputs.append(self._finish(request, finished_status))
@@ -331,7 +339,8 @@ class Engine:
         return RequestOutput(
             request_id=request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-            finished=request.is_finished, num_cached_tokens=request.num_cached_tokens or 0)
+            finished=request.is_finished, num_cached_tokens=request.num_cached_tokens or 0,
+            first_scheduled_s=request.first_scheduled_s, first_sampled_s=request.first_sampled_s)
 
     # ---- state --------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -14,19 +14,29 @@ than refuses), and the role policy (serve/roles.py), which it swaps on a role fl
 prefill worker with a store also loads a prompt's prefix from the store when the store holds
 more of it than the worker's own prefix cache. Every failure of the store is a miss: the
 request recomputes what did not arrive (the KV cache is a cache).
+
+A request's first Output also says how long it spent in this worker's phases (Output.
+phase_seconds, see protocol/worker.py), from its arrival here and the engine's stamps:
+
+    arrived ─ queue ─► first scheduled ─ prefill ─► first token sampled ─ kv_save ─► sent
+                                         (layer_save: the part of the prefill interval spent
+                                          in the per-layer KV save hook, taken out of prefill)
+    arrived ─ kv_load ─► first scheduled ─ first_decode ─► first token sampled   (decode)
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output, TokenLogprob
 from pdserve.serve.block_manager import NoFreeBlocksError
 from pdserve.serve.engine import Engine
 from pdserve.serve.kv_transfer import KVTransfer, TransferDone
-from pdserve.serve.request import RequestOutput
+from pdserve.serve.request import Request, RequestOutput
 from pdserve.serve.roles import make_role
 
 logger = logging.getLogger(__name__)
@@ -43,7 +53,11 @@ class HandOff:
         # and those loaded while no blocks were free.
         self._loading: dict[str, GenerateRequest] = {}
         self._waiting_for_blocks: deque[tuple[GenerateRequest, TransferDone]] = deque()
-        engine.set_role(make_role(role, kv_transfer))
+        # request id -> (time.monotonic() it arrived here, whether it was handed off to this
+        # worker), until its first Output reports its phases
+        self._arrivals: dict[str, tuple[float, bool]] = {}
+        self._saver = _TimedKVSaver(kv_transfer) if kv_transfer is not None else None
+        engine.set_role(make_role(role, self._saver))
 
     @property
     def role(self) -> str:
@@ -63,10 +77,12 @@ class HandOff:
     def add(self, message: GenerateRequest) -> None:
         """Start a request; raises (ValueError, RequestRejectedError, ...) when it can't be
         served, which is that request's error, not the worker's."""
+        arrived_s = time.monotonic()
         if message.handoff is not None:
             self._add_handed_off(message)
         else:
             self._add_new(message)
+        self._arrivals[message.request_id] = (arrived_s, message.handoff is not None)
 
     def _add_new(self, message: GenerateRequest) -> None:
         request = self.engine.make_request(message.prompt_token_ids, message.sampling,
@@ -87,7 +103,7 @@ class HandOff:
         if self.kv_transfer is not None and handoff.block_keys:
             self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
             self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
-                                        handoff.lease_id)
+                                        handoff.lease_id, handoff.source_address)
             self._loading[message.request_id] = message
             return
         self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
@@ -95,6 +111,8 @@ class HandOff:
 
     def abort(self, request_id: str) -> None:
         self._held.pop(request_id, None)
+        self._arrivals.pop(request_id, None)
+        self._take_layer_save_s(request_id)
         self._loading.pop(request_id, None)
         self._waiting_for_blocks = deque(
             (message, done) for message, done in self._waiting_for_blocks
@@ -114,9 +132,10 @@ class HandOff:
             if done.kind == "save":
                 output = self._held.pop(done.request_id, None)
                 if output is not None and done.ok:
-                    outputs.append(self._wire_output(output, done.keys, done.lease_id))
+                    outputs.append(self._wire_output(output, done.keys, done.lease_id,
+                                                     done.source))
                 else:  # finished at its first token, aborted, or the save failed
-                    self.kv_transfer.release(done.lease_id)
+                    self.kv_transfer.release(done.lease_id, done.source)
                     if output is not None:
                         outputs.append(self._wire_output(output, [], None))
                 continue
@@ -149,6 +168,8 @@ class HandOff:
         except Exception as exc:  # e.g. longer than the pool: this request's error
             logger.warning("could not admit %s: %s", done.request_id, exc)
             self.engine.abort_request(done.request_id)
+            self._arrivals.pop(done.request_id, None)
+            self._take_layer_save_s(done.request_id)
             return [Output(done.request_id, [], "", "error", error=str(exc))]
         return []
 
@@ -203,7 +224,7 @@ class HandOff:
         return self._wire_output(output, [], None)
 
     def _wire_output(self, output: RequestOutput, saved_keys: list[bytes],
-                     lease_id: int | None) -> Output:
+                     lease_id: int | None, source: str = "") -> Output:
         """`saved_keys`: what decode loads (empty: the save failed or there is no store, and
         decode recomputes the prompt)."""
         completion = output.outputs[0]
@@ -218,10 +239,36 @@ class HandOff:
         handoff: KVHandoff | None = None
         if output.kv_handoff is not None:
             handoff = replace(output.kv_handoff, block_keys=saved_keys,
-                              prefill_worker_id=self.worker_id, lease_id=lease_id or 0)
+                              prefill_worker_id=self.worker_id, lease_id=lease_id or 0,
+                              source_address=source)
         return Output(output.request_id, list(completion.token_ids), completion.text,
                       completion.finish_reason, logprobs, len(output.prompt_token_ids),
-                      output.num_cached_tokens, handoff)
+                      output.num_cached_tokens, handoff,
+                      phase_seconds=self._phase_seconds(output))
+
+    def _phase_seconds(self, output: RequestOutput) -> dict[str, float]:
+        """The request's phases on this worker, once: on its first Output (empty after)."""
+        arrival = self._arrivals.pop(output.request_id, None)
+        layer_save_s = self._take_layer_save_s(output.request_id)
+        scheduled_s, sampled_s = output.first_scheduled_s, output.first_sampled_s
+        if arrival is None or scheduled_s is None or sampled_s is None:
+            return {}
+        arrived_s, is_handed_off = arrival
+        if is_handed_off:
+            return {"kv_load": max(0.0, scheduled_s - arrived_s),
+                    "first_decode": max(0.0, sampled_s - scheduled_s)}
+        phases = {"queue": max(0.0, scheduled_s - arrived_s),
+                  "prefill": max(0.0, sampled_s - scheduled_s - layer_save_s)}
+        if layer_save_s > 0:
+            phases["layer_save"] = layer_save_s
+        if output.kv_handoff is not None and self.kv_transfer is not None:  # held for the save
+            phases["kv_save"] = max(0.0, time.monotonic() - sampled_s)
+        return phases
+
+    def _take_layer_save_s(self, request_id: str) -> float:
+        if self._saver is None:
+            return 0.0
+        return self._saver.layer_save_s.pop(request_id, 0.0)
 
     # ---- role -------------------------------------------------------------------------------
     def can_switch_role(self) -> bool:
@@ -234,8 +281,40 @@ class HandOff:
         """Become a `role` worker; the KV transfer (or its absence) stays."""
         if not self.can_switch_role():
             raise RuntimeError(f"{self.worker_id} cannot switch role now")
-        self.engine.set_role(make_role(role, self.kv_transfer))
+        self.engine.set_role(make_role(role, self._saver))
 
     def describe_in_flight(self) -> str:
         return (f"{len(self._held)} hand-offs saving, {len(self._loading)} loads, "
                 f"{len(self._waiting_for_blocks)} waiting for KV blocks")
+
+
+class _TimedKVSaver:
+    """The KV transfer as the prefill role's saver (roles.KVSaver), timing its per-layer hook:
+    that time falls inside the prefill forward, so a request's phases report it apart."""
+
+    def __init__(self, saver: KVTransfer) -> None:
+        self.saver = saver
+        self.layer_save_s: dict[str, float] = {}
+        """Request id -> seconds its prefill steps spent in the per-layer save hook."""
+
+    def start_layerwise_save(self, requests: list[Request]) -> Callable[[int], None] | None:
+        layer_done = self.saver.start_layerwise_save(requests)
+        if layer_done is None:
+            return None
+        request_ids = [r.request_id for r in requests]
+
+        def timed_layer_done(layer: int) -> None:
+            start_s = time.perf_counter()
+            try:
+                layer_done(layer)
+            finally:
+                seconds = time.perf_counter() - start_s
+                for request_id in request_ids:  # each one's forward waited for all of it
+                    self.layer_save_s[request_id] = \
+                        self.layer_save_s.get(request_id, 0.0) + seconds
+
+        return timed_layer_done
+
+    def save_handoff(self, request: Request, block_ids: list[int], block_keys: list[bytes]
+                     ) -> None:
+        self.saver.save_handoff(request, block_ids, block_keys)

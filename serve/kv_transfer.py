@@ -1,13 +1,19 @@
 """The worker's side of the prefill -> decode KV hand-off, through the KV connector.
 
-    prefill worker                          store                        decode worker
-    engine samples the first token ─► save_handoff: gather the prompt's blocks (all TP
-      ranks' heads) and save them layer by layer through the connector; the hand-off goes
-      to the router once the save completed (`poll`)
-                                                   GenerateRequest + hand-off ─► start_load
-                                                   into a staging area (background thread);
-                                                   once complete: fresh blocks, scatter to
-                                                   this worker's TP ranks, join the batch
+    prefill worker                                                    decode worker
+    forward: each layer's blocks staged as the layer completes
+    first token sampled ─► the staged prompt goes into this worker's own data node
+      (kvstore/handoff_node.py: in process, no copy), pinned under a lease; the hand-off
+      (keys, lease, the node's address) goes to the router at once ──► GenerateRequest
+                                                  + hand-off ─► start_load: read the blocks
+                                                  from the prefill worker's node over UCX
+                                                  (one hop; the fleet store if that fails),
+                                                  then fresh blocks, scatter to this
+                                                  worker's TP ranks, join the batch
+    meanwhile: a write-back copy goes to the fleet store (prefixes for later requests)
+
+Without a hand-off node (`--handoff-dram-gb 0`) the prompt is saved to the fleet store and
+decode loads it from there (two hops through the store server).
 
 Stored blocks are TP-independent ([num_layers, P, block_size, all KV heads, head_dim], P = 2
 for K/V or 1 for an MLA latent; see kvstore/connector.py), and this side always moves
@@ -32,12 +38,15 @@ from pdserve.serve.request import Request
 
 logger = logging.getLogger(__name__)
 
+PEER_TIMEOUT_S = 3.0
+
 
 @dataclass
 class PendingLoad:
     num_blocks: int
     staging: list[torch.Tensor]  # per layer [P, num_blocks, block_size, all heads, head_dim]
     lease_id: int = 0
+    source: str = ""  # the data node holding the blocks and the lease ("": the fleet store)
 
 
 @dataclass
@@ -49,6 +58,8 @@ class TransferDone:
     staging: list[torch.Tensor] | None = None
     lease_id: int | None = None
     """Save: the store lease pinning the blocks until the decode worker loaded them."""
+    source: str = ""
+    """Save: the data node holding the blocks and the lease ("": the fleet store)."""
 
 
 class KVTransfer:
@@ -70,19 +81,32 @@ class KVTransfer:
                         "layerwise_save_count": 0.0}
 
     @classmethod
-    def connect(cls, runner, block_manager, data_address: str,
+    def connect(cls, runner, block_manager, data_address: str | None,
                 master_address: str | None = None, timeout_s: float = 10.0,
-                lease_ttl_s: float = 30.0) -> KVTransfer:
-        """A transfer over a store server; a prefill's saved blocks stay pinned under a lease
-        of `lease_ttl_s` until the decode worker has loaded them (or the lease expires)."""
+                lease_ttl_s: float = 30.0, handoff_node=None) -> KVTransfer:
+        """A transfer over this worker's hand-off node (a HandoffNode: saves land there and
+        decode workers read them from it) and/or the fleet store at `data_address`. Saved
+        blocks stay pinned under a lease of `lease_ttl_s` until the decode worker has loaded
+        them (or the lease expires)."""
         from pdserve.kvstore.client import StoreClient
 
-        client = StoreClient(data_address, master_address, timeout_s=timeout_s,
-                             holder=f"worker-{id(runner):x}")
-        logger.info("KV store at %s (KV bytes over %s)", data_address, client.transport)
+        holder = f"worker-{id(runner):x}"
+        client = None
+        if data_address is not None:
+            client = StoreClient(data_address, master_address, timeout_s=timeout_s,
+                                 holder=holder)
+            logger.info("KV store at %s (KV bytes over %s)", data_address, client.transport)
+
+        def connect(address: str) -> StoreClient:
+            # a prefill worker answers in milliseconds or is gone: fall back to the store soon
+            peer = StoreClient(address, timeout_s=min(timeout_s, PEER_TIMEOUT_S), holder=holder)
+            logger.info("hand-off source %s (KV bytes over %s)", address, peer.transport)
+            return peer
+
         layout = runner.spec.kv_layout(runner.block_size)
-        return cls(runner, block_manager, KVConnector(client, layout, timeout_s=timeout_s,
-                                                      lease_ttl_s=lease_ttl_s))
+        return cls(runner, block_manager, KVConnector(
+            client, layout, timeout_s=timeout_s, lease_ttl_s=lease_ttl_s,
+            handoff_node=handoff_node, connect=connect))
 
     def prompt_keys(self, request: Request, block_keys: list[bytes]) -> list[bytes]:
         """Keys of every block holding the prompt: the full ones, then the partial tail."""
@@ -169,16 +193,18 @@ class KVTransfer:
         self._totals["saved_bytes"] += sum(t.nbytes for t in staged)
 
     # ---- decode side -----------------------------------------------------------------------
-    def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0) -> None:
-        """Fetch blocks into a staging area in the background; then release the lease that
-        pinned them for this load (0: none)."""
+    def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0,
+                   source: str = "") -> None:
+        """Fetch blocks into a staging area in the background, from the data node at
+        `source` (else the fleet store); then release the lease that pinned them for this
+        load (0: none)."""
         spec, layout = self.runner.spec, self.connector.layout
         _, planes, block_size, heads, dim = layout.block_shape()
         shape = (planes, len(keys), block_size, heads, dim)
         staging = [torch.zeros(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
-        self._loads[request_id] = (keys, PendingLoad(len(keys), staging, lease_id))
+        self._loads[request_id] = (keys, PendingLoad(len(keys), staging, lease_id, source))
         self._started_s["load", request_id] = time.monotonic()
-        self.connector.start_load(request_id, keys, list(range(len(keys))), staging)
+        self.connector.start_load(request_id, keys, list(range(len(keys))), staging, source)
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank)."""
@@ -195,8 +221,10 @@ class KVTransfer:
         return done
 
     def totals(self) -> dict[str, float]:
-        """Bytes moved and time spent since start (the worker reports them as metrics)."""
-        return dict(self._totals)
+        """Bytes moved and time spent since start (the worker reports them as metrics), and
+        the leases its hand-off node holds now (hand-offs not yet read by decode)."""
+        node = self.connector.handoff_node
+        return {**self._totals, "num_handoff_leases": float(node.num_leases if node else 0)}
 
     def _finish(self, result: TransferResult) -> TransferDone | None:
         started_s = self._started_s.pop((result.kind, result.request_id), None)
@@ -206,28 +234,30 @@ class KVTransfer:
         if result.kind == "save":
             keys = self._save_keys.pop(result.request_id, None)
             if keys is None:  # aborted meanwhile: nobody will load these blocks
-                self.release(result.lease_id)
+                self.release(result.lease_id, result.source)
                 return None
             ok = result.error is None and result.num_blocks == len(keys)
-            return TransferDone(result.request_id, "save", ok, keys, lease_id=result.lease_id)
+            return TransferDone(result.request_id, "save", ok, keys, lease_id=result.lease_id,
+                                source=result.source)
         entry = self._loads.pop(result.request_id, None)
         if entry is None:
             return None
         keys, pending = entry
-        self.release(pending.lease_id)  # loaded (or missed): the blocks need no pin now
+        # loaded (or missed): the blocks need no pin now
+        self.release(pending.lease_id, pending.source)
         ok = result.error is None and result.num_blocks == pending.num_blocks
         return TransferDone(result.request_id, "load", ok, keys, pending.staging)
 
-    def release(self, lease_id: int | None) -> None:
+    def release(self, lease_id: int | None, source: str = "") -> None:
         if lease_id:
-            self.connector.release(lease_id)
+            self.connector.release(lease_id, source)
 
     def forget(self, request_id: str) -> None:
         """The request was aborted: drop its transfers' results when they come."""
         self._save_keys.pop(request_id, None)
         entry = self._loads.pop(request_id, None)
         if entry is not None:
-            self.release(entry[1].lease_id)
+            self.release(entry[1].lease_id, entry[1].source)
         self._started_s.pop(("save", request_id), None)
         self._started_s.pop(("load", request_id), None)
         self.connector.abort(request_id)
@@ -238,6 +268,6 @@ class KVTransfer:
 
     def close(self) -> None:
         self.connector.close()
-        backend = self.connector.backend
-        if hasattr(backend, "close"):
-            backend.close()
+        for part in (self.connector.backend, self.connector.handoff_node):
+            if part is not None and hasattr(part, "close"):
+                part.close()

@@ -80,6 +80,11 @@ class Request:
     """The stop token id or stop string that ended the request, if one did."""
     block_keys: list[bytes] = field(default_factory=list)
     """Chained keys of this request's full blocks, extended as tokens arrive (block manager)."""
+    first_scheduled_s: float | None = None
+    """time.monotonic() at the start of the first step that scheduled it (engine)."""
+    first_sampled_s: float | None = None
+    """time.monotonic() when this engine first sampled a token for it (a handed-over token
+    does not count)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -150,3 +155,7 @@ class RequestOutput:
     kv_handoff: KVHandoff | None = None
     """Set by a prefill-role engine on the request's last output (the block keys are its full
     prompt blocks; the worker's hand-off component fills in what the save produced)."""
+    first_scheduled_s: float | None = None
+    """The request's Request.first_scheduled_s (the worker reports its phases from these)."""
+    first_sampled_s: float | None = None
+    """The request's Request.first_sampled_s."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import threading
 from dataclasses import asdict, dataclass, field
@@ -74,6 +75,9 @@ class WorkerConfig:
     kv_lease_ttl_s: float = 30.0
     """Prefill pins a hand-off's blocks in the store this long at most (the decode worker
     releases them once loaded)."""
+    handoff_dram_gb: float = 1.0
+    """Host DRAM of this worker's own hand-off node (prefill saves there, decode workers
+    read from it directly); 0: hand off through the fleet store instead."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_NAMES:
@@ -82,6 +86,8 @@ class WorkerConfig:
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
         if self.store_timeout_s <= 0 or self.kv_lease_ttl_s <= 0:
             raise ValueError("store_timeout_s and kv_lease_ttl_s must be positive")
+        if self.handoff_dram_gb < 0:
+            raise ValueError(f"handoff_dram_gb must be >= 0, got {self.handoff_dram_gb}")
 
     @property
     def name(self) -> str:
@@ -271,6 +277,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-lease-ttl-s", type=float, default=30.0,
         help="prefill pins a hand-off's blocks in the store this long at most (the decode "
              "worker releases them once loaded)")
+    add("--handoff-dram-gb", type=float, default=1.0,
+        help="host DRAM of this worker's own hand-off node: prefill saves a prompt's KV "
+             "there and decode workers read it directly, one hop (0: hand off through the "
+             "store)")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -288,7 +298,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         store_address=args.store, store_master_address=args.store_master,
-        store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s)
+        store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s,
+        handoff_dram_gb=args.handoff_dram_gb)
 
 
 def _gib_to_bytes(gib: float | None) -> int | None:
@@ -297,6 +308,37 @@ def _gib_to_bytes(gib: float | None) -> int | None:
     if gib <= 0:
         raise ValueError(f"--kv-cache-memory-gb must be positive, got {gib}")
     return int(gib * (1 << 30))
+
+
+def make_kv_transfer(config: WorkerConfig, engine):
+    """The worker's KV transfer: its hand-off node and/or the fleet store; None for a
+    colocated worker or when neither can be had (decode then recomputes prompts)."""
+    if config.role == "colocated" or (config.store_address is None
+                                      and config.handoff_dram_gb == 0):
+        return None
+    import torch
+
+    from pdserve.kvstore.handoff_node import HandoffNode
+    from pdserve.serve.kv_transfer import KVTransfer
+
+    node = None
+    try:
+        if config.handoff_dram_gb > 0:
+            layout = engine.runner.spec.kv_layout(engine.runner.block_size)
+            block_bytes = math.prod(layout.block_shape()) * getattr(torch, layout.dtype).itemsize
+            node = HandoffNode(config.name, config.host,
+                               max(1, int(config.handoff_dram_gb * (1 << 30)) // block_bytes),
+                               config.kv_lease_ttl_s, config.store_timeout_s)
+        return KVTransfer.connect(
+            engine.runner, engine.block_manager, config.store_address,
+            config.store_master_address, timeout_s=config.store_timeout_s,
+            lease_ttl_s=config.kv_lease_ttl_s, handoff_node=node)
+    except Exception as exc:  # the KV cache is a cache: serve by recomputing
+        logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
+                       config.store_address, exc)
+        if node is not None:
+            node.close()
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,18 +354,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         logger.error("cannot start the %s worker: %s", args.command, exc)
         return 2
-    kv_transfer = None
-    if config.store_address is not None and config.role != "colocated":
-        from pdserve.serve.kv_transfer import KVTransfer
-
-        try:
-            kv_transfer = KVTransfer.connect(
-                engine.runner, engine.block_manager, config.store_address,
-                config.store_master_address, timeout_s=config.store_timeout_s,
-                lease_ttl_s=config.kv_lease_ttl_s)
-        except Exception as exc:  # the KV cache is a cache: serve by recomputing
-            logger.warning("KV store at %s unreachable (%s): decode will recompute prompts",
-                           config.store_address, exc)
+    kv_transfer = make_kv_transfer(config, engine)
     worker = Worker(engine, config.role, f"tcp://{config.host}:{config.port}", config.name,
                     kv_transfer)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())

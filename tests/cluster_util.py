@@ -97,12 +97,14 @@ def workers_idle(base_url: str) -> bool:
 
 def surviving_workers_idle(base_url: str, killed_addresses: Collection[str]) -> bool:
     """Every worker but those a test killed on purpose (by address: a worker's id is known only
-    from its status) is alive, holds no request and has all its KV blocks free. A killed
+    from its status) is alive, holds no request, has all its KV blocks free and no hand-off
+    lease on its node. A killed
     worker is left out: the router keeps its last status, or none once the connection
     dropped, so it reads neither idle nor busy."""
     workers = httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
     return all(w["is_alive"] and w["num_free_blocks"] == w["num_total_blocks"]
                and w["num_inflight"] == 0
+               and w.get("kv_transfer", {}).get("num_handoff_leases", 0) == 0
                for w in workers if w["address"] not in killed_addresses)
 
 

@@ -52,6 +52,8 @@ OFFLINE_BENCHMARKS = {
     "pdserve.benchmarks.kernels.bench_attention": ("pdserve.kernels",),
     # runs the router's own goodput simulator on what the router's /status published
     "pdserve.benchmarks.controller_check": ("pdserve.router.goodput_model",),
+    # starts its clusters with `pdserve up`'s launcher; times an offline prefill for reference
+    "pdserve.benchmarks.ttft_breakdown": ("pdserve.launcher", "pdserve.serve"),
 }
 # The protocol package depends on nothing but the standard library and msgpack.
 PROTOCOL_THIRD_PARTY = {"msgpack"}

@@ -227,3 +227,72 @@ def test_round_trip_with_a_cuda_pool():
         assert torch.equal(decode[layer][:, 1], prefill[layer][:, 3])
         assert torch.equal(decode[layer][:, 2], prefill[layer][:, 0])
     connector.close()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "ucx"])
+def test_direct_handoff_from_the_prefill_node_then_fallback_to_the_store(transport):
+    """Prefill saves into its own hand-off node (pinned, one hop for decode) and writes a copy
+    back to the fleet store; decode reads from the node named by the result's `source` and
+    releases the lease there. With the node gone, decode loads the write-back copy."""
+    from pdserve.kvstore.handoff_node import HandoffNode
+
+    if transport == "ucx":
+        pytest.importorskip("ucxx")
+    fleet = StoreServer(StoreConfig(master_port=0, data_port=0, transport="zmq",
+                                    dram_capacity_blocks=16)).start()
+    fleet_client = StoreClient(fleet.data_address, fleet.master_address, transport="zmq")
+    node = HandoffNode("prefill-0", "127.0.0.1", capacity_blocks=8, lease_ttl_s=30.0,
+                       timeout_s=10.0, transport=transport)
+    peers: list[StoreClient] = []
+
+    def connect(address: str) -> StoreClient:
+        peers.append(StoreClient(address, timeout_s=2.0, transport=transport))
+        return peers[-1]
+
+    prefill = KVConnector(fleet_client, LAYOUT, lease_ttl_s=30.0, handoff_node=node)
+    decode = KVConnector(None, LAYOUT, connect=connect)
+    try:
+        pool = make_pool(6, seed=6)
+        keys = request_keys(3)
+        save_all_layers(prefill, "h", keys, [4, 0, 2], pool)
+        [saved] = wait_results(prefill, 1)
+        assert (saved.num_blocks, saved.source) == (3, node.address) and saved.lease_id
+        assert node.num_leases == 1 and node.num_pinned_blocks == 3
+        assert wait_until_true(lambda: all(fleet_client.exists(keys)))  # the write-back
+        dst = make_pool(6)
+        decode.start_load("h", keys, [1, 3, 5], dst, source=saved.source)
+        [loaded] = wait_results(decode, 1)
+        assert (loaded.num_blocks, loaded.error) == (3, None)
+        for layer in range(LAYOUT.num_layers):
+            for src, dst_id in zip([4, 0, 2], [1, 3, 5], strict=True):
+                assert torch.equal(dst[layer][:, dst_id], pool[layer][:, src])
+        decode.release(saved.lease_id, saved.source)
+        assert decode.drain(10)
+        assert node.num_leases == 0 and node.num_pinned_blocks == 0
+        node.check_integrity()
+
+        node.close()  # the prefill worker is gone: decode falls back to the fleet store
+        fallback = KVConnector(fleet_client, LAYOUT, timeout_s=2.0, connect=connect)
+        again = make_pool(6)
+        fallback.start_load("h2", keys, [0, 1, 2], again, source=saved.source)
+        [loaded] = wait_results(fallback, 1)
+        assert (loaded.num_blocks, loaded.error) == (3, None)
+        assert torch.equal(again[0][:, 0], pool[0][:, 4])
+        fallback.close()
+    finally:
+        prefill.close()
+        decode.close()
+        node.close()
+        fleet_client.close()
+        fleet.stop()
+
+
+def wait_until_true(predicate, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False

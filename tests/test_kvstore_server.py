@@ -1,4 +1,5 @@
-"""The store server over real sockets on 127.0.0.1: clients, concurrency, hostile input."""
+"""The store server over real sockets on 127.0.0.1: clients, concurrency, hostile input, and
+the UCX address prober the server checks peers' addresses with."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import pytest
 import zmq
 
 from pdserve.kvstore import data_service as data_service_module
+from pdserve.kvstore import ucx_prober
 from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.server import StoreServer
-from pdserve.kvstore.ucx_transport import UcxUnavailable
+from pdserve.kvstore.ucx_prober import UcxAddressProber
+from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
 from pdserve.protocol.store import (
     STORE_PROTOCOL,
     ErrorReply,
@@ -269,6 +272,8 @@ def test_ucx_data_path(make_server):
     server = make_server(transport="ucx", dram_capacity_blocks=16)
     client = StoreClient(server.data_address, transport="ucx")
     assert client.transport == "ucx"
+    prober_pid = server.data_service._prober.child_pid  # it checked the client's address
+    assert prober_pid is not None
     blocks = [block(i, 70_000) for i in range(5)]  # above UCX's eager threshold too
     assert client.put_many([key(i) for i in range(5)], blocks) == [True] * 5
     got = client.get_many([key(i) for i in [0, 9, 4]])
@@ -287,7 +292,129 @@ def test_ucx_data_path(make_server):
     sock.close()
     ctx.term()
     assert np.array_equal(client.get_many([key(1)])[0], blocks[1])
-    finish(server, client)
+    assert not _is_running(prober_pid)  # that address ended the prober's child
+    second = StoreClient(server.data_address, transport="ucx")
+    assert second.transport == "ucx"  # in a new child
+    prober_pid = server.data_service._prober.child_pid
+    assert prober_pid is not None
+    assert np.array_equal(second.get_many([key(4)])[0], blocks[4])
+    finish(server, client, second)
+    server.stop()
+    assert not _is_running(prober_pid)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_slow_disk_get_does_not_hold_up_other_clients(make_server, tmp_path, monkeypatch):
+    """A get parked inside a disk read: lookups (master socket), cheap data verbs and a DRAM
+    get from another client are all answered while it is still in flight."""
+    server = make_server(dram_capacity_blocks=1, disk_capacity_blocks=8, disk_dir=str(tmp_path))
+    slow = StoreClient(server.data_address, transport="zmq")
+    fast = StoreClient(server.data_address, server.master_address, transport="zmq",
+                       timeout_s=5)
+    keys = [key(i) for i in range(3)]
+    assert slow.put_many(keys, [block(i) for i in range(3)]) == [True] * 3
+    assert server.store.flush()  # 0 and 1 are in their files now, 2 in DRAM
+    disk = server.store.tiers[-1]
+    read_file = disk._read_file
+    in_read, may_finish = threading.Event(), threading.Event()
+
+    def parked_read(k: bytes):
+        in_read.set()
+        assert may_finish.wait(30)
+        return read_file(k)
+
+    monkeypatch.setattr(disk, "_read_file", parked_read)
+    got: list[np.ndarray | None] = []
+    getter = threading.Thread(target=lambda: got.extend(slow.get_many([key(0)])))
+    getter.start()
+    try:
+        assert in_read.wait(10)
+        assert fast.lookup_prefix(keys).num_blocks == 3
+        assert fast.exists(keys) == [True] * 3
+        lease_id, pinned = fast.pin([key(1)], ttl_s=30)
+        assert pinned == [True] and fast.release(lease_id)
+        assert np.array_equal(fast.get_many([key(2)])[0], block(2))
+        assert getter.is_alive() and not got  # all of that while the get was in flight
+    finally:
+        may_finish.set()
+        getter.join(timeout=30)
+    assert len(got) == 1 and np.array_equal(got[0], block(0))
+    assert server.store.tier_of(key(0)) == "dram"  # the hit was promoted as usual
+    finish(server, slow, fast)
+
+
+# Stands in for the prober's child: answers like it, and dies as UCX makes it die.
+_FAKE_PROBER_CHILD = """
+import sys
+print("ready", flush=True)
+for line in sys.stdin:
+    address = bytes.fromhex(line.strip())
+    if address.startswith(b"good"):
+        print("ok", flush=True)
+    elif address.startswith(b"fail"):
+        print("fail", flush=True)
+    elif address.startswith(b"hang"):
+        sys.stdin.readline()
+    else:
+        sys.exit(134)  # what UCX's abort looks like from outside
+"""
+
+
+def test_prober_reuses_one_child_and_replaces_it_after_a_bad_address(monkeypatch):
+    monkeypatch.setattr(ucx_prober, "_CHILD", _FAKE_PROBER_CHILD)
+    prober = UcxAddressProber("tcp", timeout_s=10)
+    assert prober.is_connectable(b"good-1") and prober.is_connectable(b"good-2")
+    first_pid = prober.child_pid
+    assert prober.is_connectable(b"good-1")  # cached
+    assert (prober.num_probes, prober.num_child_starts) == (2, 1)
+    assert not prober.is_connectable(b"abort")  # the child dies on it
+    assert prober.child_pid is None and not _is_running(first_pid)
+    assert prober.is_connectable(b"good-3")  # in a new child
+    assert not prober.is_connectable(b"fail")  # answered, but the child is replaced too
+    assert prober.is_connectable(b"good-4")
+    assert not prober.is_connectable(b"abort")  # cached: no child dies for it again
+    assert (prober.num_probes, prober.num_child_starts) == (6, 3)
+    last_pid = prober.child_pid
+    prober.close()
+    assert prober.child_pid is None and not _is_running(last_pid)
+    with pytest.raises(RuntimeError, match="closed"):
+        prober.is_connectable(b"good-5")
+
+
+def test_prober_kills_a_child_that_does_not_answer(monkeypatch):
+    monkeypatch.setattr(ucx_prober, "_CHILD", _FAKE_PROBER_CHILD)
+    prober = UcxAddressProber("tcp", timeout_s=2)
+    assert prober.is_connectable(b"good-1")
+    hung_pid = prober.child_pid
+    assert not prober.is_connectable(b"hang")
+    assert prober.child_pid is None and not _is_running(hung_pid)
+    assert prober.is_connectable(b"good-2")
+    prober.close()
+
+
+def test_prober_with_real_ucx_addresses():
+    pytest.importorskip("ucxx")
+    plane, other = UcxDataPlane(), UcxDataPlane()  # live workers: their addresses connect
+    prober = UcxAddressProber(plane.tls, timeout_s=30)
+    try:
+        assert prober.is_connectable(plane.address)
+        assert not prober.is_connectable(b"x")  # UCX aborts the child on this one
+        assert not prober.is_connectable(plane.address[:8] + bytes(209))
+        assert prober.is_connectable(other.address)  # the prober lives on
+        pid = prober.child_pid
+        assert pid is not None
+    finally:
+        prober.close()
+    assert not _is_running(pid)
+    plane.close()
+    other.close()
 
 
 def test_ucx_unavailable_falls_back_to_zmq_loudly(make_server, monkeypatch, caplog):

@@ -41,7 +41,7 @@ class RecordingDispatcher(Dispatcher):
     def start(self) -> None:  # no sockets to poll
         pass
 
-    async def run(self, request_id, prompt_token_ids, sampling, first_worker):
+    async def run(self, request_id, prompt_token_ids, sampling, first_worker, phases=None):
         self.sent.append(sampling)
         first_worker.finish(request_id)
         yield Output(request_id, [7], "x", "length", num_prompt_tokens=len(prompt_token_ids))

@@ -12,6 +12,7 @@ import torch
 from cluster_util import start_cluster
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pdserve.benchmarks.ttft_breakdown import HANDOVER_METRIC, PHASE_METRIC, parse_histograms
 from pdserve.serve import LLM, SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:", "x"]
@@ -182,9 +183,43 @@ def test_metrics_exposed(cluster):
         assert saved and float(saved[0].split()[-1]) > 0, saved
 
 
-def test_prefill_tp2_decode_tp1_same_tokens(llama_dir, reference, tmp_path_factory):
+def test_request_phases_exposed(cluster):
+    """One fresh request adds one observation to each phase of its path, and only those."""
+    is_disagg = any(w["role"] == "prefill" for w in cluster.status()["workers"])
+
+    def phase_counts() -> dict[tuple[str, str], float]:
+        text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+        return {key: count for key, (_, count) in parse_histograms(text).items()
+                if key[0] in (PHASE_METRIC, HANDOVER_METRIC)}
+
+    before = phase_counts()
+    _complete(cluster.base_url, prompt="# phases: a prompt no other test sends\n" * 3,
+              max_tokens=3, ignore_eos=True, temperature=0)
+    after = phase_counts()
+    added = {key: after[key] - before.get(key, 0.0) for key in after
+             if after[key] != before.get(key, 0.0)}
+    expected = ["router", "queue", "prefill", "transport", "first_token_out"]
+    handover = []
+    if is_disagg:
+        expected.append("kv_save")
+        # the per-layer save hook's share of the forward, when the prefill saved layer by layer
+        assert added.pop((PHASE_METRIC, "layer_save"), 1.0) == 1.0
+        handover = ["second_dispatch", "kv_load", "first_decode", "decode_transport"]
+    assert added == {**{(PHASE_METRIC, p): 1.0 for p in expected},
+                     **{(HANDOVER_METRIC, p): 1.0 for p in handover}}
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,handoff_gb", [
+    ("2", "1", "0"),    # through the fleet store (two hops)
+    ("1", "2", "0.5"),  # straight from the prefill worker's hand-off node
+])
+def test_tp_resharding_handoff_same_tokens(llama_dir, reference, tmp_path_factory,
+                                           prefill_tp, decode_tp, handoff_gb):
+    """Different TP degrees on the two sides, over either hand-off path: the text equals
+    HF's greedy text, and nothing (blocks, leases on the store or a worker's node) is left."""
     cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("tp-logs"), "--mode", "disagg",
-                            "--prefill-tp", "2", "--decode-tp", "1", "--num-kv-blocks", "256")
+                            "--prefill-tp", prefill_tp, "--decode-tp", decode_tp,
+                            "--num-kv-blocks", "256", "--handoff-dram-gb", handoff_gb)
     try:
         for prompt in PROMPTS:
             body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,

@@ -96,47 +96,105 @@ def test_garbage_and_pickle_on_worker_port_are_dropped(roles, tmp_path):
     assert not sentinel.exists()
 
 
-def test_handoff_blocks_are_leased_until_decode_loads_them(roles):
-    """Talk to the workers directly, as the router does: the prefill's hand-off carries a
-    store lease pinning the prompt's blocks; the decode worker releases it after loading."""
+def _collect(socket, request) -> list:
+    """Send a GenerateRequest to a worker as the router does; its Outputs to the last."""
+    from pdserve.protocol.worker import WORKER_PROTOCOL, Output
+
+    socket.send(WORKER_PROTOCOL.encode(request))
+    outputs = []
+    while socket.poll(30_000):
+        message = WORKER_PROTOCOL.decode(socket.recv())
+        if isinstance(message, Output):
+            outputs.append(message)
+            if message.finish_reason is not None:
+                return outputs
+    raise TimeoutError("no finish")
+
+
+def _worker_sockets(roles, context) -> dict:
     import zmq
 
-    from pdserve.protocol.sampling import SamplingParams
-    from pdserve.protocol.worker import WORKER_PROTOCOL, GenerateRequest, Output
-
-    def collect(socket, request) -> list[Output]:
-        socket.send(WORKER_PROTOCOL.encode(request))
-        outputs = []
-        while socket.poll(30_000):
-            message = WORKER_PROTOCOL.decode(socket.recv())
-            if isinstance(message, Output):
-                outputs.append(message)
-                if message.finish_reason is not None:
-                    return outputs
-        raise TimeoutError("no finish")
-
-    context = zmq.Context()
     sockets = {}
     for role, port in (("prefill", roles.prefill_port), ("decode", roles.decode_port)):
         sockets[role] = context.socket(zmq.DEALER)
         sockets[role].setsockopt(zmq.LINGER, 0)
         sockets[role].connect(f"tcp://127.0.0.1:{port}")
+    return sockets
+
+
+def test_handoff_blocks_are_leased_until_decode_loads_them(roles):
+    """Talk to the workers directly, as the router does: the prefill's hand-off names its own
+    hand-off node and a lease there pinning the prompt's blocks; the decode worker reads them
+    from that node and releases the lease; a write-back copy lands in the fleet store."""
+    import zmq
+
+    from pdserve.kvstore.client import StoreClient
+    from pdserve.protocol.sampling import SamplingParams
+    from pdserve.protocol.worker import GenerateRequest
+
+    context = zmq.Context()
+    sockets = _worker_sockets(roles, context)
     client = roles.store_client()
+    source = None
     try:
         prompt = list(range(40, 90))
         request = GenerateRequest("lease-1", prompt, SamplingParams(max_tokens=4, temperature=0))
-        [first] = collect(sockets["prefill"], request)
+        [first] = _collect(sockets["prefill"], request)
         assert first.finish_reason == "handoff" and first.handoff.lease_id > 0
-        assert client.stats()["num_leases"] >= 1
-        outputs = collect(sockets["decode"], GenerateRequest(
+        source = StoreClient(first.handoff.source_address, transport="zmq", timeout_s=5)
+        assert source.stats()["num_leases"] == 1
+        outputs = _collect(sockets["decode"], GenerateRequest(
             "lease-1", prompt, request.sampling, handoff=first.handoff))
         assert sum(len(o.token_ids) for o in outputs) == 3
-        assert wait_until(lambda: client.stats()["num_leases"] == 0, 10)
+        assert wait_until(lambda: source.stats()["num_leases"] == 0, 10)
+        assert wait_until(lambda: all(client.exists(first.handoff.block_keys)), 10)
+        assert client.stats()["num_leases"] == 0  # the store's copy is not pinned
+    finally:
+        if source is not None:
+            source.close()
+        client.close()
+        for socket in sockets.values():
+            socket.close()
+        context.term()
+
+
+def test_prefill_killed_after_handoff_decode_loads_the_store_copy(roles):
+    """The prefill worker dies after handing off, its node with it: the decode worker's read
+    from that node fails within its peer timeout, it loads the fleet store's write-back copy
+    instead, and the tokens equal those of an undisturbed hand-off."""
+    import zmq
+
+    from pdserve.protocol.sampling import SamplingParams
+    from pdserve.protocol.worker import GenerateRequest
+
+    context = zmq.Context()
+    sockets = _worker_sockets(roles, context)
+    client = roles.store_client()
+    try:
+        prompt = list(range(200, 245))
+        sampling = SamplingParams(max_tokens=5, temperature=0)
+
+        def tokens(outputs) -> list[int]:
+            return [t for o in outputs for t in o.token_ids]
+
+        [first] = _collect(sockets["prefill"], GenerateRequest("kp-0", prompt, sampling))
+        expected = tokens(_collect(sockets["decode"], GenerateRequest(
+            "kp-0", prompt, sampling, handoff=first.handoff)))
+        [first] = _collect(sockets["prefill"], GenerateRequest("kp-1", prompt, sampling))
+        assert first.handoff.source_address and first.handoff.lease_id
+        assert wait_until(lambda: all(client.exists(first.handoff.block_keys)), 10)
+        roles.kill("prefill")
+        roles.processes["prefill"].wait(10)
+        outputs = _collect(sockets["decode"], GenerateRequest(
+            "kp-1", prompt, sampling, handoff=first.handoff))
+        assert outputs[-1].finish_reason == "length" and tokens(outputs) == expected
     finally:
         client.close()
         for socket in sockets.values():
             socket.close()
         context.term()
+    roles.start_worker("prefill")  # back for the tests after this one
+    assert wait_until(lambda: _get_status(f"{roles.base_url}/health") == 200, 120)
 
 
 def test_admission_control_and_api_key(roles):

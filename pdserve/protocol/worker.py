@@ -7,19 +7,23 @@
     router --SetRole--> drained prefill/decode worker --WorkerStatus--> router   (role it has)
 
 The prefill -> decode hand-off travels through the router inside these messages: it names the
-prompt's KV blocks in the store (by block key) and the sampling state, never the bytes.
+prompt's KV blocks (by block key), the data node holding them (the prefill worker's own, or
+the fleet store) and the sampling state, never the bytes.
 This module imports neither torch nor model code: the router and the workers both use it and
 neither owns it.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 from pdserve.protocol.codec import Protocol
 from pdserve.protocol.sampling import SamplingParams
 
 WORKER_PROTOCOL = Protocol("worker")
+_DATA_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,14 @@ class KVHandoff:
     lease_id: int = 0
     """The store lease pinning the blocks until the decode worker loaded them (0: none);
     the decode worker releases it, and it expires if no decode worker ever does."""
+    source_address: str = ""
+    """The data node holding the blocks and the lease: the prefill worker's own hand-off
+    node (tcp://host:port), read directly; "": the fleet store."""
+
+    def __post_init__(self) -> None:
+        if self.source_address and not _DATA_ADDRESS.fullmatch(self.source_address):
+            raise ValueError(f"source_address must be tcp://host:port, got "
+                             f"{self.source_address[:80]!r}")
 
 
 @WORKER_PROTOCOL.message("generate")
@@ -87,6 +99,24 @@ class TokenLogprob:
     top: dict[int, float] = field(default_factory=dict)
 
 
+WORKER_PHASES = ("queue", "prefill", "layer_save", "kv_save", "kv_load", "first_decode")
+"""What a worker may report in Output.phase_seconds, each a duration on the worker's own clock
+(no clock is compared across processes):
+
+    queue         arrived at the worker -> first scheduled in a step (a prefill worker's
+                  store prefix lookup and load included)
+    prefill       first scheduled -> first token sampled (the prompt's forward steps), less
+                  layer_save
+    layer_save    prefill with a store: the time those steps spent in the per-layer KV save
+                  hook (inside the forward)
+    kv_save       first token sampled -> the hand-off Output sent (prefill with a store: the
+                  wait for the KV save to complete)
+    kv_load       decode: arrived -> joined the batch (the KV load from the store, or the wait
+                  to be scheduled for a recompute)
+    first_decode  decode: joined the batch -> its first token sampled
+"""
+
+
 @WORKER_PROTOCOL.message("output")
 @dataclass(frozen=True)
 class Output:
@@ -102,6 +132,18 @@ class Output:
     num_cached_tokens: int = 0
     handoff: KVHandoff | None = None
     error: str | None = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """On a request's first Output from a worker: how long it spent in each of that worker's
+    phases (names from WORKER_PHASES); empty otherwise, and from peers that predate it."""
+
+    def __post_init__(self) -> None:
+        for name, seconds in self.phase_seconds.items():
+            if name not in WORKER_PHASES:
+                raise ValueError(f"unknown phase {name!r}; expected one of {WORKER_PHASES}")
+            if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                    or not 0 <= seconds < math.inf):
+                raise ValueError(f"phase {name!r} must be a finite number of seconds >= 0, "
+                                 f"got {seconds!r}")
 
 
 @dataclass(frozen=True)
@@ -152,7 +194,8 @@ class WorkerStatus:
     num_prefix_hit_tokens: int = 0
     num_preemptions: int = 0
     kv_transfer: dict[str, float] = field(default_factory=dict)
-    """Totals since start: {saved,loaded}_bytes, {save,load}_seconds, {save,load}_count."""
+    """Totals since start: {saved,loaded}_bytes, {save,load}_seconds, {save,load}_count;
+    and num_handoff_leases: hand-offs its own node holds for decode now."""
     step_samples: list[StepSample] = field(default_factory=list)
     """The most recent step samples (at most 64), oldest first; a reader dedups by seq."""
     max_num_seqs: int = 0

@@ -1,0 +1,87 @@
+"""A worker's own data node: where its prefill hand-offs land, and whence decode reads them.
+
+    prefill worker process                                   decode worker process
+      engine ─► connector ─► HandoffNode (in process:        StoreClient(source) ─► get_many
+                             put + pin, no copy, no hop)  ◄── over UCX (or ZeroMQ), one hop
+                             └─ served by a data-role StoreServer on its own port
+
+Mooncake's transfer engine reads KV from the memory of the node that computed it, and this
+does the same with pdserve's own store parts: the node is a `pdserve store --role data`
+server (kvstore/server.py) running inside the worker, so decode workers reach it with the
+ordinary StoreClient (UCX when both sides have it), leases pin a hand-off's blocks until the
+decode worker has read them (or the lease expires), and its DRAM tier evicts the oldest
+unpinned blocks when full. The worker's connector calls it in process: a put adopts the
+staged blocks (no copy) and a pin goes through the data service's own handler and locks.
+
+It is not registered with the fleet's master: the fleet store gets a write-back copy of every
+saved prompt instead (kvstore/connector.py), which later requests find there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.kvstore.config import StoreConfig
+from pdserve.kvstore.memory_tier import BytesLike
+from pdserve.kvstore.server import StoreServer
+from pdserve.kvstore.service import Peer
+from pdserve.protocol.store import PinRequest, ReleaseRequest
+
+logger = logging.getLogger(__name__)
+
+_LOCAL = Peer(b"in-process", [])
+_request_ids = itertools.count(1)
+
+
+class HandoffNode:
+    def __init__(self, name: str, host: str, capacity_blocks: int, lease_ttl_s: float,
+                 timeout_s: float, transport: str = "ucx", port: int = 0) -> None:
+        """`capacity_blocks` blocks of host DRAM; served on `host`:`port` (0: any free)."""
+        config = StoreConfig(role="data", host=host, data_port=port, node_id=name,
+                             dram_capacity_blocks=capacity_blocks, transport=transport,
+                             lease_ttl_s=lease_ttl_s, request_timeout_s=timeout_s,
+                             num_data_threads=2)
+        self.name = name
+        self._server = StoreServer(config).start()
+        assert self._server.data_service is not None and self._server.data_address
+        self._service = self._server.data_service
+        self.address: str = self._server.data_address
+        logger.info("hand-off node %s: %d blocks of DRAM at %s", name, capacity_blocks,
+                    self.address)
+
+    # ---- the connector's backend verbs, in process ------------------------------------------
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[BytesLike]) -> list[bool]:
+        """Keep `blocks` (nobody writes them after a save: adopted, not copied)."""
+        return self._service.store.put_many(list(keys), list(blocks), adopt=True)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        return self._service.store.get_many(list(keys))
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float) -> tuple[int, list[bool]]:
+        answer = self._service.pin(
+            PinRequest(next(_request_ids), list(keys), self.name, ttl_s), _LOCAL)
+        reply = answer.reply
+        return reply.lease_id, list(reply.pinned)
+
+    def release(self, lease_id: int) -> bool:
+        answer = self._service.release(ReleaseRequest(next(_request_ids), lease_id), _LOCAL)
+        return bool(answer.reply.known)
+
+    # ---- what tests and metrics look at -----------------------------------------------------
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self._service.store.num_pinned_blocks
+
+    @property
+    def num_leases(self) -> int:
+        return self._service.leases.num_leases
+
+    def check_integrity(self) -> None:
+        self._server.check_integrity()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._server.stop(timeout_s)
