@@ -180,7 +180,12 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
     if done.returncode != 0:
         print(f"vLLM run failed:\n{done.stderr[-3000:]}", flush=True)
         return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too (its shutdown lines come after ours): take our JSON line
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"decode"')]
+    if not lines:
+        print(f"vLLM printed no result:\n{done.stdout[-2000:]}", flush=True)
+        return None
+    return json.loads(lines[-1])
 
 
 # ---- report -----------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
                                  (kernels/cpu_attention.py wraps it as a backend op)
     add_rms_norm, silu_and_mul,  the small per-layer ops of a decoder block, each one call
     rotary_neox_, write_kv_cache   instead of several torch dispatches (fp32)
+    skinny_linear                x W^T for the few rows of a decode step, streaming W from
+                                 memory at close to its read speed (serve/parallel.py)
 
 Built with torch's C++ extension builder (gcc and ninja; -O3 -march=native, OpenMP through
 torch's own runtime) into torch's extension cache (TORCH_EXTENSIONS_DIR), under a name that
@@ -34,7 +36,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0

@@ -32,6 +32,7 @@ from torch import nn
 
 from pdserve import envs
 from pdserve.serve.distributed import TPGroup
+from pdserve.serve.layers import fused_fp32
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -59,38 +60,52 @@ def _copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+SKINNY_MAX_ROWS = 12
+"""Up to this many rows, the compiled skinny product (kernels/csrc/skinny_gemm.cpp) reads the
+plain weight; past it oneDNN's packed layout wins (measured on the llama-mid-like model's
+weights, 2 AVX2 cores: 4.1 against 5.4 ms at 1 row, 6.4 against 9.0 at 8, 9.1 against 10.1 at
+12, 11.7 against 11.5 at 16, 20.6 against 18.1 at 32)."""
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's packed fp32 layout pays on CPU: measured on this project's 2-core AVX-512 box,
-    a [8, 512] x [512, 2816] product takes 250-290 us packed against 510-600 us for
-    F.linear (MKL), 38 ms against 51 ms at 2048 rows, and never loses (1..2048 rows).
+    """oneDNN's packed fp32 layout pays on CPU for the many rows of a prefill (a [2048, 512] x
+    [512, 2816] product: 38 ms packed against 51 ms for F.linear on this project's machines).
     bf16 weights stay plain: oneDNN refuses a bf16 reorder where the CPU lacks bf16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.dim() == 2 and envs.cpu_prepack() and torch.backends.mkldnn.is_available())
 
 
-def prepack(weight: torch.Tensor) -> nn.Parameter:
+def prepack(weight: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor of the same
     shape), which `linear` multiplies by without reordering it every call."""
-    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
-                        requires_grad=False)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a plain or a prepacked W."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b: the skinny kernel for a decode step's few rows (plain fp32 W on CPU), the
+    packed copy of W for more rows when there is one, else torch."""
+    if x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.is_contiguous():
+        ops = fused_fp32(x)
+        if ops is not None and weight.dtype == torch.float32 and not weight.is_mkldnn:
+            return ops.skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 class PrepackedLinear(nn.Module):
-    """A linear layer whose weight is repacked for the CPU matmul library once loaded."""
+    """A linear layer that, once loaded, also keeps its weight packed for the CPU matmul
+    library (`packed`, for prefills; decode steps read the plain weight). Two copies of every
+    weight on CPU: the price of the faster layout for each regime."""
 
     weight: nn.Parameter
+    packed: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
         """Loader hook (after every parent's hook, which may still read the plain weight)."""
         if can_prepack(self.weight):
-            self.weight = prepack(self.weight)
+            self.packed = prepack(self.weight)
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -108,7 +123,7 @@ class ReplicatedLinear(PrepackedLinear):
         self.bias = _new_param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class ColumnParallelLinear(PrepackedLinear):
@@ -129,7 +144,7 @@ class ColumnParallelLinear(PrepackedLinear):
         _copy_shard(param.data, loaded.narrow(0, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -218,7 +233,7 @@ class RowParallelLinear(PrepackedLinear):
         _copy_shard(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None)
+        y = linear(x, self.weight, None, self.packed)
         if self.reduce:
             y = self.tp.all_reduce(y)
         elif self.tp.rank != 0:
@@ -263,14 +278,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     Only rank 0 samples, so the others return None (a gather, not an all-gather).
     """
 
+    packed: torch.Tensor | None = None
+
     def process_weights_after_loading(self) -> None:
-        """Prepack for the CPU matmul library (a tied head gets its own packed copy; the
-        embedding keeps the plain rows it indexes)."""
+        """A packed copy for the CPU matmul library (a tied head shares the embedding's plain
+        rows and packs its own copy)."""
         if can_prepack(self.weight):
-            self.weight = prepack(self.weight)
+            self.packed = prepack(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = linear(hidden, self.weight, None)  # [N, vocab_per_rank]
+        logits = linear(hidden, self.weight, None, self.packed)  # [N, vocab_per_rank]
         if self.tp.size == 1:
             return logits[:, : self.vocab_size]
         logits = logits.contiguous()

@@ -53,7 +53,8 @@ def prefill_engine(*args, **kwargs) -> tuple[Engine, CopyingSaver]:
 
 
 def assert_tied_head(model) -> None:
-    """A tied LM head reads the embedding's rows: the same tensor, or (CPU prepacking,
+    """A tied LM head reads the embedding's rows: the same tensor, plus (CPU prepacking,
     serve/parallel.py) a packed copy of exactly those rows."""
-    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
-    assert head is embedding or (head.is_mkldnn and torch.equal(head.to_dense(), embedding))
+    head, embedding = model.lm_head, model.model.embed_tokens.weight
+    assert head.weight is embedding
+    assert head.packed is None or torch.equal(head.packed.to_dense(), embedding)

@@ -160,6 +160,57 @@ def test_rotary_neox_in_place_on_a_strided_view(rotary_dim):
     assert torch.equal(fused[:, 2 * 32:], rest_before)  # nothing outside q was touched
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 12])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (7, 37), (1, 8), (50, 200)])
+def test_skinny_linear_matches_torch(rows, out_features, in_features):
+    """Every tile remainder: rows past a multiple of 4, outputs past a multiple of 3, inputs
+    past a multiple of 8 (the scalar tail), with and without bias, on a strided x."""
+    torch.manual_seed(7)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    wide = torch.randn(rows, in_features + 5)
+    x = wide[:, 2:2 + in_features]  # rows a stride apart, the last dimension contiguous
+    torch.testing.assert_close(_ops().skinny_linear(x, weight, None), x @ weight.T,
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_ops().skinny_linear(x, weight, bias), x @ weight.T + bias,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_linear_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] and weight \\[N, K\\]"):
+        _ops().skinny_linear(torch.randn(2, 8), torch.randn(4, 9), None)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        _ops().skinny_linear(torch.randn(2, 8).double(), torch.randn(4, 8).double(), None)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        _ops().skinny_linear(torch.randn(2, 8), torch.randn(8, 4).T, None)
+
+
+def test_decode_rows_take_the_skinny_kernel_and_prefill_rows_the_packed_weight(monkeypatch):
+    """parallel.linear: a decode step's few rows read the plain weight through the skinny
+    kernel; more rows use the packed copy; both equal torch."""
+    from pdserve.serve import parallel
+
+    torch.manual_seed(8)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    packed = parallel.prepack(weight)
+    calls = []
+    ops = _ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(parallel, "fused_fp32", lambda x: Spy())
+    few, many = torch.randn(parallel.SKINNY_MAX_ROWS, 24), torch.randn(64, 24)
+    torch.testing.assert_close(parallel.linear(few, weight, bias, packed), few @ weight.T + bias,
+                               atol=1e-4, rtol=1e-4)
+    assert calls == ["skinny_linear"]
+    torch.testing.assert_close(parallel.linear(many, weight, bias, packed),
+                               many @ weight.T + bias, atol=1e-4, rtol=1e-4)
+    assert calls == ["skinny_linear"]  # the packed path took the 64 rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_cache_matches_reference(dtype):
     torch.manual_seed(5)

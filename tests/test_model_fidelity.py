@@ -114,17 +114,18 @@ def test_step_validation_rejects_bad_ids(llama_dir: Path) -> None:
 
 @pytest.mark.parametrize("prepack", ["0", "1"])
 def test_tied_embeddings_load_once(qwen2_dir: Path, prepack: str, monkeypatch) -> None:
-    """A tied head reads the embedding's rows: the same tensor, or (CPU prepacking) a packed
-    copy of exactly those rows, since the embedding must keep its plain rows to index."""
+    """A tied head reads the embedding's rows: the same tensor, and with CPU prepacking a
+    packed copy of exactly those rows for prefills (the plain rows serve decode steps)."""
     monkeypatch.setenv("PDSERVE_CPU_PREPACK", prepack)
     with ModelRunner(ModelConfig(str(qwen2_dir)), CacheConfig(num_blocks=4)) as runner:
         model = runner._rank.model
         assert runner.spec.tie_word_embeddings
-        head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+        head, embedding = model.lm_head, model.model.embed_tokens.weight
+        assert head.weight is embedding
         if prepack == "0":
-            assert head is embedding
+            assert head.packed is None
         else:
-            assert head.is_mkldnn and torch.equal(head.to_dense(), embedding)
+            assert head.packed.is_mkldnn and torch.equal(head.packed.to_dense(), embedding)
 
 
 def test_llama3_rope_scaling_matches_hf(tmp_path: Path, tokenizer_dir: Path, hf_models) -> None:

@@ -146,7 +146,8 @@ def test_unreduced_row_shards_sum_to_the_full_layer_with_one_bias() -> None:
     torch.testing.assert_close(partial[0] + partial[1], x @ weight.T + bias)
     (replicated,) = _shards(lambda tp: ReplicatedLinear(6, 4, True),
                             [("weight", weight), ("bias", bias)], 1)
-    torch.testing.assert_close(replicated(x), x @ weight.T + bias, atol=0, rtol=0)
+    # (a decode-sized x takes the skinny kernel, whose sums run in another order than torch's)
+    torch.testing.assert_close(replicated(x), x @ weight.T + bias, atol=1e-5, rtol=1e-5)
 
 
 def test_idle_longer_than_collective_timeout_keeps_workers(llama_dir: Path) -> None:

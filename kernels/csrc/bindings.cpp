@@ -6,4 +6,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_neox_", &rotary_neox_);
   m.def("write_kv_cache", &write_kv_cache);
+  m.def("skinny_linear", &skinny_linear);
 }

@@ -13,3 +13,6 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_neox_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
                     torch::Tensor slot_mapping);
+// skinny_gemm.cpp
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight,
+                            c10::optional<torch::Tensor> bias);
