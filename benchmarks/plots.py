@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,7 +26,7 @@ def plot_attainment(attainment_by_label: Mapping[str, Sequence[tuple[float, floa
                     path: str | Path, target: float = 0.9,
                     goodput_by_label: Mapping[str, float | None] | None = None) -> Path:
     """One line per server: SLO attainment (%) against offered request rate (req/s)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, points in attainment_by_label.items():
         points = sorted(points)
@@ -43,13 +43,13 @@ def plot_attainment(attainment_by_label: Mapping[str, Sequence[tuple[float, floa
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("SLO attainment vs request rate")
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 def plot_cdf(values_ms_by_label: Mapping[str, Sequence[float]], path: str | Path,
              metric_name: str, slo_ms: float | None = None) -> Path:
     """Empirical CDF of one latency metric (ms), one line per run, the SLO as a vertical line."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     # Runs are "<server> @ <rate>": one line style per server, one colour per run within it
     # (matplotlib's 10-colour cycle would repeat colours across a two-server sweep).
@@ -76,10 +76,10 @@ def plot_cdf(values_ms_by_label: Mapping[str, Sequence[float]], path: str | Path
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     ax.set_title(f"{metric_name} CDF")
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
-def _save(fig, plt, path: str | Path) -> Path:
+def save_figure(fig, plt, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

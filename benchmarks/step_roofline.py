@@ -175,7 +175,7 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
                "--batch-sizes", *map(str, args.batch_sizes),
                "--contexts", *map(str, args.contexts),
                "--prefill-lengths", *map(str, args.prefill_lengths),
-               "--decode-tokens", str(args.decode_steps)]
+               "--decode-tokens", str(max(32, args.decode_steps))]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         print(f"vLLM run failed:\n{done.stderr[-3000:]}", flush=True)
@@ -185,7 +185,11 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
     if not lines:
         print(f"vLLM printed no result:\n{done.stdout[-2000:]}", flush=True)
         return None
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    if any(row["step_s"] <= 0 for row in result["decode"]):
+        print("vLLM's decode estimate came out <= 0 for a point (noise); left out", flush=True)
+        result["decode"] = [row for row in result["decode"] if row["step_s"] > 0]
+    return result
 
 
 # ---- report -----------------------------------------------------------------------------------

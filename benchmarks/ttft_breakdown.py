@@ -43,7 +43,7 @@ from pdserve.benchmarks.arrivals import ArrivalConfig, arrival_offsets_s
 from pdserve.benchmarks.bench_serve import run_load
 from pdserve.benchmarks.client import EndpointConfig, RequestOutcome, list_models
 from pdserve.benchmarks.datasets import BenchRequest, TokenCodec, random_requests
-from pdserve.benchmarks.plots import _pyplot, _save
+from pdserve.benchmarks.plots import pyplot, save_figure
 
 PHASE_METRIC = "pdserve:request_phase_seconds"
 HANDOVER_METRIC = "pdserve:request_handover_phase_seconds"
@@ -391,7 +391,7 @@ def plot_breakdown(results: Mapping[str, Mapping[str, Any]], path: str | Path,
                    offline_ms: Mapping[str, float] | None = None) -> Path:
     """One stacked bar per run: the TTFT phases and `http` (mean ms); a dot marks the
     client's mean TTFT, dashed lines the offline prefill."""
-    plt = _pyplot()
+    plt = pyplot()
     runs = list(results)
     fig, ax = plt.subplots(figsize=(1.9 * len(runs) + 3.0, 4.8))
     colours = plt.get_cmap("tab10").colors
@@ -415,7 +415,7 @@ def plot_breakdown(results: Mapping[str, Mapping[str, Any]], path: str | Path,
     ax.set_title("Where the time to first token goes")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 # ---- entry point -------------------------------------------------------------------------

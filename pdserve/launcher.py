@@ -45,15 +45,21 @@ class Child:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     """Set in the child's environment on top of the launcher's (CUDA_VISIBLE_DEVICES)."""
+    cpus: list[int] | None = None
+    """The cores the child (and its TP rank processes, which inherit it) runs on; None:
+    any of the launcher's."""
     process: subprocess.Popen | None = None
     state: str = "starting"
 
     def start(self) -> None:
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children
         # in order (router, workers, store), so none waits on a peer that is already gone.
-        self.process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.argv],
-                                        start_new_session=True,
-                                        env={**os.environ, **self.env} if self.env else None)
+        cpus = self.cpus
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *self.argv], start_new_session=True,
+            env={**os.environ, **self.env} if self.env else None,
+            # pinned before the child starts any thread (torch's pool is sized at import)
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
     @property
     def exited(self) -> bool:
@@ -119,6 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with more ranks than GPUs, put several workers on one GPU "
                              "(each gets a share of --gpu-memory-utilization) instead of "
                              "failing")
+    parser.add_argument("--no-cpu-pinning", action="store_true",
+                        help="on a CPU host, let every role float over all cores (default: "
+                             "each worker rank gets cores of its own, and the router and "
+                             "store get cores the workers do not use where there are more "
+                             "than 4)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     add_controller_arguments(parser)
 
@@ -157,10 +168,19 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
         placement = assign_gpus([tp for _, _, tp in workers], gpus or [],
                                 args.allow_gpu_sharing)
     shares = Counter(gpu for worker_gpus in placement for gpu in worker_gpus)
-    # On a CPU host every rank of every worker shares the cores: give each its share, as
-    # pinning does for real deployments, so one worker's burst does not starve another.
+    # On a CPU host each worker rank gets cores of its own (a prefill burst never steals a
+    # decode step's core) and as many threads; without pinning, a share of the cores.
     num_ranks = sum(tp for _, _, tp in workers)
-    cpu_threads = None if device == "cuda" else max(1, (os.cpu_count() or 1) // num_ranks)
+    cores = sorted(os.sched_getaffinity(0))
+    cpu_threads, worker_cores, service_cores = None, [], None
+    if device != "cuda":
+        cpu_threads = max(1, len(cores) // num_ranks)
+        if not args.no_cpu_pinning:
+            worker_cores, service_cores = place_on_cores([tp for _, _, tp in workers], cores)
+            if worker_cores:
+                cpu_threads = len(worker_cores[0]) // workers[0][2]
+    for child in cluster.children:  # the store, started first
+        child.cpus = service_cores
     for index, (role, i, tp) in enumerate(workers):
         argv = [role, "--model", model_dir, "--port", str(port),
                 "--tensor-parallel-size", str(tp), "--worker-id", f"{role}-{i}"]
@@ -184,11 +204,31 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             num_sharing = max(shares[gpu] for gpu in placement[index])
             argv += ["--gpu-memory-utilization",
                      f"{args.gpu_memory_utilization / num_sharing:.4g}"]
-        cluster.children.append(Child(f"{role}-{i}", argv, env))
+        cluster.children.append(Child(f"{role}-{i}", argv, env,
+                                      worker_cores[index] if worker_cores else None))
         router_argv += [f"--{role}", f"tcp://127.0.0.1:{port}"]
         port += 1
-    cluster.children.append(Child("router", router_argv))
+    cluster.children.append(Child("router", router_argv, cpus=service_cores))
     return cluster
+
+
+def place_on_cores(tp_sizes: list[int], cores: list[int]
+                   ) -> tuple[list[list[int]], list[int] | None]:
+    """Each worker's cores (worker i with TP t takes t equal shares, disjoint from every
+    other worker's), and the router's and store's: one core of their own where there are
+    more than 4, else None (they float; they need little). ([], None) where the ranks
+    outnumber the cores: nothing is pinned."""
+    num_ranks = sum(tp_sizes)
+    services = cores[-1:] if len(cores) > 4 and len(cores) - 1 >= num_ranks else None
+    usable = cores[:-1] if services else cores
+    per_rank = len(usable) // num_ranks
+    if per_rank == 0:
+        return [], None
+    placement, start = [], 0
+    for tp in tp_sizes:
+        placement.append(usable[start:start + tp * per_rank])
+        start += tp * per_rank
+    return placement, services
 
 
 def assign_gpus(tp_sizes: list[int], gpus: list[str], allow_sharing: bool = False

@@ -91,3 +91,25 @@ def test_visible_gpus_reads_cuda_visible_devices(monkeypatch) -> None:
     assert launcher.visible_gpus() == [str(i) for i in range(8)]
     monkeypatch.setattr(launcher, "_count_gpus", lambda: 0)
     assert launcher.visible_gpus() == []
+
+
+def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
+    """Disjoint cores per worker rank (and that many threads); the router and store get a
+    core of their own only where there are more than 4; nothing pinned when the ranks
+    outnumber the cores, or with --no-cpu-pinning."""
+    assert launcher.place_on_cores([1, 1], [0, 1]) == ([[0], [1]], None)
+    assert launcher.place_on_cores([2, 1], list(range(8))) == ([[0, 1, 2, 3], [4, 5]], [7])
+    assert launcher.place_on_cores([1], [0, 1]) == ([[0, 1]], None)
+    assert launcher.place_on_cores([2, 2], [0, 1, 2]) == ([], None)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(8)))
+    cluster = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE, "--device", "cpu"), "/m")
+    workers = _workers(cluster)
+    # 5 ranks on the 7 cores left after the services' one: a core per rank
+    assert [workers[r].cpus for r in ("prefill-0", "prefill-1", "decode-0")] == \
+        [[0, 1], [2, 3], [4]]
+    assert all(_flag(w, "--cpu-threads") == "1" for w in workers.values())
+    services = [c for c in cluster.children if c.role in ("store", "router")]
+    assert len(services) == 2 and all(c.cpus == [7] for c in services)
+    unpinned = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE, "--device", "cpu",
+                                   "--no-cpu-pinning"), "/m")
+    assert all(c.cpus is None for c in unpinned.children)
