@@ -1,4 +1,5 @@
 #include "cpu_ops.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -26,12 +27,6 @@ constexpr int64_t kMinChunkTokens = 64;
 constexpr int64_t kItemsPerThread = 4;
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();

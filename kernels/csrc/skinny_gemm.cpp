@@ -8,6 +8,7 @@
 // llama-mid-like model's 94 MB of weights at one row: 23 GB/s with it, 14 GB/s without, and
 // oneDNN's packed layout 14-17 GB/s). fp32 only.
 #include "cpu_ops.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -20,12 +21,6 @@ constexpr int kNT = 3;     // rows of W per tile: 4 x 3 sums + 3 W vectors fit 1
 constexpr int kPrefetchTiles = 2;  // how far ahead W is requested (12 KiB at K = 512)
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // y[m, n] = x_m . w_n for MT rows of x and NT rows of W (K a multiple of 8 up to k8, then
 // a scalar tail).
