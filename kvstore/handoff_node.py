@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +38,15 @@ _LOCAL = Peer(b"in-process", [])
 _request_ids = itertools.count(1)
 
 
+def advertised(bound: str) -> str:
+    """tcp://host:port as another host dials it: a wildcard host (0.0.0.0, ::) becomes this
+    host's own address."""
+    host, _, port = bound.removeprefix("tcp://").rpartition(":")
+    if host in ("0.0.0.0", "*", "::", "[::]", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"tcp://{host}:{port}"
+
+
 class HandoffNode:
     def __init__(self, name: str, host: str, capacity_blocks: int, lease_ttl_s: float,
                  timeout_s: float, transport: str = "ucx", port: int = 0) -> None:
@@ -49,7 +59,8 @@ class HandoffNode:
         self._server = StoreServer(config).start()
         assert self._server.data_service is not None and self._server.data_address
         self._service = self._server.data_service
-        self.address: str = self._server.data_address
+        self.address: str = advertised(self._server.data_address)
+        """Where decode workers reach it: a wildcard bind is named by this host's address."""
         logger.info("hand-off node %s: %d blocks of DRAM at %s", name, capacity_blocks,
                     self.address)
 

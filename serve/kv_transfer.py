@@ -201,7 +201,8 @@ class KVTransfer:
         spec, layout = self.runner.spec, self.connector.layout
         _, planes, block_size, heads, dim = layout.block_shape()
         shape = (planes, len(keys), block_size, heads, dim)
-        staging = [torch.zeros(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
+        # only loaded blocks are ever installed: no need to zero the rest
+        staging = [torch.empty(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
         self._loads[request_id] = (keys, PendingLoad(len(keys), staging, lease_id, source))
         self._started_s["load", request_id] = time.monotonic()
         self.connector.start_load(request_id, keys, list(range(len(keys))), staging, source)
