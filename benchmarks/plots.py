@@ -79,10 +79,10 @@ def plot_cdf(values_ms_by_label: Mapping[str, Sequence[float]], path: str | Path
     return save_figure(fig, plt, path)
 
 
-def save_figure(fig, plt, path: str | Path) -> Path:
+def save_figure(fig, plt, path: str | Path, dpi: int = 100) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

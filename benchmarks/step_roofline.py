@@ -245,11 +245,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
+    from pdserve.benchmarks.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     labels = [f"b{r['batch']}\nc{r['context']}" for r in result["decode"]]
     xs = range(len(labels))
@@ -276,10 +274,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     right.set_ylabel("GFLOP/s")
     right.set_title("prefill against the matmul peak")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, plt, path, dpi=120)
 
 
 def run(args: argparse.Namespace) -> int:

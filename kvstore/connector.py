@@ -35,6 +35,7 @@ blocks it did place, possibly none, and the engine recomputes the rest.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -92,6 +93,11 @@ class _Save:
     copy_done: list[Any] = field(default_factory=list)  # CUDA events of the async copies
 
 
+def block_nbytes(layout: KVLayout) -> int:
+    """Bytes of one stored block (every layer, every KV head)."""
+    return math.prod(layout.block_shape()) * getattr(torch, layout.dtype).itemsize
+
+
 class KVConnector:
     def __init__(self, backend: BlockBackend | None, layout: KVLayout, tp_rank: int = 0,
                  tp_size: int = 1, timeout_s: float = 10.0, lease_ttl_s: float | None = None,
@@ -113,7 +119,7 @@ class KVConnector:
         self.lease_ttl_s = lease_ttl_s
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
         self.block_shape = layout.block_shape()  # [num_layers, P, block_size, H, D]
-        self.block_bytes = torch.empty(self.block_shape, dtype=self.dtype).nbytes
+        self.block_bytes = block_nbytes(layout)
         self._loads: dict[str, _Load] = {}
         self._saves: dict[str, _Save] = {}
         self._results: list[TransferResult] = []

@@ -29,14 +29,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 
 from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output, TokenLogprob
 from pdserve.serve.block_manager import NoFreeBlocksError
 from pdserve.serve.engine import Engine
 from pdserve.serve.kv_transfer import KVTransfer, TransferDone
-from pdserve.serve.request import Request, RequestOutput
+from pdserve.serve.request import RequestOutput
 from pdserve.serve.roles import make_role
 
 logger = logging.getLogger(__name__)
@@ -56,8 +55,7 @@ class HandOff:
         # request id -> (time.monotonic() it arrived here, whether it was handed off to this
         # worker), until its first Output reports its phases
         self._arrivals: dict[str, tuple[float, bool]] = {}
-        self._saver = _TimedKVSaver(kv_transfer) if kv_transfer is not None else None
-        engine.set_role(make_role(role, self._saver))
+        engine.set_role(make_role(role, kv_transfer))
 
     @property
     def role(self) -> str:
@@ -266,9 +264,9 @@ class HandOff:
         return phases
 
     def _take_layer_save_s(self, request_id: str) -> float:
-        if self._saver is None:
+        if self.kv_transfer is None:
             return 0.0
-        return self._saver.layer_save_s.pop(request_id, 0.0)
+        return self.kv_transfer.take_layer_save_s(request_id)
 
     # ---- role -------------------------------------------------------------------------------
     def can_switch_role(self) -> bool:
@@ -281,40 +279,9 @@ class HandOff:
         """Become a `role` worker; the KV transfer (or its absence) stays."""
         if not self.can_switch_role():
             raise RuntimeError(f"{self.worker_id} cannot switch role now")
-        self.engine.set_role(make_role(role, self._saver))
+        self.engine.set_role(make_role(role, self.kv_transfer))
 
     def describe_in_flight(self) -> str:
         return (f"{len(self._held)} hand-offs saving, {len(self._loading)} loads, "
                 f"{len(self._waiting_for_blocks)} waiting for KV blocks")
 
-
-class _TimedKVSaver:
-    """The KV transfer as the prefill role's saver (roles.KVSaver), timing its per-layer hook:
-    that time falls inside the prefill forward, so a request's phases report it apart."""
-
-    def __init__(self, saver: KVTransfer) -> None:
-        self.saver = saver
-        self.layer_save_s: dict[str, float] = {}
-        """Request id -> seconds its prefill steps spent in the per-layer save hook."""
-
-    def start_layerwise_save(self, requests: list[Request]) -> Callable[[int], None] | None:
-        layer_done = self.saver.start_layerwise_save(requests)
-        if layer_done is None:
-            return None
-        request_ids = [r.request_id for r in requests]
-
-        def timed_layer_done(layer: int) -> None:
-            start_s = time.perf_counter()
-            try:
-                layer_done(layer)
-            finally:
-                seconds = time.perf_counter() - start_s
-                for request_id in request_ids:  # each one's forward waited for all of it
-                    self.layer_save_s[request_id] = \
-                        self.layer_save_s.get(request_id, 0.0) + seconds
-
-        return timed_layer_done
-
-    def save_handoff(self, request: Request, block_ids: list[int], block_keys: list[bytes]
-                     ) -> None:
-        self.saver.save_handoff(request, block_ids, block_keys)

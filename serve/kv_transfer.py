@@ -76,6 +76,7 @@ class KVTransfer:
         self._loads: dict[str, tuple[list[bytes], PendingLoad]] = {}
         self._failed: list[TransferDone] = []
         self._started_s: dict[tuple[str, str], float] = {}
+        self._layer_save_s: dict[str, float] = {}  # request id -> seconds in layer_done
         self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
                         "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
                         "layerwise_save_count": 0.0}
@@ -150,8 +151,10 @@ class KVTransfer:
             self._totals["saved_bytes"] += len(keys) * self.connector.block_bytes
             self._totals["layerwise_save_count"] += 1
         kv_caches = runner.kv_caches
+        request_ids = [request.request_id for request in requests]
 
         def layer_done(layer: int) -> None:
+            start_s = time.perf_counter()
             for plan in list(plans):
                 request_id, keys, block_ids = plan
                 try:
@@ -161,8 +164,16 @@ class KVTransfer:
                     logger.warning("saving layer %d of %s failed: %s", layer, request_id, exc)
                     plans.remove(plan)
                     self._fail_save(request_id, keys)
+            seconds = time.perf_counter() - start_s
+            for request_id in request_ids:  # each one's forward waited for all of it
+                self._layer_save_s[request_id] = self._layer_save_s.get(request_id, 0.0) + seconds
 
         return layer_done
+
+    def take_layer_save_s(self, request_id: str) -> float:
+        """Seconds the request's prefill forward spent in the per-layer save hook (it falls
+        inside the prefill, so the request's phases report it apart); forgotten once taken."""
+        return self._layer_save_s.pop(request_id, 0.0)
 
     def _fail_save(self, request_id: str, keys: list[bytes]) -> None:
         self.connector.abort(request_id)

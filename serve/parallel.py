@@ -87,7 +87,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     packed copy of W for more rows when there is one, else torch."""
     if x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.is_contiguous():
         ops = fused_fp32(x)
-        if ops is not None and weight.dtype == torch.float32 and not weight.is_mkldnn:
+        if ops is not None and weight.dtype == torch.float32:
             return ops.skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import signal
 import threading
 from dataclasses import asdict, dataclass, field
@@ -316,8 +315,7 @@ def make_kv_transfer(config: WorkerConfig, engine):
     if config.role == "colocated" or (config.store_address is None
                                       and config.handoff_dram_gb == 0):
         return None
-    import torch
-
+    from pdserve.kvstore.connector import block_nbytes
     from pdserve.kvstore.handoff_node import HandoffNode
     from pdserve.serve.kv_transfer import KVTransfer
 
@@ -325,9 +323,9 @@ def make_kv_transfer(config: WorkerConfig, engine):
     try:
         if config.handoff_dram_gb > 0:
             layout = engine.runner.spec.kv_layout(engine.runner.block_size)
-            block_bytes = math.prod(layout.block_shape()) * getattr(torch, layout.dtype).itemsize
             node = HandoffNode(config.name, config.host,
-                               max(1, int(config.handoff_dram_gb * (1 << 30)) // block_bytes),
+                               max(1, int(config.handoff_dram_gb * (1 << 30))
+                                   // block_nbytes(layout)),
                                config.kv_lease_ttl_s, config.store_timeout_s)
         return KVTransfer.connect(
             engine.runner, engine.block_manager, config.store_address,
