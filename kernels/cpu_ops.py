@@ -6,6 +6,8 @@
     rotary_neox_, write_kv_cache   instead of several torch dispatches (fp32)
     skinny_linear                x W^T for the few rows of a decode step, streaming W from
                                  memory at close to its read speed (serve/parallel.py)
+    llama_decode_layers          a Llama-family decode step's whole layer loop in one call,
+                                 the ops above in the module path's order (serve/fused_decode.py)
 
 Built with torch's C++ extension builder (gcc and ninja; -O3 -march=native, OpenMP through
 torch's own runtime) into torch's extension cache (TORCH_EXTENSIONS_DIR), under a name that
@@ -36,19 +38,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp",
+           "decode_step.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0
 
 
 def library_name() -> str:
-    """pdserve_cpu_ops_<hash of sources, header, flags and torch version>."""
+    """pdserve_cpu_ops_<hash of the sources, their list, header, flags and torch version>."""
     digest = hashlib.sha256(torch.__version__.encode())
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(" ".join(SOURCES + CFLAGS + LDFLAGS).encode())  # what is compiled, and how
     return f"pdserve_cpu_ops_{digest.hexdigest()[:12]}"
 
 

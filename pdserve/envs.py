@@ -38,6 +38,16 @@ def cpu_prepack() -> bool:
     return value == "1"
 
 
+def fused_decode() -> bool:
+    """PDSERVE_FUSED_DECODE=0 runs decode steps through the model's modules layer by layer
+    (default 1: a Llama-family decode step's layer loop runs as one compiled call on CPU,
+    serve/fused_decode.py)."""
+    value = os.environ.get("PDSERVE_FUSED_DECODE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_FUSED_DECODE must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def cpu_kernels() -> bool:
     """PDSERVE_CPU_KERNELS=0 turns pdserve's compiled CPU ops off (fused norm, rotary, SiLU,
     KV writes, in-place decode attention): the plain-torch paths run, as on a

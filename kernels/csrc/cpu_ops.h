@@ -16,3 +16,10 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
 // skinny_gemm.cpp
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight,
                             c10::optional<torch::Tensor> bias);
+// decode_step.cpp
+std::vector<torch::Tensor> llama_decode_layers(
+    torch::Tensor hidden, std::vector<torch::Tensor> weights,
+    std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+    double scale);

@@ -11,6 +11,7 @@ from torch import nn
 
 from pdserve.serve.attention import AttentionMetadata
 from pdserve.serve.distributed import TPGroup
+from pdserve.serve.fused_decode import FusedDecode
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from pdserve.serve.parallel import (
     MergedColumnParallelLinear,
@@ -118,13 +119,28 @@ class DecoderModel(nn.Module):
                 meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
-        residual: torch.Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
-            if layer_done is not None:
-                layer_done(i)
+        fused = self.fused_decode() if layer_done is None else None
+        if fused is not None and fused.applies(hidden, meta):
+            hidden, residual = fused(hidden, kv_caches, meta, cos_sin)
+        else:
+            residual: torch.Tensor | None = None
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+                if layer_done is not None:
+                    layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The layer loop of a decode step as one compiled call (serve/fused_decode.py), built
+        on first use from the loaded weights; None where the model has none."""
+        if "_fused_decode" not in self.__dict__:
+            self.__dict__["_fused_decode"] = self.build_fused_decode()
+        return self.__dict__["_fused_decode"]
+
+    def build_fused_decode(self) -> FusedDecode | None:
+        """A model family with a fused decode loop returns it here."""
+        return None
 
 
 class CausalLM(nn.Module):

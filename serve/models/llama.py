@@ -22,6 +22,7 @@ from torch import nn
 
 from pdserve.serve.attention import Attention, AttentionMetadata
 from pdserve.serve.distributed import TPGroup
+from pdserve.serve.fused_decode import FusedDecode, build_llama_fused_decode
 from pdserve.serve.layers import RMSNorm, RotaryEmbedding
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
@@ -99,6 +100,9 @@ class LlamaModel(DecoderModel):
         rotary_emb = RotaryEmbedding(head_dim_of(hf_config), max_positions, hf_config)
         super().__init__(hf_config, tp, rotary_emb, lambda _: LlamaDecoderLayer(
             hf_config, rotary_emb, qkv_bias, tp, backend_name))
+
+    def build_fused_decode(self) -> FusedDecode | None:
+        return build_llama_fused_decode(self.layers)
 
 
 class LlamaForCausalLM(CausalLM):

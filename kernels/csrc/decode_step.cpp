@@ -1,0 +1,69 @@
+// A Llama-family decode step's layer loop in one call: the CPU's answer to capturing the step
+// as a CUDA graph. At decode batch sizes each op of a layer is microseconds of arithmetic (or a
+// weight stream the skinny product runs at memory speed), but walking 8 layers of nn.Modules in
+// Python costs about 0.3 ms a layer on this project's machines: on a small model, more than
+// the matmuls. Here the loop calls the same kernels, in the same order and on the same
+// tensors, as the module path (serve/models/llama.py): its outputs are bit-identical.
+//
+// Per layer, with T decode rows (one token per sequence):
+//   x, r   = add_rms_norm(h, r, ln1)                 r: the residual stream
+//   qkv    = x W_qkv^T (+ b)                         [T, (H + 2 Hkv) D]
+//   q, k   = rotary (NeoX) in place on qkv's views
+//   cache  <- k, v at slot_mapping; a = paged attention of q over the cache
+//   h      = a W_o^T (+ b)
+//   x, r   = add_rms_norm(h, r, ln2)
+//   h      = silu_and_mul(x W_gu^T (+ b)) W_down^T (+ b)
+// Weights come 10 per layer: ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down; an
+// empty tensor stands for an absent bias. fp32, one tensor-parallel rank.
+#include "cpu_ops.h"
+
+namespace {
+
+constexpr size_t kWeightsPerLayer = 10;
+
+torch::Tensor with_bias(torch::Tensor y, const torch::Tensor& bias) {
+  return bias.numel() == 0 ? y : y + bias;  // the module path adds it after the product
+}
+
+c10::optional<torch::Tensor> optional_bias(const torch::Tensor& bias) {
+  if (bias.numel() == 0) return c10::nullopt;
+  return bias;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> llama_decode_layers(
+    torch::Tensor hidden, std::vector<torch::Tensor> weights,
+    std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+    double scale) {
+  TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer,
+              "llama_decode_layers: ", kWeightsPerLayer, " weights per layer");
+  TORCH_CHECK(hidden.dim() == 2, "llama_decode_layers: hidden [T, hidden]");
+  const int64_t T = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  auto tables = block_tables.to(torch::kInt32).contiguous();
+  auto lens = seq_lens.to(torch::kInt32);
+  c10::optional<torch::Tensor> residual;
+  for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+    const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    const torch::Tensor& cache = kv_caches[layer];
+    auto normed = add_rms_norm(hidden, residual, w[0], eps);
+    residual = normed[1];
+    auto qkv = skinny_linear(normed[0], w[1], optional_bias(w[2]));
+    auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    rotary_neox_(q, cos, sin, rotary_dim);
+    rotary_neox_(k, cos, sin, rotary_dim);
+    write_kv_cache(k, v.contiguous(), cache, slot_mapping);
+    auto attn = paged_last_token_attention(q, cache[0], cache[1], lens, tables, scale);
+    hidden = with_bias(skinny_linear(attn.reshape({T, q_size}), w[3], c10::nullopt), w[4]);
+    normed = add_rms_norm(hidden, residual, w[5], eps);
+    residual = normed[1];
+    auto gate_up = skinny_linear(normed[0], w[6], optional_bias(w[7]));
+    hidden = with_bias(skinny_linear(silu_and_mul(gate_up), w[8], c10::nullopt), w[9]);
+  }
+  return {hidden, residual.has_value() ? *residual : hidden};
+}

@@ -1,0 +1,100 @@
+"""A Llama-family decode step's layer loop in one compiled call (CPU), where it applies.
+
+Walking a decoder's layers as nn.Modules costs Python time per layer (module calls, views,
+argument checks): about 0.3 ms a layer on this project's 2-core machines, 2.5 ms of an 8-layer
+step, which on a small model is more than its matmuls. On CUDA a captured graph removes that;
+on CPU, kernels/csrc/decode_step.cpp runs the loop in C++, calling the very kernels the module
+path calls (add_rms_norm, skinny_linear, rotary_neox_, write_kv_cache, the paged decode
+attention, silu_and_mul), in the same order on the same tensors: its hidden states are
+bit-identical to the module path's (tests/test_fused_decode.py compares them), which stays
+the reference and the path for everything else.
+
+It applies to a step when all of these hold, else the module path runs:
+- PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
+- the model is a dense Llama-family decoder (Llama, Mistral, Qwen2; not MoE, not MLA) with
+  NeoX rotary, on one tensor-parallel rank, with the "cpu" attention backend and fp32 weights;
+- the step is decode-only with at most SKINNY_MAX_ROWS sequences (past that the matmuls take
+  oneDNN's packed weights and Python's share of the step is small), and nobody waits on a
+  per-layer callback (a prefill's KV hand-off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from pdserve import envs
+from pdserve.serve.attention import AttentionMetadata
+from pdserve.serve.layers import RMSNorm, cpu_kernels
+from pdserve.serve.parallel import SKINNY_MAX_ROWS
+
+_NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
+
+
+class FusedDecode:
+    """The weights of every layer in the kernel's order, and the shapes it needs."""
+
+    def __init__(self, ops: ModuleType, weights: list[torch.Tensor], eps: float, num_heads: int,
+                 num_kv_heads: int, head_dim: int, rotary_dim: int, scale: float) -> None:
+        self._ops = ops
+        self._weights = weights
+        self._eps = eps
+        self._shape = (num_heads, num_kv_heads, head_dim, rotary_dim, scale)
+
+    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (meta.is_decode_only and hidden.dim() == 2 and hidden.dtype == torch.float32
+                and hidden.shape[0] <= SKINNY_MAX_ROWS)
+
+    def __call__(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] (embedded) -> (hidden, residual) after the last layer, as the
+        module path's loop returns them."""
+        cos, sin = (t.reshape(t.shape[0], t.shape[-1]) for t in cos_sin)
+        num_heads, num_kv_heads, head_dim, rotary_dim, scale = self._shape
+        out, residual = self._ops.llama_decode_layers(
+            hidden, self._weights, kv_caches, cos, sin, meta.slot_mapping, meta.seq_lens,
+            meta.block_tables, self._eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale)
+        return out, residual
+
+
+def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
+    """The fused loop for these Llama-family layers, or None where it does not apply (see the
+    module docstring); decided once, after the weights are loaded."""
+    from pdserve.serve.models.base import DecoderLayer, GatedMLP
+    from pdserve.serve.models.llama import LlamaAttention
+
+    ops = cpu_kernels()
+    if not envs.fused_decode() or ops is None or not hasattr(ops, "llama_decode_layers"):
+        return None
+    weights: list[torch.Tensor] = []
+    eps: set[float] = set()
+    shapes: set[tuple[int, int, int, int, float]] = set()
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        norms = (getattr(layer, "input_layernorm", None),
+                 getattr(layer, "post_attention_layernorm", None))
+        if (type(layer).forward is not DecoderLayer.forward or type(attn) is not LlamaAttention
+                or type(mlp) is not GatedMLP or any(type(n) is not RMSNorm for n in norms)):
+            return None
+        rotary, qkv, o_proj = attn.rotary_emb, attn.qkv_proj, attn.o_proj
+        gate_up, down = mlp._modules[mlp.gate_up_name], mlp._modules[mlp.down_name]
+        if (attn.attn.backend.name != "cpu" or rotary.is_interleaved
+                or any(p.tp.size != 1 for p in (qkv, o_proj, gate_up, down))):
+            return None
+        layer_weights = [norms[0].weight, qkv.weight, qkv.bias, o_proj.weight, o_proj.bias,
+                         norms[1].weight, gate_up.weight, gate_up.bias, down.weight, down.bias]
+        for w in layer_weights:
+            if w is not None and not (w.device.type == "cpu" and w.dtype == torch.float32
+                                      and w.is_contiguous()):
+                return None
+        weights += [_NO_BIAS if w is None else w.detach() for w in layer_weights]
+        eps.update(n.eps for n in norms)
+        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim,
+                    attn.attn.scale))
+    if not layers or len(eps) != 1 or len(shapes) != 1:
+        return None
+    return FusedDecode(ops, weights, eps.pop(), *shapes.pop())

@@ -1,0 +1,127 @@
+"""The fused decode loop (serve/fused_decode.py, kernels/csrc/decode_step.cpp) against the
+module path it replaces, bit for bit, and against Hugging Face at the edge where it stops
+applying (SKINNY_MAX_ROWS sequences, then one more)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_util import BlockAllocator, hf_logits, load_hf, random_prompts
+from model_walks import assert_rows_match, randomise_biases
+
+from pdserve.kernels import cpu_ops
+from pdserve.protocol.tp import SeqChunk, StepInput
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.fused_decode import FusedDecode
+from pdserve.serve.model_runner import ModelRunner
+from pdserve.serve.parallel import SKINNY_MAX_ROWS
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="CPU kernels not built here")
+
+NUM_BLOCKS = 96
+BLOCK_SIZE = 4
+
+
+def make_runner(model_dir: Path) -> ModelRunner:
+    return ModelRunner(ModelConfig(str(model_dir)),
+                       CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+                       ParallelConfig(device="cpu"))
+
+
+def decoder(runner: ModelRunner):
+    return runner._rank.model.model
+
+
+def run_walk(runner: ModelRunner, num_seqs: int, num_decodes: int, seed: int = 0
+             ) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill num_seqs ragged prompts in one step, then num_decodes decode-only steps of all
+    of them; returns every step's logits and the full token sequences used."""
+    lengths = [3 + (5 * s) % 11 for s in range(num_seqs)]
+    full = random_prompts([n + num_decodes for n in lengths], runner.spec.vocab_size, seed)
+    alloc = BlockAllocator(NUM_BLOCKS, seed)
+    tables = [alloc.table(len(seq), BLOCK_SIZE) for seq in full]
+    steps = [runner.execute(StepInput([
+        SeqChunk(f"r{s}", full[s][:lengths[s]], 0, tables[s], True) for s in range(num_seqs)
+    ]))]
+    for d in range(num_decodes):
+        steps.append(runner.execute(StepInput([
+            SeqChunk(f"r{s}", [full[s][lengths[s] + d]], lengths[s] + d, tables[s], True)
+            for s in range(num_seqs)
+        ])))
+    return steps, [seq[: lengths[s] + num_decodes] for s, seq in enumerate(full)]
+
+
+@pytest.fixture(params=["llama", "qwen2-bias"])
+def model_dir(request, llama_dir: Path, make_model_dir, tmp_path: Path) -> Path:
+    if request.param == "llama":
+        return llama_dir
+    import shutil
+
+    # Qwen2: a bias on Q, K and V (random, so a bias added wrongly shows)
+    out = tmp_path / "qwen2"
+    shutil.copytree(make_model_dir("qwen2", seed=1, tie_word_embeddings=True), out)
+    randomise_biases(out, seed=5)
+    return out
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5, SKINNY_MAX_ROWS])
+def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seqs: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real_call = FusedDecode.__call__
+
+    def counting(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return real_call(self, hidden, *args)
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    with make_runner(model_dir) as fused:
+        assert decoder(fused).fused_decode() is not None
+        fused_steps, _ = run_walk(fused, num_seqs, num_decodes=4)
+    assert calls == [num_seqs] * 4  # every decode step, and no prefill, took the fused loop
+    monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
+    with make_runner(model_dir) as modules:
+        assert decoder(modules).fused_decode() is None
+        module_steps, _ = run_walk(modules, num_seqs, num_decodes=4)
+    assert calls == [num_seqs] * 4
+    for got, want in zip(fused_steps, module_steps, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_hf_logits_at_and_past_the_fused_edge(llama_dir: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real_call = FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__",
+                        lambda self, hidden, *a: calls.append(hidden.shape[0])
+                        or real_call(self, hidden, *a))
+    hf = load_hf(llama_dir)
+    with make_runner(llama_dir) as runner:
+        for num_seqs in (SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+            steps, seqs = run_walk(runner, num_seqs, num_decodes=2, seed=num_seqs)
+            expected = [hf_logits(hf, seq) for seq in seqs]
+            for d, logits in enumerate(steps[1:]):
+                assert_rows_match(logits, [e[len(seq) - 2 + d] for e, seq in
+                                           zip(expected, seqs, strict=True)])
+    assert calls == [SKINNY_MAX_ROWS] * 2  # past the edge the module path ran
+
+
+@pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])
+def test_other_families_keep_the_module_path(architecture: str, make_model_dir) -> None:
+    with make_runner(make_model_dir(architecture, seed=3)) as runner:
+        assert decoder(runner).fused_decode() is None
+
+
+def test_torch_attention_backend_keeps_the_module_path(llama_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
+    with make_runner(llama_dir) as runner:
+        assert decoder(runner).fused_decode() is None
+
+
+def test_bad_switch_value_is_refused(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_FUSED_DECODE", "yes")
+    with make_runner(llama_dir) as runner, pytest.raises(ValueError, match="FUSED_DECODE"):
+        decoder(runner).fused_decode()
