@@ -4,9 +4,12 @@ Open-loop means the send times are fixed before the run and do not wait for resp
 slow server builds a queue instead of silently lowering the offered load (closed-loop clients
 hide overload; DistServe and vLLM's `bench serve` both measure open-loop).
 
-Inter-arrival gaps follow a gamma distribution with shape `burstiness` and mean
-`1 / request_rate`: shape 1 is a Poisson process (exponential gaps), shape < 1 is burstier,
-shape > 1 more regular. This is the parameterisation vLLM's `--burstiness` uses.
+The offsets are the ones `vllm bench serve` (0.32) computes, draw for draw: gaps from the
+legacy numpy RNG seeded with --seed (`np.random.seed`; after a dataset that draws from it,
+e.g. prefix_repetition, they continue from its state), gamma with shape `burstiness` and
+scale 1 / (rate * burstiness), one gap before every request including the first; their
+running sum is then rescaled so the last request goes out at exactly num_requests / rate.
+Burstiness 1 is a Poisson process, < 1 burstier, > 1 smoother, inf evenly spaced.
 """
 
 from __future__ import annotations
@@ -24,21 +27,23 @@ class ArrivalConfig:
 
     # Mean requests per second; math.inf sends every request at time 0.
     request_rate: float = math.inf
-    # Gamma shape of the inter-arrival gaps: 1.0 = Poisson, < 1 bursty, > 1 smooth.
+    # Gamma shape of the inter-arrival gaps: 1.0 = Poisson, < 1 bursty, > 1 smooth, inf even.
     burstiness: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
-        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
-            raise ValueError(f"burstiness must be a positive finite number, got {self.burstiness}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0 (or inf), got {self.burstiness}")
 
 
-def arrival_offsets_s(num_requests: int, config: ArrivalConfig) -> np.ndarray:
-    """Send times in seconds after the start, non-decreasing, first one at 0.
+def arrival_offsets_s(num_requests: int, config: ArrivalConfig,
+                      rng: np.random.RandomState | None = None) -> np.ndarray:
+    """Send times in seconds after the start, non-decreasing, as vLLM 0.32 draws them.
 
-    Returns [num_requests] float64. Deterministic for a given config (seeded generator).
+    `rng` continues a legacy RNG a dataset already drew from (default: fresh, seeded with
+    config.seed) and is advanced. Returns [num_requests] float64.
     """
     if num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
@@ -46,13 +51,17 @@ def arrival_offsets_s(num_requests: int, config: ArrivalConfig) -> np.ndarray:
         return np.zeros(0)
     if math.isinf(config.request_rate):
         return np.zeros(num_requests)
-    rng = np.random.default_rng(config.seed)
-    mean_gap_s = 1.0 / config.request_rate
-    # Gamma(shape k, scale theta) has mean k * theta: theta = mean / k keeps the rate.
-    gaps_s = rng.gamma(config.burstiness, mean_gap_s / config.burstiness, size=num_requests)
-    # The first request goes out at once; the remaining n-1 gaps space out the rest.
-    gaps_s[0] = 0.0
-    return np.cumsum(gaps_s)
+    if math.isinf(config.burstiness):
+        gaps_s = np.full(num_requests, 1.0 / config.request_rate)
+    else:
+        rng = rng if rng is not None else np.random.RandomState(config.seed)
+        scale_s = 1.0 / (config.request_rate * config.burstiness)
+        gaps_s = rng.gamma(config.burstiness, scale_s, size=num_requests)
+    # cumsum adds left to right, as vLLM's loop does, so the sums agree to the last bit.
+    offsets_s = np.cumsum(gaps_s)
+    if offsets_s[-1] != 0:
+        offsets_s = offsets_s * ((num_requests / config.request_rate) / offsets_s[-1])
+    return offsets_s
 
 
 def trace_offsets_s(timestamps_ms: Sequence[float], time_scale: float = 1.0) -> np.ndarray:

@@ -1,10 +1,13 @@
 """`pdserve bench`: goodput benchmark of any OpenAI-compatible server (pdserve, vLLM, SGLang).
 
 Flags that mean the same as `vllm bench serve`'s carry the same names, and the JSON result
-uses vLLM's field names, so a vLLM user needs nothing new. On top of vLLM it adds
-shared-prefix and Mooncake-trace workloads, SLO attainment, a rate sweep that finds the
-goodput rate (DistServe: the highest rate with >= 90% of requests meeting every SLO), a
-compare mode against a second server, and PNG plots.
+uses vLLM's field names, so a vLLM user needs nothing new. For `--dataset-name random` and
+`prefix_repetition` with Poisson / gamma arrivals it sends the very prompts at the very times
+`vllm bench serve` 0.32 sends for the same flags and seed (vllm_datasets.py, arrivals.py), so
+the two clients can be checked against each other request by request. On top of vLLM it adds
+shared-prefix and Mooncake-trace workloads, SLO attainment, failures counted by cause, a rate
+sweep and a goodput search (DistServe: the highest rate with >= 90% of requests meeting every
+SLO, goodput_search.py), a compare mode against a second server, and PNG plots.
 
     pdserve bench --base-url http://127.0.0.1:8000 --model tiny --tokenizer DIR \\
         --dataset-name random --random-input-len 128 --random-output-len 32 --ignore-eos \\
@@ -23,6 +26,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,9 +49,9 @@ from pdserve.benchmarks.datasets import (
     TraceScaling,
     load_mooncake_trace,
     mooncake_requests,
-    random_requests,
     shared_prefix_requests,
 )
+from pdserve.benchmarks.goodput_search import RateSearch, SearchConfig, summarize_searches
 from pdserve.benchmarks.metrics import (
     DEFAULT_TARGET_ATTAINMENT,
     SLOConfig,
@@ -65,8 +69,11 @@ from pdserve.benchmarks.report import (
     print_sweep,
     save_results,
 )
+from pdserve.benchmarks.vllm_datasets import prefix_repetition_requests, random_requests
 
-DATASETS = ("random", "shared-prefix", "mooncake")
+DATASETS = ("random", "prefix_repetition", "shared-prefix", "mooncake")
+# vLLM turns --ignore-eos on for these (its random prompts would otherwise end at random).
+IGNORE_EOS_DATASETS = ("random",)
 
 
 class BenchError(RuntimeError):
@@ -102,7 +109,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--seed", type=int, default=ArrivalConfig.seed)
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-range-ratio", default="0.0",
+                      help='a float, or JSON {"input": a, "output": b}; lengths are uniform '
+                           "in [len * (1 - r), len * (1 + r)]")
+    data.add_argument("--random-prefix-len", type=int, default=0,
+                      help="tokens of one random prefix every random prompt starts with")
+    data.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    data.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    data.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    data.add_argument("--disable-shuffle", action="store_true",
+                      help="prefix_repetition: keep prompts grouped by prefix")
     data.add_argument("--shared-prefix-num-prefixes", type=int, default=8)
     data.add_argument("--shared-prefix-num-suffixes", type=int, default=8)
     data.add_argument("--shared-prefix-len", type=int, default=256)
@@ -121,9 +138,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=float, default=ArrivalConfig.request_rate,
                       help="mean requests/s (inf = all at once)")
     load.add_argument("--burstiness", type=float, default=ArrivalConfig.burstiness,
-                      help="gamma shape of arrivals: 1 = Poisson, <1 burstier")
+                      help="gamma shape of arrivals: 1 = Poisson, <1 burstier, inf even")
     load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--ignore-eos", action="store_true")
+    load.add_argument("--num-warmups", type=int, default=0,
+                      help="unmeasured copies of the first prompt sent before measuring")
+    load.add_argument("--ready-check-timeout-sec", type=float, default=0,
+                      help="send the first prompt, unmeasured, until it succeeds or this "
+                           "many seconds pass (0: no test request, as in vLLM)")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="always on for --dataset-name random, as in vLLM")
     load.add_argument("--temperature", type=float, default=None)
     load.add_argument("--extra-body", default=None, help="JSON merged into every request")
 
@@ -138,6 +161,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="new prompts at each sweep rate (seed + rate index), so a prefix "
                           "cache does not serve later rates from the earlier ones")
     slo.add_argument("--target-attainment", type=float, default=DEFAULT_TARGET_ATTAINMENT)
+    slo.add_argument("--goodput-search", action="store_true",
+                     help="find the highest rate meeting --target-attainment: double from "
+                          "--search-min-rate, then bisect; repeated --search-repeats times "
+                          "with fresh seeds (median and spread reported)")
+    slo.add_argument("--search-min-rate", type=float, default=SearchConfig.min_rate)
+    slo.add_argument("--search-max-rate", type=float, default=SearchConfig.max_rate)
+    slo.add_argument("--search-tolerance", type=float, default=SearchConfig.rel_tolerance,
+                     help="stop when the bracket is narrower than this fraction of its rate")
+    slo.add_argument("--search-max-runs", type=int, default=SearchConfig.max_runs,
+                     help="load runs per repeat")
+    slo.add_argument("--search-repeats", type=int, default=SearchConfig.num_repeats)
+    slo.add_argument("--search-max-time", type=float, default=SearchConfig.max_time_s,
+                     help="seconds for all repeats on one server; no run starts after it")
     slo.add_argument("--num-workers", type=int, default=1,
                      help="serving workers behind the URL, for goodput per worker")
 
@@ -155,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--result-filename", default=None)
     out.add_argument("--no-plots", action="store_true", help="skip PNG plots on --save-result")
     out.add_argument("--metric-percentiles", default="99")
+    out.add_argument("--percentile-metrics", default=None,
+                     help="accepted for vLLM's command lines; ttft, tpot, itl and e2el are "
+                          "always reported")
     out.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -186,12 +225,22 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--num-prompts must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    if args.num_warmups < 0 or args.ready_check_timeout_sec < 0:
+        raise ValueError("--num-warmups and --ready-check-timeout-sec must be >= 0")
     if args.num_workers < 1:
         raise ValueError("--num-workers must be >= 1")
     if args.sweep_refine_steps < 0:
         raise ValueError("--sweep-refine-steps must be >= 0")
     if args.sweep_fresh_prompts and args.sweep_rates is None:
         raise ValueError("--sweep-fresh-prompts needs --sweep-rates")
+    if args.goodput_search:
+        _search_config(args)  # validates the bounds
+        if args.sweep_rates is not None:
+            raise ValueError("--goodput-search and --sweep-rates exclude each other")
+        if not args.goodput:
+            raise ValueError("--goodput-search needs SLOs: add --goodput ttft:MS tpot:MS")
+        if args.dataset_name == "mooncake":
+            raise ValueError("--goodput-search varies the rate: a trace has its own times")
     if args.sweep_rates is not None:
         if any(not r > 0 for r in args.sweep_rates):
             raise ValueError("--sweep-rates must all be > 0 (inf allowed)")
@@ -219,19 +268,60 @@ def _trace_scaling(args: argparse.Namespace) -> TraceScaling:
                         trace_block_size=args.trace_block_size)
 
 
-def build_requests(args: argparse.Namespace, codec: TokenCodec) -> list[BenchRequest]:
-    """The workload the flags describe (same seed -> same prompts)."""
+def _search_config(args: argparse.Namespace) -> SearchConfig:
+    return SearchConfig(args.target_attainment, args.search_min_rate, args.search_max_rate,
+                        args.search_tolerance, args.search_max_runs, args.search_repeats,
+                        args.search_max_time)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The prompts of one run and where its arrival gaps are drawn from."""
+
+    requests: list[BenchRequest]
+    # State of the legacy numpy RNG the gaps come from: vLLM seeds its global one with --seed
+    # and a dataset may draw from it first (prefix_repetition), so gaps continue from there.
+    arrival_rng_state: tuple[Any, ...]
+
+    def arrival_rng(self) -> np.random.RandomState:
+        rng = np.random.RandomState()
+        rng.set_state(self.arrival_rng_state)
+        return rng
+
+
+def build_workload(args: argparse.Namespace, codec: TokenCodec) -> Workload:
+    """The workload the flags describe (same seed -> same prompts and arrival gaps)."""
+    legacy_rng = np.random.RandomState(args.seed)
+    num_prompts = args.num_prompts or 1000
     if args.dataset_name == "random":
-        return random_requests(codec, args.num_prompts or 1000, args.random_input_len,
-                               args.random_output_len, args.random_range_ratio, args.seed)
-    if args.dataset_name == "shared-prefix":
+        requests = random_requests(codec, num_prompts, args.random_input_len,
+                                   args.random_output_len, args.random_range_ratio, args.seed,
+                                   args.random_prefix_len)
+    elif args.dataset_name == "prefix_repetition":
+        requests = prefix_repetition_requests(
+            codec, num_prompts, args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len, legacy_rng,
+            None if args.disable_shuffle else args.seed)
+    elif args.dataset_name == "shared-prefix":
         requests = shared_prefix_requests(
             codec, args.shared_prefix_num_prefixes, args.shared_prefix_num_suffixes,
             args.shared_prefix_len, args.shared_suffix_len, args.shared_prefix_output_len,
             args.seed)
-        return requests[: args.num_prompts] if args.num_prompts else requests
-    entries = load_mooncake_trace(args.dataset_path, args.num_prompts)
-    return mooncake_requests(codec, entries, _trace_scaling(args), args.seed)
+        requests = requests[: args.num_prompts] if args.num_prompts else requests
+    else:
+        entries = load_mooncake_trace(args.dataset_path, args.num_prompts)
+        requests = mooncake_requests(codec, entries, _trace_scaling(args), args.seed)
+    return Workload(requests, legacy_rng.get_state())
+
+
+def build_requests(args: argparse.Namespace, codec: TokenCodec) -> list[BenchRequest]:
+    """The prompts the flags describe (same seed -> same prompts)."""
+    return build_workload(args, codec).requests
+
+
+def _with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "seed": seed})
 
 
 def _tokenizer_name(args: argparse.Namespace) -> str | None:
@@ -280,51 +370,101 @@ async def run_load(http: httpx.AsyncClient, endpoint: EndpointConfig,
     return list(outcomes), time.perf_counter() - start_s
 
 
-def _offsets(requests: Sequence[BenchRequest], rate: float, args: argparse.Namespace
-             ) -> np.ndarray:
+def _offsets(workload: Workload, rate: float, args: argparse.Namespace) -> np.ndarray:
+    requests = workload.requests
     if requests and requests[0].arrival_offset_s is not None:
         return np.array([r.arrival_offset_s for r in requests])
-    return arrival_offsets_s(len(requests), ArrivalConfig(rate, args.burstiness, args.seed))
+    return arrival_offsets_s(len(requests), ArrivalConfig(rate, args.burstiness, args.seed),
+                             workload.arrival_rng())
 
 
-async def _run_level(http: httpx.AsyncClient, server: ServerResult,
-                     requests: Sequence[BenchRequest], rate: float, slo: SLOConfig,
-                     codec: TokenCodec, args: argparse.Namespace,
+async def _run_level(http: httpx.AsyncClient, server: ServerResult, workload: Workload,
+                     rate: float, slo: SLOConfig, codec: TokenCodec, args: argparse.Namespace,
                      percentiles: Sequence[float]) -> RunResult:
+    requests = workload.requests
     outcomes, duration_s = await run_load(
-        http, server.endpoint, requests, _offsets(requests, rate, args), args.max_concurrency,
+        http, server.endpoint, requests, _offsets(workload, rate, args), args.max_concurrency,
         args.disable_tqdm, desc=f"{server.label} @ {rate:g} req/s")
     output_tokens = output_token_counts(outcomes, codec.count)
     summary = summarize(outcomes, output_tokens, duration_s, slo, percentiles)
     is_trace = bool(requests) and requests[0].arrival_offset_s is not None
-    run = RunResult(server.label, rate, summary, outcomes, output_tokens, is_trace)
+    run = RunResult(server.label, rate, summary, outcomes, output_tokens, is_trace, args.seed)
     server.runs.append(run)
     return run
 
 
-async def _check_server(http: httpx.AsyncClient, endpoint: EndpointConfig,
-                        request: BenchRequest) -> None:
-    """One unmeasured request first: it fails fast with a clear message and warms the server."""
-    outcome = await send_request(http, endpoint, request)
-    if not outcome.success:
-        if outcome.error.startswith(("ConnectError", "ConnectTimeout")):
-            raise ServerUnreachableError(f"cannot reach {endpoint.url}: {outcome.error}")
-        raise BenchError(f"test request to {endpoint.url} failed: {outcome.error}")
+async def _check_reachable(http: httpx.AsyncClient, base_url: str) -> None:
+    """Fails fast when nothing answers at `base_url` (any HTTP answer will do)."""
+    try:
+        await http.get(base_url.rstrip("/") + "/v1/models", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise ServerUnreachableError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from e
 
 
-async def _bench_server(http: httpx.AsyncClient, server: ServerResult,
-                        requests: Sequence[BenchRequest], slo: SLOConfig, codec: TokenCodec,
-                        args: argparse.Namespace, percentiles: Sequence[float]) -> None:
-    def level_requests() -> Sequence[BenchRequest]:
+async def _ready_check(http: httpx.AsyncClient, endpoint: EndpointConfig,
+                       request: BenchRequest, timeout_s: float) -> None:
+    """vLLM's --ready-check-timeout-sec: the first prompt, unmeasured, until it succeeds."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        outcome = await send_request(http, endpoint, request)
+        if outcome.success:
+            return
+        if time.monotonic() >= deadline_s:
+            raise BenchError(f"test request to {endpoint.url} failed: {outcome.error}")
+        await asyncio.sleep(1.0)
+
+
+async def _warm_up(http: httpx.AsyncClient, endpoint: EndpointConfig, request: BenchRequest,
+                   num_warmups: int, max_concurrency: int | None) -> None:
+    """vLLM's --num-warmups: the first prompt, unmeasured, num_warmups times at once."""
+    semaphore = asyncio.Semaphore(max_concurrency or num_warmups or 1)
+
+    async def one() -> None:
+        async with semaphore:
+            await send_request(http, endpoint, request)
+
+    await asyncio.gather(*(one() for _ in range(num_warmups)))
+
+
+async def _search_server(http: httpx.AsyncClient, server: ServerResult, slo: SLOConfig,
+                         codec: TokenCodec, args: argparse.Namespace,
+                         percentiles: Sequence[float], deadline_s: float) -> None:
+    """Repeated bracketing searches; every run gets fresh prompts and arrivals (its own seed),
+    so a prefix cache never serves a run from an earlier one."""
+    config = _search_config(args)
+    searches = []
+    for repeat in range(config.num_repeats):
+        search = RateSearch(config)
+        searches.append(search)
+        while (rate := search.next_rate()) is not None and time.monotonic() < deadline_s:
+            run_args = _with_seed(args, args.seed + 1000 * repeat + len(search.points))
+            run = await _run_level(http, server, build_workload(run_args, codec), rate, slo,
+                                   codec, run_args, percentiles)
+            run.repeat = repeat
+            search.record(rate, run.summary["slo_attainment"])
+            print(f"{server.label}: search {repeat + 1}/{config.num_repeats}: {rate:g} req/s "
+                  f"-> attainment {100 * run.summary['slo_attainment']:.1f}%", file=sys.stderr)
+    server.search = summarize_searches(searches)
+    server.goodput_rate = server.search.median_rate
+
+
+async def _bench_server(http: httpx.AsyncClient, server: ServerResult, workload: Workload,
+                        slo: SLOConfig, codec: TokenCodec, args: argparse.Namespace,
+                        percentiles: Sequence[float], deadline_s: float) -> None:
+    if args.goodput_search:
+        await _search_server(http, server, slo, codec, args, percentiles, deadline_s)
+        return
+
+    def level_workload() -> tuple[Workload, argparse.Namespace]:
         if not args.sweep_fresh_prompts or not server.runs:
-            return requests
-        return build_requests(argparse.Namespace(**{**vars(args),
-                                                    "seed": args.seed + len(server.runs)}),
-                              codec)
+            return workload, args
+        level_args = _with_seed(args, args.seed + len(server.runs))
+        return build_workload(level_args, codec), level_args
 
     rates = sorted(args.sweep_rates) if args.sweep_rates else [args.request_rate]
     for rate in rates:
-        await _run_level(http, server, level_requests(), rate, slo, codec, args, percentiles)
+        level, level_args = level_workload()
+        await _run_level(http, server, level, rate, slo, codec, level_args, percentiles)
     if not args.sweep_rates:
         return
     points = [(r.request_rate, r.summary["slo_attainment"]) for r in server.runs]
@@ -333,8 +473,8 @@ async def _bench_server(http: httpx.AsyncClient, server: ServerResult,
         mid = next_sweep_rate(points, args.target_attainment)
         if mid is None:
             break
-        run = await _run_level(http, server, level_requests(), mid, slo, codec, args,
-                               percentiles)
+        level, level_args = level_workload()
+        run = await _run_level(http, server, level, mid, slo, codec, level_args, percentiles)
         points.append((mid, run.summary["slo_attainment"]))
         best = goodput_rate(points, args.target_attainment)
     server.runs.sort(key=lambda r: r.request_rate)
@@ -363,7 +503,8 @@ async def _main(args: argparse.Namespace) -> int:
     if tokenizer_id is None:
         print("pdserve bench: no --tokenizer: prompts use synthetic words, input lengths are "
               "nominal; output tokens come from the server's usage", file=sys.stderr)
-    requests = build_requests(args, codec)
+    workload = build_workload(args, codec)
+    requests = workload.requests
     base_urls = [args.base_url or f"http://{args.host}:{args.port}"]
     models, labels = [args.model], [args.label]
     if args.compare_base_url:
@@ -377,19 +518,31 @@ async def _main(args: argparse.Namespace) -> int:
         for base_url, model, label in zip(base_urls, models, labels, strict=True):
             EndpointConfig(base_url, model or "-")  # validates the URL before any network
             model = await _resolve_model(http, base_url, model)
-            endpoint = EndpointConfig(base_url, model, _endpoint_path(args), args.ignore_eos,
+            ignore_eos = args.ignore_eos or args.dataset_name in IGNORE_EOS_DATASETS
+            endpoint = EndpointConfig(base_url, model, _endpoint_path(args), ignore_eos,
                                       args.request_timeout, _extra_body(args))
             servers.append(ServerResult(label or urlsplit(base_url).netloc, endpoint))
-        # Every server answers a test request before any is measured, so a wrong second URL
-        # fails in seconds, not after the first server's whole sweep.
+        # Every server must answer before any is measured, so a wrong second URL fails in
+        # seconds, not after the first server's whole sweep. Like `vllm bench serve` (0.32),
+        # no completion is sent before the measured ones unless asked for: the server sees
+        # exactly the requests vLLM's client would send.
         for server in servers:
-            await _check_server(http, server.endpoint, requests[0])
+            await _check_reachable(http, server.endpoint.base_url)
+            if args.ready_check_timeout_sec > 0:
+                await _ready_check(http, server.endpoint, requests[0],
+                                   args.ready_check_timeout_sec)
         for server in servers:
-            await _bench_server(http, server, requests, slo, codec, args, percentiles)
+            await _warm_up(http, server.endpoint, requests[0], args.num_warmups,
+                           args.max_concurrency)
+            # Each server of a compare gets the whole --search-max-time.
+            deadline_s = time.monotonic() + args.search_max_time
+            await _bench_server(http, server, workload, slo, codec, args, percentiles,
+                                deadline_s)
     for server in servers:
-        for run in server.runs:
-            print_run(run, percentiles)
-        if args.sweep_rates:
+        if not args.goodput_search:
+            for run in server.runs:
+                print_run(run, percentiles)
+        if args.sweep_rates or args.goodput_search:
             print_sweep(server, args)
     ratios = compare_ratios(servers[0], servers[1]) if len(servers) == 2 else None
     if ratios is not None:

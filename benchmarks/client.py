@@ -10,6 +10,12 @@ is not a token, so it does not start the TTFT clock early.
 
 Output token counts come from the stream's `usage` (requested with `include_usage`), else from
 counting the generated text with the harness's tokenizer (done by the caller).
+
+A failed request keeps its message (`error`, vLLM's per-request field) and a short cause
+(`error_cause`) that failures are counted by: "HTTP 429 rate_limit_error" (status and the
+OpenAI error type of the body, when it has one), "stream cut" (the connection closed before
+the stream ended), "timeout", "connect", "stream error <type>" (an error event inside a
+200 stream), "malformed stream", "empty stream" (ended without a token).
 """
 
 from __future__ import annotations
@@ -80,6 +86,12 @@ class RequestOutcome:
     cached_tokens: int | None = None
     """Prompt tokens the server served from a prefix cache (usage.prompt_tokens_details)."""
     num_token_chunks: int = 0
+    # Short failure class failures are counted by ("" on success); see the module docstring.
+    error_cause: str = ""
+
+    def fail(self, cause: str, message: str) -> RequestOutcome:
+        self.success, self.error_cause, self.error = False, cause, message
+        return self
 
 
 def request_body(endpoint: EndpointConfig, request: BenchRequest) -> dict[str, Any]:
@@ -114,6 +126,31 @@ def _token_text(choice: dict[str, Any], is_chat: bool) -> str | None:
     return None
 
 
+def _error_type(body: str) -> str | None:
+    """The OpenAI error type ("rate_limit_error", ...) of an error body, or None."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    error = document.get("error", document)  # vLLM's older bodies put type at the top
+    if isinstance(error, dict):
+        kind = error.get("type") or error.get("code")
+        return str(kind) if kind else None
+    return None
+
+
+def _transport_cause(error: httpx.HTTPError) -> str:
+    if isinstance(error, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(error, httpx.ConnectError):
+        return "connect"
+    if isinstance(error, httpx.RemoteProtocolError | httpx.ReadError):
+        return "stream cut"  # peer closed mid-body (incomplete chunked read, reset)
+    return type(error).__name__
+
+
 async def send_request(http: httpx.AsyncClient, endpoint: EndpointConfig,
                        request: BenchRequest) -> RequestOutcome:
     """Send `request`, stream the answer, and time it. Never raises for server-side errors."""
@@ -127,9 +164,10 @@ async def send_request(http: httpx.AsyncClient, endpoint: EndpointConfig,
         async with http.stream("POST", endpoint.url, json=body,
                                timeout=endpoint.request_timeout_s) as response:
             if response.status_code != 200:
-                detail = (await response.aread()).decode(errors="replace")[:300]
-                outcome.error = f"HTTP {response.status_code}: {detail}"
-                return outcome
+                detail = (await response.aread()).decode(errors="replace")
+                kind = _error_type(detail)
+                cause = f"HTTP {response.status_code}" + (f" {kind}" if kind else "")
+                return outcome.fail(cause, f"HTTP {response.status_code}: {detail[:300]}")
             async for line in response.aiter_lines():
                 # SSE: "data: <json>" lines; blank separators and ":" comments carry nothing.
                 if not line.startswith("data:"):
@@ -139,8 +177,9 @@ async def send_request(http: httpx.AsyncClient, endpoint: EndpointConfig,
                     break
                 chunk = json.loads(payload)
                 if "error" in chunk and not chunk.get("choices"):
-                    outcome.error = f"server error in stream: {str(chunk['error'])[:300]}"
-                    return outcome
+                    kind = _error_type(json.dumps(chunk))
+                    return outcome.fail("stream error" + (f" {kind}" if kind else ""),
+                                        f"server error in stream: {str(chunk['error'])[:300]}")
                 now_s = time.perf_counter()
                 choices = chunk.get("choices")
                 if choices:
@@ -162,15 +201,12 @@ async def send_request(http: httpx.AsyncClient, endpoint: EndpointConfig,
                     if details.get("cached_tokens") is not None:
                         outcome.cached_tokens = int(details["cached_tokens"])
     except httpx.HTTPError as e:
-        outcome.error = f"{type(e).__name__}: {e}"
-        return outcome
+        return outcome.fail(_transport_cause(e), f"{type(e).__name__}: {e}")
     except (json.JSONDecodeError, TypeError, AttributeError, KeyError, ValueError) as e:
-        outcome.error = f"malformed stream chunk: {e}"
-        return outcome
+        return outcome.fail("malformed stream", f"malformed stream chunk: {e}")
     outcome.generated_text = "".join(text_parts)
     if outcome.num_token_chunks == 0:
-        outcome.error = "the stream carried no token"
-        return outcome
+        return outcome.fail("empty stream", "the stream carried no token")
     outcome.latency_s = last_token_s - start_s
     outcome.success = True
     return outcome

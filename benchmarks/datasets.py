@@ -1,8 +1,7 @@
 """Workloads: the prompts a benchmark sends, with their lengths and (for traces) send times.
 
-Three sources, each deterministic for a seed:
-- random: token ids drawn uniformly from the vocabulary, lengths uniform in
-  [len * (1 - range_ratio), len * (1 + range_ratio)] (vLLM's `random` dataset semantics);
+Sources, each deterministic for a seed (vLLM's `random` and `prefix_repetition`, drawn as vLLM
+draws them, live in vllm_datasets.py):
 - shared-prefix: N random prefixes x M random suffixes, shuffled, so a prefix cache can hit;
 - mooncake: a Mooncake-format JSONL trace (timestamp ms, input/output lengths, hash ids of
   512-token prefix blocks) scaled to fit a small machine. Each block's tokens are synthesized
@@ -17,7 +16,6 @@ each; lengths are then nominal and the server's reported usage is the truth).
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +49,8 @@ def _synthetic_words(num_words: int = 1024) -> list[str]:
     # into one or two tokens; only used when no tokenizer is given.
     consonants, vowels = "bcdfghjklmnprstvz", "aeiou"
     syllables = [c + v for c in consonants for v in vowels]
-    return [" " + syllables[i % len(syllables)] + syllables[(i * 7 + 3) % len(syllables)]
+    # 85 x 85 distinct two-syllable words: no two ids share a word.
+    return [" " + syllables[(i // len(syllables)) % len(syllables)] + syllables[i % len(syllables)]
             for i in range(num_words)]
 
 
@@ -63,15 +62,51 @@ class RustTokenizer:
     without importing transformers (and with it torch) into a process that only measures HTTP.
     """
 
+    # The special-token names Hugging Face's tokenizers hold as attributes (all_special_ids).
+    _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token")
+
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer
 
+        path = Path(path)
         self._tokenizer = Tokenizer.from_file(str(path))
-        added = self._tokenizer.get_added_tokens_decoder()
-        self.all_special_ids = sorted(i for i, token in added.items() if token.special)
+        config = self._read_config(path.parent / "tokenizer_config.json")
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces",
+                                                            False))
+        # As Hugging Face counts them: the named special tokens and the extra ones, not every
+        # added token flagged special (<|im_start|> is an added token but not "special" there).
+        names = [config.get(key) for key in self._NAMED_SPECIAL]
+        names += list(config.get("extra_special_tokens") or [])
+        names += list(config.get("additional_special_tokens") or [])
+        names += [v for k, v in self._read_config(path.parent / "special_tokens_map.json").items()
+                  if k in self._NAMED_SPECIAL]
+        ids = {self._tokenizer.token_to_id(self._token_text(n)) for n in names if n}
+        self.all_special_ids = sorted(i for i in ids if i is not None)
+
+    @staticmethod
+    def _read_config(path: Path) -> dict[str, Any]:
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            return {}
+        return config if isinstance(config, dict) else {}
+
+    @staticmethod
+    def _token_text(token: Any) -> str:
+        return token.get("content", "") if isinstance(token, dict) else str(token)
 
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary without added tokens (Hugging Face's `vocab_size`)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def num_special_tokens_to_add(self, pair: bool = False) -> int:
+        return self._tokenizer.num_special_tokens_to_add(pair)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -81,11 +116,23 @@ class RustTokenizer:
         return {"input_ids": [e.ids for e in encodings]}
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return _clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
 
     def batch_decode(self, sequences: Sequence[Sequence[int]]) -> list[str]:
-        return self._tokenizer.decode_batch([list(s) for s in sequences],
-                                            skip_special_tokens=False)
+        texts = self._tokenizer.decode_batch([list(s) for s in sequences],
+                                             skip_special_tokens=False)
+        return [_clean_up_spaces(t) for t in texts] if self.clean_up_tokenization_spaces \
+            else texts
+
+
+def _clean_up_spaces(text: str) -> str:
+    """Hugging Face's `clean_up_tokenization` (used when a tokenizer's config asks for it)."""
+    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                           (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                           (" 're", "'re")):
+        text = text.replace(spaced, joined)
+    return text
 
 
 def _word_token_ids(tokenizer: Any, min_words: int = 32) -> np.ndarray | None:
@@ -159,6 +206,22 @@ class TokenCodec:
     def has_tokenizer(self) -> bool:
         return self.tokenizer is not None
 
+    @property
+    def vocab_size(self) -> int:
+        """Base vocabulary size (Hugging Face's `vocab_size`; the word list without one)."""
+        return len(self._words) if self.tokenizer is None else int(self.tokenizer.vocab_size)
+
+    @property
+    def num_special_tokens_to_add(self) -> int:
+        """Tokens the tokenizer adds around a prompt (a BOS, ...)."""
+        return 0 if self.tokenizer is None else int(self.tokenizer.num_special_tokens_to_add())
+
+    @property
+    def allowed_ids(self) -> np.ndarray:
+        """[num_allowed] ids below vocab_size that are not special, ascending (vLLM's choice)."""
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or [])
+        return np.array([i for i in range(self.vocab_size) if i not in special], dtype=np.int64)
+
     def decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return "".join(self._words[int(i)] for i in token_ids)
@@ -194,30 +257,6 @@ class TokenCodec:
                 ids = list(encoded) + list(self.sample_ids(rng, num_tokens - len(encoded)))
             text = self.decode(ids)
         return text, len(self.tokenizer.encode(text, add_special_tokens=False))
-
-
-def _uniform_lens(rng: np.random.Generator, mean_len: int, range_ratio: float,
-                  num: int, minimum: int) -> np.ndarray:
-    if not 0.0 <= range_ratio < 1.0:
-        raise DatasetError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
-    low = max(minimum, math.floor(mean_len * (1.0 - range_ratio)))
-    high = max(low, math.ceil(mean_len * (1.0 + range_ratio)))
-    return rng.integers(low, high + 1, size=num)
-
-
-def random_requests(codec: TokenCodec, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
-    """`num_prompts` random prompts of about `input_len` tokens asking for `output_len`."""
-    if num_prompts < 1 or input_len < 1 or output_len < 1:
-        raise DatasetError("random dataset needs num_prompts, input and output lengths >= 1")
-    rng = np.random.default_rng(seed)
-    input_lens = _uniform_lens(rng, input_len, range_ratio, num_prompts, minimum=1)
-    output_lens = _uniform_lens(rng, output_len, range_ratio, num_prompts, minimum=1)
-    requests = []
-    for in_len, out_len in zip(input_lens, output_lens, strict=True):
-        text, actual_len = codec.text_of_length(rng, int(in_len))
-        requests.append(BenchRequest(text, actual_len, int(out_len)))
-    return requests
 
 
 def shared_prefix_requests(codec: TokenCodec, num_prefixes: int, num_suffixes: int,

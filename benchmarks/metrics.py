@@ -13,8 +13,10 @@ Definitions (vLLM's `bench serve`, so the two agree):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -111,10 +113,16 @@ def _stats_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]
     return stats
 
 
+def error_counts(outcomes: Sequence[RequestOutcome]) -> dict[str, int]:
+    """Failed requests per cause ("HTTP 429 rate_limit_error": 3, ...), most frequent first."""
+    counts = Counter(o.error_cause or "unknown" for o in outcomes if not o.success)
+    return dict(counts.most_common())
+
+
 def summarize(outcomes: Sequence[RequestOutcome], output_tokens: Sequence[int],
               duration_s: float, slo: SLOConfig, percentiles: Sequence[float] = (99.0,)
-              ) -> dict[str, float | int | None]:
-    """Aggregate one run into vLLM's result fields plus `slo_attainment`."""
+              ) -> dict[str, Any]:
+    """Aggregate one run into vLLM's result fields plus `slo_attainment`, `error_counts`."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = [(o, n) for o, n in zip(outcomes, output_tokens, strict=True) if o.success]
@@ -122,7 +130,7 @@ def summarize(outcomes: Sequence[RequestOutcome], output_tokens: Sequence[int],
     num_good = sum(meets_slo(o, n, slo) for o, n in done)
     total_input = sum(o.prompt_len for o, _ in done)
     total_output = sum(n for _, n in done)
-    result: dict[str, float | int | None] = {
+    result: dict[str, Any] = {
         "duration": duration_s,
         "completed": len(done),
         "failed": len(outcomes) - len(done),
@@ -134,6 +142,7 @@ def summarize(outcomes: Sequence[RequestOutcome], output_tokens: Sequence[int],
         "total_token_throughput": (total_input + total_output) / duration_s,
         "slo_attainment": num_good / len(outcomes) if outcomes else 0.0,
     }
+    result["error_counts"] = error_counts(outcomes)
     result.update(_stats_ms("ttft", [o.ttft_s for o, _ in done], percentiles))
     result.update(_stats_ms("tpot", tpots_s, percentiles))
     result.update(_stats_ms("itl", [g for o, _ in done for g in o.itl_s], percentiles))

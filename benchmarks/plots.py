@@ -24,17 +24,32 @@ def pyplot():
 
 def plot_attainment(attainment_by_label: Mapping[str, Sequence[tuple[float, float]]],
                     path: str | Path, target: float = 0.9,
-                    goodput_by_label: Mapping[str, float | None] | None = None) -> Path:
-    """One line per server: SLO attainment (%) against offered request rate (req/s)."""
+                    goodput_by_label: Mapping[str, float | None] | None = None,
+                    spread_by_label: Mapping[str, tuple[float, float]] | None = None) -> Path:
+    """One line per server: SLO attainment (%) against offered request rate (req/s).
+
+    Several runs at one rate (a search's repeats) are drawn as points and joined by their
+    mean; the goodput rate is a dotted line, its spread over repeats a shaded band.
+    """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, points in attainment_by_label.items():
-        points = sorted(points)
-        rates = [r for r, _ in points]
-        ax.plot(rates, [100.0 * a for _, a in points], marker="o", label=label)
+        by_rate: dict[float, list[float]] = {}
+        for rate, attainment in points:
+            by_rate.setdefault(rate, []).append(100.0 * attainment)
+        rates = sorted(by_rate)
+        (line,) = ax.plot(rates, [float(np.mean(by_rate[r])) for r in rates], marker="o",
+                          label=label)
+        colour = line.get_color()
+        if any(len(v) > 1 for v in by_rate.values()):
+            ax.scatter([r for r in rates for _ in by_rate[r]],
+                       [a for r in rates for a in by_rate[r]], s=12, color=colour, alpha=0.5)
         rate = (goodput_by_label or {}).get(label)
         if rate is not None and math.isfinite(rate):
-            ax.axvline(rate, linestyle=":", color=ax.lines[-1].get_color(), alpha=0.6)
+            ax.axvline(rate, linestyle=":", color=colour, alpha=0.8)
+        spread = (spread_by_label or {}).get(label)
+        if spread is not None and spread[1] > spread[0]:
+            ax.axvspan(spread[0], spread[1], color=colour, alpha=0.12)
     ax.axhline(100.0 * target, color="grey", linestyle="--", linewidth=1,
                label=f"{100 * target:.0f}% target")
     ax.set_xlabel("request rate (req/s)")

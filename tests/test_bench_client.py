@@ -9,132 +9,19 @@ tolerance covers only event-loop wake-up jitter, never the server's speed.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
-import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from bench_util import ScriptedSSEServer, TokenScript, cli, served_in_thread
 
-from pdserve.benchmarks import bench_serve
 from pdserve.benchmarks.bench_serve import run_load
 from pdserve.benchmarks.client import EndpointConfig
 from pdserve.benchmarks.datasets import BenchRequest
 from pdserve.benchmarks.metrics import SLOConfig, output_token_counts, summarize
-
-
-@dataclass(frozen=True)
-class TokenScript:
-    """How one request is answered: wait ttft_delay_s, then one chunk per gap."""
-
-    ttft_delay_s: float
-    # Gaps between successive token chunks; len + 1 tokens in all.
-    itl_delays_s: tuple[float, ...]
-    send_usage: bool = True
-    status: int = 200
-
-
-@dataclass
-class ServedRequest:
-    path: str
-    body: dict
-    received_s: float
-    chunk_sent_s: list[float] = field(default_factory=list)
-
-
-class ScriptedSSEServer:
-    def __init__(self, script_for: Callable[[dict], TokenScript], model: str = "scripted"):
-        self.script_for = script_for
-        self.model = model
-        self.served: list[ServedRequest] = []
-        self._server: asyncio.base_events.Server | None = None
-
-    async def __aenter__(self) -> ScriptedSSEServer:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    @property
-    def base_url(self) -> str:
-        assert self._server is not None
-        port = self._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while await self._serve_one(reader, writer):
-                pass
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def _serve_one(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> bool:
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode().split("\r\n")
-        method, path, _ = lines[0].split(" ", 2)
-        headers = {k.lower(): v.strip()
-                   for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
-        body_bytes = await reader.readexactly(int(headers.get("content-length", "0")))
-        received_s = time.perf_counter()
-        if method == "GET" and path == "/v1/models":
-            payload = json.dumps({"object": "list", "data": [{"id": self.model}]}).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-            await writer.drain()
-            return True
-        body = json.loads(body_bytes)
-        served = ServedRequest(path, body, received_s)
-        self.served.append(served)
-        script = self.script_for(body)
-        if script.status != 200:
-            payload = b'{"error": {"message": "scripted failure"}}'
-            writer.write(b"HTTP/1.1 %d Error\r\nContent-Length: %d\r\n\r\n"
-                         % (script.status, len(payload)) + payload)
-            await writer.drain()
-            return True
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
-        is_chat = "chat" in path
-        if is_chat:  # OpenAI's first chat chunk carries only the role: not a token.
-            await self._event(writer, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-        delays_s = (script.ttft_delay_s, *script.itl_delays_s)
-        for i, delay_s in enumerate(delays_s):
-            await asyncio.sleep(delay_s)
-            text = f" t{i}"
-            choice = {"index": 0, "delta": {"content": text}} if is_chat else \
-                {"index": 0, "text": text}
-            await self._event(writer, {"choices": [choice]})
-            served.chunk_sent_s.append(time.perf_counter())
-        if script.send_usage:
-            await self._event(writer, {"choices": [], "usage": {
-                "prompt_tokens": 7, "completion_tokens": len(delays_s),
-                "total_tokens": 7 + len(delays_s),
-                "prompt_tokens_details": {"cached_tokens": 3}}})
-        await self._write_chunk(writer, b"data: [DONE]\n\n")
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        return True
-
-    async def _event(self, writer: asyncio.StreamWriter, data: dict) -> None:
-        await self._write_chunk(writer, b"data: " + json.dumps(data).encode() + b"\n\n")
-
-    @staticmethod
-    async def _write_chunk(writer: asyncio.StreamWriter, payload: bytes) -> None:
-        writer.write(b"%x\r\n" % len(payload) + payload + b"\r\n")
-        await writer.drain()
-
 
 # -- tests -----------------------------------------------------------------------------------
 
@@ -249,22 +136,9 @@ async def test_http_errors_are_failed_requests() -> None:
 @pytest.fixture
 def threaded_server() -> Iterator[ScriptedSSEServer]:
     # Every request: 20 ms to the first token, then 3 tokens 10 ms apart.
-    server = ScriptedSSEServer(lambda body: TokenScript(0.02, (0.01, 0.01, 0.01)))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(timeout=10)
-    yield server
-    asyncio.run_coroutine_threadsafe(server.__aexit__(None, None, None), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    loop.close()
-
-
-def cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    return bench_serve.run(parser.parse_args(list(argv)))
+    with served_in_thread(ScriptedSSEServer(
+            lambda body: TokenScript(0.02, (0.01, 0.01, 0.01)))) as server:
+        yield server
 
 
 # vLLM's `bench serve` result fields that mean the same here (checked against vLLM 0.32).
@@ -294,8 +168,8 @@ def test_cli_single_run_writes_vllm_shaped_json(threaded_server: ScriptedSSEServ
     assert result["completed"] == 4 and result["failed"] == 0
     assert result["total_output_tokens"] == 16 and result["slo_attainment"] == 1.0
     assert len(result["ttfts"]) == 4 and all(len(itl) == 3 for itl in result["itls"])
-    # 5 requests reached the server: one unmeasured test request, then the 4 measured.
-    assert len(threaded_server.served) == 5
+    # Exactly the 4 measured requests reached the server: no test request (as in vLLM).
+    assert len(threaded_server.served) == 4
     for name in ("r-attainment.png", "r-ttft-cdf.png", "r-tpot-cdf.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -326,18 +200,33 @@ def test_cli_sweep_fresh_prompts(threaded_server: ScriptedSSEServer, tmp_path: P
                                  fresh: bool) -> None:
     """--sweep-fresh-prompts: each rate gets its own prompts, so a prefix cache cannot serve
     a rate from the one before; without it every rate repeats the same prompts."""
-    rc = cli("--base-url", threaded_server.base_url, "--num-prompts", "3",
+    # Seed 2: vLLM's random prompts are windows at random offsets of the vocabulary, and
+    # seeds 0 and 1 happen to draw one common window (vLLM does the same).
+    rc = cli("--base-url", threaded_server.base_url, "--num-prompts", "3", "--seed", "2",
              "--random-input-len", "8", "--random-output-len", "4", "--goodput", "ttft:5000",
              "--sweep-rates", "20", "40", *(["--sweep-fresh-prompts"] if fresh else []),
              "--save-result", "--save-detailed", "--no-plots", "--result-dir", str(tmp_path),
              "--result-filename", "s.json", "--disable-tqdm")
     assert rc == 0
-    prompts = [s.body["prompt"] for s in threaded_server.served[1:]]  # after the test request
+    prompts = [s.body["prompt"] for s in threaded_server.served]
     first, second = set(prompts[:3]), set(prompts[3:])
     assert len(first) == len(second) == 3
     assert first.isdisjoint(second) if fresh else first == second
     runs = json.loads((tmp_path / "s.json").read_text())["servers"][0]["runs"]
     assert all(r["cached_lens"] == [3, 3, 3] for r in runs)
+
+
+def test_cli_ready_check_and_warmups_send_the_first_prompt_unmeasured(
+        threaded_server: ScriptedSSEServer, tmp_path: Path) -> None:
+    rc = cli("--base-url", threaded_server.base_url, "--num-prompts", "3", "--seed", "4",
+             "--random-input-len", "6", "--ready-check-timeout-sec", "5", "--num-warmups", "2",
+             "--save-result", "--no-plots", "--result-dir", str(tmp_path),
+             "--result-filename", "w.json", "--disable-tqdm")
+    assert rc == 0
+    prompts = [s.body["prompt"] for s in threaded_server.served]
+    # 1 ready check + 2 warmups of the first prompt, then the 3 measured.
+    assert len(prompts) == 6 and prompts[:4] == [prompts[3]] * 4
+    assert json.loads((tmp_path / "w.json").read_text())["completed"] == 3
 
 
 def test_cli_unreachable_compare_server_fails_before_measuring(
@@ -346,7 +235,7 @@ def test_cli_unreachable_compare_server_fails_before_measuring(
              "--model", "m", "--num-prompts", "2", "--random-input-len", "4",
              "--disable-tqdm")
     assert rc == 1 and "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
-    assert len(threaded_server.served) == 1  # only the first server's test request
+    assert not threaded_server.served  # nothing measured: the second URL failed first
 
 
 @pytest.mark.parametrize("argv, rc, message", [
@@ -381,7 +270,7 @@ def test_cli_replays_a_mooncake_trace(threaded_server: ScriptedSSEServer, tmp_pa
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["t-tpot-cdf.png", "t-ttft-cdf.png"]
     result = json.loads((tmp_path / "t.json").read_text())
     assert result["request_rate"] == "trace" and result["completed"] == 3
-    measured = threaded_server.served[1:]  # after the unmeasured test request
+    measured = threaded_server.served
     prompts = [s.body["prompt"] for s in measured]
     assert [s.body["max_tokens"] for s in measured] == [1, 1, 1]  # 64 / 64 rounds to 1
     # The scaled send offsets are unit-tested in test_bench_workloads: wall-clock gaps here
