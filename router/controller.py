@@ -8,10 +8,14 @@ Every `interval_s` the controller
     2. fits the prefill and decode step-latency models (goodput_model.fit_nonnegative);
     3. estimates the goodput of every split of the flippable workers (prefill + decode) by
        simulating the recent workload under the SLOs (goodput_model.goodput_by_split);
-    4. publishes the best split (/status, /metrics), and in `flip` mode moves one worker
+    4. publishes the best split (/status, /metrics; the fitted models also as a latency
+       profile, docs/planner.md, that `pdserve plan` reads), and in `flip` mode moves one worker
        towards it when it is clearly better (`min_gain`) for `patience` ticks in a row:
        the worker is drained (no new requests; the ones it holds finish), told its new
        role, and moved to the other pool once it reports that role.
+
+Started with a latency profile (ControllerConfig.profile), the controller uses its model for
+a phase, at that pool's TP degree, until it has enough samples of the phase to fit its own.
 
 The estimate assumes the flippable workers are alike (same hardware and TP degree): a
 worker moved to the other pool is expected to run at that pool's fitted speed, so workers of
@@ -40,6 +44,7 @@ from pdserve.router.goodput_model import (
     goodput_by_split,
     ttft_overhead_s,
 )
+from pdserve.router.latency_profile import LatencyProfile, ProfileError
 
 if TYPE_CHECKING:
     from pdserve.router.dispatch import Dispatcher
@@ -90,6 +95,8 @@ class GoodputController:
         self.prefill_samples: deque[StepSample] = deque(maxlen=config.window_samples)
         self.decode_samples: deque[StepSample] = deque(maxlen=config.window_samples)
         self.estimate: Estimate | None = None
+        self.profile = LatencyProfile.load(config.profile) if config.profile else None
+        """The models to start from (raises ProfileError, a ValueError, on a bad file)."""
         self.state = "warming up"
         self.num_flips = 0
         self._streak: tuple[int | None, int] = (None, 0)  # (wanted split, ticks in a row)
@@ -121,6 +128,9 @@ class GoodputController:
         decode = fit_nonnegative([(s.num_decode_context_tokens, s.num_decode_seqs)
                                   for s in self.decode_samples],
                                  [s.seconds for s in self.decode_samples])
+        if self.profile is not None:  # at the pools' TP degrees, where the profile has them
+            prefill = prefill or self.profile.prefill.get(_pool_tp(self.dispatcher.prefill))
+            decode = decode or self.profile.decode.get(_pool_tp(self.dispatcher.decode))
         if prefill is None or decode is None:
             return None
         return PhaseModels(prefill, decode)
@@ -242,7 +252,47 @@ class GoodputController:
                         "decode": _describe(estimate.models.decode, ("context", "batch"))},
                 simulation=dataclasses.asdict(estimate.simulation),
             )
+            try:
+                out["profile"] = export_profile(estimate, self.dispatcher).to_dict()
+            except ProfileError as exc:  # /status must answer whatever the fit came to
+                out["profile"] = {"error": str(exc)}
         return out
+
+
+def _pool_tp(pool: list) -> int:
+    """A pool's TP degree, as its first reporting worker says (1 before any reports)."""
+    return next((w.status.tensor_parallel_size for w in pool if w.status is not None), 1)
+
+
+def _kv_bytes_per_token(pool: list) -> int:
+    """Bytes of one token's KV, from the layout a worker reports (0 before any reports)."""
+    for worker in pool:
+        layout = getattr(worker.status, "kv_layout", None)
+        if layout:
+            planes = 2 if layout.get("kind", "mha") == "mha" else 1
+            return (int(layout["num_layers"]) * planes * int(layout["num_kv_heads"])
+                    * int(layout["head_dim"]) * _DTYPE_BYTES.get(str(layout["dtype"]), 4))
+    return 0
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+
+def export_profile(estimate: Estimate, dispatcher: Dispatcher,
+                   hardware: str = "measured by the goodput controller") -> LatencyProfile:
+    """What the controller fitted, as a latency profile at its pools' TP degrees: the
+    planner's input, and a later controller's starting point."""
+    sim = estimate.simulation
+    pools = dispatcher.prefill + dispatcher.decode
+    model = next((w.status.model for w in pools if getattr(w.status, "model", None)),
+                 "unknown")
+    return LatencyProfile(
+        model=model, hardware=hardware, kv_bytes_per_token=_kv_bytes_per_token(pools),
+        prefill={_pool_tp(dispatcher.prefill): estimate.models.prefill},
+        decode={_pool_tp(dispatcher.decode): estimate.models.decode},
+        max_num_batched_tokens=sim.max_batched_tokens, max_num_seqs=sim.max_num_seqs,
+        handoff_s=sim.handoff_s, ttft_overhead_s=sim.ttft_overhead_s,
+        source="pdserve goodput controller (router /status)")
 
 
 def _describe(model: LinearLatency, names: tuple[str, ...]) -> dict[str, float]:

@@ -19,6 +19,9 @@ and finds the highest arrival rate at which at least `attainment` of requests me
 (TTFT and TPOT). Arrivals are one fixed sequence of unit-rate gaps scaled by 1/rate (common
 random numbers), so every split and every rate sees the same requests in the same order.
 Everything here is plain numbers: no sockets, no clocks, no randomness beyond `seed`.
+
+The offline planner (router/planner.py, `pdserve plan`) runs this same simulation on models
+read from a latency profile (router/latency_profile.py), one per phase and TP degree.
 """
 
 from __future__ import annotations
@@ -103,7 +106,11 @@ class SimulationConfig:
     max_num_seqs: int = 64
     """A decode worker's batch limit (the engine's max_num_seqs)."""
     handoff_s: float = 0.0
-    """Time from a prompt's end on prefill to its first decode step (the KV transfer)."""
+    """Time from a prompt's end on prefill to its first decode step (the KV transfer's
+    fixed part)."""
+    kv_transfer_s_per_token: float = 0.0
+    """The KV transfer's part that grows with the prompt: KV bytes per token over the
+    transfer rate between the pools (a latency profile's kv_transfer_bytes_per_s)."""
     ttft_overhead_s: float = 0.0
     """Time from a prompt's last step to its first token at the client (the hand-off's save
     tail, the router, HTTP); the hand-off reaches decode as late."""
@@ -191,13 +198,16 @@ def _simulate_prefill(arrivals: list[float], shapes: Sequence[RequestShape], num
 def _simulate_decode(starts: list[float], shapes: Sequence[RequestShape], num_workers: int,
                      model: LinearLatency, config: SimulationConfig) -> list[float]:
     """When each request's last token is out. Requests reach the decode workers in
-    first-token order, round robin; each worker steps its whole running batch, one token per
-    sequence per step, and admits arrivals between steps."""
+    first-token order, round robin, each once its KV is there; each worker steps its whole
+    running batch, one token per sequence per step, and admits arrivals between steps."""
     order = sorted(range(len(starts)), key=lambda i: starts[i])
+    ready = [start + config.handoff_s + config.kv_transfer_s_per_token * shape.prompt_tokens
+             for start, shape in zip(starts, shapes, strict=True)]
     finish = list(starts)  # single-token requests end with their first token
     for w in range(num_workers):
-        mine = [i for i in order[w::num_workers] if shapes[i].output_tokens > 1]
-        ends = _decode_worker([starts[i] + config.handoff_s for i in mine],
+        mine = sorted((i for i in order[w::num_workers] if shapes[i].output_tokens > 1),
+                      key=lambda i: ready[i])
+        ends = _decode_worker([ready[i] for i in mine],
                               [shapes[i] for i in mine], model, config.max_num_seqs)
         for i, end in zip(mine, ends, strict=True):
             finish[i] = end
