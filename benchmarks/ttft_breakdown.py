@@ -30,6 +30,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,8 +43,9 @@ import numpy as np
 from pdserve.benchmarks.arrivals import ArrivalConfig, arrival_offsets_s
 from pdserve.benchmarks.bench_serve import run_load
 from pdserve.benchmarks.client import EndpointConfig, RequestOutcome, list_models
-from pdserve.benchmarks.datasets import BenchRequest, TokenCodec, random_requests
+from pdserve.benchmarks.datasets import BenchRequest, TokenCodec
 from pdserve.benchmarks.plots import pyplot, save_figure
+from pdserve.benchmarks.vllm_datasets import random_requests
 
 PHASE_METRIC = "pdserve:request_phase_seconds"
 HANDOVER_METRIC = "pdserve:request_handover_phase_seconds"
@@ -252,7 +254,9 @@ def start_cluster(setup: str, model_dir: str, config: BreakdownConfig) -> Runnin
         argv += ["--device", config.device]
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    cluster = launcher.plan(parser.parse_args(argv), model_dir)
+    args = parser.parse_args(argv)
+    launcher.provide_cluster_key(args, Path(tempfile.mkdtemp(prefix="pdserve-ttft-")))
+    cluster = launcher.plan(args, model_dir)
     workers = [c for c in cluster.children if c.role not in ("router", "store")]
     threads = _threads_per_rank(config, len(workers))  # TP 1 each
     for child in cluster.children:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import zmq
 
+from pdserve import security
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.store import (
     STORE_PROTOCOL,
@@ -47,6 +48,7 @@ class ControlChannel:
         self.timeout_s = timeout_s
         self._socket = ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        security.secure_client(self._socket)
         self._socket.connect(address)
         self._ids = itertools.count(1)
         self.lock = threading.Lock()  # also held by callers around a request + its UCX transfer

@@ -54,6 +54,8 @@ from pdserve.protocol.store import (
 
 logger = logging.getLogger(__name__)
 
+BYE_TIMEOUT_S = 1.0  # the goodbye's wait at close (the server frees our UCX state)
+
 _SEQ_MASK = (1 << 32) - 1
 
 
@@ -231,6 +233,8 @@ class StoreClient:
 
     def close(self) -> None:
         if self._ucx is not None and self._data is not None:
+            # a live server answers in milliseconds; a gone one must not hold up a shutdown
+            self._data.timeout_s = min(self._data.timeout_s, BYE_TIMEOUT_S)
             try:
                 self._data.request(ByeRequest, ByeReply)
             except Exception:  # the server may be gone already; nothing to free there then

@@ -38,6 +38,8 @@ import logging
 import math
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,6 +52,10 @@ from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
 from pdserve.kvstore.tiered_store import TieredStore
 
 logger = logging.getLogger(__name__)
+
+MAX_FAILED_PEERS = 256  # failed node addresses remembered
+FAILED_PEER_HOLD_S = 30.0  # how long a failed node address is not asked again
+CLOSE_DRAIN_S = 2.0  # the longest close() waits for queued jobs
 
 
 class BlockBackend(Protocol):
@@ -113,6 +119,11 @@ class KVConnector:
         self.handoff_node = handoff_node
         self._connect = connect
         self._peers: dict[str, BlockBackend] = {}  # source address -> client (job thread)
+        # Nodes that failed a request -> when (job thread), most recent last: a worker's node
+        # dies with it and a restarted worker binds a new port, so for FAILED_PEER_HOLD_S a
+        # failed address is not asked again (its hand-offs load from the fleet store, its
+        # leases died with it) instead of costing every later load and release a timeout.
+        self._failed_peers: OrderedDict[str, float] = OrderedDict()
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
@@ -176,6 +187,8 @@ class KVConnector:
         names = ([source] if source else []) + ([""] if self.backend is not None else [])
         best: list[torch.Tensor] = []
         for name in names:
+            if self._recently_failed(name):
+                continue
             try:
                 backend = self._backend_for(name) if name else self.backend
                 assert backend is not None
@@ -183,7 +196,8 @@ class KVConnector:
             except Exception as e:
                 logger.warning("kv connector: reading from %s failed (%s)", name or "the store",
                                e)
-                self._drop_peer(name)
+                if name:
+                    self._peer_failed(name)
                 continue
             usable = []
             for block in blocks:
@@ -208,6 +222,17 @@ class KVConnector:
                 raise RuntimeError(f"no way to reach data node {source}")
             peer = self._peers[source] = self._connect(source)
         return peer
+
+    def _peer_failed(self, source: str) -> None:
+        self._drop_peer(source)
+        self._failed_peers.pop(source, None)
+        self._failed_peers[source] = time.monotonic()
+        while len(self._failed_peers) > MAX_FAILED_PEERS:
+            self._failed_peers.popitem(last=False)
+
+    def _recently_failed(self, source: str) -> bool:
+        failed_s = self._failed_peers.get(source)
+        return failed_s is not None and time.monotonic() - failed_s < FAILED_PEER_HOLD_S
 
     def _drop_peer(self, source: str) -> None:
         """Forget a failed peer's client (a later hand-off from it reconnects)."""
@@ -332,6 +357,8 @@ class KVConnector:
         """Give a save's lease back to the node holding it (asynchronously); a failure
         leaves it to expire."""
         def job() -> None:
+            if self._recently_failed(source):
+                return  # the node is gone, and its leases with it
             try:
                 backend = self._backend_for(source) if source else self.backend
                 if backend is not None:
@@ -339,6 +366,8 @@ class KVConnector:
             except Exception as e:
                 logger.warning("kv connector: releasing lease %d failed (%s); it will expire",
                                lease_id, e)
+                if source:
+                    self._peer_failed(source)
         self._jobs.put(job)
 
     # ---- completion -------------------------------------------------------------------------
@@ -368,9 +397,11 @@ class KVConnector:
         return done.wait(self.timeout_s if timeout_s is None else timeout_s)
 
     def close(self) -> None:
-        self.drain()
+        """Finish queued jobs (write-backs, releases) for at most CLOSE_DRAIN_S: they are best
+        effort, and a worker told to stop must stop within seconds."""
+        self.drain(min(self.timeout_s, CLOSE_DRAIN_S))
         self._jobs.put(None)
-        self._worker.join(timeout=self.timeout_s)
+        self._worker.join(timeout=CLOSE_DRAIN_S)
         for source in list(self._peers):
             self._drop_peer(source)
 

@@ -10,6 +10,11 @@ and reported as a miss (the KV cache is a cache: the engine recomputes). On star
 re-indexes the files already in its directory, oldest modification time first, so the LRU
 order (an LRUIndex of key -> payload size, lru_index.py) survives a restart approximately.
 
+Crashes: a block is written to `<key>.kv.tmp` and renamed into place, so a process killed
+mid-write leaves a whole block or a .tmp file; a restart deletes .tmp files and files whose
+size is not a whole block, and the checksum catches any other damage at read time. No fsync:
+a killed process loses nothing the kernel took, and a block lost to a power cut is a miss.
+
 Threads: the index is the TieredStore's to guard (it calls every index verb under its lock);
 the pending map is shared with the writer thread under this tier's own lock. `load` reads a
 block without touching the index, so the store can run it outside its lock.
@@ -85,7 +90,8 @@ class DiskTier:
             if not entry.name.endswith(_SUFFIX):
                 continue
             header = self._read_header(entry.path)
-            if header is None:
+            if header is None or entry.stat().st_size != (
+                    _HEADER.size + len(header[0]) + header[1]):  # torn: no whole block
                 os.unlink(entry.path)
                 continue
             key, payload_len = header

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from pdserve import security
 from pdserve.kvstore.config import ROLES, TRANSPORTS, StoreConfig
 from pdserve.kvstore.data_service import DataService
 from pdserve.kvstore.lease import LeaseTable
@@ -139,6 +140,7 @@ class StoreServer:
     def _serve_on(self, port: int, service: StoreService) -> str:
         socket = self._ctx.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        security.secure_server(socket)  # CurveZMQ: only the cluster key gets through
         self._sockets.append(socket)
         self._services[socket] = service
         return _bind(socket, self.config.host, port)
@@ -196,6 +198,7 @@ class StoreServer:
             self._reporter.stop(timeout_s)
         for service in self._services.values():
             service.close()
+        security.release_context(self._ctx)
         self._ctx.destroy(linger=0)
 
     def request_stop(self) -> None:

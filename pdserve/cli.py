@@ -25,8 +25,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("pdserve.serve.worker", "decode worker (continues from the KV store)"),
     "colocated": ("pdserve.serve.worker", "worker that runs prefill and decode"),
     "bench": ("pdserve.benchmarks.bench_serve", "goodput benchmark against any OpenAI server"),
+    "profile": ("pdserve.benchmarks.profiler", "measure step times, write a latency profile"),
+    "plan": ("pdserve.benchmarks.plan", "size prefill/decode pools from a latency profile"),
     "store": ("pdserve.kvstore.server", "tiered KV store: master and/or data server"),
+    "keygen": ("pdserve.security", "write a cluster key file for the internal sockets"),
 }
+# Roles with internal ZeroMQ ports: CurveZMQ under the cluster key (pdserve/security.py).
+SECURED_ROLES = ("router", "prefill", "decode", "colocated", "store")
 
 
 def _usage() -> str:
@@ -49,19 +54,45 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"pdserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    launcher_pid = envs.take_launcher_pid()
+    if launcher_pid is not None:  # a child of `pdserve up`: die with it
+        from pdserve.lifecycle import exit_with_launcher
+
+        exit_with_launcher(launcher_pid)
     module_name, description = COMMANDS[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=description)
     module.add_arguments(parser)
+    if name in SECURED_ROLES:
+        parser.add_argument(
+            "--insecure-plaintext", action="store_true",
+            help="run this role's internal ZeroMQ sockets unauthenticated and unencrypted "
+                 "(default: CurveZMQ under the cluster key file in $PDSERVE_CLUSTER_KEY_FILE)")
     parser.set_defaults(command=name)
     args = parser.parse_args(argv[1:])
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if name in SECURED_ROLES:
+        from pdserve import security
+
+        try:
+            security.configure_from_env(args.insecure_plaintext, f"pdserve {name}")
+        except security.ClusterKeyError as exc:
+            print(f"pdserve {name}: {exc}", file=sys.stderr)
+            return 2
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bind that failed: name the process that holds the port
+        from pdserve.ports import describe_address_in_use
+
+        message = describe_address_in_use(exc, vars(args))
+        if message is None:
+            raise
+        print(f"pdserve {name}: cannot listen: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -56,3 +56,16 @@ def cpu_kernels() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"PDSERVE_CPU_KERNELS must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def take_launcher_pid() -> int | None:
+    """PDSERVE_LAUNCHER_PID: set by `pdserve up` in each child's environment; the child exits
+    once that process is no longer its parent (pdserve/lifecycle.py). Removed from the
+    environment as it is read: it names the parent of this process only, not of the
+    processes this one starts."""
+    value = os.environ.pop("PDSERVE_LAUNCHER_PID", None)
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"PDSERVE_LAUNCHER_PID must be a process id, got {value!r}")
+    return int(value)

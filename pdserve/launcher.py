@@ -2,8 +2,15 @@
 
 Starts the KV store, the workers (prefill + decode, or colocated) and the router as child
 processes on loopback, prints one status line per role as it becomes ready, then the URL.
-Ctrl-C (or SIGTERM) stops every process it started. Each role is an ordinary `pdserve <role>`
-command, so the same flags run one role per machine in a real cluster.
+Each role is an ordinary `pdserve <role>` command, so the same flags run one role per machine
+in a real cluster.
+
+It supervises them: a child that dies is restarted after a backoff (logged, and counted in
+the router's /metrics as pdserve:process_restarts_total) while the others keep serving. It
+stops everything only on Ctrl-C or SIGTERM (each role gets a few seconds to drain, then is
+killed), or when one role keeps failing at start (RestartPolicy). Children die with it even
+when it is SIGKILLed (pdserve/lifecycle.py), and a port some other process holds is named
+before anything starts.
 
 On a GPU host every worker gets its own GPUs through CUDA_VISIBLE_DEVICES in its environment,
 handed out in start order from the GPUs this process sees:
@@ -18,23 +25,36 @@ gets --gpu-memory-utilization divided by the number of workers on its busiest GP
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from pdserve.router.server import add_controller_arguments, controller_argv
+from pdserve import security
+from pdserve.lifecycle import parent_death_preexec
+from pdserve.ports import PortInUse, check_port_free
+from pdserve.router.server import (
+    add_controller_arguments,
+    add_max_tokens_arguments,
+    controller_argv,
+    max_tokens_argv,
+)
 from pdserve.serve.config import CacheConfig
 
 GPU_QUERY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 5.0
+"""How long each group of children may drain after SIGTERM before it is killed."""
 
 logger = logging.getLogger(__name__)
 
@@ -48,30 +68,126 @@ class Child:
     cpus: list[int] | None = None
     """The cores the child (and its TP rank processes, which inherit it) runs on; None:
     any of the launcher's."""
+    ports: list[tuple[str, int]] = field(default_factory=list)
+    """(host, port) the child listens on: checked free before the cluster starts."""
     process: subprocess.Popen | None = None
     state: str = "starting"
+    started_s: float = 0.0
+    """time.monotonic() of the last start."""
+    num_restarts: int = 0
+    num_start_failures: int = 0
+    """Exits within the start window in a row (RestartPolicy)."""
+    restart_at_s: float | None = None
+    """When a dead child is due to start again (None: not waiting to)."""
 
     def start(self) -> None:
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children
         # in order (router, workers, store), so none waits on a peer that is already gone.
+        # The parent-death signal and PDSERVE_LAUNCHER_PID make it die with the launcher.
         cpus = self.cpus
+        # pinned before the child starts any thread (torch's pool is sized at import)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *self.argv], start_new_session=True,
-            env={**os.environ, **self.env} if self.env else None,
-            # pinned before the child starts any thread (torch's pool is sized at import)
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+            env={**os.environ, **self.env, "PDSERVE_LAUNCHER_PID": str(os.getpid())},
+            preexec_fn=parent_death_preexec(os.getpid(), pin))
+        self.started_s = time.monotonic()
+        self.state = "starting"
+        self.restart_at_s = None
 
     @property
     def exited(self) -> bool:
         return self.process is not None and self.process.poll() is not None
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_s: float = 1.0
+    """Wait before restarting a child that died; doubled for each failure at start in a
+    row, up to max_backoff_s."""
+    max_backoff_s: float = 30.0
+    start_window_s: float = 60.0
+    """A child that exits within this long of its start failed at start."""
+    max_start_failures: int = 3
+    """A role that fails at start this many times in a row stops the cluster."""
+
+    def __post_init__(self) -> None:
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("need 0 <= backoff_s <= max_backoff_s")
+        if self.start_window_s < 0 or self.max_start_failures < 1:
+            raise ValueError("need start_window_s >= 0 and max_start_failures >= 1")
+
+
+class RoleKeepsFailing(RuntimeError):
+    """A role failed at start RestartPolicy.max_start_failures times in a row."""
+
+    def __init__(self, child: Child, message: str) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+class Supervisor:
+    """Restarts dead children by `policy`, counting restarts in a JSON file the router
+    exports (router/metrics.py SupervisorCollector)."""
+
+    def __init__(self, cluster: Cluster, policy: RestartPolicy, state_path: Path,
+                 say: Callable[[str], None],
+                 kill_group: Callable[[int], None] | None = None) -> None:
+        """`kill_group(pid)` ends what a dead child left in its process group (default:
+        SIGKILL to the group)."""
+        self.cluster, self.policy, self.state_path, self.say = cluster, policy, state_path, say
+        self.kill_group = kill_group or _kill_group
+        self.write_state()
+
+    def check(self, now_s: float) -> None:
+        """Restart the children that are due; schedule a restart for each that died.
+        Raises RoleKeepsFailing."""
+        policy = self.policy
+        for child in self.cluster.children:
+            if child.restart_at_s is not None:
+                if now_s >= child.restart_at_s:
+                    child.start()
+                    child.num_restarts += 1
+                    self.write_state()
+                    self.say(f"  {child.role:<12} restarted (pid {child.process.pid}, "
+                             f"restart {child.num_restarts})")
+                continue
+            if not child.exited:
+                continue
+            self.kill_group(child.process.pid)  # what it left behind (TP ranks) goes too
+            ran_s = now_s - child.started_s
+            if ran_s < policy.start_window_s:
+                child.num_start_failures += 1
+            else:
+                child.num_start_failures = 0
+            code = child.process.returncode
+            if child.num_start_failures >= policy.max_start_failures:
+                raise RoleKeepsFailing(
+                    child, f"{child.role} exited (code {code}) {child.num_start_failures} "
+                    f"times in a row within {policy.start_window_s:.0f} s of starting")
+            delay_s = min(policy.backoff_s * 2 ** max(child.num_start_failures - 1, 0),
+                          policy.max_backoff_s)
+            child.restart_at_s = now_s + delay_s
+            child.state = "restarting"
+            self.say(f"pdserve up: {child.role} exited with code {code} after {ran_s:.1f} s; "
+                     f"restarting in {delay_s:.1f} s")
+
+    def write_state(self) -> None:
+        """Replaced whole (os.replace), so a reader never sees half a file."""
+        restarts = {c.role: c.num_restarts for c in self.cluster.children}
+        partial = self.state_path.with_suffix(".partial")
+        partial.write_text(json.dumps({"restarts": restarts}))
+        os.replace(partial, self.state_path)
+
+
 @dataclass
 class Cluster:
     children: list[Child] = field(default_factory=list)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the children in reverse start order, each group waited for in turn."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the children in reverse start order, each group waited for in turn; a
+        child still running grace_s later is killed with its whole process group (its TP
+        ranks too)."""
         groups = [[c for c in self.children if c.role == "router"],
                   [c for c in self.children if c.role not in ("router", "store")],
                   [c for c in self.children if c.role == "store"]]
@@ -79,13 +195,23 @@ class Cluster:
             running = [c.process for c in group if c.process and c.process.poll() is None]
             for process in running:
                 process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + grace_s
             for process in running:
                 try:
                     process.wait(max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
-                    process.kill()
+                    logger.warning("pid %d still running %.0f s after SIGTERM: killing it",
+                                   process.pid, grace_s)
+                    _kill_group(process.pid)
                     process.wait(5)
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group a child leads (each child starts its own session)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left in it
+        pass
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +257,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "store get cores the workers do not use where there are more "
                              "than 4)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument("--api-key", default=None,
+                        help="the router requires `Authorization: Bearer KEY` on /v1")
+    parser.add_argument("--ops-need-api-key", action="store_true",
+                        help="/metrics and /status need the API key too")
+    parser.add_argument("--cluster-key-file", default=None, metavar="FILE",
+                        help="the key of the internal sockets (CurveZMQ), given to every "
+                             "child; written there when missing (default: a fresh key in a "
+                             "private directory, gone when pdserve up stops)")
+    parser.add_argument("--insecure-plaintext", action="store_true",
+                        help="internal sockets unauthenticated and unencrypted (logged loudly)")
+    policy = RestartPolicy()
+    group = parser.add_argument_group("supervision")
+    group.add_argument("--restart-backoff-s", type=float, default=policy.backoff_s,
+                       help="wait before restarting a child that died (doubled for each "
+                            "failure at start in a row)")
+    group.add_argument("--start-window-s", type=float, default=policy.start_window_s,
+                       help="a child that exits within this long of starting failed at start")
+    group.add_argument("--max-start-failures", type=int, default=policy.max_start_failures,
+                       help="stop the cluster when one role fails at start this many times "
+                            "in a row")
+    add_max_tokens_arguments(parser)
     add_controller_arguments(parser)
 
 
@@ -146,9 +293,14 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
         store_addr = f"tcp://127.0.0.1:{args.store_port + 1}"
         cluster.children.append(Child("store", [
             "store", "--role", "all", "--master-port", str(args.store_port),
-            "--data-port", str(args.store_port + 1)]))
+            "--data-port", str(args.store_port + 1)],
+            ports=[("127.0.0.1", args.store_port), ("127.0.0.1", args.store_port + 1)]))
     router_argv = ["router", "--model", model_dir, "--host", args.host, "--port", str(args.port),
-                   *controller_argv(args)]
+                   *controller_argv(args), *max_tokens_argv(args)]
+    if args.api_key is not None:
+        router_argv += ["--api-key", args.api_key]
+    if args.ops_need_api_key:
+        router_argv.append("--ops-need-api-key")
     if store_addr:
         router_argv += ["--store-master", master_addr]
     port = args.worker_base_port
@@ -205,10 +357,12 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv += ["--gpu-memory-utilization",
                      f"{args.gpu_memory_utilization / num_sharing:.4g}"]
         cluster.children.append(Child(f"{role}-{i}", argv, env,
-                                      worker_cores[index] if worker_cores else None))
+                                      worker_cores[index] if worker_cores else None,
+                                      ports=[("127.0.0.1", port)]))
         router_argv += [f"--{role}", f"tcp://127.0.0.1:{port}"]
         port += 1
-    cluster.children.append(Child("router", router_argv, cpus=service_cores))
+    cluster.children.append(Child("router", router_argv, cpus=service_cores,
+                                  ports=[(args.host, args.port)]))
     return cluster
 
 
@@ -280,20 +434,37 @@ def _count_gpus() -> int:
         return 0
 
 
-def _poll_states(cluster: Cluster, base_url: str) -> None:
+def _poll_states(cluster: Cluster, base_url: str, headers: dict[str, str]) -> None:
     """Update each child's state from the router's /status (workers) and /health (router)."""
     try:
-        status = httpx.get(f"{base_url}/status", timeout=1.0).json()
+        status = httpx.get(f"{base_url}/status", headers=headers, timeout=1.0).json()
     except (httpx.HTTPError, ValueError):
         return
     by_id = {w.get("worker_id"): w for w in status.get("workers", [])}
     for child in cluster.children:
+        if child.restart_at_s is not None or child.exited:
+            continue  # "restarting" until it runs again
         if child.role == "router":
             child.state = "ready" if status.get("ready") else "waiting for workers"
         elif child.role == "store":
             child.state = "ready" if status.get("store_ready", True) else child.state
         elif child.role in by_id:
             child.state = "ready" if by_id[child.role].get("is_ready") else "loading"
+
+
+def _ports_in_use(children: list[Child]) -> list[PortInUse]:
+    """Each port one of `children` would listen on that another process holds (named where
+    /proc shows it)."""
+    taken = []
+    for child in children:
+        for host, port in child.ports:
+            try:
+                check_port_free(host, port)
+            except PortInUse as exc:
+                taken.append(exc)
+            except OSError:  # e.g. a privileged port: the child itself will say
+                continue
+    return taken
 
 
 def run(args: argparse.Namespace) -> int:
@@ -311,11 +482,56 @@ def run(args: argparse.Namespace) -> int:
             return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
     try:
+        policy = RestartPolicy(backoff_s=args.restart_backoff_s,
+                               max_backoff_s=max(args.restart_backoff_s, 30.0),
+                               start_window_s=args.start_window_s,
+                               max_start_failures=args.max_start_failures)
         cluster = plan(args, model_dir)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    taken = _ports_in_use(cluster.children)
+    if taken:
+        for exc in taken:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as run_dir:
+        try:
+            provide_cluster_key(args, Path(run_dir))
+        except (security.ClusterKeyError, OSError) as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 2
+        state_path = Path(run_dir) / "supervisor.json"
+        router = next(c for c in cluster.children if c.role == "router")
+        router.argv += ["--supervisor-state-file", str(state_path)]
+        return _supervise(args, cluster, Supervisor(cluster, policy, state_path, _say))
+
+
+def provide_cluster_key(args: argparse.Namespace, run_dir: Path) -> None:
+    """Every child inherits PDSERVE_CLUSTER_KEY_FILE (or, asked for, plaintext): the key of
+    --cluster-key-file, made there if missing, else a fresh one in the private run dir."""
+    if args.insecure_plaintext:
+        os.environ[security.PLAINTEXT_ENV] = "1"
+        os.environ.pop(security.KEY_FILE_ENV, None)
+        _say("pdserve up: INSECURE: internal sockets in plaintext (--insecure-plaintext)")
+        return
+    path = Path(args.cluster_key_file or run_dir / "cluster.key")
+    if path.exists():
+        security.ClusterKey.load(path)  # fail here, not in every child
+    else:
+        security.ClusterKey.generate().save(path)
+    os.environ[security.KEY_FILE_ENV] = str(path)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _supervise(args: argparse.Namespace, cluster: Cluster, supervisor: Supervisor) -> int:
+    """Start the children, report their states, restart the dead, until Ctrl-C/SIGTERM
+    (exit 0) or a role that keeps failing at start or a cluster not ready in time (1)."""
     base_url = f"http://{args.host}:{args.port}"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and `kill -INT` must
     # still stop the cluster.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -328,31 +544,32 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {child.role:<12} starting (pid {child.process.pid}{on})", flush=True)
         deadline = time.monotonic() + args.ready_timeout_s
         shown = {c.role: "starting" for c in cluster.children}
+        is_ready = False
         while True:
-            dead = [c for c in cluster.children if c.exited]
-            if dead:
-                print(f"pdserve up: {dead[0].role} exited with code "
-                      f"{dead[0].process.returncode}; stopping", file=sys.stderr, flush=True)
-                return 1
-            _poll_states(cluster, base_url)
+            supervisor.check(time.monotonic())
+            if any(c.state != "ready" for c in cluster.children):  # none to ask otherwise
+                _poll_states(cluster, base_url, headers)
             for child in cluster.children:
                 if child.state != shown[child.role]:
                     shown[child.role] = child.state
                     print(f"  {child.role:<12} {child.state}", flush=True)
-            if all(c.state == "ready" for c in cluster.children):
-                break
-            if time.monotonic() > deadline:
+            if not is_ready and all(c.state == "ready" for c in cluster.children):
+                is_ready = True
+                print(f"pdserve is ready: {base_url}/v1  (Ctrl-C stops it)", flush=True)
+            if not is_ready and time.monotonic() > deadline:
                 print("pdserve up: not ready in time; stopping", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
-        print(f"pdserve is ready: {base_url}/v1  (Ctrl-C stops it)", flush=True)
-        while not any(c.exited for c in cluster.children):
-            time.sleep(0.5)
-        dead = next(c for c in cluster.children if c.exited)
-        print(f"pdserve up: {dead.role} exited; stopping", file=sys.stderr, flush=True)
+    except RoleKeepsFailing as exc:
+        print(f"pdserve up: {exc}; stopping", file=sys.stderr, flush=True)
+        for taken in _ports_in_use([exc.child]):  # the likeliest reason it cannot start
+            print(f"pdserve up: {taken}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("pdserve up: stopping", flush=True)
         return 0
     finally:
+        # A second Ctrl-C or SIGTERM must not cut the stop short and leave children behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()

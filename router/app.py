@@ -1,6 +1,7 @@
 """The OpenAI-compatible front door: the FastAPI app that puts the router's pieces together.
 
     errors.py     OpenAI-style error bodies and the app's exception handlers
+    body_limit.py the request body limit (413), chunked bodies included
     routes.py     the endpoints: tokenize, check, admit (ServingContext holds their state)
     streaming.py  worker outputs → SSE chunks or one response, with per-request timing
 
@@ -9,17 +10,17 @@ The router never imports model code: workers do the math, the router does the ta
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request
 
+from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
-from pdserve.router.errors import ApiError, error_response, register_error_handlers
-from pdserve.router.routes import ServingContext, openai_routes, ops_routes
-
-CallNext = Callable[[Request], Awaitable[Response]]
+from pdserve.router.errors import ApiError, register_error_handlers
+from pdserve.router.routes import ServingContext, health_routes, openai_routes, ops_routes
 
 
 def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> FastAPI:
@@ -35,34 +36,27 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
         yield
         await serving.controller.close()
         await serving.dispatcher.close()
+        serving.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.serving = serving
     register_error_handlers(app)
-    app.middleware("http")(_body_limit(config.max_request_bytes))
-    app.include_router(ops_routes)
+    app.add_middleware(BodyLimit, max_request_bytes=config.max_request_bytes)
     # A dependency, not a middleware, so an unknown path is still a 404 without a key.
     auth = [] if config.api_key is None else [Depends(_api_key_check(config.api_key))]
+    app.include_router(health_routes)
+    app.include_router(ops_routes, dependencies=auth if config.ops_need_api_key else [])
     app.include_router(openai_routes, dependencies=auth)
     return app
 
 
-def _body_limit(max_request_bytes: int) -> Callable[[Request, CallNext], Awaitable[Response]]:
-    """Refuses a body over the limit by its Content-Length, before reading it."""
-
-    async def limit_body(request: Request, call_next: CallNext) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_request_bytes:
-            return error_response(413, f"request body of {length} bytes exceeds the limit of "
-                                       f"{max_request_bytes} bytes")
-        return await call_next(request)
-
-    return limit_body
-
-
 def _api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    expected = f"Bearer {api_key}".encode()
+
     async def check_api_key(request: Request) -> None:
-        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+        # compare_digest: the time taken does not tell how many leading bytes matched
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, expected):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
     return check_api_key

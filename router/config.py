@@ -25,6 +25,9 @@ class ControllerConfig:
     """A worker that does not drain within this keeps its role and rejoins its pool."""
     window_requests: int = 1000
     window_samples: int = 2000
+    profile: str | None = None
+    """A latency profile (docs/planner.md) to start from: its step models stand in for a
+    phase until the workers have reported enough steps of it to fit one."""
 
     def __post_init__(self) -> None:
         if self.mode not in CONTROLLER_MODES:
@@ -58,13 +61,18 @@ class RouterConfig:
     """The KV store master's control address, for prefix lookups (None: no lookups)."""
     api_key: str | None = None
     """When set, every /v1 request needs `Authorization: Bearer <api_key>`."""
+    ops_need_api_key: bool = False
+    """/metrics and /status need the API key too (/health stays open for liveness probes)."""
     max_model_len: int | None = None
     """Prompt + output token limit; None takes the checkpoint's max_position_embeddings.
     Either way the smallest limit a worker reports (its KV pool caps it) wins."""
-    default_max_tokens: int | None = 16
-    """max_tokens of a /v1/completions request that gives none (OpenAI's and vLLM's 16),
-    capped to the room left in the context; None: the room left. A chat request without
-    max_tokens always gets the room left (vLLM)."""
+    default_max_tokens: int | None = None
+    """max_tokens of a request that gives none (chat and completions), capped to the room
+    left in the context. None: OpenAI's and vLLM's rule, 16 for /v1/completions and the
+    room left for a chat request (either capped by max_tokens_ceiling)."""
+    max_tokens_ceiling: int | None = None
+    """The most tokens one request may generate: a larger explicit max_tokens is a 400, and
+    a request without one gets no more (None: the context is the only limit)."""
     max_inflight_per_worker: int = 256
     """Admission: requests one worker may hold before new ones get HTTP 429."""
     max_predicted_ttft_s: float | None = None
@@ -74,10 +82,18 @@ class RouterConfig:
     token_timeout_s: float = 60.0
     """Longest wait between two outputs of a running request."""
     heartbeat_timeout_s: float = 30.0
-    """A worker silent this long is hung: its requests fail (or move, if nothing was sent).
-    A worker whose connection drops (it died) is failed at once, without this wait."""
+    """A worker silent this long is hung: its requests move to another worker (see
+    max_migrations). A worker whose connection drops (it died) is failed at once, without
+    this wait."""
+    max_migrations: int = 2
+    """How many times one request may move off a worker that died or hung (router/dispatch.py:
+    the same request before any output, prompt + outputs so far after); past it, or with no
+    other worker of the pool ready, the client gets the error."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Bodies larger than this get HTTP 413."""
+    supervisor_state_file: str | None = None
+    """JSON file where `pdserve up` keeps its children's restart counts, exported in /metrics
+    as pdserve:process_restarts_total (None: not under a launcher)."""
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     """The goodput-aware prefill:decode controller (disaggregated mode only)."""
     extra: dict[str, str] = field(default_factory=dict)
@@ -92,6 +108,18 @@ class RouterConfig:
         for name in ("first_token_timeout_s", "token_timeout_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
+        for name in ("default_max_tokens", "max_tokens_ceiling"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 when set")
+        if (self.default_max_tokens is not None and self.max_tokens_ceiling is not None
+                and self.default_max_tokens > self.max_tokens_ceiling):
+            raise ValueError("default_max_tokens must not exceed max_tokens_ceiling")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be positive")
+        if self.ops_need_api_key and self.api_key is None:
+            raise ValueError("ops_need_api_key needs an api_key")
 
     @property
     def is_disaggregated(self) -> bool:

@@ -7,15 +7,27 @@
 `Dispatcher.run` yields the worker outputs of one request as they come. Whatever way the
 request ends (finish, error, timeout, client disconnect: the generator is closed), every
 worker that still holds it is told to abort, so no blocks or leases outlive it.
+
+Migration: a worker that dies or goes silent while it holds a request does not fail it. The
+request moves to another worker of the same pool, at most `max_migrations` times:
+    before the worker streamed anything   the same request again (a prefill's prompt, or a
+                                          decode's hand-off, whose KV is still leased)
+    after it streamed some outputs        prompt + those outputs (resume_output_ids): the new
+                                          worker recomputes them (the prompt's prefix from
+                                          the store where it is there) and streams only
+                                          what follows, so the client sees no gap and no
+                                          repeat; seeded sampling draws by output index,
+                                          so it continues at the same draw
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 import zmq.asyncio
@@ -47,6 +59,15 @@ class RequestFailed(RuntimeError):
     """A worker reported an error, died, or went silent past its timeout."""
 
 
+class WorkerSilent(RequestFailed):
+    """The worker holding the request sent nothing within its timeout (hung)."""
+
+
+def _worker_failed(exc: RequestFailed) -> bool:
+    """The worker, not the request, failed: worth moving the request elsewhere."""
+    return isinstance(exc, WorkerSilent) or isinstance(exc.__cause__, WorkerDied)
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -74,6 +95,8 @@ class Dispatcher:
             max_inflight_per_worker=config.max_inflight_per_worker,
             max_predicted_ttft_s=config.max_predicted_ttft_s,
         )
+        self.on_migration: Callable[[str, bool], None] | None = None
+        """Told (pool role, whether outputs had been streamed) each time a request moves."""
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -184,7 +207,9 @@ class Dispatcher:
         request = GenerateRequest(request_id, prompt_token_ids, sampling)
         phases = phases or RequestPhases(0.0)
         first: Output | None = None
-        async with aclosing(self._stream(first_worker, request, phases.first)) as stream:
+        pool = self.prefill if self.config.is_disaggregated else self.colocated
+        async with aclosing(self._migrating(pool, first_worker, request, [],
+                                            phases.first)) as stream:
             async for output in stream:
                 if output.finish_reason == HANDOFF and output.handoff is not None:
                     first = output  # the stream ends here: prefill is done with it
@@ -193,35 +218,65 @@ class Dispatcher:
         if first is None:
             return
         yield dataclasses.replace(first, finish_reason=None, handoff=None)
-        async with aclosing(self._decode(request, first, phases.decode)) as stream:
+        decode_request = dataclasses.replace(request, handoff=first.handoff)
+        async with aclosing(self._migrating(self.decode, None, decode_request,
+                                            list(first.token_ids), phases.decode)) as stream:
             async for output in stream:
                 yield output
 
-    async def _decode(self, request: GenerateRequest, first: Output, leg: WorkerLeg
-                      ) -> AsyncIterator[Output]:
-        """Stream from a decode worker; move to another if one dies before its first delta."""
-        decode_request = dataclasses.replace(request, handoff=first.handoff)
+    async def _migrating(self, pool: list[WorkerClient], worker: WorkerClient | None,
+                         request: GenerateRequest, streamed: list[int], leg: WorkerLeg
+                         ) -> AsyncIterator[Output]:
+        """Stream `request` from `worker` (None: the pool's pick) and, when a worker dies or
+        hangs, from another of `pool` (see the module docstring). `streamed`: the output
+        tokens the client already has (a decode leg starts with prefill's first token)."""
+        streamed = list(streamed)
+        num_given = len(streamed)
         tried: set[str] = set()
-        block_size = max((w.status.block_size for w in self.decode if w.status), default=16)
-        num_blocks = num_blocks_needed_now(len(request.prompt_token_ids), block_size)
-        while True:
-            candidates = [w for w in self.decode if w.address not in tried]
-            worker = self.decode_policy.choose(candidates, num_blocks)
+        current = request
+        for migration in itertools.count():
+            if worker is None:
+                worker = self._pick(pool, tried, current)
             tried.add(worker.address)
-            sent_any = False
             try:
-                async with aclosing(self._stream(worker, decode_request, leg)) as stream:
+                async with aclosing(self._stream(worker, current, leg)) as stream:
                     async for output in stream:
-                        sent_any = True
+                        if output.finish_reason != HANDOFF:
+                            streamed += output.token_ids
                         yield output
                 return
             except RequestFailed as exc:
-                if sent_any or not isinstance(exc.__cause__, WorkerDied):
+                if not _worker_failed(exc) or migration >= self.config.max_migrations:
                     raise
-                logger.warning("decode worker %s died before its first token of %s; "
-                               "moving the request", worker.address, request.request_id)
-                if all(w.address in tried for w in self.decode if w.accepting):
-                    raise NoWorkerAvailable("no other decode worker is ready") from exc
+                if not any(w.accepting and w.address not in tried for w in pool):
+                    raise NoWorkerAvailable(f"no other {worker.role} worker is ready") from exc
+                if len(streamed) > num_given:  # it streamed some outputs: resume after them
+                    current = dataclasses.replace(request, handoff=None,
+                                                  resume_output_ids=list(streamed))
+                    logger.warning("%s worker %s failed after %d tokens of %s (%s); resuming "
+                                   "on another", worker.role, worker.address, len(streamed),
+                                   request.request_id, exc)
+                else:
+                    logger.warning("%s worker %s died before its first token of %s (%s); "
+                                   "moving the request", worker.role, worker.address,
+                                   request.request_id, exc)
+                if self.on_migration is not None:
+                    self.on_migration(worker.role, len(streamed) > num_given)
+                worker = None
+
+    def _pick(self, pool: list[WorkerClient], tried: set[str], request: GenerateRequest
+              ) -> WorkerClient:
+        """Where a request goes next: a decode worker by free KV, else the least busy."""
+        candidates = [w for w in pool if w.address not in tried]
+        if pool is self.decode:
+            block_size = max((w.status.block_size for w in pool if w.status), default=16)
+            num_tokens = len(request.prompt_token_ids) + len(request.resume_output_ids)
+            return self.decode_policy.choose(candidates,
+                                             num_blocks_needed_now(num_tokens, block_size))
+        ready = [w for w in candidates if w.accepting]
+        if not ready:
+            raise NoWorkerAvailable("no worker is ready")
+        return min(ready, key=lambda w: (w.num_inflight + num_queued(w), w.address))
 
     async def _stream(self, worker: WorkerClient, request: GenerateRequest, leg: WorkerLeg
                       ) -> AsyncIterator[Output]:
@@ -237,7 +292,7 @@ class Dispatcher:
                 try:
                     item = await asyncio.wait_for(queue.get(), timeout_s)
                 except asyncio.TimeoutError:
-                    raise RequestFailed(
+                    raise WorkerSilent(
                         f"worker {worker.address} sent nothing for {timeout_s:.0f}s"
                     ) from None
                 if isinstance(item, BaseException):

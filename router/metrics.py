@@ -6,6 +6,7 @@ the goodput controller's estimate from its last tick.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -73,6 +74,11 @@ class RouterMetrics:
         self.rejected = counter("pdserve:request_rejected_total",
                                 "Requests refused by admission control or for lack of workers",
                                 ["reason"])
+        self.migrations = counter(
+            "pdserve:request_migrations_total",
+            "Requests moved off a worker that died or hung (router/dispatch.py); resumed: "
+            "whether it had streamed outputs, which the next worker recomputed",
+            ["role", "resumed"])
         self._workers: Sequence[WorkerClient] = ()
         self.registry.register(_WorkerCollector(self))
         if controller is not None:
@@ -167,3 +173,27 @@ class _ControllerCollector(Collector):
         for p, value in estimate.goodput.items():
             goodput.add_metric(name + [str(p), str(estimate.num_workers - p)], value)
         yield from (recommended, goodput)
+
+
+class SupervisorCollector(Collector):
+    """Restarts of each process `pdserve up` supervises, from the JSON file the launcher
+    rewrites on every restart ({"restarts": {"decode-0": 1, ...}}; pdserve/launcher.py).
+    Read at scrape time, so the count survives a restart of the router itself."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def collect(self) -> Iterable[Metric]:
+        restarts = CounterMetricFamily(
+            "pdserve:process_restarts",
+            "Times `pdserve up` restarted a process of this cluster after it died",
+            labels=["process"])
+        try:
+            with open(self._path) as f:
+                counts = json.load(f).get("restarts", {})
+        except (OSError, ValueError, AttributeError):
+            counts = {}  # not written yet, or mid-replace: nothing to report this scrape
+        for process, count in sorted(counts.items()):
+            if isinstance(count, int):
+                restarts.add_metric([str(process)], count)
+        yield restarts

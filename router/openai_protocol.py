@@ -3,7 +3,9 @@
 Request fields follow the OpenAI API, plus vLLM's extra sampling fields (`ignore_eos`, `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
 `cache_salt`), so clients written for vLLM work unchanged. Anything pdserve cannot honour
-(n > 1, echo, best_of, ...) is rejected with a 400 rather than silently ignored.
+(n > 1, echo, best_of, tools, response_format other than text, logit_bias, guided decoding,
+...: UNSUPPORTED_FIELDS) is rejected with a 400 naming the field rather than silently
+ignored; fields neither API knows are ignored, as both do.
 """
 
 from __future__ import annotations
@@ -12,11 +14,71 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
+INT64_LIMIT = 2**63
+"""Integers the workers take go over the wire as msgpack int64: larger is a 400, not an
+encoding error."""
+TokenId = Annotated[int, Field(ge=0, lt=INT64_LIMIT)]
+
+UNSUPPORTED_FIELDS = (
+    # OpenAI: tool calling, structured output, logit bias, audio and predicted output
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "response_format", "logit_bias", "modalities", "audio", "prediction",
+    # vLLM: guided decoding / structured outputs, beam search, prompt logprobs and other
+    # extras that change what is generated
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+    "use_beam_search", "prompt_logprobs", "allowed_token_ids", "bad_words",
+    "logits_processors", "truncate_prompt_tokens",
+)
+"""Fields a client may send (OpenAI's or vLLM's API has them) that pdserve does not honour
+yet: given with a value that asks for something (see `_is_in_use`), the request is a 400
+naming the field."""
+
+
+def _unencodable_string_path(body: Any) -> str | None:
+    """Where `body` (parsed JSON) holds a string that is not valid Unicode text: JSON may
+    escape an unpaired UTF-16 surrogate ("\\ud800"), which no tokenizer, msgpack or UTF-8
+    encoder takes. Iterative: a deeply nested body must not exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            stack += [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            stack += [(path or "body", k) for k in value]  # keys are strings too
+        elif isinstance(value, list):
+            stack += [(f"{path}.{i}", v) for i, v in enumerate(value)]
+    return None
+
+
+def _is_in_use(name: str, value: Any) -> bool:
+    """Whether `value` of unsupported field `name` asks for anything: null, empty, false and
+    the defaults that mean "as usual" ask for nothing."""
+    if value is None or value is False or value == [] or value == {}:
+        return False
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text")
+    if name == "tool_choice":
+        return value != "none"
+    if name == "parallel_tool_calls":
+        return False  # meaningful only with tools, which are refused
+    return True
 
 
 class ErrorBody(BaseModel):
@@ -56,13 +118,53 @@ class SamplingFields(BaseModel):
     user: str | None = None
     # vLLM's extra sampling fields
     ignore_eos: bool = False
-    top_k: int | None = None
+    top_k: Annotated[int, Field(lt=INT64_LIMIT)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Field(ge=0, lt=INT64_LIMIT)] = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    # Not supported yet (UNSUPPORTED_FIELDS): declared, so the OpenAPI document lists them and
+    # a request that uses one is refused, not served as if it had not asked.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        path = _unencodable_string_path(body)
+        if path is not None:
+            raise ValueError(f"{path}: the string is not valid Unicode (an unpaired surrogate)")
+        return body
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if _is_in_use(info.field_name, value):
+            raise ValueError(f"{info.field_name} is not supported by pdserve yet")
+        return value
 
     @field_validator("n")
     @classmethod

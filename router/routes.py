@@ -1,18 +1,24 @@
-"""The router's endpoints. Operations (/health, /status, /metrics) are open; the OpenAI API
-(/v1/...) sits behind the API key when one is set (`app.py` adds that dependency).
+"""The router's endpoints. /health is always open; /status and /metrics are open unless the
+operator asks for the API key there too; the OpenAI API (/v1/...) sits behind the API key when
+one is set (`app.py` adds those dependencies).
 
-A completion request goes: tokenize (chat template included) → check the model name and the
-context length → admit it on a first worker (or refuse: 429 overloaded, 503 no worker) →
-stream or collect the workers' outputs (`streaming.py`).
+A completion request goes: tokenize (chat template included, on a thread pool so a long prompt
+never stalls the event loop) → check the model name and the context length → admit it on a
+first worker (or refuse: 429 overloaded, 503 no worker) → stream or collect the workers'
+outputs (`streaming.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,7 +27,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.controller import GoodputController
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import ApiError, error_response
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics, SupervisorCollector
 from pdserve.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,6 +38,15 @@ from pdserve.router.openai_protocol import (
 from pdserve.router.policies import NoWorkerAvailable, Overloaded
 from pdserve.router.streaming import Reply, RequestObserver, RequestTiming, collect, stream
 from pdserve.router.worker_client import WorkerClient
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's (and vLLM's) max_tokens of a /v1/completions request that sets none."""
+NUM_TOKENIZER_THREADS = 2
+"""Threads that tokenize and render chat templates. Hugging Face's fast tokenizers release
+the GIL while encoding; every call uses the same settings (no truncation or padding), so the
+tokenizer is never mutated while another thread encodes."""
+
+T = TypeVar("T")
 
 
 class ModelFacts:
@@ -64,6 +79,7 @@ class ServingContext:
     controller: GoodputController
     metrics: RouterMetrics
     observer: RequestObserver
+    cpu_pool: CpuPool
 
     @classmethod
     def create(cls, config: RouterConfig, dispatcher: Dispatcher | None = None
@@ -73,8 +89,40 @@ class ServingContext:
         dispatcher = dispatcher or Dispatcher(config)
         controller = GoodputController(config.controller, dispatcher)
         metrics = RouterMetrics(model.name, controller)
+        dispatcher.on_migration = lambda role, resumed: metrics.labels(
+            metrics.migrations, role, str(resumed).lower()).inc()
+        if config.supervisor_state_file is not None:
+            metrics.registry.register(SupervisorCollector(config.supervisor_state_file))
         return cls(config, model, dispatcher, controller, metrics,
-                   RequestObserver(metrics, controller))
+                   RequestObserver(metrics, controller), CpuPool(NUM_TOKENIZER_THREADS))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the CPU pool, so the event loop keeps serving meanwhile."""
+        return await self.cpu_pool.run(functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self.cpu_pool.close()
+
+
+class CpuPool:
+    """The threads that do a request's CPU work (tokenizing, chat templates). Started on
+    first use and closed with the app's lifespan, so an app whose lifespan runs more than
+    once (test clients) gets a fresh pool each time."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = num_threads
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def run(self, call: Callable[[], T]) -> T:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.num_threads,
+                                                thread_name_prefix="tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
 def serving_context(request: Request) -> ServingContext:
@@ -83,12 +131,13 @@ def serving_context(request: Request) -> ServingContext:
 
 Serving = Annotated[ServingContext, Depends(serving_context)]
 
+health_routes = APIRouter()
 ops_routes = APIRouter()
 openai_routes = APIRouter()
 
 
 # ---- operations -------------------------------------------------------------------------
-@ops_routes.get("/health")
+@health_routes.get("/health")
 async def health(serving: Serving) -> Response:
     if serving.dispatcher.is_ready():
         return JSONResponse({"status": "ok"})
@@ -130,8 +179,8 @@ async def models(serving: Serving) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request, serving: Serving) -> Response:
     arrival_s = time.monotonic()
     tokenizer = serving.model.tokenizer
-    prompt_ids = (tokenizer(body.prompt).input_ids if isinstance(body.prompt, str)
-                  else list(body.prompt))
+    prompt_ids = (await serving.off_loop(lambda: tokenizer(body.prompt).input_ids)
+                  if isinstance(body.prompt, str) else list(body.prompt))
     return await _serve(serving, request, body, prompt_ids, body.max_tokens, body.logprobs,
                         is_chat=False, arrival_s=arrival_s)
 
@@ -140,18 +189,22 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving
                            ) -> Response:
     arrival_s = time.monotonic()
-    model = serving.model
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = model.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message)
-    except Exception as exc:  # a template may raise on roles it does not know
-        raise ApiError(400, f"chat template failed: {exc}", "messages") from None
-    # The template already wrote the special tokens it wants (BOS and role markers).
-    prompt_ids = model.tokenizer(text, add_special_tokens=False).input_ids
+    prompt_ids = await serving.off_loop(_chat_prompt_ids, serving.model.tokenizer, body)
     return await _serve(serving, request, body, prompt_ids, body.requested_max_tokens,
                         body.num_logprobs, is_chat=True, arrival_s=arrival_s)
+
+
+def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    """The chat template rendered and tokenized (CPU work: runs on the pool)."""
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message)
+    except Exception as exc:  # a template may raise on roles or message orders it rejects
+        raise ApiError(400, f"chat template failed: {exc}", "messages") from None
+    # The template already wrote the special tokens it wants (BOS and role markers).
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 async def _serve(serving: ServingContext, request: Request, body: SamplingFields,
@@ -162,10 +215,14 @@ async def _serve(serving: ServingContext, request: Request, body: SamplingFields
     request_id = new_id("chatcmpl" if is_chat else "cmpl")
     _check_model(serving.model, body.model)
     # vLLM's rule: no max_tokens gets the room left in the context (a completion: OpenAI's
-    # default of 16 when that fits); one that does not fit is the client's error.
-    default = None if is_chat else serving.config.default_max_tokens
+    # default of 16 when that fits); one that does not fit is the client's error. The
+    # operator's default replaces both, and the operator's ceiling caps every request.
+    config = serving.config
+    default = config.default_max_tokens
+    if default is None and not is_chat:
+        default = COMPLETION_DEFAULT_MAX_TOKENS
     max_tokens = _check_lengths(serving.model, prompt_ids, requested_max_tokens, default,
-                                _max_model_len(serving))
+                                config.max_tokens_ceiling, _max_model_len(serving))
     try:
         sampling = body.sampling_params(max_tokens, num_logprobs)
     except ValueError as exc:
@@ -219,9 +276,13 @@ def _max_model_len(serving: ServingContext) -> int:
 
 
 def _check_lengths(model: ModelFacts, prompt_ids: list[int], requested_max_tokens: int | None,
-                   default_max_tokens: int | None, max_model_len: int) -> int:
-    """The request's max_tokens: the one asked for if it fits (else a 400); without one,
-    the default capped to the room left, or the room left."""
+                   default_max_tokens: int | None, max_tokens_ceiling: int | None,
+                   max_model_len: int) -> int:
+    """The request's max_tokens: the one asked for if it fits in the context and under the
+    ceiling (else a 400); without one, the room left, capped by the default and the
+    ceiling."""
+    if not prompt_ids:  # e.g. "" with a tokenizer that adds no BOS
+        raise ApiError(400, "the prompt must not be empty: it has no tokens", "prompt")
     if any(not 0 <= t < model.vocab_size for t in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
     num_prompt = len(prompt_ids)
@@ -232,7 +293,12 @@ def _check_lengths(model: ModelFacts, prompt_ids: list[int], requested_max_token
             f"your request has {num_prompt} input tokens, which leaves no room to generate. "
             "Please reduce the length of the input.", "prompt")
     if requested_max_tokens is None:
-        return room if default_max_tokens is None else min(default_max_tokens, room)
+        caps = [c for c in (default_max_tokens, max_tokens_ceiling) if c is not None]
+        return min([room, *caps])
+    if max_tokens_ceiling is not None and requested_max_tokens > max_tokens_ceiling:
+        raise ApiError(
+            400, f"max_tokens is {requested_max_tokens}, but this server generates at most "
+            f"{max_tokens_ceiling} tokens per request.", "max_tokens")
     if num_prompt + requested_max_tokens > max_model_len:
         raise ApiError(
             400, f"This model's maximum context length is {max_model_len} tokens. "

@@ -30,14 +30,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-master", default=None, metavar="ADDR",
                         help="KV store master control address, for prefix lookups")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    parser.add_argument("--ops-need-api-key", action="store_true",
+                        help="/metrics and /status need the API key too (/health stays open)")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"],
+                        help="larger request bodies (chunked ones too) get HTTP 413")
+    parser.add_argument("--supervisor-state-file", default=None, help=argparse.SUPPRESS)
+    add_max_tokens_arguments(parser)
     parser.add_argument("--max-inflight-per-worker", type=int,
                         default=d["max_inflight_per_worker"])
     parser.add_argument("--max-predicted-ttft-s", type=float, default=None)
     parser.add_argument("--first-token-timeout-s", type=float, default=d["first_token_timeout_s"])
     parser.add_argument("--token-timeout-s", type=float, default=d["token_timeout_s"])
     parser.add_argument("--heartbeat-timeout-s", type=float, default=d["heartbeat_timeout_s"])
+    parser.add_argument("--max-migrations", type=int, default=d["max_migrations"],
+                        help="times one request may move off a worker that died or hung "
+                             "(default %(default)s)")
     add_controller_arguments(parser)
+
+
+def add_max_tokens_arguments(parser: argparse.ArgumentParser) -> None:
+    """The operator's max_tokens default and ceiling (`pdserve router` and `pdserve up`)."""
+    parser.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                        help="max_tokens of a request that sets none, capped to the room left "
+                             "in the context (default: 16 for completions, the room left for "
+                             "chat, as OpenAI and vLLM do)")
+    parser.add_argument("--max-tokens-ceiling", type=int, default=None, metavar="N",
+                        help="the most tokens one request may generate: a larger max_tokens "
+                             "is a 400 and a request without one gets at most N")
+
+
+def max_tokens_argv(args: argparse.Namespace) -> list[str]:
+    """The max_tokens flags of `args` as command-line arguments (for `pdserve up`)."""
+    argv = []
+    if args.default_max_tokens is not None:
+        argv += ["--default-max-tokens", str(args.default_max_tokens)]
+    if args.max_tokens_ceiling is not None:
+        argv += ["--max-tokens-ceiling", str(args.max_tokens_ceiling)]
+    return argv
 
 
 def add_controller_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +86,9 @@ def add_controller_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--controller-min-gain", type=float, default=c.min_gain,
                        help="flip only when the best split's estimated goodput is at least "
                             "this times the current split's")
+    group.add_argument("--controller-profile", default=c.profile,
+                       help="latency profile JSON (pdserve profile) whose step models the "
+                            "controller uses until it has fitted its own")
 
 
 def controller_argv(args: argparse.Namespace) -> list[str]:
@@ -63,7 +96,9 @@ def controller_argv(args: argparse.Namespace) -> list[str]:
     return ["--controller", args.controller, "--slo-ttft-ms", str(args.slo_ttft_ms),
             "--slo-tpot-ms", str(args.slo_tpot_ms),
             "--controller-interval-s", str(args.controller_interval_s),
-            "--controller-min-gain", str(args.controller_min_gain)]
+            "--controller-min-gain", str(args.controller_min_gain),
+            *(["--controller-profile", args.controller_profile]
+              if args.controller_profile else [])]
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -71,25 +106,30 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model=args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode),
         colocated_addrs=tuple(args.colocated), store_master_addr=args.store_master,
-        api_key=args.api_key, max_model_len=args.max_model_len,
+        api_key=args.api_key, ops_need_api_key=args.ops_need_api_key,
+        max_model_len=args.max_model_len, max_request_bytes=args.max_request_bytes,
+        default_max_tokens=args.default_max_tokens, max_tokens_ceiling=args.max_tokens_ceiling,
+        supervisor_state_file=args.supervisor_state_file,
         max_inflight_per_worker=args.max_inflight_per_worker,
         max_predicted_ttft_s=args.max_predicted_ttft_s,
         first_token_timeout_s=args.first_token_timeout_s, token_timeout_s=args.token_timeout_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations,
         controller=ControllerConfig(
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,
-            min_gain=args.controller_min_gain),
+            min_gain=args.controller_min_gain, profile=args.controller_profile),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pdserve.ports import check_port_free
     from pdserve.router.app import build_app
 
     try:
         config = config_from_args(args)
+        check_port_free(config.host, config.port)  # PortInUse names who holds it
         app = build_app(config)
     except (ValueError, FileNotFoundError, OSError) as exc:
         logger.error("cannot start the router: %s", exc)

@@ -9,6 +9,7 @@ recording it in the metrics and the goodput controller's samples once it ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -26,6 +27,8 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import now_s
 from pdserve.router.phases import RequestPhases
 from pdserve.router.policies import NoWorkerAvailable
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5
 """How often a non-streaming request checks whether its client hung up."""
@@ -146,6 +149,11 @@ async def stream(outputs: AsyncIterator[Output], reply: Reply, timing: RequestTi
                 yield R.sse(reply.chunk(created, output, text_offset))
     except (RequestFailed, NoWorkerAvailable) as exc:
         yield R.sse(R.error_body(f"request failed: {exc}", 503))
+        yield R.sse("[DONE]")
+        return
+    except Exception:  # a bug: the client still gets an error event, not a cut connection
+        logger.exception("a stream failed midway")
+        yield R.sse(R.error_body("internal error while streaming (see the router log)", 500))
         yield R.sse("[DONE]")
         return
     observer.observe(timing, acc)

@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from pdserve import security
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -70,6 +71,7 @@ class WorkerClient:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        security.secure_client(self._socket)
         self._socket.connect(address)
         self._queues: dict[str, asyncio.Queue[Received | BaseException]] = {}
         self._tasks: list[asyncio.Task] = []

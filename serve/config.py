@@ -17,9 +17,9 @@ class ModelConfig:
     model: str
     """A local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files)."""
     dtype: str = "auto"
-    """Weights and activations: auto (the checkpoint's torch_dtype; float32 on CPU for
-    half-precision checkpoints is NOT implied: auto means exactly the checkpoint's), float32,
-    bfloat16 or float16."""
+    """Weights, activations and KV cache: auto (the checkpoint's torch_dtype, except a bf16 or
+    fp16 checkpoint on a CPU without native arithmetic for it, which runs in float32: see
+    serve/loader.resolve_dtype), float32, bfloat16 or float16."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None takes max_position_embeddings."""
     seed: int = 0

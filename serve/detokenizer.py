@@ -36,9 +36,21 @@ class IncrementalDetokenizer:
         self._num_emitted_chars = 0
         self._stop_buffer = 0 if self.params.include_stop_str_in_output else \
             max(0, self.params.max_stop_str_len - 1)
+        # A fast tokenizer's decode is its Rust backend's plus, when asked for, a clean-up of
+        # spaces; without that clean-up, call the backend directly: the same text, without
+        # transformers' per-call Python (two decodes per token and sequence, every step).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) \
+                is False:
+            self._backend_decode = backend.decode
+        else:
+            self._backend_decode = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        skip = self.params.skip_special_tokens
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False,
                check_stop_strings: bool = True) -> str | None:

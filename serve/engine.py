@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,8 +123,11 @@ class Engine:
 
     # ---- requests in --------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
-        """Tokenize and bound a request (nothing is queued)."""
+                     request_id: str | None = None, output_token_ids: Sequence[int] = ()
+                     ) -> Request:
+        """Tokenize and bound a request (nothing is queued). `output_token_ids`: the tokens
+        it already generated elsewhere (a hand-off or a migration): they are computed with the
+        prompt, never reported again, and seeded sampling continues after them."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -137,11 +141,17 @@ class Engine:
         vocab_size = self.spec.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(not 0 <= int(t) < vocab_size for t in output_token_ids):
+            raise ValueError(f"output token ids must be in [0, {vocab_size})")
         room = max(1, self.max_model_len - len(prompt_ids))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(request_id=request_id or uuid.uuid4().hex, prompt_token_ids=prompt_ids,
-                       sampling_params=params, max_tokens=max_tokens, prompt=prompt_text,
-                       eos_token_ids=tuple(self.spec.eos_token_ids))
+        request = Request(request_id=request_id or uuid.uuid4().hex,
+                          prompt_token_ids=prompt_ids, sampling_params=params,
+                          max_tokens=max_tokens, prompt=prompt_text,
+                          eos_token_ids=tuple(self.spec.eos_token_ids))
+        for token_id in output_token_ids:
+            request.append_output_token(int(token_id))
+        return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -178,12 +188,10 @@ class Engine:
         first). Seeded sampling continues at output index len(output_token_ids)."""
         if not output_token_ids:
             raise ValueError("a prefilled request needs its first output token")
-        request = self.make_request(prompt_token_ids, params, request_id)
-        for token_id in output_token_ids:
-            request.append_output_token(int(token_id))
+        request = self.make_request(prompt_token_ids, params, request_id, output_token_ids)
         request.num_computed_tokens = request.num_tokens - 1
         block_ids = self.scheduler.add_running_request(request, block_ids)
-        self._start_tracking(request, already_streamed=output_token_ids)
+        self._start_tracking(request)
         return block_ids
 
     def add_continued_request(self, request_id: str, prompt_token_ids: list[int],
@@ -193,24 +201,22 @@ class Engine:
         sampling at output index len(output_token_ids), exactly where prefill stopped."""
         if not output_token_ids:
             raise ValueError("a continued request needs its first output token")
-        request = self.make_request(prompt_token_ids, params, request_id)
-        for token_id in output_token_ids:
-            request.append_output_token(int(token_id))
-        self.scheduler.add_request(request)
-        self._start_tracking(request, already_streamed=output_token_ids)
+        request = self.make_request(prompt_token_ids, params, request_id, output_token_ids)
+        self.submit(request)
         return request
 
-    def _start_tracking(self, request: Request, already_streamed: list[int] | None = None
-                        ) -> None:
-        """Track text and reported tokens; `already_streamed` outputs (sent to the client by
-        another worker) only advance the detokenizer and are not reported again."""
+    def _start_tracking(self, request: Request) -> None:
+        """Track text and reported tokens. Outputs the request already has when it arrives
+        were streamed to the client by another worker (a hand-off, a migration): they only
+        advance the detokenizer and are not reported again."""
+        already_streamed = list(request.output_token_ids)
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request)
             if already_streamed:
-                detokenizer.update(list(already_streamed))
+                detokenizer.update(already_streamed)
                 detokenizer.take_delta(finished=False)
             self._detokenizers[request.request_id] = detokenizer
-        self._num_reported_tokens[request.request_id] = len(already_streamed or [])
+        self._num_reported_tokens[request.request_id] = len(already_streamed)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state and free its blocks; returns its final output (None if it is
@@ -323,10 +329,11 @@ class Engine:
         text = detokenizer.take_delta(ends_text) if detokenizer is not None else ""
         logprobs, cumulative_logprob = None, None
         if request.sampling_params.logprobs is not None:
-            logprobs = request.output_logprobs[start:]
-            # A prefilled request (decode role) has no logprobs for its handed-over tokens.
-            with_logprobs = request.output_token_ids[-len(request.output_logprobs):] \
-                if request.output_logprobs else []
+            # Outputs another worker sampled (a hand-off, a migration) come first and have no
+            # logprobs here: those of this worker's tokens start after them.
+            num_without = request.num_output_tokens - len(request.output_logprobs)
+            logprobs = request.output_logprobs[max(0, start - num_without):]
+            with_logprobs = request.output_token_ids[num_without:]
             cumulative_logprob = sum(entry[token_id].logprob for token_id, entry in
                                      zip(with_logprobs, request.output_logprobs, strict=True))
         if request.is_finished:

@@ -83,9 +83,12 @@ class HandOff:
         self._arrivals[message.request_id] = (arrived_s, message.handoff is not None)
 
     def _add_new(self, message: GenerateRequest) -> None:
+        """From the prompt; or, migrated from a worker that died (resume_output_ids), from
+        the prompt and the outputs it streamed, recomputed after the prompt's stored prefix."""
         request = self.engine.make_request(message.prompt_token_ids, message.sampling,
-                                           message.request_id)
-        if self.kv_transfer is not None and self.role == "prefill":
+                                           message.request_id, message.resume_output_ids)
+        if self.kv_transfer is not None and (self.role == "prefill"
+                                             or message.resume_output_ids):
             keys = self.kv_transfer.store_prefix_keys(request)
             if keys:
                 self.kv_transfer.start_load(message.request_id, keys)
@@ -180,8 +183,9 @@ class HandOff:
         assert self.kv_transfer is not None
         if can_wait and not engine.has_unfinished_requests():
             can_wait = False  # nothing will free blocks: do not wait for them
-        if message.handoff is None:  # prefill: the prompt's prefix
-            request = engine.make_request(message.prompt_token_ids, params, request_id)
+        if message.handoff is None:  # prefill, or a migration: the prompt's prefix
+            request = engine.make_request(message.prompt_token_ids, params, request_id,
+                                          message.resume_output_ids)
             if done.ok:
                 block_size = engine.block_manager.block_size
                 try:

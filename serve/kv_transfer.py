@@ -26,6 +26,7 @@ or partial load is a miss: the decode worker recomputes the prompt (the KV cache
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class KVTransfer:
             return peer
 
         layout = runner.spec.kv_layout(runner.block_size)
+        _log_memory_choice(runner.device, client)
         return cls(runner, block_manager, KVConnector(
             client, layout, timeout_s=timeout_s, lease_ttl_s=lease_ttl_s,
             handoff_node=handoff_node, connect=connect))
@@ -283,3 +285,17 @@ class KVTransfer:
         for part in (self.connector.backend, self.connector.handoff_node):
             if part is not None and hasattr(part, "close"):
                 part.close()
+
+
+def _log_memory_choice(device, client) -> None:
+    """Say at start which memory the KV bytes cross: on CPU the pool is host memory and UCX
+    reads it in place; on CUDA each layer's blocks are copied to pinned host staging (page-
+    locked, so the device-to-host copy is asynchronous) and UCX moves host buffers. Device
+    memory is never handed to UCX here, even where UCX was built with CUDA support."""
+    transport = client.transport if client is not None else "ucx where both sides have it"
+    if device.type == "cuda":
+        logger.info("KV hand-off memory: device -> pinned host staging per layer, then %s "
+                    "over host buffers (no GPU-direct UCX: a host bounce per block)", transport)
+    else:
+        logger.info("KV hand-off memory: host DRAM (the KV pool itself), staged per layer, "
+                    "moved by %s (UCX_TLS=%s)", transport, os.environ.get("UCX_TLS", "default"))

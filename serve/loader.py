@@ -91,8 +91,38 @@ def _as_ids(value: object) -> list[int]:
     return [int(v) for v in value]  # type: ignore[union-attr]
 
 
-def load_model_spec(model_config: ModelConfig) -> ModelSpec:
-    """Validate the checkpoint directory and read its config (no weights are touched)."""
+def cpu_has_native(dtype: str) -> bool:
+    """Whether this CPU computes in `dtype` natively: bf16 with AVX512-BF16 or AMX, fp16 with
+    AMX-FP16. Elsewhere torch emulates half-precision matmuls through float32 conversions."""
+    cpu = torch.cpu
+    if dtype == "bfloat16":
+        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    if dtype == "float16":
+        return bool(cpu._is_amx_fp16_supported())
+    return True
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device_type: str | None) -> str:
+    """dtype "auto" is the checkpoint's, except that a half-precision checkpoint on a CPU
+    without native arithmetic for it runs in float32: converting bf16/fp16 weights to float32
+    is exact, and on such CPUs (AVX2, measured on this project's machines with the
+    llama-mid-like model) float32 is the faster: decode 11.5 against 15.1 ms a step at batch
+    1 and 23 against 58 at batch 8, a 256-token prefill 0.30 against 1.50 s."""
+    if requested != "auto":
+        return requested
+    if (device_type == "cpu" and checkpoint_dtype in ("bfloat16", "float16")
+            and not cpu_has_native(checkpoint_dtype)):
+        logger.info("this CPU has no native %s arithmetic: running the %s checkpoint in "
+                    "float32 (exact for its weights, and faster here); --dtype %s keeps it",
+                    checkpoint_dtype, checkpoint_dtype, checkpoint_dtype)
+        return "float32"
+    return checkpoint_dtype
+
+
+def load_model_spec(model_config: ModelConfig, device_type: str | None = None) -> ModelSpec:
+    """Validate the checkpoint directory and read its config (no weights are touched).
+    `device_type` (cpu | cuda) resolves dtype "auto" (resolve_dtype); None keeps the
+    checkpoint's."""
     model_dir = Path(model_config.model)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
@@ -115,7 +145,7 @@ def load_model_spec(model_config: ModelConfig) -> ModelSpec:
         raise ValueError(f"{config_path} is a quantized checkpoint ({method or quantization});"
                          " pdserve loads float32, bfloat16 or float16 weights")
     checkpoint_dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    dtype = checkpoint_dtype if model_config.dtype == "auto" else model_config.dtype
+    dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device_type)
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)")
 

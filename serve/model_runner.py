@@ -291,7 +291,7 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
     if rendezvous is not None:
         control = dist.new_group(backend="gloo",
                                  timeout=datetime.timedelta(seconds=timeout_s))
-    spec = load_model_spec(model_config)
+    spec = load_model_spec(model_config, device.type)
     state = _Rank(spec, cache_config.block_size, tp, device)
     if rendezvous is not None:
         # Every rank loaded before any enters a collective (the profiling forward, the

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import zmq
 
+from pdserve import security
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -103,6 +104,7 @@ class Worker:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted router takes over
+        security.secure_server(self._socket)  # CurveZMQ: only the cluster key gets through
         self._socket.bind(address)
         self._owners: dict[str, bytes] = {}  # request id -> the router that sent it
         self.stop_event = threading.Event()
@@ -129,6 +131,7 @@ class Worker:
     def close(self) -> None:
         self.engine.shutdown()
         self._socket.close(linger=0)
+        security.release_context(self._context)
         self._context.term()
 
     # ---- messages in -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve import security
 from pdserve.kvstore.client import StoreClient
 
 
@@ -46,6 +47,7 @@ class Cluster:
     worker_base_port: int
     store_port: int
     log_path: Path
+    key_path: Path  # the cluster key `pdserve up` gave its children
 
     def status(self) -> dict:
         return httpx.get(f"{self.base_url}/status", timeout=5).json()
@@ -54,9 +56,12 @@ class Cluster:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def store_client(self) -> StoreClient:
-        """A client of the cluster's store (`pdserve up`: master at store_port, data next)."""
-        return StoreClient(f"tcp://127.0.0.1:{self.store_port + 1}",
-                           f"tcp://127.0.0.1:{self.store_port}", transport="zmq", timeout_s=5)
+        """A client of the cluster's store (`pdserve up`: master at store_port, data next),
+        holding the cluster key."""
+        with security.using(security.ClusterKey.load(self.key_path)):
+            return StoreClient(f"tcp://127.0.0.1:{self.store_port + 1}",
+                               f"tcp://127.0.0.1:{self.store_port}", transport="zmq",
+                               timeout_s=5)
 
     def assert_nothing_leaked(self, with_store: bool = True, timeout_s: float = 30.0) -> None:
         """assert_nothing_leaked for this cluster; with_store=False where it runs no store
@@ -133,13 +138,16 @@ def start_cluster(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float 
     base = free_port_block(40)
     port, store_port, worker_base = base, base + 10, base + 20
     log_path = log_dir / f"pdserve-up-{port}.log"
+    key_path = log_dir / f"cluster-{port}.key"  # written by `pdserve up`
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir),
             "--port", str(port), "--store-port", str(store_port),
-            "--worker-base-port", str(worker_base), *extra]
+            "--worker-base-port", str(worker_base), "--cluster-key-file", str(key_path),
+            *extra]
     env = dict(os.environ, PDSERVE_LOG_LEVEL="INFO")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    cluster = Cluster(process, f"http://127.0.0.1:{port}", worker_base, store_port, log_path)
+    cluster = Cluster(process, f"http://127.0.0.1:{port}", worker_base, store_port, log_path,
+                      key_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -155,24 +163,29 @@ NUM_BLOCKS = 256
 
 
 class Roles:
-    """Store, one prefill worker, `num_decode` decode workers and a router, each its own
-    `pdserve <role>` process, as in a real cluster (names: store, prefill, decode, decode-1,
-    ..., router)."""
+    """Store, `num_prefill` prefill workers, `num_decode` decode workers and a router, each its
+    own `pdserve <role>` process, as in a real cluster (names: store, prefill, prefill-1, ...,
+    decode, decode-1, ..., router)."""
 
     def __init__(self, model_dir, log_dir, num_decode: int = 1,
-                 router_args: tuple[str, ...] = ()) -> None:
+                 router_args: tuple[str, ...] = (), num_prefill: int = 1) -> None:
         self.model_dir, self.log_dir = str(model_dir), log_dir
-        base = free_port_block(10)
+        base = free_port_block(12)
         self.router_port, self.master_port, self.data_port = base, base + 1, base + 2
-        self.prefill_port = base + 3
-        self.decode_ports = [base + 4 + i for i in range(num_decode)]
+        self.prefill_ports = [base + 3 + i for i in range(num_prefill)]
+        self.decode_ports = [base + 3 + num_prefill + i for i in range(num_decode)]
         self.router_args = router_args
+        self.key_path = security.ClusterKey.generate().save(log_dir / f"cluster-{base}.key")
         self.processes: dict[str, subprocess.Popen] = {}
         self.killed: set[str] = set()  # names killed on purpose and not started again
 
     @property
     def decode_port(self) -> int:
         return self.decode_ports[0]
+
+    @property
+    def prefill_port(self) -> int:
+        return self.prefill_ports[0]
 
     @property
     def base_url(self) -> str:
@@ -183,17 +196,17 @@ class Roles:
         log = open(self.log_dir / f"{name}-{len(self.processes)}.log", "ab")
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv], stdout=log,
-            stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="INFO"))
+            stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="INFO",
+                                               PDSERVE_CLUSTER_KEY_FILE=str(self.key_path)))
 
     def worker_address(self, name: str) -> str:
         """The address the router reaches worker `name` (prefill, decode, decode-1, ...) at."""
-        if name == "prefill":
-            return f"tcp://127.0.0.1:{self.prefill_port}"
-        index = int(name.removeprefix("decode").removeprefix("-") or 0)
-        return f"tcp://127.0.0.1:{self.decode_ports[index]}"
+        role, _, index = name.partition("-")
+        ports = self.prefill_ports if role == "prefill" else self.decode_ports
+        return f"tcp://127.0.0.1:{ports[int(index or 0)]}"
 
     def start_worker(self, role: str, index: int = 0) -> None:
-        port = self.prefill_port if role == "prefill" else self.decode_ports[index]
+        port = (self.prefill_ports if role == "prefill" else self.decode_ports)[index]
         name = role if index == 0 else f"{role}-{index}"
         self.start(name, role, "--model", self.model_dir, "--port", str(port),
                    "--num-kv-blocks", str(NUM_BLOCKS), "--worker-id", name,
@@ -204,14 +217,13 @@ class Roles:
     def start_all(self) -> None:
         self.start("store", "store", "--role", "all", "--master-port", str(self.master_port),
                    "--data-port", str(self.data_port), "--transport", "zmq")
-        self.start_worker("prefill")
-        decode_args = []
-        for i, port in enumerate(self.decode_ports):
-            self.start_worker("decode", i)
-            decode_args += ["--decode", f"tcp://127.0.0.1:{port}"]
+        worker_args = []
+        for role, ports in (("prefill", self.prefill_ports), ("decode", self.decode_ports)):
+            for i, port in enumerate(ports):
+                self.start_worker(role, i)
+                worker_args += [f"--{role}", f"tcp://127.0.0.1:{port}"]
         self.start("router", "router", "--model", self.model_dir, "--port",
-                   str(self.router_port), "--prefill", f"tcp://127.0.0.1:{self.prefill_port}",
-                   *decode_args, *self.router_args)
+                   str(self.router_port), *worker_args, *self.router_args)
 
     def kill(self, name: str) -> None:
         """SIGKILL one process, as a crash would, and remember it for the leak check."""
@@ -255,5 +267,6 @@ class Roles:
                 process.wait(5)
 
     def store_client(self) -> StoreClient:
-        return StoreClient(f"tcp://127.0.0.1:{self.data_port}",
-                           f"tcp://127.0.0.1:{self.master_port}", transport="zmq")
+        with security.using(security.ClusterKey.load(self.key_path)):
+            return StoreClient(f"tcp://127.0.0.1:{self.data_port}",
+                               f"tcp://127.0.0.1:{self.master_port}", transport="zmq")

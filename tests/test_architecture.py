@@ -54,6 +54,16 @@ OFFLINE_BENCHMARKS = {
     "pdserve.benchmarks.controller_check": ("pdserve.router.goodput_model",),
     # starts its clusters with `pdserve up`'s launcher; times an offline prefill for reference
     "pdserve.benchmarks.ttft_breakdown": ("pdserve.launcher", "pdserve.serve"),
+    # the offline planner: the router's simulator and profile format, and the engine itself
+    "pdserve.benchmarks.plan": ("pdserve.router.goodput_model", "pdserve.router.latency_profile",
+                                "pdserve.router.planner"),
+    "pdserve.benchmarks.plan_check": ("pdserve.router.goodput_model",
+                                      "pdserve.router.latency_profile", "pdserve.router.planner"),
+    "pdserve.benchmarks.profiler": ("pdserve.serve", "pdserve.kvstore.connector",
+                                    "pdserve.router.goodput_model",
+                                    "pdserve.router.latency_profile"),
+    # a loopback `pdserve up` under SIGKILLs; its leak check reads the store's own counters
+    "pdserve.benchmarks.chaos_soak": ("pdserve.kvstore",),
 }
 # The protocol package depends on nothing but the standard library and msgpack.
 PROTOCOL_THIRD_PARTY = {"msgpack"}

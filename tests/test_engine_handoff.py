@@ -67,3 +67,27 @@ def test_handoff_continues_exactly(engines, params, with_kv):
     for engine in (colocated, prefill, decode):
         engine.block_manager.check_integrity()
         assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("num_resumed", [1, 4], ids=["handoff", "migration"])
+def test_continued_request_reports_logprobs_for_every_token_it_samples(engines, num_resumed):
+    """Outputs sampled elsewhere (a hand-off's first token, a migration's streamed ones) have
+    no logprobs here; every token this engine samples has its entry, and the continuation
+    equals the colocated run's tokens and logprobs."""
+    colocated, decode = engines["colocated"], engines["decode"]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    prompt = PROMPTS[2]
+    colocated.add_request(prompt, params, "full")
+    [full] = [outs for outs in run_to_completion(colocated).values()]
+    tokens = token_ids(full)
+    expected = [entry for out in full for entry in out.outputs[0].logprobs]
+    decode.add_continued_request("cont", prompt, params, tokens[:num_resumed])
+    outs = run_to_completion(decode)["cont"]
+    assert token_ids(outs) == tokens[num_resumed:]
+    for out in outs:
+        assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
+    got = [entry for out in outs for entry in out.outputs[0].logprobs]
+    assert [e[t].logprob for e, t in zip(got, tokens[num_resumed:], strict=True)] == \
+        pytest.approx([e[t].logprob for e, t in zip(expected[num_resumed:],
+                                                    tokens[num_resumed:], strict=True)],
+                      abs=1e-4)

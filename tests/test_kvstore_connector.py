@@ -278,6 +278,14 @@ def test_direct_handoff_from_the_prefill_node_then_fallback_to_the_store(transpo
         [loaded] = wait_results(fallback, 1)
         assert (loaded.num_blocks, loaded.error) == (3, None)
         assert torch.equal(again[0][:, 0], pool[0][:, 4])
+        # the dead node is not asked again for a while: the next load from it and the
+        # release of its lease cost no timeout (no new client is even made)
+        num_clients = len(peers)
+        fallback.start_load("h3", keys, [3, 4, 5], again, source=saved.source)
+        fallback.release(saved.lease_id, saved.source)
+        [loaded] = wait_results(fallback, 1)
+        assert (loaded.num_blocks, loaded.error) == (3, None)
+        assert fallback.drain(10) and len(peers) == num_clients
         fallback.close()
     finally:
         prefill.close()

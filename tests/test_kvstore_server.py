@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
+from pdserve import security
 from pdserve.kvstore import data_service as data_service_module
 from pdserve.kvstore import ucx_prober
 from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
@@ -440,14 +441,19 @@ def _free_port() -> int:
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path):
     master_port, data_port = _free_port(), _free_port()
+    cluster_key = security.ClusterKey.generate()
+    key_path = cluster_key.save(tmp_path / "cluster.key")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "store", "--transport", "zmq",
          "--master-port", str(master_port), "--data-port", str(data_port),
          "--dram-blocks", "8", "--disk-blocks", "8", "--disk-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=dict(os.environ, PDSERVE_CLUSTER_KEY_FILE=str(key_path)))
     try:
-        client = StoreClient(f"tcp://127.0.0.1:{data_port}",
-                             f"tcp://127.0.0.1:{master_port}", transport="zmq", timeout_s=30)
+        with security.using(cluster_key):
+            client = StoreClient(f"tcp://127.0.0.1:{data_port}",
+                                 f"tcp://127.0.0.1:{master_port}", transport="zmq",
+                                 timeout_s=30)
         assert client.put_many([key(0)], [block(0)]) == [True]
         assert client.lookup_prefix([key(0)]).num_blocks == 1
         client.close()
@@ -458,3 +464,58 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
     assert (tmp_path / (key(0).hex() + ".kv")).exists() is False  # still in DRAM, not spilled
+
+
+def _start_store_cli(tmp_path, disk_dir, key_path, master_port: int, data_port: int):
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "store", "--transport", "zmq",
+         "--master-port", str(master_port), "--data-port", str(data_port),
+         "--dram-blocks", "4", "--disk-blocks", "1000", "--disk-dir", str(disk_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, PDSERVE_CLUSTER_KEY_FILE=str(key_path)))
+
+
+def test_store_killed_mid_write_restarts_with_whole_blocks_only(tmp_path):
+    """SIGKILL a store while its disk tier still writes behind; damage one finished file and
+    leave a half-written one: the restarted store serves every block it kept exactly as put,
+    and everything else (DRAM, unfinished, torn) is a miss, never wrong bytes."""
+    cluster_key = security.ClusterKey.generate()
+    key_path = cluster_key.save(tmp_path / "cluster.key")
+    disk_dir = tmp_path / "disk"
+    disk_dir.mkdir()
+    keys, blocks = [key(i) for i in range(400)], [block(i, 16384) for i in range(400)]
+    ports = (_free_port(), _free_port())
+    proc = _start_store_cli(tmp_path, disk_dir, key_path, *ports)
+    try:
+        with security.using(cluster_key):
+            client = StoreClient(f"tcp://127.0.0.1:{ports[1]}", transport="zmq", timeout_s=30)
+        for i in range(0, len(keys), 40):  # each put demotes older blocks to the disk tier
+            assert client.put_many(keys[i:i + 40], blocks[i:i + 40]) == [True] * 40
+        client.close()
+        proc.kill()  # mid write-behind: the last blocks' files are queued or half-written
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    written = sorted(disk_dir.glob("*.kv"))
+    assert written, "nothing reached the disk before the kill"
+    torn = written[0]
+    torn.write_bytes(torn.read_bytes()[:-100])  # a block cut short
+    (disk_dir / (key(999).hex() + ".kv.tmp")).write_bytes(b"PDKV half")
+    ports = (_free_port(), _free_port())
+    proc = _start_store_cli(tmp_path, disk_dir, key_path, *ports)
+    try:
+        with security.using(cluster_key):
+            client = StoreClient(f"tcp://127.0.0.1:{ports[1]}", transport="zmq", timeout_s=30)
+        got = client.get_many(keys)
+        kept = [i for i, g in enumerate(got) if g is not None]
+        assert all(np.array_equal(got[i], blocks[i]) for i in kept)
+        assert len(kept) >= len(written) - 1
+        assert keys.index(bytes.fromhex(torn.name.removesuffix(".kv"))) not in kept
+        assert not list(disk_dir.glob("*.tmp"))
+        client.check_integrity()
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

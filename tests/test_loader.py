@@ -65,12 +65,32 @@ def test_sharded_checkpoint_loads_and_matches(llama_dir: Path, tmp_path: Path, c
     torch.testing.assert_close(sharded_logits, _last_logits(llama_dir, tokens), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_dtype_of_a_bf16_checkpoint_on_cpu(make_model_dir, monkeypatch, native) -> None:
+    """auto: bf16 where the CPU computes in bf16, float32 (exact for the weights, faster)
+    where it does not; an explicit dtype always wins."""
+    from pdserve.serve import loader
+
+    model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
+    monkeypatch.setattr(loader, "cpu_has_native", lambda dtype: native)
+    want = "bfloat16" if native else "float32"
+    assert load_model_spec(ModelConfig(str(model_dir)), "cpu").dtype == want
+    assert load_model_spec(ModelConfig(str(model_dir)), "cuda").dtype == "bfloat16"
+    assert load_model_spec(ModelConfig(str(model_dir)), None).dtype == "bfloat16"
+    assert load_model_spec(ModelConfig(str(model_dir), dtype="bfloat16"), "cpu").dtype == \
+        "bfloat16"
+    with ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4)) as runner:
+        assert runner.spec.dtype == want
+        assert runner.kv_caches[0].dtype == getattr(torch, want)
+
+
 def test_bf16_checkpoint_loads_as_bf16(make_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
     tokens = list(range(30, 50))
-    with ModelRunner(ModelConfig(str(model_dir)), CacheConfig(num_blocks=4)) as runner:
+    with ModelRunner(ModelConfig(str(model_dir), dtype="bfloat16"),
+                     CacheConfig(num_blocks=4)) as runner:
         assert runner.spec.dtype == "bfloat16"
         assert all(p.dtype == torch.bfloat16 for p in runner._rank.model.parameters())
         assert runner.kv_caches[0].dtype == torch.bfloat16

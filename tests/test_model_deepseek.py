@@ -154,7 +154,8 @@ def test_worker_with_a_tp_degree_the_model_cannot_take_exits_with_one_clear_line
 
     model_dir = make_model_dir("deepseek_v3", seed=3)
     done = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--model",
-                           str(model_dir), "--tp", "3", "--port", "1"], capture_output=True,
+                           str(model_dir), "--tp", "3", "--port", "1", "--insecure-plaintext"],
+                          capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2
     assert "num_attention_heads=4 divisible by tensor_parallel_size=3" in done.stderr

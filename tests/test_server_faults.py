@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 
 import httpx
 import pytest
 from cluster_util import Roles, free_port_block, wait_until
+
+from pdserve import security
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +22,9 @@ def roles(llama_dir, tmp_path_factory):
     roles.start_all()
     try:
         roles.wait_ready()
-        yield roles
+        # this process talks to the roles as one of the cluster: store clients take the key
+        with security.using(security.ClusterKey.load(roles.key_path)):
+            yield roles
     finally:
         roles.stop()
 
@@ -64,13 +69,47 @@ def test_concurrent_streams_with_disconnects_leak_nothing(roles):
     roles.assert_nothing_leaked()
 
 
+def test_no_internal_port_answers_a_peer_without_the_cluster_key(roles):
+    """Workers and the store run CurveZMQ under the cluster key: a plaintext peer's frames
+    (a status request, a store stats request) are dropped in the handshake, unanswered,
+    while the cluster keeps serving."""
+    import zmq
+
+    from pdserve.protocol.store import STORE_PROTOCOL, StatsRequest
+    from pdserve.protocol.worker import WORKER_PROTOCOL, StatusRequest
+
+    ports = {roles.prefill_port: WORKER_PROTOCOL.encode(StatusRequest()),
+             **{p: WORKER_PROTOCOL.encode(StatusRequest()) for p in roles.decode_ports},
+             roles.master_port: STORE_PROTOCOL.encode(StatsRequest(request_id=1)),
+             roles.data_port: STORE_PROTOCOL.encode(StatsRequest(request_id=1))}
+    context = zmq.Context()
+    try:
+        for port, payload in ports.items():
+            socket = context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(f"tcp://127.0.0.1:{port}")
+            socket.send(payload)
+            assert not socket.poll(1500), f"port {port} answered a peer without the key"
+            socket.close()
+    finally:
+        context.term()
+    response = httpx.post(f"{roles.base_url}/v1/completions", timeout=60,
+                          json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert response.status_code == 200
+
+
 def test_garbage_and_pickle_on_worker_port_are_dropped(roles, tmp_path):
     """A worker decodes msgpack against its schema only: nothing is unpickled or run."""
     import pickle
 
     import zmq
 
-    from pdserve.protocol.worker import WORKER_PROTOCOL, StatusRequest, WorkerStatus
+    from pdserve.protocol.worker import (
+        WORKER_PROTOCOL,
+        AbortRequest,
+        StatusRequest,
+        WorkerStatus,
+    )
 
     sentinel = tmp_path / "pwned"
 
@@ -81,19 +120,49 @@ def test_garbage_and_pickle_on_worker_port_are_dropped(roles, tmp_path):
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    with security.using(security.ClusterKey.load(roles.key_path)):  # a peer with the key
+        security.secure_client(socket)
     socket.connect(f"tcp://127.0.0.1:{roles.prefill_port}")
+    from pdserve.protocol.sampling import SamplingParams
+    from pdserve.protocol.worker import GenerateRequest
+
+    rng = random.Random(3)
+    valid = WORKER_PROTOCOL.encode(GenerateRequest("fuzz", [1, 2, 3],
+                                                   SamplingParams(max_tokens=2)))
+    mutated = []
+    for _ in range(60):  # mutated valid frames: each is refused or served, never a crash
+        payload = bytearray(valid)
+        for _ in range(rng.randint(1, 4)):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        mutated.append(bytes(payload))
     try:
         for payload in (pickle.dumps(Exploit()), b"\x00garbage", b"\x81\xa4type\xa5bogus",
-                        b"\xc1", os.urandom(4096)):
+                        b"\xc1", os.urandom(4096), *mutated):
             socket.send(payload)
         socket.send(WORKER_PROTOCOL.encode(StatusRequest()))
-        assert socket.poll(10_000), "the worker stopped answering"
-        reply = WORKER_PROTOCOL.decode(socket.recv())
-        assert isinstance(reply, WorkerStatus) and reply.role == "prefill"
+        reply = None
+        while not isinstance(reply, WorkerStatus):  # past the fuzz's own answers
+            assert socket.poll(30_000), "the worker stopped answering"
+            reply = WORKER_PROTOCOL.decode(socket.recv())
+        assert reply.role == "prefill"
+        for request_id in {m.request_id for m in map(_try_decode, mutated) if m is not None}:
+            socket.send(WORKER_PROTOCOL.encode(AbortRequest(request_id)))  # leave nothing
     finally:
         socket.close()
         context.term()
     assert not sentinel.exists()
+
+
+def _try_decode(payload: bytes):
+    """The GenerateRequest a fuzzed frame still decodes to, or None."""
+    from pdserve.protocol.codec import WireError
+    from pdserve.protocol.worker import WORKER_PROTOCOL, GenerateRequest
+
+    try:
+        message = WORKER_PROTOCOL.decode(payload)
+    except (WireError, ValueError):
+        return None
+    return message if isinstance(message, GenerateRequest) else None
 
 
 def _collect(socket, request) -> list:
@@ -118,6 +187,7 @@ def _worker_sockets(roles, context) -> dict:
     for role, port in (("prefill", roles.prefill_port), ("decode", roles.decode_port)):
         sockets[role] = context.socket(zmq.DEALER)
         sockets[role].setsockopt(zmq.LINGER, 0)
+        security.secure_client(sockets[role])  # as the router's are
         sockets[role].connect(f"tcp://127.0.0.1:{port}")
     return sockets
 

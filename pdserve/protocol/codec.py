@@ -68,7 +68,10 @@ class Protocol:
         if len(raw) > MAX_MESSAGE_BYTES:
             raise WireError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
         try:
-            obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            # Map keys of any scalar type: `dict[int, float]` fields (a token's top logprobs)
+            # have int keys, which strict_map_key refuses. `_check` then holds every key to
+            # its field's declared key type, so a str-keyed field still gets only str keys.
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception as exc:  # msgpack raises several types on garbage
             raise WireError(f"not msgpack: {type(exc).__name__}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
@@ -85,7 +88,7 @@ class Protocol:
         hints = self._fields(cls)
         unknown = set(obj) - set(hints)
         if unknown:
-            raise WireError(f"{where}: unknown fields {sorted(unknown)}")
+            raise WireError(f"{where}: unknown fields {sorted(map(repr, unknown))}")
         kwargs = {}
         for field in dataclasses.fields(cls):
             if field.name in obj:

@@ -59,12 +59,20 @@ class GenerateRequest:
     """max_tokens is always set by the router (it knows the room left in the context)."""
     handoff: KVHandoff | None = None
     """None: start from the prompt. Set: decode role, continue after the prefill worker."""
+    resume_output_ids: list[int] = field(default_factory=list)
+    """Migration: the output tokens another worker already streamed before it died or hung.
+    This worker computes the prompt's and their KV (the prompt's prefix from the store where
+    it has it), streams only what follows, and seeded sampling resumes at their count."""
 
     def __post_init__(self) -> None:
         if not self.request_id or not self.prompt_token_ids:
             raise ValueError("request_id and prompt_token_ids must not be empty")
         if self.sampling.max_tokens is None:
             raise ValueError("sampling.max_tokens must be set")
+        if self.resume_output_ids and self.handoff is not None:
+            raise ValueError("a request resumes from its outputs or from a hand-off, not both")
+        if len(self.resume_output_ids) >= self.sampling.max_tokens:
+            raise ValueError("nothing left to generate after the resumed outputs")
 
 
 @WORKER_PROTOCOL.message("abort")

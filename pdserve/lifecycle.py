@@ -1,0 +1,78 @@
+"""A role started by `pdserve up` dies with its launcher, however the launcher ends.
+
+Two mechanisms, since neither covers every case alone:
+
+- the parent-death signal (Linux `prctl(PR_SET_PDEATHSIG)`), set in the child between fork
+  and exec (`parent_death_preexec`): the kernel sends SIGTERM the moment the launcher dies,
+  SIGKILL and OOM kills included, and the role drains as it does on any SIGTERM;
+- a watch thread in the child (`exit_with_launcher`, started by `pdserve.cli` when
+  PDSERVE_LAUNCHER_PID is set): once the child's parent is no longer the launcher it sends
+  itself SIGTERM, and if the role has not exited `grace_s` later, ends the process. It
+  covers what the signal does not: a role whose SIGTERM handler does not return in time,
+  and hosts without prctl.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+EXIT_GRACE_S = 5.0
+"""How long a role may drain after SIGTERM before the watch ends it."""
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl (Linux), or None. Looked up in the launcher, before any fork: loading a
+    library between fork and exec is not safe."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def parent_death_preexec(
+    launcher_pid: int, then: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """A Popen preexec_fn: SIGTERM on the launcher's death, then `then` (e.g. CPU pinning).
+    A launcher that died before the signal was set (the fork raced its death) would never
+    send it: the child then exits before exec."""
+    prctl = _prctl()
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != launcher_pid:
+            os._exit(1)
+        if then is not None:
+            then()
+
+    return preexec
+
+
+def exit_with_launcher(
+    launcher_pid: int, grace_s: float = EXIT_GRACE_S, poll_s: float = 0.5
+) -> threading.Thread:
+    """Start the watch thread (a daemon): when this process's parent stops being
+    `launcher_pid`, SIGTERM this process, and end it `grace_s` later if it still runs."""
+
+    def watch() -> None:
+        while os.getppid() == launcher_pid:
+            time.sleep(poll_s)
+        logger.warning("the launcher (pid %d) is gone: stopping", launcher_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        logger.error("still running %.0f s after the launcher died: exiting now", grace_s)
+        logging.shutdown()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
