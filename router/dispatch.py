@@ -250,7 +250,8 @@ class Dispatcher:
                     raise
                 if not any(w.accepting and w.address not in tried for w in pool):
                     raise NoWorkerAvailable(f"no other {worker.role} worker is ready") from exc
-                if len(streamed) > num_given:  # it streamed some outputs: resume after them
+                resumed = len(streamed) > num_given  # it streamed outputs: resume after them
+                if resumed:
                     current = dataclasses.replace(request, handoff=None,
                                                   resume_output_ids=list(streamed))
                     logger.warning("%s worker %s failed after %d tokens of %s (%s); resuming "
@@ -261,7 +262,7 @@ class Dispatcher:
                                    "moving the request", worker.role, worker.address,
                                    request.request_id, exc)
                 if self.on_migration is not None:
-                    self.on_migration(worker.role, len(streamed) > num_given)
+                    self.on_migration(worker.role, resumed)
                 worker = None
 
     def _pick(self, pool: list[WorkerClient], tried: set[str], request: GenerateRequest
