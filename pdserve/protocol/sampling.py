@@ -14,6 +14,39 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output to a grammar, as vLLM's `StructuredOutputsParams`: exactly one of
+    json, json_object, regex, choice, grammar is set. The router builds it from
+    `response_format`, vLLM's `structured_outputs` / `guided_*` fields or a tool choice; the
+    worker that samples compiles it (serve/structured.py) and masks every step's logits, so
+    the text always matches. The grammar state is never sent: a worker that continues a
+    request (a hand-off, a migration) rebuilds it by replaying the output tokens so far."""
+
+    json: str | None = None
+    """A JSON schema, serialised as JSON text."""
+    json_object: bool = False
+    """Any JSON object (`response_format: {"type": "json_object"}`)."""
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's / GBNF dialect, root rule `root`)."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (no runs of spaces and newlines between tokens)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [self.json is not None, self.json_object, self.regex is not None,
+                 bool(self.choice), self.grammar is not None]
+        if sum(kinds) != 1:
+            raise ValueError("structured outputs need exactly one of json, json_object, "
+                             "regex, choice, grammar")
+        if any(not c for c in self.choice):
+            raise ValueError("structured output choices must be non-empty strings")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     """Completions per prompt; only 1 is supported."""
@@ -52,6 +85,8 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     cache_salt: str | None = None
     """Tenant salt folded into the block-key root: salted prefixes never match unsalted."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the output to a grammar (JSON schema, regex, choice, EBNF); None: free."""
 
     def __post_init__(self) -> None:
         # vLLM accepts a bare string and lists; normalise to tuples so the object stays hashable.
