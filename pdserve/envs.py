@@ -1,4 +1,5 @@
-"""Every environment variable pdserve reads, in one place (all prefixed PDSERVE_).
+"""Every environment variable pdserve reads, in one place (all prefixed PDSERVE_, but for
+OpenTelemetry's standard OTEL_EXPORTER_OTLP_TRACES_* ones).
 
 Each is read when asked for, never at import, so tests can set them with monkeypatch.
 """
@@ -69,3 +70,19 @@ def take_launcher_pid() -> int | None:
     if not value.isdigit():
         raise ValueError(f"PDSERVE_LAUNCHER_PID must be a process id, got {value!r}")
     return int(value)
+
+
+def otlp_traces_endpoint() -> str | None:
+    """OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (OpenTelemetry's standard variable, honoured as vLLM
+    does): the router's --otlp-traces-endpoint when the flag is not given."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
+
+
+def otlp_traces_protocol() -> str:
+    """OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: pdserve exports http/protobuf only (the default);
+    anything else is an error, not a silent switch of wire format."""
+    value = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    if value != "http/protobuf":
+        raise ValueError("pdserve exports traces over OTLP http/protobuf only; "
+                         f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is {value!r}")
+    return value

@@ -47,8 +47,12 @@ from pdserve.ports import PortInUse, check_port_free
 from pdserve.router.server import (
     add_controller_arguments,
     add_max_tokens_arguments,
+    add_tool_arguments,
+    add_tracing_arguments,
     controller_argv,
     max_tokens_argv,
+    tool_argv,
+    tracing_argv,
 )
 from pdserve.serve.config import CacheConfig
 
@@ -279,6 +283,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "in a row")
     add_max_tokens_arguments(parser)
     add_controller_arguments(parser)
+    add_tracing_arguments(parser)
+    add_tool_arguments(parser)
 
 
 def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None) -> Cluster:
@@ -296,7 +302,8 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             "--data-port", str(args.store_port + 1)],
             ports=[("127.0.0.1", args.store_port), ("127.0.0.1", args.store_port + 1)]))
     router_argv = ["router", "--model", model_dir, "--host", args.host, "--port", str(args.port),
-                   *controller_argv(args), *max_tokens_argv(args)]
+                   *controller_argv(args), *max_tokens_argv(args), *tracing_argv(args),
+                   *tool_argv(args)]
     if args.api_key is not None:
         router_argv += ["--api-key", args.api_key]
     if args.ops_need_api_key:

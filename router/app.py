@@ -3,6 +3,7 @@
     errors.py     OpenAI-style error bodies and the app's exception handlers
     body_limit.py the request body limit (413), chunked bodies included
     routes.py     the endpoints: tokenize, check, admit (ServingContext holds their state)
+    tokenize_routes.py  vLLM's /tokenize, /detokenize and /version
     streaming.py  worker outputs → SSE chunks or one response, with per-request timing
 
 The router never imports model code: workers do the math, the router does the talking.
@@ -21,6 +22,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import ApiError, register_error_handlers
 from pdserve.router.routes import ServingContext, health_routes, openai_routes, ops_routes
+from pdserve.router.tokenize_routes import tokenize_routes
 
 
 def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> FastAPI:
@@ -47,6 +49,7 @@ def build_app(config: RouterConfig, dispatcher: Dispatcher | None = None) -> Fas
     app.include_router(health_routes)
     app.include_router(ops_routes, dependencies=auth if config.ops_need_api_key else [])
     app.include_router(openai_routes, dependencies=auth)
+    app.include_router(tokenize_routes, dependencies=auth)  # vLLM's, at the root
     return app
 
 

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+from pdserve.router.tool_parsers import TOOL_CALL_PARSERS
+
 CONTROLLER_MODES = ("off", "recommend", "flip")
+
+
+def check_otlp_traces_endpoint(endpoint: str) -> None:
+    """Raise ValueError unless `endpoint` is an http(s) URL (traces go over OTLP/HTTP)."""
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", endpoint):
+        raise ValueError("the OTLP traces endpoint must be an http:// or https:// URL (OTLP "
+                         f"over HTTP), got {endpoint[:80]!r}")
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,15 @@ class RouterConfig:
     as pdserve:process_restarts_total (None: not under a launcher)."""
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     """The goodput-aware prefill:decode controller (disaggregated mode only)."""
+    otlp_traces_endpoint: str | None = None
+    """Where each request's trace goes, OTLP over HTTP/protobuf (e.g.
+    http://localhost:4318/v1/traces, used as given); None: no tracing (router/tracing.py)."""
+    enable_auto_tool_choice: bool = False
+    """Serve tool_choice "auto" (and tools without a tool_choice) by parsing the model's text
+    for calls with tool_call_parser (vLLM's --enable-auto-tool-choice); off: those are 400s."""
+    tool_call_parser: str | None = None
+    """The model family's tool-call format (router/tool_parsers.py: hermes, llama3_json,
+    mistral)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,6 +139,13 @@ class RouterConfig:
             raise ValueError("max_request_bytes must be positive")
         if self.ops_need_api_key and self.api_key is None:
             raise ValueError("ops_need_api_key needs an api_key")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.otlp_traces_endpoint is not None:
+            check_otlp_traces_endpoint(self.otlp_traces_endpoint)
 
     @property
     def is_disaggregated(self) -> bool:

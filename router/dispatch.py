@@ -18,6 +18,10 @@ request moves to another worker of the same pool, at most `max_migrations` times
                                           what follows, so the client sees no gap and no
                                           repeat; seeded sampling draws by output index,
                                           so it continues at the same draw
+A request of n > 1 sequences (best_of too) streams until each of its choices has ended (an
+Output.finish_reason per index); it moves like any request before its first output, and
+after one it fails with a clear error instead (its choices' outputs interleave, and
+resume_output_ids carries one sequence): nothing is left on any worker either way.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import zmq.asyncio
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.router.config import RouterConfig
-from pdserve.router.phases import RequestPhases, WorkerLeg
+from pdserve.router.phases import Migration, RequestPhases, WorkerLeg
 from pdserve.router.policies import (
     AdmissionPolicy,
     CacheAwarePrefill,
@@ -206,21 +210,30 @@ class Dispatcher:
         reported phases are recorded (router/phases.py)."""
         request = GenerateRequest(request_id, prompt_token_ids, sampling)
         phases = phases or RequestPhases(0.0)
-        first: Output | None = None
+        # Prefill hands off each continuing choice (n > 1: several); one carries the KVHandoff.
+        handed_off: list[Output] = []
         pool = self.prefill if self.config.is_disaggregated else self.colocated
         async with aclosing(self._migrating(pool, first_worker, request, [],
                                             phases.first)) as stream:
             async for output in stream:
-                if output.finish_reason == HANDOFF and output.handoff is not None:
-                    first = output  # the stream ends here: prefill is done with it
+                if output.finish_reason == HANDOFF:
+                    handed_off.append(output)  # prefill is done with this choice
                 else:
                     yield output  # colocated, or prefill finished by itself (stop, length)
-        if first is None:
+        carrier = next((o for o in handed_off if o.handoff is not None), None)
+        if carrier is None:
+            for output in handed_off:
+                yield output
             return
-        yield dataclasses.replace(first, finish_reason=None, handoff=None)
-        decode_request = dataclasses.replace(request, handoff=first.handoff)
+        for output in handed_off:
+            yield dataclasses.replace(output, finish_reason=None, handoff=None)
+        # (the prompt's logprobs came from prefill: decode never computes them again)
+        decode_request = dataclasses.replace(
+            request, handoff=carrier.handoff,
+            sampling=dataclasses.replace(request.sampling, prompt_logprobs=None))
+        first_tokens = [t for output in handed_off for t in output.token_ids]
         async with aclosing(self._migrating(self.decode, None, decode_request,
-                                            list(first.token_ids), phases.decode)) as stream:
+                                            first_tokens, phases.decode)) as stream:
             async for output in stream:
                 yield output
 
@@ -251,6 +264,11 @@ class Dispatcher:
                 if not any(w.accepting and w.address not in tried for w in pool):
                     raise NoWorkerAvailable(f"no other {worker.role} worker is ready") from exc
                 resumed = len(streamed) > num_given  # it streamed outputs: resume after them
+                if resumed and request.sampling.num_seqs > 1:  # choices' outputs interleave
+                    raise RequestFailed(f"{worker.role} worker {worker.address} failed after "
+                                        "streaming outputs of a request with n or best_of > "
+                                        "1, which cannot move once its choices have "
+                                        f"outputs: {exc}") from exc
                 if resumed:
                     current = dataclasses.replace(request, handoff=None,
                                                   resume_output_ids=list(streamed))
@@ -261,6 +279,8 @@ class Dispatcher:
                     logger.warning("%s worker %s died before its first token of %s (%s); "
                                    "moving the request", worker.role, worker.address,
                                    request.request_id, exc)
+                leg.on_migration(Migration(time.monotonic(), worker.role, worker.worker_id,
+                                           resumed, str(exc)))
                 if self.on_migration is not None:
                     self.on_migration(worker.role, resumed)
                 worker = None
@@ -285,8 +305,9 @@ class Dispatcher:
         # again, and the worker's phases must fall inside the interval the router measures.
         sent_s = time.monotonic()
         queue = await worker.generate(request)
-        leg.on_sent(sent_s)
+        leg.on_sent(sent_s, worker.worker_id)
         finished = False
+        open_choices = set(request.choice_indices)  # each ends with its own finish_reason
         timeout_s = self.config.first_token_timeout_s
         try:
             while True:
@@ -306,7 +327,8 @@ class Dispatcher:
                     raise RequestFailed(item.error)
                 timeout_s = self.config.token_timeout_s
                 if item.finish_reason is not None:
-                    finished = True
+                    open_choices.discard(item.index)
+                    finished = not open_choices
                 yield item
                 if finished:
                     return

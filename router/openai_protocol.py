@@ -2,17 +2,18 @@
 
 Request fields follow the OpenAI API, plus vLLM's extra sampling fields (`ignore_eos`, `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
-`cache_salt`), so clients written for vLLM work unchanged. Anything pdserve cannot honour
-(n > 1, echo, best_of, tools, response_format other than text, logit_bias, guided decoding,
-...: UNSUPPORTED_FIELDS) is rejected with a 400 naming the field rather than silently
-ignored; fields neither API knows are ignored, as both do.
+`cache_salt`, `allowed_token_ids`, `bad_words`, `prompt_logprobs`), so clients written for
+vLLM work unchanged. Chat requests also take tools (router/tools.py). Anything pdserve cannot
+honour (the legacy functions, tools on /v1/completions, ...: UNSUPPORTED_FIELDS) is rejected
+with a 400 naming the field rather than silently ignored; fields neither API knows are
+ignored, as both do.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,24 +24,24 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
+from pdserve.protocol.sampling import MAX_LOGPROBS, MAX_NUM_SEQS_PER_REQUEST, SamplingParams
+from pdserve.router.logit_controls import control_fields
+from pdserve.router.structured_request import structured_outputs_of
+from pdserve.router.tools import TOOL_FIELDS, ChatTool, MessageToolCall, ToolChoice
 
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 128
 INT64_LIMIT = 2**63
 """Integers the workers take go over the wire as msgpack int64: larger is a 400, not an
 encoding error."""
 TokenId = Annotated[int, Field(ge=0, lt=INT64_LIMIT)]
 
 UNSUPPORTED_FIELDS = (
-    # OpenAI: tool calling, structured output, logit bias, audio and predicted output
+    # OpenAI: tool calling, logit bias, audio and predicted output
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "response_format", "logit_bias", "modalities", "audio", "prediction",
-    # vLLM: guided decoding / structured outputs, beam search, prompt logprobs and other
-    # extras that change what is generated
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-    "use_beam_search", "prompt_logprobs", "allowed_token_ids", "bad_words",
-    "logits_processors", "truncate_prompt_tokens",
+    "modalities", "audio", "prediction",
+    # vLLM: beam search, prompt logprobs and other extras that change what is generated
+    "use_beam_search", "logits_processors", "truncate_prompt_tokens",
 )
 """Fields a client may send (OpenAI's or vLLM's API has them) that pdserve does not honour
 yet: given with a value that asks for something (see `_is_in_use`), the request is a 400
@@ -103,6 +104,8 @@ class SamplingFields(BaseModel):
 
     # Unknown fields are ignored, as OpenAI and vLLM do (clients send e.g. `user`).
     model_config = ConfigDict(extra="ignore")
+    served_fields: ClassVar[frozenset[str]] = frozenset()
+    """Names in UNSUPPORTED_FIELDS that this endpoint does serve (chat: the tool fields)."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -125,6 +128,20 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    # Structured outputs, in OpenAI's and vLLM's dialects (router/structured_request.py)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    # Logit controls and prompt logprobs (router/logit_controls.py, router/prompt_outputs.py)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # Not supported yet (UNSUPPORTED_FIELDS): declared, so the OpenAPI document lists them and
     # a request that uses one is refused, not served as if it had not asked.
     tools: Any = None
@@ -132,22 +149,10 @@ class SamplingFields(BaseModel):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     truncate_prompt_tokens: Any = None
 
@@ -162,15 +167,17 @@ class SamplingFields(BaseModel):
     @field_validator(*UNSUPPORTED_FIELDS)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name in cls.served_fields:
+            return value
         if _is_in_use(info.field_name, value):
             raise ValueError(f"{info.field_name} is not supported by pdserve yet")
         return value
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def _num_choices(cls, n: int) -> int:
+        if n > MAX_NUM_SEQS_PER_REQUEST:
+            raise ValueError(f"n must be at most {MAX_NUM_SEQS_PER_REQUEST}")
         return n
 
     @field_validator("top_k")
@@ -199,6 +206,33 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            try:
+                is_id = -INT64_LIMIT <= int(token) < INT64_LIMIT
+            except ValueError:
+                is_id = False
+            if not is_id:
+                raise ValueError(f"logit_bias keys must be token ids, got {token[:40]!r}")
+            if value != value:  # NaN
+                raise ValueError("logit_bias values must be numbers")
+        return bias
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, words: list[str] | None) -> list[str] | None:
+        if words is not None and any(not w.strip() for w in words):
+            raise ValueError("bad_words must be non-blank strings")
+        return words
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+        if self.stream and self.prompt_logprobs:  # as vLLM: 0 is allowed (and not sent)
+            raise ValueError("prompt_logprobs are not available when stream=true")
+        return self
+
     @field_validator("cache_salt")
     @classmethod
     def _cache_salt(cls, salt: str | None) -> str | None:
@@ -210,7 +244,7 @@ class SamplingFields(BaseModel):
         """The one sampling type, as sent to the workers (ValueError if inconsistent)."""
         return SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, cache_salt=self.cache_salt,
-            **self._sampling_fields())
+            structured_outputs=structured_outputs_of(self), **self._sampling_fields())
 
     def _sampling_fields(self) -> dict[str, Any]:
         return {
@@ -218,6 +252,7 @@ class SamplingFields(BaseModel):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": 0 if self.top_k in (None, -1) else self.top_k,
             "min_p": self.min_p,
+            "n": self.n,
             "seed": self.seed,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
@@ -227,11 +262,14 @@ class SamplingFields(BaseModel):
             "stop": tuple(self.stop or ()),
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            **control_fields(self),
         }
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    """0 only with echo: the prompt alone comes back (router/prompt_outputs.py)."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -251,13 +289,18 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         if isinstance(self.prompt, list) and any(t < 0 for t in self.prompt):
             raise ValueError("prompt token ids must be non-negative")
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_NUM_SEQS_PER_REQUEST:
+            raise ValueError(f"best_of must be in [n, {MAX_NUM_SEQS_PER_REQUEST}] (n={self.n})")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot be streamed (as OpenAI): stream=false")
         return self
+
+    def _sampling_fields(self) -> dict[str, Any]:
+        return {**super()._sampling_fields(), "best_of": self.best_of}
 
 
 class TextPart(BaseModel):
@@ -271,6 +314,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant's calls (router/tools.py); its content may then be null."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
     def text(self) -> str:
         if self.content is None:
@@ -281,7 +328,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    served_fields: ClassVar[frozenset[str]] = TOOL_FIELDS
     messages: list[ChatMessage]
+    # tool calling (router/tools.py)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None

@@ -20,13 +20,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.protocol.worker import Output
+from pdserve.protocol.worker import KVHandoff, Output
 
 TTFT_PHASES = ("router", "queue", "prefill", "layer_save", "kv_save", "transport",
                "first_token_out")
 """The phases of the first-token path, in order; they add up to the router's TTFT."""
 HANDOVER_PHASES = ("second_dispatch", "kv_load", "first_decode", "decode_transport")
 """The prefill -> decode hand-over, from the prefill Output to the decode worker's first."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    """The request moved off a worker that died or hung (router/dispatch.py)."""
+
+    at_s: float
+    role: str
+    from_worker_id: str
+    is_resumed: bool
+    """It had streamed outputs: the next worker resumes after them."""
+    reason: str
 
 
 @dataclass
@@ -37,14 +49,25 @@ class WorkerLeg:
     received_s: float | None = None
     """When its first Output arrived."""
     worker_phases: dict[str, float] = field(default_factory=dict)
+    worker_id: str = ""
+    """The worker it was sent to (after a migration: the last one)."""
+    handoff: KVHandoff | None = None
+    """Prefill's hand-off, from its first Output (disaggregated)."""
+    migrations: list[Migration] = field(default_factory=list)
+    """Each worker this leg moved off, in order (request tracing reports them)."""
 
-    def on_sent(self, sent_s: float) -> None:
+    def on_sent(self, sent_s: float, worker_id: str = "") -> None:
         self.sent_s, self.received_s, self.worker_phases = sent_s, None, {}
+        self.worker_id, self.handoff = worker_id, None
 
     def on_output(self, output: Output, received_s: float) -> None:
         if self.received_s is None:
             self.received_s = received_s
             self.worker_phases = dict(output.phase_seconds)
+            self.handoff = output.handoff
+
+    def on_migration(self, migration: Migration) -> None:
+        self.migrations.append(migration)
 
     @property
     def is_complete(self) -> bool:

@@ -21,9 +21,13 @@ class Accumulated:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """From the worker that computed the prompt (router/prompt_outputs.py)."""
 
     def add(self, output: Output) -> None:
         self.text += output.text
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
         if not self.num_prompt_tokens:
@@ -44,6 +48,13 @@ class Accumulated:
 
 
 TokenText = Callable[[int], str]
+MIN_LOGPROB = -9999.0
+"""What a -inf logprob (a token a grammar masked) is written as: JSON has no infinity, and
+vLLM's server writes the same."""
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText,
@@ -55,8 +66,9 @@ def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText,
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(t): lp for t, lp in e.top.items()} for e in entries],
+        "token_logprobs": [_finite(e.logprob) for e in entries],
+        "top_logprobs": [{token_text(t): _finite(lp) for t, lp in e.top.items()}
+                         for e in entries],
         "text_offset": offsets,
     }
 
@@ -64,7 +76,7 @@ def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText,
 def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     return {"content": [
         {**item(e.token_id, e.logprob),

@@ -23,10 +23,12 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.router.choices import check_num_seqs, sampling_for_ranking
 from pdserve.router.config import RouterConfig
 from pdserve.router.controller import GoodputController
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import ApiError, error_response
+from pdserve.router.logit_controls import check_controls
 from pdserve.router.metrics import RouterMetrics, SupervisorCollector
 from pdserve.router.openai_protocol import (
     ChatCompletionRequest,
@@ -36,7 +38,11 @@ from pdserve.router.openai_protocol import (
     now_s,
 )
 from pdserve.router.policies import NoWorkerAvailable, Overloaded
+from pdserve.router.prompt_outputs import prompt_echo
 from pdserve.router.streaming import Reply, RequestObserver, RequestTiming, collect, stream
+from pdserve.router.structured_request import check_structured_outputs
+from pdserve.router.tools import ToolPlan, check_history, template_message
+from pdserve.router.tracing import RequestTracer, start_trace
 from pdserve.router.worker_client import WorkerClient
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -80,6 +86,8 @@ class ServingContext:
     metrics: RouterMetrics
     observer: RequestObserver
     cpu_pool: CpuPool
+    tracer: RequestTracer | None = None
+    """Request tracing (router/tracing.py); None when no OTLP endpoint is set."""
 
     @classmethod
     def create(cls, config: RouterConfig, dispatcher: Dispatcher | None = None
@@ -94,7 +102,8 @@ class ServingContext:
         if config.supervisor_state_file is not None:
             metrics.registry.register(SupervisorCollector(config.supervisor_state_file))
         return cls(config, model, dispatcher, controller, metrics,
-                   RequestObserver(metrics, controller), CpuPool(NUM_TOKENIZER_THREADS))
+                   RequestObserver(metrics, controller), CpuPool(NUM_TOKENIZER_THREADS),
+                   RequestTracer.create(config.otlp_traces_endpoint, lambda: dispatcher.workers))
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on the CPU pool, so the event loop keeps serving meanwhile."""
@@ -102,6 +111,8 @@ class ServingContext:
 
     def close(self) -> None:
         self.cpu_pool.close()
+        if self.tracer is not None:
+            self.tracer.flush()
 
 
 class CpuPool:
@@ -156,6 +167,8 @@ async def status(serving: Serving) -> dict[str, Any]:
             entry.update(num_running=w.status.num_running, num_waiting=w.status.num_waiting,
                          num_free_blocks=w.status.num_free_blocks,
                          num_total_blocks=w.status.num_total_blocks,
+                         num_cached_blocks=w.status.num_cached_blocks,
+                         max_num_used_blocks=w.status.max_num_used_blocks,
                          kv_transfer=dict(w.status.kv_transfer))
         workers.append(entry)
     return {"ready": serving.dispatcher.is_ready(), "workers": workers,
@@ -181,7 +194,9 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     tokenizer = serving.model.tokenizer
     prompt_ids = (await serving.off_loop(lambda: tokenizer(body.prompt).input_ids)
                   if isinstance(body.prompt, str) else list(body.prompt))
-    return await _serve(serving, request, body, prompt_ids, body.max_tokens, body.logprobs,
+    # echo with max_tokens=0: one token is generated and not shown (vLLM)
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    return await _serve(serving, request, body, prompt_ids, max_tokens, body.logprobs,
                         is_chat=False, arrival_s=arrival_s)
 
 
@@ -189,31 +204,44 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving
                            ) -> Response:
     arrival_s = time.monotonic()
-    prompt_ids = await serving.off_loop(_chat_prompt_ids, serving.model.tokenizer, body)
+    tools = ToolPlan.for_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                 serving.config)
+    check_history(body.messages)
+    prompt_ids = await serving.off_loop(_chat_prompt_ids, serving.model.tokenizer, body, tools)
     return await _serve(serving, request, body, prompt_ids, body.requested_max_tokens,
-                        body.num_logprobs, is_chat=True, arrival_s=arrival_s)
+                        body.num_logprobs, is_chat=True, arrival_s=arrival_s, tools=tools)
 
 
-def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    """The chat template rendered and tokenized (CPU work: runs on the pool)."""
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, tools: ToolPlan | None,
+                     add_special_tokens: bool = False) -> list[int]:
+    """The chat template rendered and tokenized (CPU work: runs on the pool).
+    `add_special_tokens`: /tokenize may ask for them on top of the template's."""
+    messages = [template_message(m.role, m.text(), m.name, m.tool_calls, m.tool_call_id)
+                for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+            messages, tools=tools.template_tools() if tools else None, tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message)
     except Exception as exc:  # a template may raise on roles or message orders it rejects
         raise ApiError(400, f"chat template failed: {exc}", "messages") from None
     # The template already wrote the special tokens it wants (BOS and role markers).
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
 async def _serve(serving: ServingContext, request: Request, body: SamplingFields,
                  prompt_ids: list[int], requested_max_tokens: int | None,
-                 num_logprobs: int | None, is_chat: bool, arrival_s: float) -> Response:
+                 num_logprobs: int | None, is_chat: bool, arrival_s: float,
+                 tools: ToolPlan | None = None) -> Response:
     """`arrival_s`: time.monotonic() when the endpoint got the parsed body (before
-    tokenizing): TTFT and the request's phases start there."""
+    tokenizing): TTFT and the request's phases start there. `tools`: a chat request's tool
+    calling (router/tools.py)."""
     request_id = new_id("chatcmpl" if is_chat else "cmpl")
     _check_model(serving.model, body.model)
+    check_controls(body, serving.model.tokenizer, serving.model.vocab_size)
+    echo = (await serving.off_loop(prompt_echo, body, prompt_ids, serving.model.tokenizer,
+                                   serving.model.token_text, num_logprobs)
+            if getattr(body, "echo", False) else None)
     # vLLM's rule: no max_tokens gets the room left in the context (a completion: OpenAI's
     # default of 16 when that fits); one that does not fit is the client's error. The
     # operator's default replaces both, and the operator's ceiling caps every request.
@@ -225,16 +253,30 @@ async def _serve(serving: ServingContext, request: Request, body: SamplingFields
                                 config.max_tokens_ceiling, _max_model_len(serving))
     try:
         sampling = body.sampling_params(max_tokens, num_logprobs)
+        if tools is not None:  # required and named choices constrain the output
+            sampling = tools.sampling(sampling)
+        if sampling.structured_outputs is not None:  # parses the schema/regex/grammar
+            await serving.off_loop(check_structured_outputs, sampling.structured_outputs)
+        check_num_seqs(sampling, serving.dispatcher.workers)  # n, best_of (router/choices.py)
+        sampling = sampling_for_ranking(sampling)
     except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
-    first_worker = await _admit(serving, request_id, prompt_ids, body.cache_salt)
-    timing = RequestTiming(arrival_s)
+        raise ApiError(400, str(exc), getattr(exc, "param", None)) from None
+    trace = start_trace(serving.tracer, request.headers, request_id, serving.model.name,
+                        sampling, len(prompt_ids), arrival_s)
+    try:
+        first_worker = await _admit(serving, request_id, prompt_ids, body.cache_salt)
+    except ApiError as exc:
+        if trace is not None:
+            trace.refuse(exc.message, exc.status)
+        raise
+    timing = RequestTiming(arrival_s, trace)
     outputs = serving.dispatcher.run(request_id, prompt_ids, sampling, first_worker,
                                      phases=timing.phases)
     metrics = serving.metrics
     metrics.labels(metrics.prompt_tokens).inc(len(prompt_ids))
     reply = Reply(request_id, serving.model.name, serving.model.token_text, is_chat,
-                  num_logprobs)
+                  num_logprobs, tool_calls=tools.output() if tools else None, echo=echo,
+                  num_choices=sampling.n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream(outputs, reply, timing, serving.observer, include_usage),

@@ -6,7 +6,14 @@ import argparse
 import logging
 from dataclasses import fields
 
-from pdserve.router.config import CONTROLLER_MODES, ControllerConfig, RouterConfig
+from pdserve import envs
+from pdserve.router.config import (
+    CONTROLLER_MODES,
+    ControllerConfig,
+    RouterConfig,
+    check_otlp_traces_endpoint,
+)
+from pdserve.router.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="times one request may move off a worker that died or hung "
                              "(default %(default)s)")
     add_controller_arguments(parser)
+    add_tracing_arguments(parser)
+    add_tool_arguments(parser)
+
+
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """Tool calling's flags, as vLLM's (`pdserve router` and `pdserve up`; router/tools.py)."""
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto" (the default when a request has tools) '
+                             "by parsing the model's tool calls out of its text")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                        help="the model family's tool-call format: hermes (Qwen2/2.5, "
+                             "Hermes), llama3_json (Llama 3.x), mistral")
+
+
+def tool_argv(args: argparse.Namespace) -> list[str]:
+    """The tool-calling flags of `args` as command-line arguments (for `pdserve up`)."""
+    argv = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    if args.tool_call_parser is not None:
+        argv += ["--tool-call-parser", args.tool_call_parser]
+    return argv
+
+
+def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
+    """Request tracing (`pdserve router` and `pdserve up`; router/tracing.py)."""
+    parser.add_argument("--otlp-traces-endpoint", default=envs.otlp_traces_endpoint(),
+                        metavar="URL",
+                        help="export a trace of every request (OpenTelemetry, OTLP over "
+                             "HTTP/protobuf) to URL, e.g. http://localhost:4318/v1/traces "
+                             "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)")
+
+
+def tracing_argv(args: argparse.Namespace) -> list[str]:
+    """The tracing flag of `args` as command-line arguments (for `pdserve up`, which checks
+    it here, before starting anything: ValueError for a bad URL or OTLP protocol)."""
+    if args.otlp_traces_endpoint is None:
+        return []
+    check_otlp_traces_endpoint(args.otlp_traces_endpoint)
+    envs.otlp_traces_protocol()
+    return ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
 
 
 def add_max_tokens_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +164,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,
             min_gain=args.controller_min_gain, profile=args.controller_profile),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -11,6 +11,14 @@ recently freed cached block (dropping its key). A block gets its key only after 
 been computed (`commit_computed`, called once a step has run), so a prefix hit never points
 at KV that a concurrent chunk in the same step is still writing.
 
+A request of n > 1 sequences forks once its prompt is prefilled (`fork`): each child's
+table starts with the parent's full prompt blocks, shared (one more reference each, so a
+shared block is freed only when its last holder goes), and a fresh block for the partial last
+one, whose KV the engine copies in (copy-on-write, done at fork time):
+
+    parent   [ b0 b1 b2 | b3 (partial) ]
+    child i  [ b0 b1 b2 | c_i ]            b0..b2: ref count + 1;  c_i <- copy of b3
+
 Keys come from pdserve.kvstore.block_key: the root folds in the model id, the KV layout and
 the request's cache_salt, so the same keys name the same KV in the store and at the router.
 """
@@ -63,6 +71,8 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}  # leading blocks of a table that have keys
         self._roots: dict[str | None, bytes] = {}
+        self.max_num_used_blocks = 0
+        """High-water mark of num_used_blocks (a shared block counts once)."""
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -155,6 +165,7 @@ class BlockManager:
                         range(self.num_blocks_for(num_tokens) - len(hits))]
         self._tables[request.request_id] = table
         self._num_committed[request.request_id] = len(hits)
+        self._note_used()
         return len(hits) * self.block_size
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
@@ -169,6 +180,7 @@ class BlockManager:
                                     f"{request.request_id!r}")
         new_blocks = [self._take_block() for _ in range(num_missing)]
         self._tables[request.request_id].extend(new_blocks)
+        self._note_used()
         return new_blocks
 
     def _num_missing(self, request: Request, num_new_tokens: int) -> int:
@@ -196,6 +208,40 @@ class BlockManager:
             block.ref_count = 1
         self._tables[request.request_id] = list(block_ids)
         self._num_committed[request.request_id] = 0
+        self._note_used()
+
+    def can_fork(self, parent: Request) -> bool:
+        """Can a child of `parent` get its own copy of the parent's partial last block?"""
+        return self._num_fork_blocks(parent) <= self.num_free_blocks
+
+    def _num_fork_blocks(self, parent: Request) -> int:
+        """1 if the parent's table ends in a partially filled block, else 0."""
+        return int(parent.num_computed_tokens % self.block_size != 0)
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give `child` the parent's table: its full blocks shared, a fresh block in place of
+        a partially filled last one. Returns (the parent's partial block, the child's new
+        one), whose KV the caller copies before the next step; None when all are full."""
+        if child.request_id in self._tables:
+            raise ValueError(f"request {child.request_id!r} already has blocks")
+        if not self.can_fork(parent):
+            raise NoFreeBlocksError(f"no block to fork {parent.request_id!r}")
+        table = self._tables[parent.request_id]
+        num_full = parent.num_computed_tokens // self.block_size
+        shared = table[:num_full]
+        for block_id in shared:
+            self._blocks[block_id].ref_count += 1
+        copy = None
+        if self._num_fork_blocks(parent):
+            copy = (table[num_full], self._take_block())
+        self._tables[child.request_id] = shared + ([copy[1]] if copy else [])
+        self._num_committed[child.request_id] = min(self._num_committed[parent.request_id],
+                                                     num_full)
+        self._note_used()
+        return copy
+
+    def _note_used(self) -> None:
+        self.max_num_used_blocks = max(self.max_num_used_blocks, self.num_used_blocks)
 
     def _take_block(self) -> int:
         if self._free:

@@ -22,9 +22,39 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # A ChatML template, as Qwen2 uses: readable and needs no special tokens beyond two markers.
+# With tools it writes them Hermes-style, as Qwen2.5 does (so `--tool-call-parser hermes` reads
+# the calls): their signatures in a system block, an assistant's calls as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, a tool's result as a user turn in
+# <tool_response> tags. A conversation without tools renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nThese functions are available, one JSON signature per line:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nTo call functions, answer with one block per call, each holding the '"
+    "+ 'name and the arguments object as JSON:\n<tool_call>\n{\"name\": <name>, '"
+    "+ '\"arguments\": <arguments>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined "
+    "and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ arguments if arguments is string else (arguments | tojson) }}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -181,6 +211,14 @@ DEFAULT_MODEL_CONFIG: dict[str, object] = dict(
 DEFAULT_MODEL_NAME = "pdserve-tiny-random-llama"
 
 
+def _refresh_chat_template(model_dir: Path) -> None:
+    """A default model cached by an older pdserve gets the current chat template (the
+    weights and tokenizer do not change, the template learned tools)."""
+    path = model_dir / "chat_template.jinja"
+    if path.exists() and path.read_text() != CHAT_TEMPLATE:
+        path.write_text(CHAT_TEMPLATE)
+
+
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The embedded default checkpoint, built on first use and cached."""
     from pdserve import envs
@@ -188,6 +226,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     root = Path(cache_dir or envs.cache_dir())
     target = root / DEFAULT_MODEL_NAME
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        _refresh_chat_template(target)
         return target
     root.mkdir(parents=True, exist_ok=True)
     logger.warning(

@@ -36,10 +36,18 @@ from pdserve.protocol.worker import KVHandoff, StepSample
 from pdserve.serve.block_manager import BlockManager
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.detokenizer import IncrementalDetokenizer
+from pdserve.serve.logit_controls import resolve_logit_controls
+from pdserve.serve.parallel_sampling import ParallelSampling
+from pdserve.serve.prompt_logprobs import (
+    record_prompt_logprobs,
+    start_prompt_logprobs,
+    take_prompt_logprobs,
+)
 from pdserve.serve.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from pdserve.serve.roles import Role
 from pdserve.serve.sampler import Sampler
 from pdserve.serve.scheduler import Scheduler, SchedulerOutput
+from pdserve.serve.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +117,13 @@ class Engine:
             self.spec.kv_layout(runner.block_size), self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(model_config.seed)
+        self.structured: StructuredOutputManager | None = None
+        """Grammars for structured outputs (serve/structured.py), built on the first request
+        that asks for them."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_reported_tokens: dict[str, int] = {}
+        self.parallel = ParallelSampling(self)
+        """Requests of n > 1 sequences: prefilled once, forked (serve/parallel_sampling.py)."""
         self.step_samples: deque[StepSample] = deque(maxlen=NUM_STEP_SAMPLES_KEPT)
         """The most recent steps' work and wall time, oldest first (seq increases from 1)."""
         self._num_steps = 0
@@ -148,9 +161,16 @@ class Engine:
         request = Request(request_id=request_id or uuid.uuid4().hex,
                           prompt_token_ids=prompt_ids, sampling_params=params,
                           max_tokens=max_tokens, prompt=prompt_text,
-                          eos_token_ids=tuple(self.spec.eos_token_ids))
+                          eos_token_ids=tuple(self.spec.eos_token_ids),
+                          num_seqs=params.num_seqs)
         for token_id in output_token_ids:
             request.append_output_token(int(token_id))
+        if params.structured_outputs is not None:  # replays the output tokens it already has
+            if self.structured is None:
+                self.structured = StructuredOutputManager(self.tokenizer, vocab_size)
+            request.grammar = self.structured.grammar_for(request)
+        resolve_logit_controls(request, self.tokenizer, vocab_size)
+        start_prompt_logprobs(request)
         return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -164,6 +184,7 @@ class Engine:
         """Queue a request made by make_request."""
         self.scheduler.add_request(request)
         self._start_tracking(request)
+        self.parallel.track(request)
 
     def add_request_with_prefix(self, request: Request, num_prefix_tokens: int) -> list[int]:
         """Admit a request (from make_request) whose first `num_prefix_tokens` tokens' KV
@@ -176,6 +197,7 @@ class Engine:
         request.num_computed_tokens = num_computed
         block_ids = self.scheduler.add_running_request(request, None)
         self._start_tracking(request)
+        self.parallel.track(request)
         return block_ids
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
@@ -221,6 +243,8 @@ class Engine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state and free its blocks; returns its final output (None if it is
         unknown or already finished)."""
+        if request_id in self.parallel.parents:  # the parent and all its children
+            return self.parallel.abort(request_id)
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
@@ -241,7 +265,10 @@ class Engine:
         to_sample = [request for (request, _), chunk in
                      zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
                      if chunk.need_logits]
+        masks = self.structured.start_masks(to_sample) if self.structured else None
         logits = self._run(scheduled, to_sample)
+        if masks is not None:  # filled on a thread during the forward
+            masks.apply(logits)
         outputs = self._postprocess(to_sample, logits)
         self._num_steps += 1
         self.step_samples.append(
@@ -254,6 +281,8 @@ class Engine:
         layer_done = self.role.layer_saver([r for r in to_sample if r.num_output_tokens == 0])
         logits = self.runner.execute(scheduled.step, layer_done)
         self.scheduler.update_after_step(scheduled)
+        logits = record_prompt_logprobs(scheduled.scheduled, scheduled.step, logits,
+                                        len(to_sample))
         if logits.shape[0] != len(to_sample):
             raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for "
                                f"{len(to_sample)} chunks that need logits")
@@ -263,11 +292,19 @@ class Engine:
                      ) -> list[RequestOutput]:
         if not to_sample:
             return []
+        # A parent of n > 1 sequences whose prompt completed forks here into its children,
+        # each sampling from its row (serve/parallel_sampling.py).
+        to_sample, logits = self.parallel.expand(to_sample, logits)
         outputs = []
         results = self.sampler(logits, to_sample)
         sampled_s = time.monotonic()
         for request, result in zip(to_sample, results, strict=True):
             request.append_output_token(result.token_id, result.logprobs)
+            if request.grammar is not None and not request.grammar.accept(result.token_id):
+                logger.error("%s: the grammar rejected token %d", request.request_id,
+                             result.token_id)
+                outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
+                continue
             if request.first_sampled_s is None:
                 request.first_sampled_s = sampled_s
             finished_status = self._check_stop(request)
@@ -275,7 +312,7 @@ class Engine:
                 outputs.append(self._finish(request, finished_status))
             else:
                 outputs.append(self._make_output(request))
-        return outputs
+        return self.parallel.finish_step(outputs)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -287,6 +324,11 @@ class Engine:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        if status is None and request.grammar is not None and request.grammar.is_terminated:
+            # The grammar's end ends the output, ignore_eos or not (serve/structured.py).
+            status = RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
         if detokenizer is not None:
             stop_str = detokenizer.update(
                 [token_id], stop_terminated=status is not None,
@@ -301,7 +343,8 @@ class Engine:
 
     def _finish(self, request: Request, status: RequestStatus) -> RequestOutput:
         handoff = None
-        if status is RequestStatus.FINISHED_HANDOFF:
+        # A forked child's prompt KV is handed off once, by its parent (parallel_sampling).
+        if status is RequestStatus.FINISHED_HANDOFF and request.parent_id is None:
             block_ids, block_keys = self.block_manager.request_blocks(request)
             self.role.on_handoff(request, block_ids, block_keys)  # before the blocks are freed
             handoff = KVHandoff(block_keys=block_keys,
@@ -347,7 +390,8 @@ class Engine:
             request_id=request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens or 0,
-            first_scheduled_s=request.first_scheduled_s, first_sampled_s=request.first_sampled_s)
+            first_scheduled_s=request.first_scheduled_s, first_sampled_s=request.first_sampled_s,
+            prompt_logprobs=take_prompt_logprobs(request))
 
     # ---- state --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -365,4 +409,6 @@ class Engine:
     def shutdown(self) -> None:
         for request_id in list(self.scheduler.requests):
             self.abort_request(request_id)
+        if self.structured is not None:
+            self.structured.close()
         self.runner.shutdown()

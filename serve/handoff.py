@@ -35,6 +35,7 @@ from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output, TokenLog
 from pdserve.serve.block_manager import NoFreeBlocksError
 from pdserve.serve.engine import Engine
 from pdserve.serve.kv_transfer import KVTransfer, TransferDone
+from pdserve.serve.prompt_logprobs import wants_prompt_logits, wire_prompt_logprobs
 from pdserve.serve.request import RequestOutput
 from pdserve.serve.roles import make_role
 
@@ -87,8 +88,9 @@ class HandOff:
         the prompt and the outputs it streamed, recomputed after the prompt's stored prefix."""
         request = self.engine.make_request(message.prompt_token_ids, message.sampling,
                                            message.request_id, message.resume_output_ids)
-        if self.kv_transfer is not None and (self.role == "prefill"
-                                             or message.resume_output_ids):
+        # (prompt logprobs need the whole prompt computed here: no stored prefix)
+        if self.kv_transfer is not None and not wants_prompt_logits(request) and (
+                self.role == "prefill" or message.resume_output_ids):
             keys = self.kv_transfer.store_prefix_keys(request)
             if keys:
                 self.kv_transfer.start_load(message.request_id, keys)
@@ -106,6 +108,10 @@ class HandOff:
             self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
                                         handoff.lease_id, handoff.source_address)
             self._loading[message.request_id] = message
+            return
+        if handoff.choice_first_tokens:  # n > 1: one parent, forked once its prompt is in
+            self.engine.parallel.add_continued(message.request_id, message.prompt_token_ids,
+                                               message.sampling, handoff.choice_first_tokens)
             return
         self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
                                           message.sampling, [handoff.first_token_id])
@@ -201,19 +207,27 @@ class HandOff:
             engine.submit(request)  # the scheduler queues it until blocks are free
             return
         first = [message.handoff.first_token_id]  # decode: the whole prompt
-        if done.ok:
+        choices = message.handoff.choice_first_tokens  # n > 1: forked (parallel_sampling)
+        if done.ok and (not choices or len(message.prompt_token_ids) > 1):
             try:
-                block_ids = engine.add_prefilled_request(request_id, message.prompt_token_ids,
-                                                         params, first)
+                if choices:  # all but the prompt's last token, which its first step computes
+                    block_ids = engine.parallel.add_prefilled(
+                        request_id, message.prompt_token_ids, params, choices)
+                else:
+                    block_ids = engine.add_prefilled_request(
+                        request_id, message.prompt_token_ids, params, first)
             except NoFreeBlocksError:
                 if can_wait:
                     raise
                 logger.info("no free KV blocks for %s; recomputing its prompt", request_id)
             else:
-                self.kv_transfer.install(block_ids, done.staging)
+                self.kv_transfer.install(block_ids, [t[:, :len(block_ids)] for t in done.staging])
                 return
-        else:
+        elif not done.ok:
             logger.info("KV of %s not in the store; recomputing", request_id)
+        if choices:
+            engine.parallel.add_continued(request_id, message.prompt_token_ids, params, choices)
+            return
         engine.add_continued_request(request_id, message.prompt_token_ids, params, first)
 
     # ---- deltas out -------------------------------------------------------------------------
@@ -246,7 +260,9 @@ class HandOff:
         return Output(output.request_id, list(completion.token_ids), completion.text,
                       completion.finish_reason, logprobs, len(output.prompt_token_ids),
                       output.num_cached_tokens, handoff,
-                      phase_seconds=self._phase_seconds(output))
+                      phase_seconds=self._phase_seconds(output), index=completion.index,
+                      prompt_logprobs=wire_prompt_logprobs(output.prompt_logprobs,
+                                                           output.prompt_token_ids))
 
     def _phase_seconds(self, output: RequestOutput) -> dict[str, float]:
         """The request's phases on this worker, once: on its first Output (empty after)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pdserve.protocol.sampling import SamplingParams
@@ -82,6 +83,8 @@ class LLM:
         # Validate every prompt before queueing any, so a rejection leaves the engine idle.
         requests = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
+            if params.num_seqs > params.n and params.logprobs is None:  # best_of ranks by them
+                params = replace(params, logprobs=0)
             request = self.engine.make_request(prompt, params, self._new_request_id())
             self.engine.scheduler.check_admissible(request)
             requests.append(request)
@@ -110,7 +113,8 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        return [finals[request.request_id] for request in requests]
+        return [_best_of(finals[request.request_id], params)
+                for request, params in zip(requests, params_list, strict=True)]
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | None = None,
@@ -164,18 +168,36 @@ def _one_prompt(prompt: object) -> Prompt:
     return [int(t) for t in prompt]  # type: ignore[union-attr]
 
 
+def _best_of(final: RequestOutput, params: SamplingParams) -> RequestOutput:
+    """best_of > n: the n sequences with the highest cumulative logprob, re-indexed 0..n-1
+    (their logprobs were computed for the ranking: shown only if asked for)."""
+    if params.num_seqs <= params.n:
+        return final
+    ranked = sorted(final.outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[:params.n]
+    for index, out in enumerate(ranked):
+        out.index = index
+        if params.logprobs is None:
+            out.logprobs = None
+    final.outputs = ranked
+    return final
+
+
 def _accumulate(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
-    """Fold a step's delta into the request's cumulative output."""
+    """Fold a step's delta into the request's cumulative output (one CompletionOutput per
+    choice index: n > 1 and best_of requests have several, in index order)."""
     new = delta.outputs[0]
     if delta.request_id not in finals:
         finals[delta.request_id] = RequestOutput(
             request_id=delta.request_id, prompt=delta.prompt,
-            prompt_token_ids=delta.prompt_token_ids,
-            outputs=[CompletionOutput(index=0, text="", token_ids=[],
-                                      logprobs=[] if new.logprobs is not None else None)],
-            finished=False, num_cached_tokens=delta.num_cached_tokens)
+            prompt_token_ids=delta.prompt_token_ids, outputs=[],
+            finished=False, num_cached_tokens=delta.num_cached_tokens,
+            prompt_logprobs=delta.prompt_logprobs)
     final = finals[delta.request_id]
-    out = final.outputs[0]
+    out = next((o for o in final.outputs if o.index == new.index), None)
+    if out is None:
+        out = CompletionOutput(index=new.index, text="", token_ids=[],
+                               logprobs=[] if new.logprobs is not None else None)
+        final.outputs = sorted([*final.outputs, out], key=lambda o: o.index)
     out.text += new.text
     out.token_ids.extend(new.token_ids)
     if new.logprobs is not None and out.logprobs is not None:

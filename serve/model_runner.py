@@ -56,6 +56,7 @@ from pdserve.serve.kv_cache import (
 )
 from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
 from pdserve.serve.parallel import kv_heads_per_rank
+from pdserve.serve.prompt_logprobs import logit_rows
 from pdserve.serve.rank_processes import RankProcesses
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ logger = logging.getLogger(__name__)
 DIST_TIMEOUT_S = 300.0  # every collective (a step, a heartbeat) must finish within this
 START_TIMEOUT_S = 1800.0  # spawning workers and loading weights on every rank
 MAX_MESSAGE_BYTES = 1 << 30
+LOGITS_ROWS_PER_CALL = 256
+"""Most rows of logits computed at once when a step asks for more than one per chunk (prompt
+logprobs): bounds that step's extra activation memory to this many rows x vocab."""
 
 
 # ---- what every rank holds ---------------------------------------------------------------
@@ -138,14 +142,22 @@ class _Rank:
             count=step.num_tokens,
         )
         input_ids = torch.from_numpy(token_ids).to(self.device)
-        # The last row of each chunk that samples: [number of chunks with need_logits]
-        chunk_ends = np.cumsum([len(c.token_ids) for c in step.chunks]) - 1
-        need = np.array([c.need_logits for c in step.chunks], dtype=bool)
-        logits_rows = torch.from_numpy(chunk_ends[need]).to(self.device)
+        # The last row of each chunk that samples, then the rows of prompt logprobs
+        logits_rows = torch.from_numpy(logit_rows(step)).to(self.device)
         hidden = self.model(input_ids, kv_caches, meta, layer_done)  # [T, hidden]
         if logits_rows.numel() == 0:
             return None
-        return self.model.compute_logits(hidden.index_select(0, logits_rows))
+        # A step without prompt logprobs has at most a row per chunk: one call. Prompt rows
+        # (a whole chunk's) would be [rows, vocab] that no memory profile counted: in slices,
+        # each to the host before the next (every rank slices alike: lm_head is collective)
+        per_call = max(LOGITS_ROWS_PER_CALL, len(step.chunks))
+        if logits_rows.numel() <= per_call:
+            return self.model.compute_logits(hidden.index_select(0, logits_rows))
+        parts = []
+        for rows in logits_rows.split(per_call):
+            part = self.model.compute_logits(hidden.index_select(0, rows))
+            parts.append(None if part is None else part.float().cpu())
+        return None if parts[0] is None else torch.cat(parts)
 
     @torch.inference_mode()
     def profile_run(self, scheduler_config: SchedulerConfig) -> int:
@@ -412,7 +424,8 @@ class ModelRunner:
 
     def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
                 ) -> torch.Tensor:
-        """float32 CPU logits [number of chunks with need_logits, vocab_size], in chunk order.
+        """float32 CPU logits [number of chunks with need_logits, vocab_size], in chunk order,
+        then the chunks' prompt-logprob rows (serve/prompt_logprobs.py) when any asks.
 
         `layer_done(i)` runs on rank 0 as soon as layer i wrote this step's KV; with TP > 1
         an MHA rank 0 holds only its own heads, so whole-head users (the KV hand-off) gather

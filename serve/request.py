@@ -13,9 +13,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import KVHandoff
+
+if TYPE_CHECKING:
+    from pdserve.serve.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +89,22 @@ class Request:
     first_sampled_s: float | None = None
     """time.monotonic() when this engine first sampled a token for it (a handed-over token
     does not count)."""
+    index: int = 0
+    """The choice this sequence is (CompletionOutput.index): a forked child's index."""
+    parent_id: str | None = None
+    """A child forked from a request of n > 1 sequences (serve/parallel_sampling.py): the
+    request id its outputs go out under (its own id is '{index}_{parent_id}')."""
+    num_seqs: int = 1
+    """Sequences this request becomes: a parent forks into this many once its prompt is
+    prefilled, and takes as many batch seats (max_num_seqs) from its admission on."""
+    grammar: GrammarState | None = None
+    """Its structured-outputs state (serve/structured.py), None without structured outputs."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """While the engine computes the prompt logprobs it asked for (serve/prompt_logprobs.py):
+    one entry per prompt token, filled in as its chunks run; None otherwise (not asked, or
+    already reported)."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    """sampling_params.bad_words as token ids (serve/logit_controls.py), set by the engine."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -159,3 +179,5 @@ class RequestOutput:
     """The request's Request.first_scheduled_s (the worker reports its phases from these)."""
     first_sampled_s: float | None = None
     """The request's Request.first_sampled_s."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """vLLM's prompt logprobs (first entry None), on the request's first output only."""

@@ -5,6 +5,7 @@ Per row (request), in this order:
     raw logits ──► logprobs (top-n + sampled token's; raw, before any processing, as vLLM)
         │
         ├─ min_tokens: eos / stop ids get -inf until min_tokens are out
+        ├─ allowed_token_ids, bad_words, logit_bias (serve/logit_controls.py)
         ├─ repetition penalty (prompt + output tokens), frequency and presence (output tokens)
         ├─ greedy rows: argmax here
         ├─ temperature ─► min-p ─► top-k ─► top-p (masked tokens get -inf)
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.serve.logit_controls import apply_logit_controls
 from pdserve.serve.request import Logprob, Request, TokenLogprobs
 
 
@@ -118,6 +120,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._suppress_stops(logits.clone(), requests)
         params = [r.sampling_params for r in requests]
+        if any(p.has_logit_controls for p in params):
+            logits = apply_logit_controls(logits, requests)
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
                 logits, [r.prompt_token_ids for r in requests],
@@ -143,8 +147,8 @@ class Sampler:
     def _suppress_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         for row, request in enumerate(requests):
             params = request.sampling_params
-            if request.num_output_tokens >= params.min_tokens:
-                continue
+            if request.num_output_tokens >= params.min_tokens or request.grammar is not None:
+                continue  # a grammar holds its own end tokens back (serve/structured.py)
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += list(request.eos_token_ids)

@@ -5,7 +5,8 @@ Each step has a token budget (max_num_batched_tokens). It goes, in this order, t
     1. running requests with one token left to compute (decodes): one token each
     2. running requests part-way through their prompt (chunked prefill)
     3. waiting requests in arrival order (new ones and preempted ones), whose cached prefix
-       counts as computed, while max_num_seqs allows and blocks last
+       counts as computed, while max_num_seqs allows and blocks last (a request of n > 1
+       sequences takes n seats from its admission on: it forks into n once prefilled)
 
 When a running request needs a block and none is left, the most recently admitted running
 request is preempted by recompute: its blocks are freed (its full blocks stay in the prefix
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.block_manager import BlockManager, NoFreeBlocksError
 from pdserve.serve.config import SchedulerConfig
+from pdserve.serve.prompt_logprobs import num_prompt_logit_rows, wants_prompt_logits
 from pdserve.serve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,10 @@ class Scheduler:
     def check_admissible(self, request: Request) -> None:
         """Raise RequestRejectedError if the request could never run to completion."""
         num_prompt = request.num_prompt_tokens
+        if request.num_seqs > self.config.max_num_seqs:
+            raise RequestRejectedError(
+                f"request {request.request_id!r}: {request.num_seqs} sequences (n, best_of) "
+                f"exceed max_num_seqs={self.config.max_num_seqs}")
         if num_prompt >= self.max_model_len:
             raise RequestRejectedError(
                 f"request {request.request_id!r}: prompt of {num_prompt} tokens leaves no room "
@@ -146,17 +152,21 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int]) -> int:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_seats = sum(r.num_seqs for r in self.running)
+        while self.waiting and budget > 0 and \
+                num_seats + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             request = self.waiting[0]
-            num_cached = bm.num_cached_tokens(request)
+            # Prompt logprobs need every prompt row computed: no prefix hit (as vLLM)
+            reuse = not wants_prompt_logits(request)
+            num_cached = bm.num_cached_tokens(request) if reuse else 0
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not bm.can_allocate(request, num_cached + num_new):
+            if not bm.can_allocate(request, num_cached + num_new, reuse):
                 break  # first come, first served: nobody overtakes the head of the queue
-            bm.allocate(request, num_cached + num_new)
+            bm.allocate(request, num_cached + num_new, reuse)
             request.num_computed_tokens = num_cached
             self.num_prefix_queried_tokens += request.num_tokens
             self.num_prefix_hit_tokens += num_cached
@@ -165,6 +175,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(request)
+            num_seats += request.num_seqs
             scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
@@ -181,6 +192,7 @@ class Scheduler:
                 start_pos=start,
                 block_table=list(self.block_manager.block_table(request_id)),
                 need_logits=start + num_new == request.num_tokens,
+                num_prompt_logits=num_prompt_logit_rows(request, start, num_new),
             ))
             output.scheduled.append((request, num_new))
         return output

@@ -107,6 +107,8 @@ class Worker:
         security.secure_server(self._socket)  # CurveZMQ: only the cluster key gets through
         self._socket.bind(address)
         self._owners: dict[str, bytes] = {}  # request id -> the router that sent it
+        # request id -> the choices (Output.index) that have not ended yet (n > 1: several)
+        self._open_choices: dict[str, set[int]] = {}
         self.stop_event = threading.Event()
 
     @property
@@ -153,6 +155,7 @@ class Worker:
                 self._on_generate(identity, message)
             elif isinstance(message, AbortRequest):
                 self._owners.pop(message.request_id, None)
+                self._open_choices.pop(message.request_id, None)
                 self.handoff.abort(message.request_id)
             elif isinstance(message, StatusRequest):
                 self._reply(identity, self.status())
@@ -175,6 +178,7 @@ class Worker:
             self._reply(identity, Output(request_id, [], "", "error", error=str(exc)))
             return
         self._owners[request_id] = identity
+        self._open_choices[request_id] = set(message.choice_indices)
 
     def _on_set_role(self, role: str) -> None:
         if role == self.role:
@@ -190,14 +194,20 @@ class Worker:
 
     # ---- messages out ------------------------------------------------------------------
     def _send(self, output: Output) -> None:
-        """Send a delta to the router that owns the request; a finished request (any
-        finish_reason, a hand-off included) is forgotten here."""
+        """Send a delta to the router that owns the request; a finished request (each of
+        its choices ended: any finish_reason, a hand-off included; or an error) is
+        forgotten here."""
         identity = self._owners.get(output.request_id)
         if identity is None:
             return  # aborted meanwhile
         self._reply(identity, output)
-        if output.finish_reason is not None:
+        if output.finish_reason is None:
+            return
+        open_choices = self._open_choices.get(output.request_id, set())
+        open_choices.discard(output.index)
+        if not open_choices or output.finish_reason == "error":
             self._owners.pop(output.request_id, None)
+            self._open_choices.pop(output.request_id, None)
 
     def _reply(self, identity: bytes, message) -> None:
         try:
@@ -230,6 +240,8 @@ class Worker:
             max_num_seqs=engine.scheduler_config.max_num_seqs,
             max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
             tensor_parallel_size=engine.runner.tensor_parallel_size,
+            num_cached_blocks=stats.num_cached_blocks,
+            max_num_used_blocks=engine.block_manager.max_num_used_blocks,
         )
 
 

@@ -47,6 +47,7 @@ FORBIDDEN = {
 OFFLINE_BENCHMARKS = {
     "pdserve.benchmarks.engine_throughput": ("pdserve.serve",),   # offline engine
     "pdserve.benchmarks.step_roofline": ("pdserve.serve",),       # offline engine step
+    "pdserve.benchmarks.structured_cost": ("pdserve.serve",),     # offline engine step
     "pdserve.benchmarks.store_replay": ("pdserve.kvstore",),      # the store's tiers
     "pdserve.benchmarks.kv_transfer": ("pdserve.kvstore",),       # the UCX data plane
     "pdserve.benchmarks.kernels.bench_attention": ("pdserve.kernels",),

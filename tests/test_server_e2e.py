@@ -140,7 +140,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": 12}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400),
     ("/v1/completions", {"prompt": [10**9]}, 400),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400),  # n and best_of: at most 16
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"messages": "hello"}, 400),

@@ -2,15 +2,19 @@
 
 The router builds it from an OpenAI body, it crosses to the workers inside GenerateRequest
 (protocol/worker.py) and the engine samples by it. The field names and meanings follow vLLM's
-`SamplingParams` so client code ports unchanged; only n == 1 is supported (one completion per
-request). This module imports nothing but the standard library, so every side can use it.
+`SamplingParams` so client code ports unchanged. n > 1 (and best_of) make one request several
+sequences that share the prompt's KV (serve/parallel_sampling.py); each sequence samples with
+`for_child(index)`. This module imports nothing but the standard library, so every side can
+use it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_LOGPROBS = 20
+MAX_NUM_SEQS_PER_REQUEST = 16
+"""The most sequences one request may fork into (n, and best_of): each takes a batch seat."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,10 @@ class StructuredOutputs:
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
-    """Completions per prompt; only 1 is supported."""
+    """Completions returned per prompt (choices 0..n-1), in [1, MAX_NUM_SEQS_PER_REQUEST]."""
+    best_of: int | None = None
+    """Sequences generated (>= n; None: n); the n with the highest cumulative logprob are
+    returned (vLLM's V0 meaning). Not streamable when > n."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy (argmax)."""
     top_p: float = 1.0
@@ -87,6 +94,17 @@ class SamplingParams:
     """Tenant salt folded into the block-key root: salted prefixes never match unsalted."""
     structured_outputs: StructuredOutputs | None = None
     """Constrain the output to a grammar (JSON schema, regex, choice, EBNF); None: free."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit before sampling (OpenAI's logit_bias, clamped to
+    [-100, 100] as vLLM does); None: no bias."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be sampled (vLLM); None: all."""
+    bad_words: tuple[str, ...] = ()
+    """Words never generated (vLLM): the worker tokenizes each (with and without a leading
+    space) and bans a word's last token whenever the output so far ends with its others."""
+    prompt_logprobs: int | None = None
+    """Return this many top log-probabilities per prompt token, plus the prompt token's own
+    (vLLM); the request then computes its whole prompt (no prefix-cache hit), as vLLM."""
 
     def __post_init__(self) -> None:
         # vLLM accepts a bare string and lists; normalise to tuples so the object stays hashable.
@@ -98,8 +116,11 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if self.n != 1:
-            raise ValueError(f"only n=1 is supported, got n={self.n}")
+        if not 1 <= self.n <= MAX_NUM_SEQS_PER_REQUEST:
+            raise ValueError(f"n must be in [1, {MAX_NUM_SEQS_PER_REQUEST}], got {self.n}")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_NUM_SEQS_PER_REQUEST:
+            raise ValueError(f"best_of must be in [n, {MAX_NUM_SEQS_PER_REQUEST}] (n={self.n}), "
+                             f"got {self.best_of}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -126,6 +147,41 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._check_logit_controls()
+
+    def _check_logit_controls(self) -> None:
+        if self.logit_bias is not None:
+            if any(b != b for b in self.logit_bias.values()):  # NaN
+                raise ValueError("logit_bias values must be numbers")
+            object.__setattr__(self, "logit_bias", {
+                int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()})
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty when given")
+        if not isinstance(self.bad_words, tuple):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if any(not w for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        # An attribute, not a property: the sampler asks it of every row in every step.
+        object.__setattr__(self, "has_logit_controls", bool(
+            self.logit_bias or self.allowed_token_ids is not None or self.bad_words))
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request generates: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of sequence `index` of a request with num_seqs > 1 (vLLM's rule,
+        v1/engine/parallel_sampling.py): one sequence (n = 1, no best_of), and a seeded
+        request's child `index` draws with seed + index, so child 0 samples exactly what the
+        same request with n = 1 would, and every child is reproducible on its own."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, best_of=None, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

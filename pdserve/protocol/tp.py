@@ -50,6 +50,9 @@ class SeqChunk:
     """Physical KV block ids of this request, in order, covering every position to the end."""
     need_logits: bool
     """Sample after this chunk (it ends at the request's last known token)."""
+    num_prompt_logits: int = 0
+    """Also return the logits of this many leading rows, for prompt logprobs (every rank
+    computes the same rows: serve/prompt_logprobs.py)."""
 
 
 @TP_PROTOCOL.message("step")

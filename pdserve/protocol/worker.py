@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from pdserve.protocol.codec import Protocol
-from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.sampling import MAX_NUM_SEQS_PER_REQUEST, SamplingParams
 
 WORKER_PROTOCOL = Protocol("worker")
 _DATA_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
@@ -43,11 +43,17 @@ class KVHandoff:
     source_address: str = ""
     """The data node holding the blocks and the lease: the prefill worker's own hand-off
     node (tcp://host:port), read directly; "": the fleet store."""
+    choice_first_tokens: dict[int, int] = field(default_factory=dict)
+    """A request of n > 1 sequences (best_of included): choice index -> the first token
+    prefill sampled for it, for every choice that continues on decode (those that ended at
+    their first token are absent). Empty: one sequence, first_token_id, choice 0."""
 
     def __post_init__(self) -> None:
         if self.source_address and not _DATA_ADDRESS.fullmatch(self.source_address):
             raise ValueError(f"source_address must be tcp://host:port, got "
                              f"{self.source_address[:80]!r}")
+        if any(not 0 <= i < MAX_NUM_SEQS_PER_REQUEST for i in self.choice_first_tokens):
+            raise ValueError(f"choice indices must be in [0, {MAX_NUM_SEQS_PER_REQUEST})")
 
 
 @WORKER_PROTOCOL.message("generate")
@@ -73,6 +79,23 @@ class GenerateRequest:
             raise ValueError("a request resumes from its outputs or from a hand-off, not both")
         if len(self.resume_output_ids) >= self.sampling.max_tokens:
             raise ValueError("nothing left to generate after the resumed outputs")
+        if self.resume_output_ids and self.sampling.num_seqs > 1:
+            raise ValueError("a request of several sequences (n or best_of > 1) cannot "
+                             "resume after streamed outputs")
+        if self.handoff is not None and any(i >= self.sampling.num_seqs
+                                            for i in self.handoff.choice_first_tokens):
+            raise ValueError("a hand-off names a choice index past the request's sequences")
+
+    @property
+    def choice_indices(self) -> list[int]:
+        """The choices whose Outputs this request's worker streams (Output.index), each until
+        its own finish_reason: all of them from the prompt; after a hand-off, those the
+        prefill worker handed on."""
+        if self.handoff is not None and self.handoff.choice_first_tokens:
+            return sorted(self.handoff.choice_first_tokens)
+        if self.handoff is not None:
+            return [0]
+        return list(range(self.sampling.num_seqs))
 
 
 @WORKER_PROTOCOL.message("abort")
@@ -105,6 +128,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int = 0
+    """token_id's rank among all tokens (1: the most likely); 0: not reported."""
 
 
 WORKER_PHASES = ("queue", "prefill", "layer_save", "kv_save", "kv_load", "first_decode")
@@ -134,7 +159,8 @@ class Output:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
-    """stop | length | abort | error; None while running. Prefill's hand-off says 'handoff'."""
+    """stop | length | abort | error; None while running. Prefill's hand-off says 'handoff'.
+    Each choice of a request with n > 1 sequences ends with its own; an error ends all."""
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -143,8 +169,15 @@ class Output:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """On a request's first Output from a worker: how long it spent in each of that worker's
     phases (names from WORKER_PHASES); empty otherwise, and from peers that predate it."""
+    index: int = 0
+    """The choice this delta belongs to (n > 1, best_of); 0 for a one-sequence request."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """On the first Output of a request that asked for prompt_logprobs (from the worker that
+    computed its prompt): one entry per prompt token, the first None (nothing precedes it)."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.index < MAX_NUM_SEQS_PER_REQUEST:
+            raise ValueError(f"index must be in [0, {MAX_NUM_SEQS_PER_REQUEST})")
         for name, seconds in self.phase_seconds.items():
             if name not in WORKER_PHASES:
                 raise ValueError(f"unknown phase {name!r}; expected one of {WORKER_PHASES}")
@@ -211,3 +244,8 @@ class WorkerStatus:
     max_num_batched_tokens: int = 0
     """The scheduler's token budget per step (0: not reported)."""
     tensor_parallel_size: int = 1
+    num_cached_blocks: int = 0
+    """Of num_free_blocks, those holding reusable prefix KV (evictable)."""
+    max_num_used_blocks: int = 0
+    """The most KV blocks that requests held at once since the worker started (a block
+    shared by several sequences of an n > 1 request counts once)."""
