@@ -114,7 +114,7 @@ class RouterConfig:
     for calls with tool_call_parser (vLLM's --enable-auto-tool-choice); off: those are 400s."""
     tool_call_parser: str | None = None
     """The model family's tool-call format (router/tool_parsers.py: hermes, llama3_json,
-    mistral)."""
+    mistral, deepseek_v3)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -65,7 +65,8 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
                              "by parsing the model's tool calls out of its text")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help="the model family's tool-call format: hermes (Qwen2/2.5, "
-                             "Hermes), llama3_json (Llama 3.x), mistral")
+                             "Hermes), llama3_json (Llama 3.x), mistral, deepseek_v3 "
+                             "(DeepSeek-V3/R1/V3.1)")
 
 
 def tool_argv(args: argparse.Namespace) -> list[str]:

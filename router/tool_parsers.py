@@ -16,6 +16,10 @@ text went wrong cannot be taken back.
     llama3_json  Llama 3.x: [<|python_tag|>]{"name": ..., "parameters": {...}}; {...}
     mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
                  or (tokenizer v11+) [TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+    deepseek_v3  DeepSeek-V3/R1: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
+                 <｜tool▁sep｜>name ```json {...} ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>;
+                 V3.1's
+                 <｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
 
 The scanner reads JSON prefixes without parsing them: it finds where a value ends (or that it
 has not ended yet), and the members of an object, so arguments stream as the raw text the
@@ -454,14 +458,108 @@ def _mistral_v11_calls(text: str, start: int, is_final: bool, memo: ScanMemo | N
     return calls
 
 
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+DS_SEP = "<｜tool▁sep｜>"
+DS_FENCE_OPEN, DS_FENCE_CLOSE = "```json", "```"
+
+
+def parse_deepseek_v3(text: str, is_final: bool, memo: ScanMemo | None = None) -> ParsedText:
+    """DeepSeek-V3's calls after <｜tool▁calls▁begin｜>, in either of its two forms: V3 and R1
+    write `function<｜tool▁sep｜>NAME` then the arguments fenced as ```json, V3.1 writes
+    `NAME<｜tool▁sep｜>` then the bare arguments object; which one is told by what follows
+    the separator (an object: V3.1)."""
+    start = text.find(DS_CALLS_BEGIN)
+    if start == -1:
+        keep = len(text) if is_final else len(text) - held_back(text, DS_CALLS_BEGIN)
+        return ParsedText(text[:keep])
+    content, calls = text[:start], []
+    pos, n = skip_whitespace(text, start + len(DS_CALLS_BEGIN)), len(text)
+    try:
+        while pos < n:
+            if text.startswith(DS_CALLS_END, pos):
+                pos = skip_whitespace(text, pos + len(DS_CALLS_END))
+                if pos < n:
+                    raise MalformedJson(f"text after {DS_CALLS_END}")
+                break
+            if not text.startswith(DS_CALL_BEGIN, pos):
+                if is_final or not (DS_CALL_BEGIN.startswith(text[pos:])
+                                    or DS_CALLS_END.startswith(text[pos:])):
+                    raise MalformedJson(f"expected {DS_CALL_BEGIN} at {pos}")
+                break
+            call, pos = _deepseek_call(text, pos + len(DS_CALL_BEGIN), is_final, memo)
+            if call is not None:
+                calls.append(call)
+            if pos is None:
+                break
+            pos = skip_whitespace(text, pos)
+        if is_final and (not calls or _unfinished(calls)):
+            raise MalformedJson("no complete tool call")
+    except MalformedJson:
+        if is_final:
+            return _as_content(text)
+    return ParsedText(content, calls)
+
+
+def _deepseek_call(text: str, pos: int, is_final: bool, memo: ScanMemo | None
+                   ) -> tuple[ParsedCall | None, int | None]:
+    """One call from just past <｜tool▁call▁begin｜>: the call (None until named) and the
+    index past its <｜tool▁call▁end｜> (None while unfinished)."""
+    sep = text.find(DS_SEP, pos)
+    if sep == -1:
+        if is_final:
+            raise MalformedJson(f"a call without {DS_SEP}")
+        return None, None
+    head, i, n = text[pos:sep].strip(), skip_whitespace(text, sep + len(DS_SEP)), len(text)
+    if i == n:
+        return None, None
+    fenced = text[i] != "{"
+    if fenced:  # V3: function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+        if head != "function":
+            raise MalformedJson(f"a call of type {head!r}")
+        line_end = text.find("\n", i)
+        if line_end == -1:
+            return None, None
+        name = text[i:line_end].strip()
+        i = skip_whitespace(text, line_end)
+        if not text.startswith(DS_FENCE_OPEN, i):
+            if is_final or not DS_FENCE_OPEN.startswith(text[i:]):
+                raise MalformedJson(f"expected {DS_FENCE_OPEN} at {i}")
+            return None, None
+        i = skip_whitespace(text, i + len(DS_FENCE_OPEN))
+        if i == n:
+            return None, None
+    else:  # V3.1: NAME<｜tool▁sep｜>{...}
+        name = head
+    if not FUNCTION_NAME.match(name):
+        raise MalformedJson(f"not a function name: {name!r}")
+    end = value_end(text, i, memo)
+    call = ParsedCall(name, arguments_span(text, i, end, memo), is_complete=end is not None)
+    if end is None:
+        return call, None
+    i = skip_whitespace(text, end)
+    if fenced:
+        if not text.startswith(DS_FENCE_CLOSE, i):
+            if is_final or not DS_FENCE_CLOSE.startswith(text[i:]):
+                raise MalformedJson(f"expected {DS_FENCE_CLOSE} at {i}")
+            return call, None
+        i = skip_whitespace(text, i + len(DS_FENCE_CLOSE))
+    if text.startswith(DS_CALL_END, i):
+        return call, i + len(DS_CALL_END)
+    if is_final or not DS_CALL_END.startswith(text[i:]):
+        raise MalformedJson(f"expected {DS_CALL_END} at {i}")
+    return call, None
+
+
 Parser = Callable[[str, bool, ScanMemo | None], ParsedText]
 """parse(text so far, is_final, memo): see the module docstring."""
 TOOL_CALL_PARSERS: dict[str, Parser] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
     "mistral": parse_mistral,
+    "deepseek_v3": parse_deepseek_v3,
 }
 """`--tool-call-parser NAME` -> parser, as vLLM names them."""
-KEEPS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral"})
+KEEPS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral", "deepseek_v3"})
 """Parsers whose markers are special tokens (<|python_tag|>, [TOOL_CALLS]): the detokenizer
 must keep special tokens in the text, or the parser never sees them."""

@@ -240,6 +240,40 @@ def test_mistral_parser(text, content, calls) -> None:
     assert calls_of(body) == calls
 
 
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_CASES = [
+    # V3 / R1: type, separator, name, fenced arguments
+    (f"Checking.{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+     f'{{"city": "Oslo"}}\n```{DS_CALL_END}{DS_CALL}function{DS_SEP}book_hotel\n```json\n'
+     f'{{"nights": 2, "tags": ["```"]}}\n```{DS_CALL_END}{DS_END}', "Checking.",
+     [("get_weather", {"city": "Oslo"}), ("book_hotel", {"nights": 2, "tags": ["```"]})]),
+    # V3.1: name, separator, bare arguments
+    (f'{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{"city": "Rome"}}{DS_CALL_END}{DS_END}', None,
+     [("get_weather", {"city": "Rome"})]),
+    ("Plain text <｜tool", "Plain text <｜tool", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", DEEPSEEK_CASES)
+def test_deepseek_v3_parser(text, content, calls) -> None:
+    body = check_stream_matches_body(TOOL_CALL_PARSERS["deepseek_v3"], text)
+    assert body["content"] == content
+    assert calls_of(body) == calls
+
+
+@pytest.mark.parametrize("text", [
+    f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Os',  # cut short
+    f"{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n{{}}{DS_CALL_END}{DS_END}",  # no fence
+    f"{DS_BEGIN}{DS_CALL}not a name{DS_SEP}{{}}{DS_CALL_END}{DS_END}",
+    f"{DS_BEGIN}{DS_CALL}f{DS_SEP}[1]{DS_CALL_END}{DS_END}",
+    f"{DS_BEGIN}{DS_CALL}f{DS_SEP}{{}}{DS_CALL_END}{DS_END} trailing",
+])
+def test_malformed_deepseek_calls_stay_content(text) -> None:
+    body, has_calls = ToolCallOutput(TOOL_CALL_PARSERS["deepseek_v3"]).message(text)
+    assert not has_calls and body["content"] == text
+
+
 def test_a_marker_prefix_is_held_back_until_it_is_decided() -> None:
     output = ToolCallOutput(TOOL_CALL_PARSERS["hermes"])
     assert output.deltas(0, "Hello <tool", is_final=False) == [{"content": "Hello "}]
