@@ -68,6 +68,15 @@ def _unencodable_string_path(body: Any) -> str | None:
     return None
 
 
+def check_unicode(body: Any) -> Any:
+    """`body` unchanged, or a ValueError naming where it holds a string that is not valid
+    Unicode (a pydantic "before" validator of every request body)."""
+    path = _unencodable_string_path(body)
+    if path is not None:
+        raise ValueError(f"{path}: the string is not valid Unicode (an unpaired surrogate)")
+    return body
+
+
 def _is_in_use(name: str, value: Any) -> bool:
     """Whether `value` of unsupported field `name` asks for anything: null, empty, false and
     the defaults that mean "as usual" ask for nothing."""
@@ -159,10 +168,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, body: Any) -> Any:
-        path = _unencodable_string_path(body)
-        if path is not None:
-            raise ValueError(f"{path}: the string is not valid Unicode (an unpaired surrogate)")
-        return body
+        return check_unicode(body)
 
     @field_validator(*UNSUPPORTED_FIELDS)
     @classmethod

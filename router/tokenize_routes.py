@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 import pdserve
 from pdserve.router.errors import ApiError
-from pdserve.router.openai_protocol import ChatMessage, TokenId, _unencodable_string_path
+from pdserve.router.openai_protocol import ChatMessage, TokenId, check_unicode
 from pdserve.router.routes import Serving, _chat_prompt_ids, _check_model, _max_model_len
 
 tokenize_routes = APIRouter()
@@ -37,10 +37,7 @@ class TokenizerBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, body: Any) -> Any:
-        path = _unencodable_string_path(body)
-        if path is not None:
-            raise ValueError(f"{path}: the string is not valid Unicode (an unpaired surrogate)")
-        return body
+        return check_unicode(body)
 
 
 class TokenizeCompletionRequest(TokenizerBody):
