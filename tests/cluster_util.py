@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -270,3 +271,15 @@ class Roles:
         with security.using(security.ClusterKey.load(self.key_path)):
             return StoreClient(f"tcp://127.0.0.1:{self.data_port}",
                                f"tcp://127.0.0.1:{self.master_port}", transport="zmq")
+
+
+def stream_chunks(base_url: str, path: str, body: dict) -> list[dict]:
+    """POST `body` with stream on and return its SSE chunks, parsed (the 200 asserted)."""
+    chunks = []
+    with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks

@@ -7,12 +7,10 @@ disaggregated mode (where prefill computes the prompt logprobs)."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import torch
-from cluster_util import start_cluster
+from cluster_util import start_cluster, stream_chunks
 from fastapi.testclient import TestClient
 from model_util import hf_logits, load_hf, random_prompts
 from router_util import StandInDispatcher, router_config
@@ -273,17 +271,6 @@ def _post(cluster, path: str, body: dict) -> dict:
     return r.json()
 
 
-def _stream(cluster, path: str, body: dict) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", f"{cluster.base_url}{path}", json={**body, "stream": True},
-                      timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
-    return chunks
-
-
 def test_served_prompt_logprobs_match_hf(cluster, llama_dir) -> None:
     hf = load_hf(llama_dir)
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
@@ -329,7 +316,7 @@ def test_served_echo_stream_and_not(cluster, llama_dir) -> None:
     assert body["choices"][0]["logprobs"]["token_logprobs"][1:] == \
         logprobs["token_logprobs"][1:num_prompt]
     # streamed: the prompt opens the first chunk; the whole text is the same
-    chunks = _stream(cluster, "/v1/completions", request)
+    chunks = stream_chunks(cluster.base_url, "/v1/completions", request)
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
     assert texts[0].startswith(TEXT) and "".join(texts) == choice["text"]
     first = chunks[0]["choices"][0]["logprobs"]

@@ -4,12 +4,10 @@ and Hugging Face, in colocated and disaggregated (1 prefill + 1 decode over the 
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import torch
-from cluster_util import start_cluster
+from cluster_util import start_cluster, stream_chunks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.benchmarks.ttft_breakdown import HANDOVER_METRIC, PHASE_METRIC, parse_histograms
@@ -66,23 +64,12 @@ def _complete(base_url: str, **body) -> dict:
     return r.json()
 
 
-def _stream(base_url: str, path: str, body: dict) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream": True},
-                      timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
-    return chunks
-
-
 def test_completions_match_reference(cluster, reference):
     for prompt in PROMPTS:
         body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert body["choices"][0]["text"] == reference[prompt]
         assert body["usage"]["completion_tokens"] > 0
-        chunks = _stream(cluster.base_url, "/v1/completions",
+        chunks = stream_chunks(cluster.base_url, "/v1/completions",
                          {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
         assert "".join(c["choices"][0]["text"] for c in chunks) == reference[prompt]
         assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
@@ -94,7 +81,7 @@ def test_chat_stream_equals_non_stream(cluster, llama_dir):
     r = httpx.post(f"{cluster.base_url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     full = r.json()["choices"][0]["message"]["content"]
-    chunks = _stream(cluster.base_url, "/v1/chat/completions", body)
+    chunks = stream_chunks(cluster.base_url, "/v1/chat/completions", body)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == full
     # the same prompt through the offline engine's chat path
