@@ -73,6 +73,7 @@ def check_split(out: Path, profile: LatencyProfile, split_dir: Path) -> dict[str
         [r["request_rate"] for r in runs],
     )
     predicted = predicted_goodput(out, num_prefill, num_decode)
+    calibrated = predicted_goodput(out, num_prefill, num_decode, "-calibrated")
     measured = server["goodput_rate"]
     return {
         "split": f"{num_prefill}P{num_decode}D",
@@ -81,6 +82,9 @@ def check_split(out: Path, profile: LatencyProfile, split_dir: Path) -> dict[str
         "slo_ms": slo,
         "predicted_goodput_rps": predicted,
         "measured_goodput_rps": measured,
+        "predicted_calibrated_rps": calibrated,
+        "calibrated_error": (calibrated - measured) / measured
+        if calibrated and measured else None,
         "predicted_time_shared_rps": predicted_goodput(out, num_prefill, num_decode, "-shared"),
         "predicted_from_served_fit_rps": predicted_goodput(
             split_dir, num_prefill, num_decode, "-served"
@@ -116,17 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plan for {plan['best']['num_gpus']} GPUs: best {plan['best']}")
     print(
         f"{'split':>6} {'predicted req/s':>16} {'measured req/s':>15} {'error':>7} "
-        f"{'predicted, time-shared':>23} {'predicted, served fit':>22}"
+        f"{'predicted, time-shared':>23} {'predicted, served fit':>22} "
+        f"{'calibrated (--served)':>22} {'error':>7}"
     )
     for r in results:
         bound = ">=" if r["measured_is_lower_bound"] else ""
         error = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
         shared, served = r["predicted_time_shared_rps"], r["predicted_from_served_fit_rps"]
+        calibrated = r["predicted_calibrated_rps"]
+        calibrated_error = ("-" if r["calibrated_error"] is None
+                            else f"{100 * r['calibrated_error']:+.0f}%")
         print(
             f"{r['split']:>6} {r['predicted_goodput_rps'] or float('nan'):>16.2f} "
             f"{bound + format(r['measured_goodput_rps'] or float('nan'), '.2f'):>15} "
             f"{error:>7} {'-' if shared is None else format(shared, '.2f'):>23} "
-            f"{'-' if served is None else format(served, '.2f'):>22}"
+            f"{'-' if served is None else format(served, '.2f'):>22} "
+            f"{'-' if calibrated is None else format(calibrated, '.2f'):>22} "
+            f"{calibrated_error:>7}"
         )
     for r in results:
         print(
@@ -151,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                             "error",
                             "predicted_time_shared_rps",
                             "predicted_from_served_fit_rps",
+                            "predicted_calibrated_rps",
+                            "calibrated_error",
                         )
                     }
                     for r in results

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.benchmarks import profile_served
+from pdserve.benchmarks.profile_served import ServedWorkload
 from pdserve.router.goodput_model import LinearLatency, fit_nonnegative
-from pdserve.router.latency_profile import LatencyProfile
+from pdserve.router.latency_profile import LatencyProfile, ProfileError
 
 PREFILL_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 PREFILL_BATCHES = (1, 2, 4)
@@ -136,6 +138,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--disable-tqdm", action="store_true")
+    served = parser.add_argument_group(
+        "served calibration (benchmarks/profile_served.py)",
+        "after the engine sweep, serve the model at 1P1D with `pdserve up` (2 x TP x "
+        "cores-per-gpu cores), drive it with `pdserve bench`, and scale the engine models "
+        "by what serving adds; the hand-off and first-token overhead come from the router's "
+        "controller. The engine-only profile is kept beside the output (-engine.json).")
+    w = ServedWorkload()
+    served.add_argument("--served", action="store_true", help="calibrate against the served "
+                        "system")
+    served.add_argument("--engine-profile", default=None,
+                        help="with --served: calibrate this engine profile instead of sweeping")
+    served.add_argument("--served-input-len", type=int, default=w.input_len)
+    served.add_argument("--served-output-len", type=int, default=w.output_len)
+    served.add_argument("--served-rates", type=float, nargs="+", default=list(w.rates),
+                        help="Poisson request rates of the calibration load")
+    served.add_argument("--served-num-prompts", type=int, default=w.num_prompts,
+                        help="requests per rate, fresh prompts each")
+    served.add_argument("--served-port", type=int, default=w.port,
+                        help="the calibration router's port; the ten after it are taken too")
 
 
 def prefill_points(config: SweepConfig, max_prompt_tokens: int) -> list[tuple[int, int]]:
@@ -342,6 +363,85 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        workload = ServedWorkload(
+            input_len=args.served_input_len,
+            output_len=args.served_output_len,
+            rates=tuple(args.served_rates),
+            num_prompts=args.served_num_prompts,
+            port=args.served_port,
+        )
+    except ValueError as exc:
+        print(f"pdserve profile: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    report: dict[str, Any] = {}
+    if args.engine_profile:
+        if not args.served:
+            print("pdserve profile: --engine-profile needs --served", file=sys.stderr)
+            return 2
+        try:
+            engine = LatencyProfile.load(args.engine_profile)
+        except ProfileError as exc:
+            print(f"pdserve profile: {exc}", file=sys.stderr)
+            return 2
+        engine_path = Path(args.engine_profile)
+    else:
+        swept = _sweep(args, model_dir, report)
+        if isinstance(swept, int):
+            return swept
+        engine = swept
+        engine_path = Path(args.output)
+        if args.served:
+            engine_path = engine_path.with_name(engine_path.stem + "-engine.json")
+        engine.save(engine_path)
+        report["engine_profile"] = str(engine_path)
+    if args.served:
+        code = _calibrate(args, model_dir, engine, engine_path, workload, report)
+        if code:
+            return code
+    report["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(report))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, model_dir: str, engine: LatencyProfile,
+               engine_path: Path, workload: ServedWorkload, report: dict[str, Any]) -> int:
+    cores = len(os.sched_getaffinity(0))
+    calibrations = []
+    for tp in sorted(engine.prefill):
+        if 2 * tp * args.cores_per_gpu > cores:
+            print(f"pdserve profile: no served calibration for TP {tp}: 1P1D needs "
+                  f"{2 * tp * args.cores_per_gpu} cores, this process may use {cores}",
+                  file=sys.stderr)
+            continue
+        try:
+            served = profile_served.measure(model_dir, tp, engine_path, workload,
+                                            log_dir=Path(args.output).parent / "served-logs",
+                                            progress=lambda m: print(m, file=sys.stderr))
+            calibration = profile_served.calibrate(engine, served, tp, workload)
+        except (RuntimeError, ProfileError, OSError) as exc:
+            print(f"pdserve profile: served calibration failed: {exc}", file=sys.stderr)
+            return 1
+        calibrations.append(calibration)
+        print(
+            f"TP{tp} served: prefill x{calibration.prefill_factor:.2f}, decode "
+            f"x{calibration.decode_factor:.2f}, hand-off {1e3 * calibration.handoff_s:.1f} ms, "
+            f"first-token overhead {1e3 * calibration.ttft_overhead_s:.1f} ms"
+        )
+    if not calibrations:
+        print("pdserve profile: no TP degree could be calibrated served", file=sys.stderr)
+        return 2
+    profile = profile_served.apply(engine, calibrations)
+    report["profile"] = str(profile.save(args.output))
+    report["served_calibration"] = [c.describe() for c in calibrations]
+    return 0
+
+
+def _sweep(args: argparse.Namespace, model_dir: str, report: dict[str, Any]
+           ) -> LatencyProfile | int:
+    """The engine sweeps at each TP degree and their fits; the samples and the plot are
+    written beside args.output."""
+    try:
         config = SweepConfig(
             prefill_lengths=tuple(args.prefill_lengths),
             prefill_batches=tuple(args.prefill_batches),
@@ -366,7 +466,6 @@ def run(args: argparse.Namespace) -> int:
     samples_by_tp: dict[int, list[Sample]] = {}
     about: dict[str, Any] = {}
     clocks: dict[str, str] = {}
-    started = time.monotonic()
     for tp in sorted(set(args.tp)):
         mine = instance_cores(tp, config.cores_per_gpu, cores)
         if mine is None:
@@ -420,7 +519,8 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"pdserve profile: {exc}", file=sys.stderr)
         return 1
-    output = profile.save(args.output)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
     samples_path = output.with_name(output.stem + "-samples.json")
     samples_path.write_text(
         json.dumps(
@@ -440,14 +540,5 @@ def run(args: argparse.Namespace) -> int:
             f"{1e9 * d.coefs[0]:.2f} ns/context token + {1e6 * d.coefs[1]:.1f} us/sequence "
             f"({d.num_samples} points, {100 * d.rel_error:.1f}% mean error)"
         )
-    print(
-        json.dumps(
-            {
-                "profile": str(output),
-                "plot": str(figure),
-                "samples": str(samples_path),
-                "seconds": round(time.monotonic() - started, 1),
-            }
-        )
-    )
-    return 0
+    report.update(profile=str(output), plot=str(figure), samples=str(samples_path))
+    return profile

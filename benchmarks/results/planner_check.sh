@@ -21,6 +21,15 @@ mkdir -p "$out"
 if [ ! -f "$profile" ]; then
   taskset -c 0 .venv/bin/pdserve profile --model "$model" --tp 1 --output "$profile" --disable-tqdm
 fi
+# The same profile calibrated against the served system (pdserve profile --served: 1P1D on
+# both cores, its engine models scaled by what serving adds, the measured hand-off).
+served_profile=${SERVED_PROFILE:-$out/llama-mid-profile-served.json}
+if [ ! -f "$served_profile" ]; then
+  .venv/bin/pdserve profile --model "$model" --served --engine-profile "$profile" \
+    --served-input-len "$input_len" --served-output-len "$output_len" \
+    --output "$served_profile" > "$out/profile-served.txt"
+  cat "$out/profile-served.txt"
+fi
 plan() {  # plan <profile> <num GPUs> <name suffix>
   taskset -c 0 .venv/bin/pdserve plan --profile "$1" --num-gpus "$2" \
     --slo-ttft-ms "$ttft_ms" --slo-tpot-ms "$tpot_ms" --input-len "$input_len" \
@@ -30,6 +39,8 @@ plan() {  # plan <profile> <num GPUs> <name suffix>
 }
 plan "$profile" 2 ""
 plan "$profile" 3 ""
+plan "$served_profile" 2 "-calibrated"
+plan "$served_profile" 3 "-calibrated"
 # Three instances on this host's two cores get 2/3 of a core each: the same profile, 1.5x slower.
 .venv/bin/python - "$profile" "$out/profile-shared.json" <<'PY'
 import json, sys
