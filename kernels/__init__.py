@@ -28,7 +28,7 @@ import torch
 BACKEND_NAMES = ("torch", "cpu", "triton")
 # In import-dependency order (a module's Triton helpers come from the ones before it).
 _TRITON_MODULES = ("paged_tile", "kv_cache_write", "prefill_attention", "decode_attention",
-                   "mla_decode", "mla_prefill")
+                   "mla_decode", "mla_prefill", "fp8_gemm", "block_attention")
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,18 @@ so MLA's absorbed decode (every head over the shared latent) is the G = H case.
 
 The kernel is kernels/csrc/paged_attention.cpp, built with pdserve's other CPU kernels
 (kernels/cpu_ops.py). Lengths and block ids are checked before any read (a bad table is a
-ValueError, never a read outside the pool). Inputs may be fp32, bf16 or fp16; the math is
-fp32.
+ValueError, never a read outside the pool). Queries may be fp32, bf16 or fp16, the cache the
+query's dtype or float8_e4m3fn (kv_cache_dtype fp8: each block's rows upcast as they are
+read, as bf16 ones are); the math is fp32. Writes into an FP8 cache take the plain-torch
+path (reference.to_cache_dtype: clamp, round).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import cpu_ops
-from .reference import check_decode, check_kv_cache_write, check_mla_decode
+from . import cpu_ops, reference
+from .reference import check_decode, check_kv_cache_write, check_mla_decode, is_fp8
 
 
 def last_token_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -76,9 +78,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
     module = cpu_ops.load()
     assert module is not None, "call only when cpu_ops.load() succeeded"
-    if key.stride(-1) != 1 or value.stride(-1) != 1 or not kv_cache.is_contiguous():
-        from .reference import write_kv_cache as plain
-
-        plain(key, value, kv_cache, slot_mapping)
+    if (key.stride(-1) != 1 or value.stride(-1) != 1 or not kv_cache.is_contiguous()
+            or is_fp8(kv_cache.dtype)):
+        reference.write_kv_cache(key, value, kv_cache, slot_mapping)
         return
     module.write_kv_cache(key, value, kv_cache, slot_mapping)

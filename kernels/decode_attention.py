@@ -27,6 +27,7 @@ import triton.language as tl
 from .paged_tile import (
     MASK_KV_LEN,
     attend_paged_tile,
+    check_cache_dtype,
     check_last_dim_contiguous,
     check_launchable,
     dot_precision,
@@ -160,8 +161,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
     check_decode(query, kv_cache, seq_lens, block_tables)
     interpreted = check_launchable(query, kv_cache, seq_lens, block_tables)
     check_last_dim_contiguous(query=query, kv_cache=kv_cache, block_tables=block_tables)
-    if kv_cache.dtype != query.dtype:
-        raise ValueError(f"kv_cache is {kv_cache.dtype} but query is {query.dtype}")
+    check_cache_dtype(query, kv_cache)
     num_seqs, num_heads, head_dim = query.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(query)

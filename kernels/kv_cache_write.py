@@ -2,7 +2,8 @@
 
     slot_mapping[t] = block_id * block_size + offset     -> cache[block_id, offset, :, :]
 
-One program copies one token's [heads, dim] row (BLOCK_H heads at a time). The same kernel
+One program copies one token's [heads, dim] row (BLOCK_H heads at a time), converting to the
+cache's dtype (an FP8 cache: clamped to +-448, then rounded). The same kernel
 serves K, V and the latent cache (a latent row is a single "head" of R + P values).
 """
 
@@ -13,7 +14,13 @@ import triton
 import triton.language as tl
 
 from .paged_tile import check_launchable
-from .reference import check_kv_cache_write, check_latent_cache_write
+from .reference import (
+    FP8_MAX,
+    check_kv_cache_write,
+    check_latent_cache_write,
+    is_fp8,
+    to_cache_dtype,
+)
 
 MAX_TILE_ELEMENTS = 4096  # per program: enough bytes in flight, modest registers
 
@@ -24,6 +31,7 @@ def _scatter_rows_kernel(
     num_heads, page_size,
     stride_src_token, stride_src_head, stride_block, stride_slot, stride_cache_head,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SATURATE: tl.constexpr,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -34,12 +42,22 @@ def _scatter_rows_kernel(
                    + heads[:, None] * stride_src_head + offs_d[None, :], mask=mask)
     dst = (cache_ptr + (slot // page_size) * stride_block + (slot % page_size) * stride_slot
            + heads[:, None] * stride_cache_head + offs_d[None, :])
-    tl.store(dst, rows.to(cache_ptr.dtype.element_ty), mask=mask)
+    if SATURATE > 0:  # an FP8 cache: clamp to its range first, as every backend does
+        out = tl.minimum(tl.maximum(rows.to(tl.float32), -SATURATE), SATURATE)
+        out = out.to(cache_ptr.dtype.element_ty)
+    else:
+        out = rows.to(cache_ptr.dtype.element_ty)
+    tl.store(dst, out, mask=mask)
 
 
 def _scatter_rows(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """src [T, H, D] -> cache [num_blocks, page_size, H, D] at slot_mapping [T]."""
-    check_launchable(src, cache, slot_mapping)
+    interpreted = check_launchable(src, cache, slot_mapping)
+    if interpreted and is_fp8(cache.dtype):
+        # Triton's interpreter rounds fp32 -> e4m3 wrongly where the mantissa carries into the
+        # exponent (measured: 124.0 stored as 64.0, torch and sm90's cvt give 128.0): convert
+        # with torch first; the kernel then copies bytes
+        src = to_cache_dtype(src, cache.dtype)
     if src.stride(2) != 1 or cache.stride(3) != 1:
         raise ValueError(f"rows must be contiguous in their last dimension, got strides "
                          f"{src.stride()} and {cache.stride()}")
@@ -52,7 +70,8 @@ def _scatter_rows(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Te
     _scatter_rows_kernel[grid](
         src, cache, slot_mapping, num_heads, cache.shape[1],
         src.stride(0), src.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        SATURATE=FP8_MAX if is_fp8(cache.dtype) else 0.0, num_warps=4,
     )
 
 

@@ -22,7 +22,12 @@ import triton
 import triton.language as tl
 
 from .decode_attention import choose_num_splits, combine_splits, split_buffers
-from .paged_tile import check_last_dim_contiguous, check_launchable, dot_precision
+from .paged_tile import (
+    check_cache_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+)
 from .reference import check_mla_decode
 
 
@@ -73,9 +78,8 @@ def _mla_decode_kernel(
                        mask=n_valid[:, None] & r_valid[None, :], other=0.0)  # [BN, BR]
         k_rope = tl.load(cache_ptr + row[:, None] + RANK + offs_p[None, :],
                          mask=n_valid[:, None] & p_valid[None, :], other=0.0)  # [BN, BP]
-        if UPCAST:
-            c_kv = c_kv.to(tl.float32)
-            k_rope = k_rope.to(tl.float32)
+        c_kv = c_kv.to(q_latent.dtype)  # fp32 when UPCAST; an FP8 cache's rows upcast too
+        k_rope = k_rope.to(q_latent.dtype)
         s = tl.dot(q_latent, tl.trans(c_kv), input_precision=DOT_PRECISION)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PRECISION)
         s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))  # [BH, BN]
@@ -128,9 +132,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
     interpreted = check_launchable(q_latent, q_rope, latent_cache, seq_lens, block_tables)
     check_last_dim_contiguous(q_latent=q_latent, q_rope=q_rope, latent_cache=latent_cache,
                               block_tables=block_tables)
-    if not q_latent.dtype == q_rope.dtype == latent_cache.dtype:
-        raise ValueError(f"dtypes differ: q_latent {q_latent.dtype}, q_rope {q_rope.dtype}, "
-                         f"latent_cache {latent_cache.dtype}")
+    if q_latent.dtype != q_rope.dtype:
+        raise ValueError(f"dtypes differ: q_latent {q_latent.dtype}, q_rope {q_rope.dtype}")
+    check_cache_dtype(q_latent, latent_cache)
     num_seqs, num_heads, rank = q_latent.shape
     rope_dim = q_rope.shape[2]
     page_size = latent_cache.shape[1]

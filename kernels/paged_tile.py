@@ -48,8 +48,9 @@ def attend_paged_tile(
                    + kv_head * stride_head)  # [BN]
     kv_mask = n_valid[:, None] & d_valid[None, :]  # [BN, BD]
     k = tl.load(k_cache_ptr + row_offsets[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 arithmetic is wrong; fp32 is also faster in numpy
-        k = k.to(tl.float32)
+    # q's type: fp32 when UPCAST (the interpreter's bf16 arithmetic is wrong; fp32 is also
+    # faster in numpy), and an FP8 cache's rows (scale 1.0) become the model dtype
+    k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN] fp32
     if MASK == MASK_KV_LEN:
         s = tl.where(n_valid[None, :], s, float("-inf"))
@@ -63,8 +64,7 @@ def attend_paged_tile(
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + row_offsets[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        v = v.to(tl.float32)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -91,6 +91,14 @@ def check_launchable(*tensors: torch.Tensor) -> bool:
             f"before pdserve.kernels' Triton modules are imported (got {device})"
         )
     return True
+
+
+def check_cache_dtype(query: torch.Tensor, cache: torch.Tensor) -> None:
+    """The cache holds the query's dtype, or float8_e4m3fn (kv_cache_dtype fp8, scale 1.0),
+    which the kernels upcast as they load it."""
+    if cache.dtype not in (query.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"kv_cache is {cache.dtype} but query is {query.dtype} (a cache "
+                         "holds the query's dtype or float8_e4m3fn)")
 
 
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ from .paged_tile import (
     MASK_CAUSAL,
     MASK_NONE,
     attend_paged_tile,
+    check_cache_dtype,
     check_last_dim_contiguous,
     check_launchable,
     dot_precision,
@@ -168,8 +169,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
     interpreted = check_launchable(query, kv_cache, cu_seqlens_q, seq_lens, block_tables)
     check_last_dim_contiguous(query=query, kv_cache=kv_cache, block_tables=block_tables)
-    if kv_cache.dtype != query.dtype:
-        raise ValueError(f"kv_cache is {kv_cache.dtype} but query is {query.dtype}")
+    check_cache_dtype(query, kv_cache)
     num_tokens, num_heads, head_dim = query.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(query)

@@ -11,6 +11,9 @@ Paged layout (shared by every backend):
     position p of sequence s lives in block block_tables[s][p // block_size],
     row p % block_size. Entries past a sequence's last block may hold anything.
 
+The cache may hold the model dtype or float8_e4m3fn (kv_cache_dtype fp8, a per-tensor scale
+of 1.0): writes clamp to e4m3's range and round (to_cache_dtype), reads upcast to fp32.
+
 Every function accumulates in fp32 and returns the query's dtype. Nothing loops per token:
 decode rows are batched over sequences (contexts gathered, padded and masked, in chunks of
 bounded memory); a prefill sequence of several rows gets one SDPA call.
@@ -22,6 +25,20 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def to_cache_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as the cache stores them: an FP8 cache saturates at +-448 (every backend alike,
+    where a bare cast's overflow behaviour differs), then rounds to nearest."""
+    if is_fp8(dtype):
+        return rows.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return rows.to(dtype)
 
 
 def _split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +52,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
     # Two-index advanced assignment writes in place whatever the cache's strides are.
     block_ids, offsets = _split_slots(slot_mapping, kv_cache.shape[2])
-    kv_cache[0, block_ids, offsets] = key.to(kv_cache.dtype)
-    kv_cache[1, block_ids, offsets] = value.to(kv_cache.dtype)
+    kv_cache[0, block_ids, offsets] = to_cache_dtype(key, kv_cache.dtype)
+    kv_cache[1, block_ids, offsets] = to_cache_dtype(value, kv_cache.dtype)
 
 
 def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor,
@@ -44,7 +61,7 @@ def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor,
     """Scatter MLA latent rows ([T, R + P]) into latent_cache at slot_mapping ([T])."""
     check_latent_cache_write(latent, latent_cache, slot_mapping)
     block_ids, offsets = _split_slots(slot_mapping, latent_cache.shape[1])
-    latent_cache[block_ids, offsets] = latent.to(latent_cache.dtype)
+    latent_cache[block_ids, offsets] = to_cache_dtype(latent, latent_cache.dtype)
 
 
 # Batched paths gather every sequence's context, padded to the longest, in chunks of

@@ -186,7 +186,7 @@ class StoreClient:
         if reply.num_blocks > len(keys):
             raise ValueError("lookup_prefix: more blocks found than asked for")
         holders = [[(h.node_id, h.tier) for h in hs] for hs in reply.holders]
-        return PrefixLookup(reply.num_blocks, holders)
+        return PrefixLookup(reply.num_blocks, holders, dict(reply.addresses))
 
     def pin(self, keys: Sequence[bytes], ttl_s: float) -> tuple[int, list[bool]]:
         """Pin present blocks under a lease: (lease_id, pinned per key)."""

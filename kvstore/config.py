@@ -26,6 +26,9 @@ class StoreConfig:
     """tcp://host:port of a remote master a data-only node registers with (role data)."""
     node_id: str = "store-0"
     """Name this data node registers under at the master."""
+    replicas: int = 1
+    """Data nodes the master places each new block on (distinct nodes; fewer when fewer
+    are live)."""
     dram_capacity_blocks: int = 4096
     """Blocks the host-DRAM tier holds before demoting to disk."""
     disk_capacity_blocks: int = 0
@@ -71,6 +74,8 @@ class StoreConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_interval_s >= self.node_ttl_s:
             raise ValueError("heartbeat_interval_s must be shorter than node_ttl_s")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.num_data_threads <= 0:
             raise ValueError(f"num_data_threads must be positive, got {self.num_data_threads}")
         if self.max_keys_per_message <= 0 or self.max_block_bytes <= 0:

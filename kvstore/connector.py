@@ -260,7 +260,10 @@ class KVConnector:
                 index = torch.tensor(block_ids[: len(usable)], dtype=torch.int64, device=device)
                 for layer, cache in enumerate(kv_caches):
                     src = stacked[:, layer, :, :, self._heads].transpose(0, 1)
-                    cache.index_copy_(1, index, src.to(cache.dtype))
+                    src = src.to(cache.dtype)
+                    if cache.element_size() == 1:  # FP8: CPU torch copies it as bytes
+                        cache, src = cache.view(torch.uint8), src.view(torch.uint8)
+                    cache.index_copy_(1, index, src)
                     if device.type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                     load.layer_done[layer].set()

@@ -4,6 +4,8 @@
     put get exists evict prefetch    blocks (bytes as ZeroMQ frames, or over UCX by tag)
     pin renew release                pins held by leases with deadlines
     lookup_prefix                    how much of a prefix this node holds
+    node_info                        its name and its master (a client pointed at a data
+                                     node finds the fleet's master this way)
     stats check                      counters, and store + leases integrity
 
 Every pin is held by exactly one lease: a lease that is released or expires (`tick`) unpins
@@ -35,6 +37,7 @@ import numpy as np
 
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.lease import Lease, LeaseTable
+from pdserve.kvstore.master import Usage
 from pdserve.kvstore.service import Answer, Peer, answer_check
 from pdserve.kvstore.tiered_store import ChangeListener, TieredStore
 from pdserve.kvstore.ucx_prober import UcxAddressProber
@@ -54,6 +57,8 @@ from pdserve.protocol.store import (
     HelloRequest,
     LookupPrefixReply,
     LookupPrefixRequest,
+    NodeInfoReply,
+    NodeInfoRequest,
     PinReply,
     PinRequest,
     PrefetchReply,
@@ -83,6 +88,9 @@ class DataService:
             on_change=on_change)
         self.leases = LeaseTable()
         self.num_rejected = 0
+        self.master_address: str | None = config.master_address
+        """The master indexing this node (the server sets it in role all), told to clients
+        that ask (node_info)."""
         self.offloaded = frozenset({PutRequest, GetRequest, PrefetchRequest, HelloRequest,
                                     ByeRequest})
         self._lease_lock = threading.Lock()
@@ -105,13 +113,21 @@ class DataService:
             GetRequest: self.get, ExistsRequest: self.exists, PinRequest: self.pin,
             RenewRequest: self.renew, ReleaseRequest: self.release, EvictRequest: self.evict,
             PrefetchRequest: self.prefetch, StatsRequest: self.stats, CheckRequest: self.check,
-            LookupPrefixRequest: self.lookup_prefix,
+            LookupPrefixRequest: self.lookup_prefix, NodeInfoRequest: self.node_info,
         }
 
     def placements(self) -> list[tuple[bytes, str | None]]:
         """Every block this node holds, with its tier (what the master must learn on join)."""
         return [(key, tier.name) for tier in self.store.tiers
                 for key in self.store.keys_in(tier.name)]
+
+    def usage(self) -> Usage:
+        """How full this node is, over every tier. Read without the store's lock (counters
+        that another thread may be moving: a report a block off is harmless), so that the
+        master may ask from under its own lock or from the socket loop."""
+        tiers = self.store.tiers
+        return Usage(sum(t.capacity_blocks for t in tiers), sum(t.num_blocks for t in tiers),
+                     sum(t.num_bytes for t in tiers))
 
     # ---- loop hooks -------------------------------------------------------------------------
     def tick(self) -> None:
@@ -248,6 +264,10 @@ class DataService:
             holders.append([BlockHolder(self.config.node_id, tier)])
         return Answer(LookupPrefixReply(request.request_id, len(holders), holders))
 
+    def node_info(self, request: NodeInfoRequest, peer: Peer) -> Answer:
+        return Answer(NodeInfoReply(request.request_id, self.config.node_id,
+                                    self.master_address))
+
     # ---- leases -----------------------------------------------------------------------------
     def pin(self, request: PinRequest, peer: Peer) -> Answer:
         with self._lease_lock:
@@ -273,7 +293,9 @@ class DataService:
         stats = dict(self.store.stats())
         with self._lease_lock:
             num_leases = self.leases.num_leases
-        stats.update(num_leases=num_leases, num_rejected=self.num_rejected)
+        usage = self.usage()
+        stats.update(num_leases=num_leases, num_rejected=self.num_rejected,
+                     capacity_blocks=usage.capacity_blocks, num_bytes=usage.num_bytes)
         return Answer(StatsReply(request.request_id, stats))
 
     def check(self, request: CheckRequest, peer: Peer) -> Answer:

@@ -66,6 +66,8 @@ class DiskTier:
         self.num_backpressure_waits = 0
         os.makedirs(directory, exist_ok=True)
         self._index: LRUIndex[int] = LRUIndex()  # key -> payload bytes
+        self.num_bytes = 0
+        """Payload bytes indexed (the master's placement and status read it)."""
         self._pending: dict[bytes, torch.Tensor] = {}  # inserted, not yet on disk
         self._ops: queue.Queue[tuple[str, bytes, torch.Tensor | None] | None] = queue.Queue()
         self._lock = threading.Lock()  # guards _pending against the writer thread
@@ -99,6 +101,7 @@ class DiskTier:
         found.sort()
         for _, key, payload_len in found[-self.capacity_blocks:]:
             self._index.insert(key, payload_len)
+            self.num_bytes += payload_len
         for _, key, _ in found[: max(0, len(found) - self.capacity_blocks)]:
             os.unlink(self._path(key))
         if found:
@@ -140,6 +143,7 @@ class DiskTier:
         host tensor is written from as it is (the caller gives it up), else from a copy."""
         src = as_uint8_tensor(data)
         buf = src if adopt and src.device.type == "cpu" else src.to("cpu", copy=True)
+        self.num_bytes += buf.numel() - (self._index.get(key) or 0)
         self._index.insert(key, buf.numel())
         with self._lock:
             if len(self._pending) >= self.max_pending_writes:
@@ -194,7 +198,7 @@ class DiskTier:
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     def remove(self, key: bytes) -> None:
-        self._index.pop(key)
+        self.num_bytes -= self._index.pop(key)
         with self._lock:
             self._pending.pop(key, None)
             self._num_outstanding += 1

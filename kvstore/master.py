@@ -1,19 +1,43 @@
-"""The metadata master: which data node holds which block, in which tier.
+"""The metadata master: which data node holds which block, in which tier, and where new
+blocks go.
 
-Data nodes join with their control address, report placement changes (key -> tier, or None
-when dropped) and heartbeat; a node silent for node_ttl_s is treated as gone and its blocks
-leave the index, so lookups never point at a dead node. The router and workers ask
-`lookup_prefix(keys)`: how many leading blocks of a request exist somewhere, and where.
+Data nodes join with their control address and how full they are, report placement changes
+(key -> tier, or None when dropped) and heartbeat with their usage; a node silent for
+node_ttl_s is treated as gone and its blocks leave the index (a goodbye, `leave`, does the
+same at once), so lookups never point at a dead node: its blocks become misses.
+
+    write:  client ──place(keys)──► master: per key, `replicas` distinct live nodes
+            client ──put──► those data nodes ──update (their own report)──► master index
+    read:   client ──locate / lookup_prefix(keys)──► master: per key, its holders
+            client ──get──► a holder (the next one if that fails; none left: a miss)
+
+Placement (Mooncake Store's shape): each new block goes to the live nodes with the lowest
+fill, (blocks held + blocks placed there since its last report) / capacity, ties broken by
+fewer placements in flight, then by node id. A batch thus spreads evenly over equal nodes
+(a, b, a, b, ...) and proportionally to capacity over unequal ones, and it is deterministic:
+the same reports give the same placement. The index itself follows only the nodes' reports,
+never the clients' intentions, so it never names a block a write did not deliver.
+
+A lease group files the per-node leases that pin one batch under one id, so the process that
+reads the blocks (a decode worker) can release pins another process (a prefill worker) took.
+Groups expire after their TTL, as the node leases inside them do.
+
+The router and workers ask `lookup_prefix(keys)`: how many leading blocks of a request exist
+somewhere, and where.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
+
+TIER_ORDER = {"device": 0, "dram": 1, "disk": 2}
+"""Holders of a block are listed fastest tier first (a read tries them in order)."""
 
 
 @dataclass
@@ -22,6 +46,23 @@ class NodeInfo:
     address: str  # the node's data-server control address, tcp://host:port
     last_seen_s: float
     keys: set[bytes] = field(default_factory=set)
+    capacity_blocks: int = 0
+    """All tiers together, as last reported (0: not reported yet)."""
+    num_blocks: int = 0
+    """Blocks it held at its last report."""
+    num_bytes: int = 0
+    num_placed: int = 0
+    """Blocks placed on it since its last report (writes in flight: its load)."""
+
+    def fill(self) -> float:
+        return (self.num_blocks + self.num_placed) / max(1, self.capacity_blocks)
+
+
+@dataclass(frozen=True)
+class Usage:
+    capacity_blocks: int
+    num_blocks: int
+    num_bytes: int
 
 
 @dataclass(frozen=True)
@@ -30,34 +71,61 @@ class PrefixLookup:
     """Leading keys that some live node holds."""
     holders: list[list[tuple[str, str]]]
     """For each of those blocks: (node_id, tier) pairs."""
+    addresses: dict[str, str] = field(default_factory=dict)
+    """node_id -> data-server address of the holders named (known to the master)."""
+
+
+@dataclass
+class LeaseGroup:
+    node_leases: list[tuple[str, int]]  # (node_id, that node's lease id)
+    expires_at_s: float
 
 
 class Master:
-    """Block index over data nodes, with heartbeat-based membership."""
+    """Block index over data nodes, with heartbeat-based membership and placement."""
 
-    def __init__(self, node_ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, node_ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 replicas: int = 1):
         if node_ttl_s <= 0:
             raise ValueError(f"node_ttl_s must be positive, got {node_ttl_s}")
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.node_ttl_s = node_ttl_s
+        self.replicas = replicas
         self._clock = clock
         self._nodes: dict[str, NodeInfo] = {}
         self._index: dict[bytes, dict[str, str]] = {}  # key -> {node_id: tier}
+        self._lease_groups: dict[int, LeaseGroup] = {}
 
     # ---- membership -------------------------------------------------------------------------
-    def join(self, node_id: str, address: str) -> None:
+    def join(self, node_id: str, address: str, usage: Usage | None = None) -> None:
         """Register a node (a re-join after a restart forgets what it held before)."""
         if node_id in self._nodes:
             self.leave(node_id)
         self._nodes[node_id] = NodeInfo(node_id, address, self._clock())
+        if usage is not None:
+            self.report_usage(node_id, usage)
         logger.info("master: node %s joined at %s", node_id, address)
 
-    def heartbeat(self, node_id: str) -> bool:
-        """Refresh a node; False if the master does not know it (it must join again)."""
+    def heartbeat(self, node_id: str, usage: Usage | None = None) -> bool:
+        """Refresh a node (and its usage); False if the master does not know it (it must
+        join again)."""
         node = self._nodes.get(node_id)
         if node is None:
             return False
         node.last_seen_s = self._clock()
+        if usage is not None:
+            self.report_usage(node_id, usage)
         return True
+
+    def report_usage(self, node_id: str, usage: Usage) -> None:
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        node.capacity_blocks = usage.capacity_blocks
+        node.num_blocks = usage.num_blocks
+        node.num_bytes = usage.num_bytes
+        node.num_placed = 0  # the report counts what was written so far
 
     def leave(self, node_id: str) -> None:
         node = self._nodes.pop(node_id, None)
@@ -72,17 +140,28 @@ class Master:
         logger.info("master: node %s left (%d blocks forgotten)", node_id, len(node.keys))
 
     def expire_nodes(self) -> list[str]:
-        """Drop nodes whose last heartbeat is older than node_ttl_s; returns their ids."""
+        """Drop nodes whose last heartbeat is older than node_ttl_s, and lease groups past
+        their deadline; returns the dropped nodes' ids."""
         now = self._clock()
         gone = [n.node_id for n in self._nodes.values() if now - n.last_seen_s > self.node_ttl_s]
         for node_id in gone:
             logger.warning("master: node %s missed its heartbeats; dropping it", node_id)
             self.leave(node_id)
+        for lease_id in [i for i, g in self._lease_groups.items() if g.expires_at_s <= now]:
+            del self._lease_groups[lease_id]
         return gone
 
     def nodes(self) -> dict[str, str]:
         """node_id -> address of every live node."""
         return {n.node_id: n.address for n in self._nodes.values()}
+
+    def usage(self) -> dict[str, Usage]:
+        """node_id -> its usage as last reported, of every live node."""
+        return {n.node_id: Usage(n.capacity_blocks, n.num_blocks, n.num_bytes)
+                for n in self._nodes.values()}
+
+    def _addresses(self, node_ids: set[str]) -> dict[str, str]:
+        return {i: self._nodes[i].address for i in sorted(node_ids) if i in self._nodes}
 
     # ---- block index ------------------------------------------------------------------------
     def update(self, node_id: str, changes: Sequence[tuple[bytes, str | None]]) -> bool:
@@ -90,6 +169,7 @@ class Master:
         node = self._nodes.get(node_id)
         if node is None:
             return False
+        node.last_seen_s = self._clock()  # a report is a sign of life too
         for key, tier in changes:
             if tier is None:
                 node.keys.discard(key)
@@ -103,18 +183,92 @@ class Master:
                 self._index.setdefault(key, {})[node_id] = tier
         return True
 
+    def _holders(self, key: bytes) -> list[tuple[str, str]]:
+        found = self._index.get(key) or {}
+        return sorted(found.items(), key=lambda h: (TIER_ORDER.get(h[1], len(TIER_ORDER)), h[0]))
+
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
         holders: list[list[tuple[str, str]]] = []
         for key in keys:
-            found = self._index.get(key)
+            found = self._holders(key)
             if not found:
                 break
-            holders.append(sorted(found.items()))
-        return PrefixLookup(len(holders), holders)
+            holders.append(found)
+        named = {node_id for hs in holders for node_id, _ in hs}
+        return PrefixLookup(len(holders), holders, self._addresses(named))
 
+    def locate(self, keys: Sequence[bytes]) -> tuple[list[list[tuple[str, str]]],
+                                                     dict[str, str]]:
+        """Per key its holders, fastest tier first (empty: nobody); and their addresses."""
+        holders = [self._holders(key) for key in keys]
+        named = {node_id for hs in holders for node_id, _ in hs}
+        return holders, self._addresses(named)
+
+    # ---- placement --------------------------------------------------------------------------
+    def place(self, keys: Sequence[bytes]) -> tuple[list[list[str]], list[bool],
+                                                    dict[str, str]]:
+        """Where to write each key: `replicas` distinct live nodes (fewer when fewer live),
+        least full first; nothing for a key some live node holds (`held`) or already
+        placed earlier in this batch. Returns (targets, held, addresses)."""
+        targets: list[list[str]] = []
+        held: list[bool] = []
+        seen: set[bytes] = set()
+        nodes = list(self._nodes.values())
+        for key in keys:
+            is_held = key in self._index
+            held.append(is_held)
+            if is_held or key in seen or not nodes:
+                targets.append([])
+                continue
+            seen.add(key)
+            chosen = sorted(nodes, key=lambda n: (n.fill(), n.num_placed, n.node_id))
+            chosen = chosen[:self.replicas]
+            for node in chosen:
+                node.num_placed += 1
+            targets.append([node.node_id for node in chosen])
+        named = {node_id for ts in targets for node_id in ts}
+        return targets, held, self._addresses(named)
+
+    # ---- lease groups -----------------------------------------------------------------------
+    def add_lease_group(self, node_leases: Sequence[tuple[str, int]], ttl_s: float) -> int:
+        lease_id = secrets.randbits(63) or 1
+        while lease_id in self._lease_groups:
+            lease_id = secrets.randbits(63) or 1
+        self._lease_groups[lease_id] = LeaseGroup(list(node_leases), self._clock() + ttl_s)
+        return lease_id
+
+    def take_lease_group(self, lease_id: int) -> tuple[bool, list[tuple[str, int]],
+                                                       dict[str, str]]:
+        """End a group: (known, its leases on nodes still live, their addresses)."""
+        group = self._lease_groups.pop(lease_id, None)
+        if group is None:
+            return False, [], {}
+        live = [(node_id, i) for node_id, i in group.node_leases if node_id in self._nodes]
+        return True, live, self._addresses({node_id for node_id, _ in live})
+
+    @property
+    def num_lease_groups(self) -> int:
+        return len(self._lease_groups)
+
+    # ---- introspection ----------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return len(self._index)
+
+    def stats(self) -> dict[str, int]:
+        """Fleet totals, then per node: capacity and what it holds (`<name>.<node_id>`)."""
+        nodes = sorted(self._nodes.values(), key=lambda n: n.node_id)
+        out = {"num_nodes": len(nodes), "num_master_blocks": len(self._index),
+               "replicas": self.replicas, "num_lease_groups": len(self._lease_groups),
+               "capacity_blocks": sum(n.capacity_blocks for n in nodes),
+               "num_node_blocks": sum(n.num_blocks for n in nodes),
+               "num_node_bytes": sum(n.num_bytes for n in nodes)}
+        for n in nodes:
+            out[f"capacity_blocks.{n.node_id}"] = n.capacity_blocks
+            out[f"num_blocks.{n.node_id}"] = n.num_blocks
+            out[f"num_bytes.{n.node_id}"] = n.num_bytes
+            out[f"num_indexed.{n.node_id}"] = len(n.keys)
+        return out
 
     def check_integrity(self) -> None:
         """The index and the per-node key sets describe the same placements."""

@@ -1,12 +1,15 @@
 """The master service: the Master (master.py) behind the master socket, one handler per verb.
 
-    join heartbeat leave update    data nodes' membership and placement reports
-    lookup_prefix nodes            what routers and workers ask: where a prefix is cached
-    stats check                    counters and the index's integrity
+    join heartbeat leave update    data nodes' membership, usage and placement reports
+    lookup_prefix locate nodes     what routers and workers ask: where blocks are cached
+    place                          where a client should write new blocks
+    lease_group take_lease_group   one id for the node leases pinning a batch
+    stats check                    counters (fleet and per node) and the index's integrity
 
-It holds no blocks and no leases. In role `all` the data node of the same process is joined
-here directly (`join_local`): its placement changes arrive by `record_local`, and each loop
-turn heartbeats it, since no reporter thread speaks for it.
+It holds no blocks and pins nothing (a lease group only names node leases). In role `all`
+the data node of the same process is joined here directly (`join_local`): its placement
+changes arrive by `record_local`, and each loop turn heartbeats it with its usage, since no
+reporter thread speaks for it.
 
 Every handler is cheap (in-memory index) and runs on the socket loop, never behind data-plane
 work. `record_local` runs on whichever data-service thread changed a placement (inside the
@@ -16,9 +19,9 @@ store's lock), so one lock guards the Master; nothing taken under it takes anoth
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from pdserve.kvstore.master import Master
+from pdserve.kvstore.master import Master, Usage
 from pdserve.kvstore.service import Answer, Peer, answer_check
 from pdserve.protocol.store import (
     BlockHolder,
@@ -27,17 +30,33 @@ from pdserve.protocol.store import (
     HeartbeatRequest,
     JoinReply,
     JoinRequest,
+    LeaseGroupReply,
+    LeaseGroupRequest,
     LeaveReply,
     LeaveRequest,
+    LocateReply,
+    LocateRequest,
     LookupPrefixReply,
     LookupPrefixRequest,
+    NodeLease,
     NodesReply,
     NodesRequest,
+    NodeUsage,
+    PlaceReply,
+    PlaceRequest,
     StatsReply,
     StatsRequest,
+    TakeLeaseGroupReply,
+    TakeLeaseGroupRequest,
     UpdateReply,
     UpdateRequest,
 )
+
+
+def _usage(usage: NodeUsage | None) -> Usage | None:
+    if usage is None:
+        return None
+    return Usage(usage.capacity_blocks, usage.num_blocks, usage.num_bytes)
 
 
 class MasterService:
@@ -49,19 +68,25 @@ class MasterService:
         self.offloaded: frozenset[type] = frozenset()
         self._lock = threading.Lock()  # the Master, against record_local from data threads
         self._local_node_id: str | None = None
+        self._local_usage: Callable[[], Usage] | None = None
         self.handlers = {
             JoinRequest: self.join, HeartbeatRequest: self.heartbeat, LeaveRequest: self.leave,
             UpdateRequest: self.update, LookupPrefixRequest: self.lookup_prefix,
+            LocateRequest: self.locate, PlaceRequest: self.place,
+            LeaseGroupRequest: self.lease_group, TakeLeaseGroupRequest: self.take_lease_group,
             NodesRequest: self.nodes, StatsRequest: self.stats, CheckRequest: self.check,
         }
 
     # ---- the data node of this process ----------------------------------------------------------
     def join_local(self, node_id: str, address: str,
-                   placements: Sequence[tuple[bytes, str | None]]) -> None:
-        """Join the in-process data node with what it holds already (re-indexed from disk)."""
+                   placements: Sequence[tuple[bytes, str | None]],
+                   usage: Callable[[], Usage] | None = None) -> None:
+        """Join the in-process data node with what it holds already (re-indexed from disk);
+        `usage()` is asked each loop turn how full it is."""
         with self._lock:
             self._local_node_id = node_id
-            self.master.join(node_id, address)
+            self._local_usage = usage
+            self.master.join(node_id, address, None if usage is None else usage())
             self.master.update(node_id, placements)
 
     def record_local(self, key: bytes, tier: str | None) -> None:
@@ -71,9 +96,12 @@ class MasterService:
 
     # ---- loop hooks -------------------------------------------------------------------------
     def tick(self) -> None:
+        # Outside our lock: usage() takes the store's lock, under which record_local takes
+        # ours (the one lock order is store -> master).
+        usage = None if self._local_usage is None else self._local_usage()
         with self._lock:
-            if self._local_node_id is not None:
-                self.master.heartbeat(self._local_node_id)  # before expiring: it is alive
+            if self._local_node_id is not None:  # before expiring: it is alive
+                self.master.heartbeat(self._local_node_id, usage)
             self.master.expire_nodes()
 
     def check_integrity(self) -> None:
@@ -86,12 +114,12 @@ class MasterService:
     # ---- handlers ---------------------------------------------------------------------------
     def join(self, request: JoinRequest, peer: Peer) -> Answer:
         with self._lock:
-            self.master.join(request.node_id, request.address)
+            self.master.join(request.node_id, request.address, _usage(request.usage))
         return Answer(JoinReply(request.request_id))
 
     def heartbeat(self, request: HeartbeatRequest, peer: Peer) -> Answer:
         with self._lock:
-            known = self.master.heartbeat(request.node_id)
+            known = self.master.heartbeat(request.node_id, _usage(request.usage))
         return Answer(HeartbeatReply(request.request_id, known))
 
     def leave(self, request: LeaveRequest, peer: Peer) -> Answer:
@@ -108,21 +136,48 @@ class MasterService:
     def lookup_prefix(self, request: LookupPrefixRequest, peer: Peer) -> Answer:
         with self._lock:
             found = self.master.lookup_prefix(request.keys)
-        holders = [[BlockHolder(node_id, tier) for node_id, tier in block_holders]
-                   for block_holders in found.holders]
-        return Answer(LookupPrefixReply(request.request_id, found.num_blocks, holders))
+        return Answer(LookupPrefixReply(request.request_id, found.num_blocks,
+                                        _wire_holders(found.holders), found.addresses))
+
+    def locate(self, request: LocateRequest, peer: Peer) -> Answer:
+        with self._lock:
+            holders, addresses = self.master.locate(request.keys)
+        return Answer(LocateReply(request.request_id, _wire_holders(holders), addresses))
+
+    def place(self, request: PlaceRequest, peer: Peer) -> Answer:
+        with self._lock:
+            targets, held, addresses = self.master.place(request.keys)
+        return Answer(PlaceReply(request.request_id, targets, held, addresses))
+
+    def lease_group(self, request: LeaseGroupRequest, peer: Peer) -> Answer:
+        with self._lock:
+            lease_id = self.master.add_lease_group(
+                [(lease.node_id, lease.lease_id) for lease in request.node_leases],
+                request.ttl_s)
+        return Answer(LeaseGroupReply(request.request_id, lease_id))
+
+    def take_lease_group(self, request: TakeLeaseGroupRequest, peer: Peer) -> Answer:
+        with self._lock:
+            known, leases, addresses = self.master.take_lease_group(request.lease_id)
+        return Answer(TakeLeaseGroupReply(
+            request.request_id, known, [NodeLease(n, i) for n, i in leases], addresses))
 
     def nodes(self, request: NodesRequest, peer: Peer) -> Answer:
         with self._lock:
-            nodes = self.master.nodes()
-        return Answer(NodesReply(request.request_id, nodes))
+            nodes, usage = self.master.nodes(), self.master.usage()
+        return Answer(NodesReply(request.request_id, nodes, {
+            node_id: NodeUsage(u.capacity_blocks, u.num_blocks, u.num_bytes)
+            for node_id, u in usage.items()}))
 
     def stats(self, request: StatsRequest, peer: Peer) -> Answer:
         with self._lock:
-            stats = {"num_nodes": len(self.master.nodes()),
-                     "num_master_blocks": self.master.num_blocks,
-                     "num_rejected": self.num_rejected}
+            stats = self.master.stats()
+        stats["num_rejected"] = self.num_rejected
         return Answer(StatsReply(request.request_id, stats))
 
     def check(self, request: CheckRequest, peer: Peer) -> Answer:
         return answer_check(request, self.check_integrity)
+
+
+def _wire_holders(holders: list[list[tuple[str, str]]]) -> list[list[BlockHolder]]:
+    return [[BlockHolder(node_id, tier) for node_id, tier in hs] for hs in holders]

@@ -50,6 +50,8 @@ class MemoryTier:
         # Pinned host memory only pays off (and only exists) with a CUDA device to copy to.
         self._pin = self.device.type == "cpu" and torch.cuda.is_available()
         self._blocks: LRUIndex[torch.Tensor] = LRUIndex()
+        self.num_bytes = 0
+        """Payload bytes held (the master's placement and status read it)."""
 
     @property
     def num_blocks(self) -> int:
@@ -70,6 +72,8 @@ class MemoryTier:
         with `adopt` (the caller gives the buffer up) the tensor itself where it already
         lives in the right memory, saving a copy per block."""
         src = as_uint8_tensor(data)
+        old = self._blocks.get(key)
+        self.num_bytes += src.numel() - (0 if old is None else old.numel())
         if adopt and src.device == self.device and (not self._pin or src.is_pinned()):
             self._blocks.insert(key, src)
         else:
@@ -86,7 +90,7 @@ class MemoryTier:
         self._blocks.touch(key)
 
     def remove(self, key: bytes) -> None:
-        self._blocks.pop(key)
+        self.num_bytes -= self._blocks.pop(key).numel()
 
     def check_integrity(self) -> None:
         if len(self._blocks) > self.capacity_blocks:
@@ -94,3 +98,4 @@ class MemoryTier:
 
     def close(self) -> None:
         self._blocks.clear()
+        self.num_bytes = 0

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdserve import security
+from pdserve import discovery, security
 from pdserve.kvstore.config import ROLES, TRANSPORTS, StoreConfig
 from pdserve.kvstore.data_service import DataService
 from pdserve.kvstore.lease import LeaseTable
@@ -120,20 +120,26 @@ class StoreServer:
         self._replies.bind(self._reply_address)
         self._reporter: MasterReporter | None = None
         if config.role in ("master", "all"):
-            self.master_service = MasterService(Master(config.node_ttl_s))
+            self.master_service = MasterService(Master(config.node_ttl_s,
+                                                        replicas=config.replicas))
             self.master_address = self._serve_on(config.master_port, self.master_service)
         if config.role in ("data", "all"):
             self.data_service = DataService(config, on_change=self._on_block_change)
             self.data_address = self._serve_on(config.data_port, self.data_service)
+            from pdserve.kvstore.handoff_node import advertised  # (it imports this module)
+
             if self.master_service is not None:
                 # with the blocks re-indexed from disk before the master knew this node
-                self.master_service.join_local(config.node_id, self.data_address,
-                                               self.data_service.placements())
+                self.master_service.join_local(config.node_id, advertised(self.data_address),
+                                               self.data_service.placements(),
+                                               self.data_service.usage)
+                self.data_service.master_address = self.master_address
             elif config.master_address is not None:
                 self._reporter = MasterReporter(
-                    self._ctx, config.master_address, config.node_id, self.data_address,
-                    config.heartbeat_interval_s, config.request_timeout_s,
-                    self.data_service.placements)
+                    self._ctx, config.master_address, config.node_id,
+                    advertised(self.data_address), config.heartbeat_interval_s,
+                    config.request_timeout_s, self.data_service.placements,
+                    usage=self.data_service.usage)
         logger.info("store: role=%s master=%s data=%s", config.role, self.master_address,
                     self.data_address)
 
@@ -351,6 +357,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--master-address", default=d.master_address,
         help="tcp://host:port of the master a data-only node reports to")
     add("--node-id", default=d.node_id, help="this data node's name (default %(default)s)")
+    add("--replicas", type=int, default=d.replicas,
+        help="master: data nodes each new block is placed on (default %(default)s)")
     add("--dram-blocks", dest="dram_capacity_blocks", type=int,
         default=d.dram_capacity_blocks, help="DRAM tier capacity (default %(default)s)")
     add("--disk-blocks", dest="disk_capacity_blocks", type=int,
@@ -367,6 +375,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default %(default)s")
     add("--data-threads", dest="num_data_threads", type=int, default=d.num_data_threads,
         help="worker threads for put/get/prefetch/hello/bye (default %(default)s)")
+    discovery.add_arguments(parser)
+    add("--discovery-master-wait-s", type=float, default=30.0,
+        help="role data with --discovery and no --master-address: how long to wait for a "
+             "master to register (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> StoreConfig:
@@ -378,7 +390,18 @@ def run(args: argparse.Namespace) -> int:
     # A worker thread holding the GIL (copying a block) delays the socket loop's next reply by
     # up to the switch interval; 1 ms instead of 5 keeps lookups quick. The store's own process.
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
-    server = StoreServer(config_from_args(args)).start()
+    try:
+        config, url = _discover_master(config_from_args(args), args)
+    except (ValueError, discovery.DiscoveryError) as exc:
+        logger.error("cannot start the store: %s", exc)
+        return 2
+    server = StoreServer(config).start()
+    try:
+        registrations = [] if url is None else _register(server, url, args.discovery_ttl_s)
+    except discovery.DiscoveryError as exc:
+        logger.error("cannot register the store: %s", exc)
+        server.stop()
+        return 2
 
     def shut_down(signum: int, _frame: object) -> None:
         logger.info("store: signal %d, shutting down", signum)
@@ -389,6 +412,54 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.wait()  # the serving loop itself: until SIGINT/SIGTERM asks it to stop
     finally:
+        for registration in registrations:
+            registration.withdraw()
         server.stop()
     logger.info("store: stopped")
     return 0
+
+
+def _discover_master(config: StoreConfig, args: argparse.Namespace
+                     ) -> tuple[StoreConfig, discovery.DiscoveryURL | None]:
+    """With --discovery: the registry's URL, and for a data-only node without
+    --master-address the master registered there (DiscoveryError when none in time)."""
+    if args.discovery is None:
+        return config, None
+    url = discovery.DiscoveryURL.parse(args.discovery)
+    discovery.check_ttl(args.discovery_ttl_s)
+    if config.role == "data" and config.master_address is None:
+        masters = discovery.find(url, "store-master", args.discovery_master_wait_s)
+        if not masters:
+            raise discovery.DiscoveryError(
+                f"no store master registered in {url} within "
+                f"{args.discovery_master_wait_s:.0f}s: start `pdserve store --role master "
+                f"--discovery {args.discovery}`")
+        config = dataclasses.replace(config, master_address=masters[0].address)
+    return config, url
+
+
+def _register(server: StoreServer, url: discovery.DiscoveryURL, ttl_s: float
+              ) -> list[discovery.Registration]:
+    """The store's records (pdserve/discovery.py): its master and its data node, whichever it
+    runs, each under its own lease."""
+    config, records = server.config, []
+    master = server.master_address or config.master_address
+    if server.master_address is not None:
+        records.append(discovery.Record("store-master",
+                                        discovery.reachable(server.master_address),
+                                        name="store-master"))
+    if server.data_address is not None:
+        records.append(discovery.Record(
+            "store-data", discovery.reachable(server.data_address), name=config.node_id,
+            capacity={"dram_blocks": config.dram_capacity_blocks,
+                      "disk_blocks": config.disk_capacity_blocks},
+            addresses={"master": discovery.reachable(master)} if master else {}))
+    registrations: list[discovery.Registration] = []
+    try:
+        for record in records:
+            registrations.append(discovery.Registration(url, record, ttl_s).start())
+    except discovery.DiscoveryError:
+        for registration in registrations:
+            registration.withdraw()
+        raise
+    return registrations

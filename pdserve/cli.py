@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pdserve.benchmarks.plan", "size prefill/decode pools from a latency profile"),
     "store": ("pdserve.kvstore.server", "tiered KV store: master and/or data server"),
     "keygen": ("pdserve.security", "write a cluster key file for the internal sockets"),
+    "health": ("pdserve.health", "exit 0 when a worker, store or router answers ready (probes)"),
 }
 # Roles with internal ZeroMQ ports: CurveZMQ under the cluster key (pdserve/security.py).
 SECURED_ROLES = ("router", "prefill", "decode", "colocated", "store")
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: the registry's keepalives and watches (discovery.py)
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if name in SECURED_ROLES:
         from pdserve import security
 

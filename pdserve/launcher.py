@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve import security
+from pdserve import discovery, security
 from pdserve.lifecycle import parent_death_preexec
 from pdserve.ports import PortInUse, check_port_free
 from pdserve.router.server import (
@@ -54,7 +54,7 @@ from pdserve.router.server import (
     tool_argv,
     tracing_argv,
 )
-from pdserve.serve.config import CacheConfig
+from pdserve.serve.config import KV_CACHE_DTYPES, CacheConfig
 
 GPU_QUERY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
@@ -228,6 +228,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
+    parser.add_argument("--prefill-pp", type=int, default=1,
+                        help="pipeline stages of each prefill (or colocated) worker")
+    parser.add_argument("--decode-pp", type=int, default=1,
+                        help="pipeline stages of each decode worker")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="MoE models: every worker spreads whole experts over its TP ranks")
     parser.add_argument("--worker-base-port", type=int, default=18100,
@@ -251,6 +255,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache per worker rank in GiB (default: 0.5 on CPU; on GPUs, "
                              "sized by --gpu-memory-utilization)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="every worker's KV cache: auto (the model dtype) or fp8 "
+                             "(float8_e4m3fn: half the bytes stored and handed off)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='every worker\'s speculative decoding, as vLLM: \'{"method": '
+                             '"mtp", "num_speculative_tokens": 1}\' (DeepSeek-V3\'s MTP layer '
+                             'drafts; a prefill worker loads it for a role flip)')
     parser.add_argument("--allow-gpu-sharing", action="store_true",
                         help="with more ranks than GPUs, put several workers on one GPU "
                              "(each gets a share of --gpu-memory-utilization) instead of "
@@ -261,6 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "store get cores the workers do not use where there are more "
                              "than 4)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    discovery.add_arguments(parser)  # optional: `pdserve up` itself needs no etcd
     parser.add_argument("--api-key", default=None,
                         help="the router requires `Authorization: Bearer KEY` on /v1")
     parser.add_argument("--ops-need-api-key", action="store_true",
@@ -292,6 +304,10 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
 
     `gpus`: the CUDA_VISIBLE_DEVICES entries to hand out (None: the GPUs this host has,
     see visible_gpus). Raises ValueError when the workers' ranks do not fit on them."""
+    if args.speculative_config is not None:  # refused here, not by every worker at start
+        from pdserve.serve.spec_decode import SpeculativeConfig
+
+        SpeculativeConfig.parse(args.speculative_config)
     cluster = Cluster()
     store_addr = None
     if args.mode == "disagg" and not args.no_store:
@@ -311,10 +327,11 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     if store_addr:
         router_argv += ["--store-master", master_addr]
     port = args.worker_base_port
-    roles = ([("colocated", 1, args.prefill_tp)] if args.mode == "colocated" else
-             [("prefill", args.num_prefill, args.prefill_tp),
-              ("decode", args.num_decode, args.decode_tp)])
-    workers = [(role, i, tp) for role, count, tp in roles for i in range(count)]
+    roles = ([("colocated", 1, args.prefill_tp, args.prefill_pp)] if args.mode == "colocated"
+             else [("prefill", args.num_prefill, args.prefill_tp, args.prefill_pp),
+                   ("decode", args.num_decode, args.decode_tp, args.decode_pp)])
+    # (role, index, TP, PP): a worker runs TP x PP ranks, each placed like a TP rank
+    workers = [(role, i, tp, pp) for role, count, tp, pp in roles for i in range(count)]
     device = args.device
     if device != "cpu":
         gpus = visible_gpus() if gpus is None else gpus
@@ -324,25 +341,28 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
         device = "cuda" if gpus else "cpu"
     placement: list[list[str]] = []
     if device == "cuda":
-        placement = assign_gpus([tp for _, _, tp in workers], gpus or [],
+        placement = assign_gpus([tp * pp for _, _, tp, pp in workers], gpus or [],
                                 args.allow_gpu_sharing)
     shares = Counter(gpu for worker_gpus in placement for gpu in worker_gpus)
     # On a CPU host each worker rank gets cores of its own (a prefill burst never steals a
     # decode step's core) and as many threads; without pinning, a share of the cores.
-    num_ranks = sum(tp for _, _, tp in workers)
+    num_ranks = sum(tp * pp for _, _, tp, pp in workers)
     cores = sorted(os.sched_getaffinity(0))
     cpu_threads, worker_cores, service_cores = None, [], None
     if device != "cuda":
         cpu_threads = max(1, len(cores) // num_ranks)
         if not args.no_cpu_pinning:
-            worker_cores, service_cores = place_on_cores([tp for _, _, tp in workers], cores)
+            worker_cores, service_cores = place_on_cores(
+                [tp * pp for _, _, tp, pp in workers], cores)
             if worker_cores:
-                cpu_threads = len(worker_cores[0]) // workers[0][2]
+                cpu_threads = len(worker_cores[0]) // (workers[0][2] * workers[0][3])
     for child in cluster.children:  # the store, started first
         child.cpus = service_cores
-    for index, (role, i, tp) in enumerate(workers):
+    for index, (role, i, tp, pp) in enumerate(workers):
         argv = [role, "--model", model_dir, "--port", str(port),
                 "--tensor-parallel-size", str(tp), "--worker-id", f"{role}-{i}"]
+        if pp > 1:
+            argv += ["--pipeline-parallel-size", str(pp)]
         env: dict[str, str] = {}
         if store_addr:
             argv += ["--store", store_addr, "--store-master", master_addr]
@@ -354,6 +374,10 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
         if args.enable_expert_parallel:
             argv.append("--enable-expert-parallel")
+        if args.kv_cache_dtype != "auto":
+            argv += ["--kv-cache-dtype", args.kv_cache_dtype]
+        if args.speculative_config is not None:
+            argv += ["--speculative-config", args.speculative_config]
         if cpu_threads is not None:
             argv += ["--cpu-threads", str(cpu_threads)]
         if args.device is not None:
@@ -370,6 +394,10 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
         port += 1
     cluster.children.append(Child("router", router_argv, cpus=service_cores,
                                   ports=[(args.host, args.port)]))
+    if args.discovery is not None:  # every child registers too (pdserve/discovery.py)
+        for child in cluster.children:
+            child.argv += ["--discovery", args.discovery,
+                           "--discovery-ttl-s", str(args.discovery_ttl_s)]
     return cluster
 
 

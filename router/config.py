@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pdserve.discovery import DEFAULT_TTL_S, DiscoveryURL, check_ttl
 from pdserve.router.tool_parsers import TOOL_CALL_PARSERS
 
 CONTROLLER_MODES = ("off", "recommend", "flip")
@@ -115,12 +116,22 @@ class RouterConfig:
     tool_call_parser: str | None = None
     """The model family's tool-call format (router/tool_parsers.py: hermes, llama3_json,
     mistral, deepseek_v3)."""
+    discovery: str | None = None
+    """etcd://HOST:PORT[/CLUSTER]: register this router and watch the registry, adding and
+    dropping workers (and the store master) live (router/fleet_watch.py, pdserve/discovery.py).
+    Static worker addresses, when also given, stay in their pools."""
+    discovery_ttl_s: float = DEFAULT_TTL_S
+    """The router's own registry lease TTL."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not (self.prefill_addrs and self.decode_addrs) and not self.colocated_addrs:
+        if self.discovery is not None:
+            DiscoveryURL.parse(self.discovery)  # ValueError names the expected form
+            check_ttl(self.discovery_ttl_s)
+        elif not (self.prefill_addrs and self.decode_addrs) and not self.colocated_addrs:
             raise ValueError(
-                "the router needs colocated workers, or both prefill and decode workers"
+                "the router needs colocated workers, or both prefill and decode workers, "
+                "or --discovery to find them"
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")

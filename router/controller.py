@@ -207,7 +207,7 @@ class GoodputController:
         return len(sizes) <= 1
 
     def start(self) -> None:
-        if not self.dispatcher.config.is_disaggregated:
+        if not self.dispatcher.is_disaggregated and self.dispatcher.config.discovery is None:
             self.state = "inactive: colocated workers"
         elif self.config.mode == "off":
             self.state = "off"

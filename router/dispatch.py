@@ -39,6 +39,7 @@ import zmq.asyncio
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.router.config import RouterConfig
+from pdserve.router.fleet_watch import FleetWatch
 from pdserve.router.phases import Migration, RequestPhases, WorkerLeg
 from pdserve.router.policies import (
     AdmissionPolicy,
@@ -84,8 +85,7 @@ class Dispatcher:
         self.context = zmq.asyncio.Context()
 
         def clients(addrs: Sequence[str], role: str) -> list[WorkerClient]:
-            return [WorkerClient(a, role, self.context,
-                                 heartbeat_timeout_s=config.heartbeat_timeout_s) for a in addrs]
+            return [self.new_worker(a, role) for a in addrs]
 
         self.colocated = clients(config.colocated_addrs, "colocated")
         self.prefill = clients(config.prefill_addrs, "prefill")
@@ -101,16 +101,41 @@ class Dispatcher:
         )
         self.on_migration: Callable[[str, bool], None] | None = None
         """Told (pool role, whether outputs had been streamed) each time a request moves."""
+        self.fleet_watch: FleetWatch | None = None
+        """With config.discovery: adds and drops workers as the registry says."""
 
     @property
     def workers(self) -> list[WorkerClient]:
         return self.colocated + self.prefill + self.decode
 
+    def new_worker(self, address: str, role: str) -> WorkerClient:
+        """A client of the worker at `address`, not started, in no pool yet."""
+        return WorkerClient(address, role, self.context,
+                            heartbeat_timeout_s=self.config.heartbeat_timeout_s)
+
+    def pool(self, role: str) -> list[WorkerClient]:
+        return {"prefill": self.prefill, "decode": self.decode,
+                "colocated": self.colocated}[role]
+
+    @property
+    def is_disaggregated(self) -> bool:
+        """Requests go prefill -> decode. Static: as configured; with discovery: whenever
+        the registry holds prefill or decode workers (colocated ones then wait)."""
+        if self.config.discovery is None:
+            return self.config.is_disaggregated
+        return bool(self.prefill or self.decode)
+
     def start(self) -> None:
         for worker in self.workers:
             worker.start()
+        if self.config.discovery is not None:
+            self.fleet_watch = FleetWatch(self, self.config.discovery,
+                                          self.config.discovery_ttl_s)
+            self.fleet_watch.start()
 
     async def close(self) -> None:
+        if self.fleet_watch is not None:
+            await self.fleet_watch.close()
         for worker in self.workers:
             await worker.close()
         if self.store_lookup is not None:
@@ -118,7 +143,7 @@ class Dispatcher:
         self.context.term()
 
     def is_ready(self) -> bool:
-        if self.config.is_disaggregated:
+        if self.is_disaggregated:
             return any(w.is_ready for w in self.prefill) and any(w.is_ready for w in self.decode)
         return any(w.is_ready for w in self.colocated)
 
@@ -133,7 +158,7 @@ class Dispatcher:
     @property
     def first_pool(self) -> list[WorkerClient]:
         """Where requests start: prefill workers, or colocated ones."""
-        return self.prefill if self.config.is_disaggregated else self.colocated
+        return self.prefill if self.is_disaggregated else self.colocated
 
     async def route_context(self, prompt_token_ids: list[int], cache_salt: str | None
                             ) -> tuple[RouteContext, list[bytes]]:
@@ -155,7 +180,7 @@ class Dispatcher:
         NoWorkerAvailable / Overloaded."""
         worker = self.prefill_policy.choose(self.first_pool, ctx)
         self.admission.check(worker, ctx)
-        if self.config.is_disaggregated:
+        if self.is_disaggregated:
             decoders = [w for w in self.decode if w.accepting]
             if not decoders:
                 raise NoWorkerAvailable("no decode worker is ready")
@@ -212,7 +237,7 @@ class Dispatcher:
         phases = phases or RequestPhases(0.0)
         # Prefill hands off each continuing choice (n > 1: several); one carries the KVHandoff.
         handed_off: list[Output] = []
-        pool = self.prefill if self.config.is_disaggregated else self.colocated
+        pool = self.prefill if self.is_disaggregated else self.colocated
         async with aclosing(self._migrating(pool, first_worker, request, [],
                                             phases.first)) as stream:
             async for output in stream:

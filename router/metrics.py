@@ -121,11 +121,41 @@ class _WorkerCollector(Collector):
         kv_seconds = family(SummaryMetricFamily, "pdserve:kv_transfer_seconds",
                             "Time from starting a KV save/load to its completion",
                             ["direction"])
+        # vLLM's spec-decode counters (serve/spec_decode.py), from workers that speculate
+        spec_drafts = family(CounterMetricFamily, "pdserve:spec_decode_num_drafts",
+                             "Verify steps of a sequence that carried drafts")
+        spec_draft_tokens = family(CounterMetricFamily, "pdserve:spec_decode_num_draft_tokens",
+                                   "Draft tokens proposed")
+        spec_accepted = family(CounterMetricFamily, "pdserve:spec_decode_num_accepted_tokens",
+                               "Draft tokens accepted")
+        spec_per_pos = family(CounterMetricFamily,
+                              "pdserve:spec_decode_num_accepted_tokens_per_pos",
+                              "Draft tokens accepted, by draft position", ["position"])
+        # MoE load (serve/models/moe.py): per-expert assignments, and those dropped past
+        # the expert capacity, summed over the worker's MoE layers
+        moe_tokens = family(CounterMetricFamily, "pdserve:moe_expert_tokens",
+                            "(token, expert) assignments each routed expert computed",
+                            ["expert"])
+        moe_dropped = family(CounterMetricFamily, "pdserve:moe_dropped_tokens",
+                             "(token, expert) assignments dropped past the expert capacity")
         for worker in self._owner._workers:
             status = worker.status
             if status is None:
                 continue
             key = [self._owner.model_name, worker.worker_id, worker.role]
+            if status.moe_expert_tokens:
+                for expert, count in enumerate(status.moe_expert_tokens):
+                    moe_tokens.add_metric(key + [str(expert)], count)
+                moe_dropped.add_metric(key, status.moe_dropped_tokens)
+            spec = status.spec_decode
+            if spec:
+                spec_drafts.add_metric(key, spec.get("num_drafts", 0.0))
+                spec_draft_tokens.add_metric(key, spec.get("num_draft_tokens", 0.0))
+                spec_accepted.add_metric(key, spec.get("num_accepted_tokens", 0.0))
+                for name, count in spec.items():
+                    if name.startswith("accepted_pos_"):
+                        spec_per_pos.add_metric(key + [name.removeprefix("accepted_pos_")],
+                                                count)
             running.add_metric(key, status.num_running)
             waiting.add_metric(key, status.num_waiting)
             used = status.num_total_blocks - status.num_free_blocks
@@ -140,7 +170,9 @@ class _WorkerCollector(Collector):
                 kv_bytes.add_metric(key + [direction], totals[f"{verb}_bytes"])
                 kv_seconds.add_metric(key + [direction], count_value=totals[f"{direction}_count"],
                                       sum_value=totals[f"{direction}_seconds"])
-        yield from (running, waiting, usage, queries, hits, preemptions, kv_bytes, kv_seconds)
+        yield from (running, waiting, usage, queries, hits, preemptions, kv_bytes, kv_seconds,
+                    spec_drafts, spec_draft_tokens, spec_accepted, spec_per_pos, moe_tokens,
+                    moe_dropped)
 
 
 class _ControllerCollector(Collector):

@@ -171,8 +171,11 @@ async def status(serving: Serving) -> dict[str, Any]:
                          max_num_used_blocks=w.status.max_num_used_blocks,
                          kv_transfer=dict(w.status.kv_transfer))
         workers.append(entry)
-    return {"ready": serving.dispatcher.is_ready(), "workers": workers,
-            "controller": serving.controller.snapshot()}
+    out = {"ready": serving.dispatcher.is_ready(), "workers": workers,
+           "controller": serving.controller.snapshot()}
+    if serving.dispatcher.fleet_watch is not None:
+        out["discovery"] = serving.dispatcher.fleet_watch.snapshot()
+    return out
 
 
 @ops_routes.get("/metrics")

@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import fields
 
-from pdserve import envs
+from pdserve import discovery, envs
 from pdserve.router.config import (
     CONTROLLER_MODES,
     ControllerConfig,
@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a colocated worker's ZeroMQ address (repeatable)")
     parser.add_argument("--store-master", default=None, metavar="ADDR",
                         help="KV store master control address, for prefix lookups")
+    discovery.add_arguments(parser)
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     parser.add_argument("--ops-need-api-key", action="store_true",
                         help="/metrics and /status need the API key too (/health stays open)")
@@ -168,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        discovery=args.discovery, discovery_ttl_s=args.discovery_ttl_s,
     )
 
 
@@ -180,8 +182,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         check_port_free(config.host, config.port)  # PortInUse names who holds it
+        if config.discovery is not None:
+            discovery.check_reachable(discovery.DiscoveryURL.parse(config.discovery))
         app = build_app(config)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, FileNotFoundError, OSError, discovery.DiscoveryError) as exc:
         logger.error("cannot start the router: %s", exc)
         return 2
     logger.info("router on http://%s:%d/v1", config.host, config.port)

@@ -36,6 +36,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     max_query_len: int
     is_decode_only: bool  # every chunk is exactly one token: the decode kernel applies
+    token_seq_lens: torch.Tensor | None = None
+    """A verify step (every chunk one token plus its drafts, serve/spec_decode.py): int32
+    [num_tokens], each token's context up to and including itself, so a decode kernel can
+    take every token as its own query row; None otherwise."""
+    token_block_tables: torch.Tensor | None = None
+    """With token_seq_lens: int32 [num_tokens, max_blocks], each token's sequence's table."""
+    context_parallel: Any = None
+    """A context-parallel step's plan (serve/context_parallel.ContextParallelStep): this
+    rank's rows only, and attention goes round the ring instead of to the kernels."""
 
 
 def build_attention_metadata(step: StepInput, block_size: int, device: torch.device
@@ -72,7 +81,23 @@ def build_attention_metadata(step: StepInput, block_size: int, device: torch.dev
         block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
         max_query_len=int(query_lens.max(initial=0)),
         is_decode_only=bool(len(chunks) > 0 and (query_lens == 1).all()),
+        **_verify_rows(chunks, query_lens, positions, seq_of_token, block_tables, device),
     )
+
+
+def _verify_rows(chunks: list, query_lens: np.ndarray, positions: np.ndarray,
+                 seq_of_token: np.ndarray, block_tables: np.ndarray, device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+    """Per-token decode rows of a verify step: every chunk is 1 + num_draft_tokens tokens
+    with some drafts. Token t of a chunk at position p attends to positions <= p: causal
+    within the chunk, the whole context before it."""
+    drafts = np.fromiter((c.num_draft_tokens for c in chunks), dtype=np.int64,
+                         count=len(chunks))
+    if not drafts.any() or not (query_lens == drafts + 1).all():
+        return {}
+    return {"token_seq_lens": torch.from_numpy((positions + 1).astype(np.int32)).to(device),
+            "token_block_tables": torch.from_numpy(
+                block_tables[seq_of_token].astype(np.int32)).to(device)}
 
 
 def default_backend_name(device: torch.device) -> str:
@@ -105,6 +130,9 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D], kv_cache [2, blocks, bs, Hkv, D] -> [T, H, D]."""
+        if meta.context_parallel is not None:
+            return meta.context_parallel.gqa_attention(query, key, value, kv_cache, self.scale,
+                                                       self.backend)
         self.backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return self.backend.decode_attention(

@@ -188,6 +188,24 @@ class BlockManager:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(table))
 
+    def free_tail(self, request: Request, num_tokens: int) -> int:
+        """Release the request's blocks past those covering positions [0, num_tokens)
+        (speculative decoding: the slots of rejected drafts); returns how many went. Such
+        blocks were never committed, so they go back to the free list."""
+        table = self._tables[request.request_id]
+        keep = max(self.num_blocks_for(num_tokens), self._num_committed[request.request_id])
+        tail = table[keep:]
+        del table[keep:]
+        for block_id in reversed(tail):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_key is not None:
+                    self._cached[block_id] = None
+                else:
+                    self._free.append(block_id)
+        return len(tail)
+
     def claim(self, request: Request, block_ids: list[int]) -> None:
         """Give a request exactly these blocks (decode role: the KV was loaded into them).
         Each must be free or cached (a cached one loses its key: its content is replaced)."""

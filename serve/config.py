@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # serve/fp8.py reads the same tuple
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class CacheConfig:
     activations, KV pool), as vLLM's --gpu-memory-utilization. Ignored on CPU."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose chained block key matches (see kvstore/block_key.py)."""
+    kv_cache_dtype: str = "auto"
+    """What the KV pool holds: auto (the model dtype) or fp8 / fp8_e4m3 (float8_e4m3fn, a
+    fixed per-tensor scale of 1.0; half of bf16's bytes, in the pool, the store and every
+    hand-off; see serve/fp8.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size > 1024:
@@ -69,6 +74,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -81,7 +89,8 @@ class ParallelConfig:
     backend: str | None = None
     """torch.distributed backend; None picks nccl on CUDA and gloo on CPU."""
     master_addr: str = "127.0.0.1"
-    """Rendezvous address of the TP group."""
+    """Rendezvous address of the worker's ranks: node 0's rank 0 hosts it (listening on every
+    interface), the other nodes connect to it."""
     master_port: int | None = None
     """Rendezvous port of the TP group; None picks a free one."""
     device: str | None = None
@@ -93,12 +102,84 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     """MoE layers place whole experts on the ranks (E / tensor_parallel_size each; tokens go
     to their experts' ranks by all-to-all) instead of splitting every expert over all ranks."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split into (serve/pipeline.py): stage s holds layers
+    [s*L/PP, (s+1)*L/PP) (the first L % PP stages one more) and tensor_parallel_size ranks;
+    the worker runs PP x TP ranks."""
+    context_parallel_size: int = 1
+    """Ranks a prompt's tokens are split over (zig-zag), attention as ring attention; each
+    rank holds the KV of its blocks in its own pool, so the pool the engine sees is CP times
+    one rank's (serve/context_parallel.py). Not combined with TP or PP yet."""
+    pipeline_micro_batches: int | None = None
+    """Micro-batches a step is split into (by sequences) so the stages overlap; the bubble is
+    (PP-1)/(M+PP-1) of a step. None: pipeline_parallel_size."""
+    expert_capacity_factor: float | None = None
+    """MoE layers: each expert takes at most ceil(factor x tokens x top_k / num_experts) of a
+    step's (token, expert) assignments, first come (token order) first served; an
+    assignment past it is dropped and the token's other gates renormalised (GShard, Switch),
+    so a hot expert cannot stall its rank. None: no limit (exact)."""
+    nnodes: int = 1
+    """Hosts the worker's ranks are spread over, evenly (torchrun's --nnodes): node k holds
+    ranks [k * ranks_per_node, (k + 1) * ranks_per_node). Node 0 runs the engine (rank 0)."""
+    node_rank: int = 0
+    """This host's index among the nnodes (torchrun's --node-rank). Node 0 runs the engine
+    and hosts the rendezvous at master_addr:master_port; every other node runs only its ranks,
+    which join it and serve rank 0's steps."""
+    dist_timeout_s: float | None = None
+    """Longest wait of any collective (a step, a heartbeat), and with nnodes > 1 of node 0 for
+    the other nodes' ranks to join the rendezvous; None: the runner's default (300 s)."""
+    dist_interface: str | None = None
+    """Network interface the ranks' gloo / NCCL connections bind and advertise
+    (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); None: the one the host name resolves to."""
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the worker, over all nodes: TP x PP x CP."""
+        return (self.tensor_parallel_size * self.pipeline_parallel_size
+                * self.context_parallel_size)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node runs."""
+        return range(self.node_rank * self.ranks_per_node,
+                     (self.node_rank + 1) * self.ranks_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
 
     def __post_init__(self) -> None:
+        if self.nnodes <= 0 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of "
+                             f"{self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks cannot spread evenly over "
+                             f"{self.nnodes} nodes")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("a worker over several nodes needs master_port (--master-port): "
+                             "the other nodes' ranks join the rendezvous there")
+        if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
+            raise ValueError("expert_capacity_factor must be positive (None: no limit), got "
+                             f"{self.expert_capacity_factor}")
+        if self.dist_timeout_s is not None and self.dist_timeout_s <= 0:
+            raise ValueError("dist_timeout_s must be positive")
         if self.cpu_threads is not None and self.cpu_threads <= 0:
             raise ValueError("cpu_threads must be positive")
         if self.tensor_parallel_size <= 0:
             raise ValueError("tensor_parallel_size must be positive")
+        if self.pipeline_parallel_size <= 0:
+            raise ValueError("pipeline_parallel_size must be positive")
+        if self.context_parallel_size <= 0:
+            raise ValueError("context_parallel_size must be positive")
+        if self.context_parallel_size > 1 and (self.tensor_parallel_size > 1
+                                               or self.pipeline_parallel_size > 1):
+            raise ValueError("context_parallel_size > 1 does not combine with tensor or "
+                             "pipeline parallelism yet: use one of them")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches <= 0:
+            raise ValueError("pipeline_micro_batches must be positive")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if self.device not in (None, "cpu", "cuda"):

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from pdserve.serve.request import CompletionOutput, Request, RequestOutput, Requ
 from pdserve.serve.roles import Role
 from pdserve.serve.sampler import Sampler
 from pdserve.serve.scheduler import Scheduler, SchedulerOutput
+from pdserve.serve.spec_decode import MTPSpeculator, SpeculativeConfig
 from pdserve.serve.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,9 @@ def step_sample(scheduled: SchedulerOutput, seq: int, seconds: float) -> StepSam
     for (request, _), chunk in zip(scheduled.scheduled, scheduled.step.chunks, strict=True):
         num_tokens = len(chunk.token_ids)
         end = chunk.start_pos + num_tokens
-        if num_tokens == 1 and chunk.start_pos >= request.num_prompt_tokens:
+        # a verify chunk (1 + k drafts, serve/spec_decode.py) is one sequence's decode
+        if num_tokens - chunk.num_draft_tokens == 1 and chunk.start_pos >= \
+                request.num_prompt_tokens:
             decode_seqs += 1
             decode_context += end
         else:
@@ -91,11 +94,21 @@ def step_sample(scheduled: SchedulerOutput, seq: int, seconds: float) -> StepSam
     return StepSample(seq, prefill_tokens, query_keys, decode_seqs, decode_context, seconds)
 
 
+def _first_rows(num_drafts: list[int]) -> torch.Tensor:
+    """Row of each sampled request's first logits row when request i has 1 + num_drafts[i]
+    rows (a verify chunk, serve/spec_decode.py)."""
+    counts = torch.tensor([0] + num_drafts[:-1]) + 1
+    return counts.cumsum(0) - 1
+
+
 class Engine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  parallel_config: ParallelConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, tokenizer: Any = None,
-                 runner: Any = None, role: Role | None = None) -> None:
+                 runner: Any = None, role: Role | None = None,
+                 speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
+                 ) -> None:
+        speculative_config = SpeculativeConfig.parse(speculative_config)
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -104,7 +117,8 @@ class Engine:
 
             runner = ModelRunner(model_config, self.cache_config,
                                  parallel_config or ParallelConfig(),
-                                 scheduler_config=self.scheduler_config)
+                                 scheduler_config=self.scheduler_config,
+                                 speculative_config=speculative_config)
         self.runner = runner
         self.spec = runner.spec
         self.tokenizer = tokenizer
@@ -117,6 +131,12 @@ class Engine:
             self.spec.kv_layout(runner.block_size), self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(model_config.seed)
+        self.speculator: MTPSpeculator | None = None
+        """MTP speculative decoding (serve/spec_decode.py): drafts after each step, verify
+        and roll back in the next."""
+        if speculative_config is not None:
+            self.speculator = MTPSpeculator(speculative_config, runner, self.block_manager,
+                                            self.max_model_len)
         self.structured: StructuredOutputManager | None = None
         """Grammars for structured outputs (serve/structured.py), built on the first request
         that asks for them."""
@@ -213,6 +233,11 @@ class Engine:
         request = self.make_request(prompt_token_ids, params, request_id, output_token_ids)
         request.num_computed_tokens = request.num_tokens - 1
         block_ids = self.scheduler.add_running_request(request, block_ids)
+        if self.speculator is not None:
+            # The MTP layer's KV of the prompt needs the main model's hidden states there,
+            # which no hand-off carries: the first step recomputes the prompt in the blocks
+            # (the same KV again) and the MTP pass fills its layer (serve/spec_decode.py).
+            request.num_computed_tokens = 0
         self._start_tracking(request)
         return block_ids
 
@@ -265,25 +290,38 @@ class Engine:
         to_sample = [request for (request, _), chunk in
                      zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
                      if chunk.need_logits]
+        num_drafts = [chunk.num_draft_tokens for chunk in scheduled.step.chunks
+                      if chunk.need_logits]
         masks = self.structured.start_masks(to_sample) if self.structured else None
-        logits = self._run(scheduled, to_sample)
-        if masks is not None:  # filled on a thread during the forward
+        logits = self._run(scheduled, to_sample, sum(num_drafts))
+        if masks is not None and any(num_drafts):  # a grammar's row: its request's first
+            first_rows = _first_rows(num_drafts)  # (a request with a grammar has no drafts)
+            masked = logits[first_rows]
+            masks.apply(masked)
+            logits[first_rows] = masked
+        elif masks is not None:  # filled on a thread during the forward
             masks.apply(logits)
-        outputs = self._postprocess(to_sample, logits)
+        if any(num_drafts):
+            outputs = self._postprocess_verified(to_sample, logits, num_drafts)
+        else:
+            outputs = self._postprocess(to_sample, logits)
+        if self.speculator is not None and not self.role.ends_at_first_token:
+            self.speculator.propose(scheduled)
         self._num_steps += 1
         self.step_samples.append(
             step_sample(scheduled, self._num_steps, time.perf_counter() - start_s))
         return outputs
 
-    def _run(self, scheduled: SchedulerOutput, to_sample: list[Request]) -> torch.Tensor:
+    def _run(self, scheduled: SchedulerOutput, to_sample: list[Request], num_drafts: int = 0
+             ) -> torch.Tensor:
         """The forward: logits [len(to_sample), vocab]. Requests whose prompt completes in
         this step are shown to the role first (a prefill role saves their KV per layer)."""
         layer_done = self.role.layer_saver([r for r in to_sample if r.num_output_tokens == 0])
         logits = self.runner.execute(scheduled.step, layer_done)
         self.scheduler.update_after_step(scheduled)
-        logits = record_prompt_logprobs(scheduled.scheduled, scheduled.step, logits,
-                                        len(to_sample))
-        if logits.shape[0] != len(to_sample):
+        num_rows = len(to_sample) + num_drafts  # a verify chunk has 1 + k rows
+        logits = record_prompt_logprobs(scheduled.scheduled, scheduled.step, logits, num_rows)
+        if logits.shape[0] != num_rows:
             raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for "
                                f"{len(to_sample)} chunks that need logits")
         return logits
@@ -313,6 +351,40 @@ class Engine:
             else:
                 outputs.append(self._make_output(request))
         return self.parallel.finish_step(outputs)
+
+    def _postprocess_verified(self, to_sample: list[Request], logits: torch.Tensor,
+                              num_drafts: list[int]) -> list[RequestOutput]:
+        """A step with verify chunks (serve/spec_decode.py): rows [1 + k] per request. The
+        requests without drafts sample as usual; each with drafts keeps the tokens the
+        accept/reject rule yields, checked for stops one by one, and rolls back the rest."""
+        assert self.speculator is not None
+        starts = _first_rows(num_drafts)
+        plain = [i for i, k in enumerate(num_drafts) if k == 0]
+        outputs = self._postprocess([to_sample[i] for i in plain],
+                                    logits[starts[plain]] if plain else logits[:0])
+        sampled_s = time.monotonic()
+        verified: list[RequestOutput] = []
+        for i, k in enumerate(num_drafts):
+            if k == 0:
+                continue
+            request, start = to_sample[i], int(starts[i])
+            generator = self.speculator.generator_for(request, self.sampler.generator)
+            tokens = self.speculator.verify(request, logits[start:start + k + 1],
+                                            self.sampler, generator)
+            status = None
+            for token_id in tokens:
+                request.append_output_token(token_id)
+                status = self._check_stop(request)
+                if status is not None:
+                    break
+            if request.first_sampled_s is None:
+                request.first_sampled_s = sampled_s
+            if status is not None:
+                verified.append(self._finish(request, status))
+                continue
+            self.speculator.roll_back(request, len(tokens) - 1)
+            verified.append(self._make_output(request))
+        return outputs + self.parallel.finish_step(verified)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

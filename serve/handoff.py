@@ -42,6 +42,16 @@ from pdserve.serve.roles import make_role
 logger = logging.getLogger(__name__)
 
 
+def check_kv_cache_dtype(handoff: KVHandoff, mine: str) -> None:
+    """Refuse a hand-off whose blocks hold another dtype than this worker's cache (an FP8
+    prefill worker paired with a bf16 decode worker): its bytes cannot be read here."""
+    if handoff.kv_cache_dtype and handoff.block_keys and handoff.kv_cache_dtype != mine:
+        raise ValueError(
+            f"KV hand-off from prefill worker {handoff.prefill_worker_id or '?'} holds "
+            f"{handoff.kv_cache_dtype} blocks but this decode worker's KV cache is {mine}: "
+            "start prefill and decode workers with the same --kv-cache-dtype")
+
+
 class HandOff:
     def __init__(self, engine: Engine, role: str, worker_id: str,
                  kv_transfer: KVTransfer | None = None) -> None:
@@ -57,6 +67,11 @@ class HandOff:
         # worker), until its first Output reports its phases
         self._arrivals: dict[str, tuple[float, bool]] = {}
         engine.set_role(make_role(role, kv_transfer))
+
+    @property
+    def _kv_cache_dtype(self) -> str:
+        """What this worker's KV blocks hold (its layout's dtype)."""
+        return self.engine.spec.kv_layout(self.engine.block_manager.block_size).dtype
 
     @property
     def role(self) -> str:
@@ -103,6 +118,7 @@ class HandOff:
         the background and it joins the batch once it arrived; else it recomputes."""
         handoff = message.handoff
         assert handoff is not None
+        check_kv_cache_dtype(handoff, self._kv_cache_dtype)
         if self.kv_transfer is not None and handoff.block_keys:
             self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
             self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
@@ -256,7 +272,7 @@ class HandOff:
         if output.kv_handoff is not None:
             handoff = replace(output.kv_handoff, block_keys=saved_keys,
                               prefill_worker_id=self.worker_id, lease_id=lease_id or 0,
-                              source_address=source)
+                              source_address=source, kv_cache_dtype=self._kv_cache_dtype)
         return Output(output.request_id, list(completion.token_ids), completion.text,
                       completion.finish_reason, logprobs, len(output.prompt_token_ids),
                       output.num_cached_tokens, handoff,

@@ -7,6 +7,10 @@
     token at position p of a request lives in block block_table[p // block_size],
     row p % block_size (see serve/attention.py for the slot arithmetic).
 
+The pool's dtype is the model's, or float8_e4m3fn with kv_cache_dtype fp8 (serve/fp8.py):
+one byte per value, which bytes_per_block counts, so the same budget holds twice a bf16
+pool's blocks.
+
 The block manager decides which ids are free; this module only owns the memory. Every TP
 rank holds its own heads' slice of the same block ids, so the pool size must be equal on
 all ranks: each rank plans from its own memory and the ranks take the smallest count
@@ -231,4 +235,7 @@ class KVCachePool:
             expected = (cache.shape[0], index.numel(), *cache.shape[2:])
             if tuple(layer_blocks.shape) != expected:
                 raise ValueError(f"blocks must be {expected}, got {tuple(layer_blocks.shape)}")
-            cache.index_copy_(1, index, layer_blocks.to(device=cache.device, dtype=cache.dtype))
+            layer_blocks = layer_blocks.to(device=cache.device, dtype=cache.dtype)
+            if cache.element_size() == 1:  # FP8: CPU torch has no index_copy_ for it, bytes do
+                cache, layer_blocks = cache.view(torch.uint8), layer_blocks.view(torch.uint8)
+            cache.index_copy_(1, index, layer_blocks)

@@ -91,13 +91,16 @@ class KVTransfer:
         blocks stay pinned under a lease of `lease_ttl_s` until the decode worker has loaded
         them (or the lease expires)."""
         from pdserve.kvstore.client import StoreClient
+        from pdserve.kvstore.fleet_client import connect_store
 
         holder = f"worker-{id(runner):x}"
         client = None
-        if data_address is not None:
-            client = StoreClient(data_address, master_address, timeout_s=timeout_s,
-                                 holder=holder)
-            logger.info("KV store at %s (KV bytes over %s)", data_address, client.transport)
+        if data_address is not None or master_address is not None:
+            # with a master (given, or the data node's own): every data node it indexes
+            client = connect_store(data_address, master_address, timeout_s=timeout_s,
+                                   holder=holder)
+            logger.info("KV store at %s (KV bytes over %s)", data_address or master_address,
+                        client.transport)
 
         def connect(address: str) -> StoreClient:
             # a prefill worker answers in milliseconds or is gone: fall back to the store soon
@@ -140,6 +143,10 @@ class KVTransfer:
         MLA latent is whole on rank 0, which saves it layer by layer at any TP degree."""
         runner, bm = self.runner, self.block_manager
         if runner.tensor_parallel_size > 1 and self.connector.layout.kind == "mha":
+            return None
+        if getattr(runner, "context_parallel_size", 1) > 1:  # rank 0 holds its blocks only
+            return None
+        if getattr(runner, "pipeline_parallel_size", 1) > 1:  # rank 0 holds stage 0's layers
             return None
         plans = []
         for request in requests:
@@ -215,7 +222,8 @@ class KVTransfer:
         _, planes, block_size, heads, dim = layout.block_shape()
         shape = (planes, len(keys), block_size, heads, dim)
         # only loaded blocks are ever installed: no need to zero the rest
-        staging = [torch.empty(shape, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
+        staging = [torch.empty(shape, dtype=spec.kv_torch_dtype)
+                   for _ in range(spec.num_layers)]
         self._loads[request_id] = (keys, PendingLoad(len(keys), staging, lease_id, source))
         self._started_s["load", request_id] = time.monotonic()
         self.connector.start_load(request_id, keys, list(range(len(keys))), staging, source)

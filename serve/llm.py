@@ -38,10 +38,33 @@ class LLM:
                  max_model_len: int | None = None, enable_chunked_prefill: bool = True,
                  kv_cache_memory_bytes: int | None = None, device: str | None = None,
                  enable_expert_parallel: bool = False,
-                 gpu_memory_utilization: float = 0.9) -> None:
+                 expert_capacity_factor: float | None = None,
+                 gpu_memory_utilization: float = 0.9, nnodes: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 dist_timeout_s: float | None = None,
+                 speculative_config: dict[str, Any] | None = None,
+                 kv_cache_dtype: str = "auto", pipeline_parallel_size: int = 1,
+                 pipeline_micro_batches: int | None = None,
+                 context_parallel_size: int = 1) -> None:
         """The KV pool: num_kv_blocks if given; else kv_cache_memory_bytes per rank if given
         (on CPU it defaults to 512 MiB); else, on CUDA, gpu_memory_utilization of each GPU
-        less the weights and the largest step's activations (vLLM's rules; CacheConfig)."""
+        less the weights and the largest step's activations (vLLM's rules; CacheConfig).
+        kv_cache_dtype="fp8" (or fp8_e4m3) keeps it in float8_e4m3fn (serve/fp8.py).
+
+        pipeline_parallel_size splits the layers into stages of tensor_parallel_size ranks
+        each (serve/pipeline.py); a step runs as pipeline_micro_batches micro-batches
+        (default: one per stage).
+
+        context_parallel_size splits each prompt's tokens over that many ranks (zig-zag),
+        attention as ring attention; every rank holds the KV of its blocks, so the pool is
+        num_kv_blocks x context_parallel_size blocks in all (serve/context_parallel.py).
+
+        nnodes > 1: this process is node 0 of ranks spread over nnodes hosts; the others are
+        started with `pdserve <role> ... --nnodes N --node-rank k --master-addr A
+        --master-port P` (or serve/model_runner.serve_node) and join at master_port.
+
+        speculative_config={"method": "mtp", "num_speculative_tokens": k}: the checkpoint's
+        multi-token-prediction module drafts k tokens a step (serve/spec_decode.py)."""
         from transformers import AutoTokenizer
 
         model_dir = str(model)
@@ -50,16 +73,23 @@ class LLM:
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,
                                    gpu_memory_utilization=gpu_memory_utilization,
+                                   kv_cache_dtype=kv_cache_dtype,
                                    enable_prefix_caching=enable_prefix_caching)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.engine = Engine(
             self.model_config, cache_config,
             ParallelConfig(tensor_parallel_size=tensor_parallel_size, device=device,
-                           enable_expert_parallel=enable_expert_parallel),
+                           enable_expert_parallel=enable_expert_parallel,
+                           expert_capacity_factor=expert_capacity_factor, nnodes=nnodes,
+                           master_addr=master_addr, master_port=master_port,
+                           dist_timeout_s=dist_timeout_s,
+                           pipeline_parallel_size=pipeline_parallel_size,
+                           pipeline_micro_batches=pipeline_micro_batches,
+                           context_parallel_size=context_parallel_size),
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_chunked_prefill=enable_chunked_prefill),
-            tokenizer=self.tokenizer)
+            tokenizer=self.tokenizer, speculative_config=speculative_config)
         # What __del__ would do, but run exactly once: on shutdown(), when the last reference
         # goes, or at interpreter exit; it holds the engine, never the LLM.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)

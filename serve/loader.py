@@ -5,6 +5,10 @@ or shards listed in model.safetensors.index.json. Each checkpoint tensor goes to
 parameter of the same name through that parameter's `weight_loader`, which cuts this TP
 rank's shard; tensors the model fuses (q/k/v, gate/up) are routed by the model class's
 `packed_modules_mapping`.
+
+FP8 checkpoints as DeepSeek released them (`quantization_config` quant_method fp8, 128x128
+block scales in `weight_scale_inv`) load as they are: the linear layers the checkpoint
+quantized become FP8 layers before loading (serve/fp8.py), the rest load as before.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +28,10 @@ from torch import nn
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.serve.config import ModelConfig
 from pdserve.serve.distributed import TPGroup
+from pdserve.serve.fp8 import Fp8WeightConfig, convert_linears, quantized_module_names
 from pdserve.serve.models import get_model_class, is_supported
 from pdserve.serve.parallel import ShardSource
+from pdserve.serve.pipeline import PipelineStage, building
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +67,29 @@ class ModelSpec:
     num_kv_heads: int  # KV-cache heads: num_key_value_heads, or 1 for an MLA latent
     head_dim: int  # KV-cache row width: per head, or kv_lora_rank + qk_rope_head_dim (MLA)
     hidden_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16": weights, activations and KV cache
+    dtype: str  # "float32" | "bfloat16" | "float16": weights, activations (and KV cache)
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     hf_config: Mapping[str, Any] = field(compare=False, repr=False)
     kv_kind: str = "mha"  # "mha" (K and V per KV head) or "mla" (one latent row per token)
+    quantization: Fp8WeightConfig | None = None
+    """FP8 block-scaled weights (the checkpoint's quantization_config), or None."""
+    kv_cache_dtype: str = ""
+    """The KV pool's torch dtype name ("float8_e4m3fn" with kv_cache_dtype fp8); "": dtype."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
 
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """What the paged KV pool (and every block moved or stored) holds."""
+        return getattr(torch, self.kv_cache_dtype or self.dtype)
+
     def kv_layout(self, block_size: int) -> KVLayout:
-        return KVLayout(dtype=self.dtype, block_size=block_size, num_layers=self.num_layers,
+        return KVLayout(dtype=self.kv_cache_dtype or self.dtype, block_size=block_size,
+                        num_layers=self.num_layers,
                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                         kind=self.kv_kind)
 
@@ -140,10 +156,7 @@ def load_model_spec(model_config: ModelConfig, device_type: str | None = None) -
         get_model_class(architecture)  # raises the ValueError listing what is supported
 
     quantization = hf.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(f"{config_path} is a quantized checkpoint ({method or quantization});"
-                         " pdserve loads float32, bfloat16 or float16 weights")
+    fp8 = Fp8WeightConfig.from_hf(quantization, str(config_path)) if quantization else None
     checkpoint_dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device_type)
     if dtype not in TORCH_DTYPES:
@@ -194,6 +207,7 @@ def load_model_spec(model_config: ModelConfig, device_type: str | None = None) -
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hf_config=hf,
         kv_kind=kv_kind,
+        quantization=fp8,
     )
 
 
@@ -254,8 +268,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())
     # What the model does not use on this rank (DeepSeek-V3's multi-token-prediction layer,
-    # other ranks' experts under expert parallelism): its skips_checkpoint_tensor says.
-    skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)
+    # other ranks' experts under expert parallelism, other pipeline stages' layers).
+    skips = _skips(model)
     expected_shards: dict[str, int] = {}
     for target, _ in packed.values():
         expected_shards[target] = expected_shards.get(target, 0) + 1
@@ -312,12 +326,34 @@ def _load_one(params: Mapping[str, nn.Parameter], packed: Mapping[str, tuple[str
     loaded_shards.setdefault(name, set()).add(None)
 
 
+def _skips(model: nn.Module) -> Callable[[str], bool]:
+    """Which checkpoint tensors this rank does not load: the model's skips_checkpoint_tensor
+    and, under pipeline parallelism, every tensor of another stage (serve/pipeline.py)."""
+    own = getattr(model, "skips_checkpoint_tensor", lambda name: False)
+    stage = getattr(model, "pipeline_stage", None)
+    if stage is None or stage.is_whole:
+        return own
+    return lambda name: stage.skips_checkpoint_tensor(name) or own(name)
+
+
 def load_model(spec: ModelSpec, tp: TPGroup, device: torch.device, backend_name: str,
-               show_progress: bool = True) -> nn.Module:
-    """Build the spec's architecture for this TP rank on `device` and load its weights."""
+               show_progress: bool = True, stage: PipelineStage | None = None) -> nn.Module:
+    """Build the spec's architecture for this TP rank on `device` and load its weights;
+    with a pipeline `stage`, only that stage's part."""
     model_cls = get_model_class(spec.architecture)
-    with _default_dtype_and_device(spec.torch_dtype, device):
+    with _default_dtype_and_device(spec.torch_dtype, device), building(stage):
         model = model_cls(spec.hf_config, spec.max_model_len, tp, backend_name)
+    if spec.quantization is not None:
+        names = []
+        for path in checkpoint_files(spec.model_dir):  # headers only
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names += list(f.keys())
+        packed = getattr(model, "packed_modules_mapping", {})
+        num_fp8 = convert_linears(model, quantized_module_names(names, packed),
+                                  spec.quantization,
+                                  _skips(model))
+        logger.info("FP8 weights: %d linear layers with %dx%d block scales", num_fp8,
+                    *spec.quantization.block_size)
     load_weights(model, spec.model_dir, show_progress=show_progress)
     for module in model.modules():  # layouts derived from loaded weights (vLLM's hook name)
         hook = getattr(module, "process_weights_after_loading", None)

@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,7 +45,21 @@ from pdserve import envs
 from pdserve.protocol.tp import TP_PROTOCOL, Ping, ReadKV, SeqChunk, StepInput, Stop, WriteKV
 from pdserve.serve.attention import build_attention_metadata, default_backend_name
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pdserve.serve.distributed import Rendezvous, TPGroup, init_tp_group
+from pdserve.serve.context_parallel import (
+    CPGroup,
+    assemble_owned_blocks,
+    read_owned_blocks,
+    run_context_parallel_step,
+    write_owned_blocks,
+)
+from pdserve.serve.distributed import (
+    SILENT_AFTER_S,
+    Rendezvous,
+    RendezvousError,
+    TPGroup,
+    init_tp_group,
+)
+from pdserve.serve.fp8 import kv_cache_dtype_name
 from pdserve.serve.kv_cache import (
     KVCachePlan,
     KVCachePool,
@@ -55,14 +70,26 @@ from pdserve.serve.kv_cache import (
     plan_kv_cache,
 )
 from pdserve.serve.loader import ModelSpec, load_model, load_model_spec
+from pdserve.serve.models.moe import moe_load
 from pdserve.serve.parallel import kv_heads_per_rank
+from pdserve.serve.pipeline import (
+    PipelineStage,
+    PipelineTimes,
+    PPGroup,
+    assemble_kv_blocks,
+    pad_layers,
+    run_pipelined_step,
+    split_stages,
+    stage_layer_range,
+)
 from pdserve.serve.prompt_logprobs import logit_rows
-from pdserve.serve.rank_processes import RankProcesses
+from pdserve.serve.rank_processes import RankProcesses, wait_node_ranks
 
 logger = logging.getLogger(__name__)
 
 DIST_TIMEOUT_S = 300.0  # every collective (a step, a heartbeat) must finish within this
 START_TIMEOUT_S = 1800.0  # spawning workers and loading weights on every rank
+HEARTBEAT_MAX_S = 5.0  # an idle engine pings its ranks at least this often
 MAX_MESSAGE_BYTES = 1 << 30
 LOGITS_ROWS_PER_CALL = 256
 """Most rows of logits computed at once when a step asks for more than one per chunk (prompt
@@ -75,29 +102,104 @@ logprobs): bounds that step's extra activation memory to this many rows x vocab.
 class _Rank:
     """One TP rank's model and KV pool, and the step it runs (identical on every rank)."""
 
+    cp: CPGroup = CPGroup()  # context parallelism: set by _setup_rank
+
     def __init__(self, spec: ModelSpec, block_size: int, tp: TPGroup,
-                 device: torch.device) -> None:
-        """Load this rank's shard; the pool comes after every rank loaded (allocate_pool)."""
+                 device: torch.device, pp: PPGroup | None = None) -> None:
+        """Load this rank's shard (its pipeline stage's layers); the pool comes after every
+        rank loaded (allocate_pool)."""
         self.tp = tp
+        self.pp = pp or PPGroup(PipelineStage(0, 1, spec.num_layers, spec.tie_word_embeddings))
+        self.pipeline_times = PipelineTimes()
+        self.rendezvous: Rendezvous | None = None  # set by _setup_rank once the group is up
         self.device = device
         self.block_size = block_size
         self.spec = spec
         self._free_before_load = _free_device_memory(device)
         self.model = load_model(spec, tp, device, default_backend_name(device),
-                                show_progress=tp.rank == 0)
+                                show_progress=tp.rank == 0, stage=self.pp.stage)
+        self.num_local_layers = len(self.pp.stage.layers)  # the KV pool holds these
+        self.num_mtp_layers = 0  # 1 once add_mtp built the drafter (speculative decoding)
         self.layout = spec.kv_layout(block_size)
         # An MLA latent is replicated; GQA heads split (or replicate past num_kv_heads ranks).
         self.num_kv_heads_per_rank = (spec.num_kv_heads if self.layout.kind == "mla"
                                       else kv_heads_per_rank(spec.num_kv_heads, tp.size))
+
+    def add_mtp(self) -> None:
+        """Build and load the checkpoint's MTP module (before allocate_pool, which then
+        plans one more layer of KV for it)."""
+        from pdserve.serve.loader import _default_dtype_and_device
+        from pdserve.serve.spec_decode import load_mtp_weights
+
+        build = getattr(self.model, "build_mtp", None)
+        if build is None:
+            raise ValueError(f"{self.spec.architecture} has no multi-token-prediction module:"
+                             " MTP speculative decoding needs a DeepSeek-V3 checkpoint")
+        with _default_dtype_and_device(self.spec.torch_dtype, self.device):
+            build()
+        load_mtp_weights(self.model, self.spec.model_dir)
+        self.model.mtp.eval()
+        self.num_mtp_layers = 1
+
+    @torch.inference_mode()
+    def propose(self, chunks: list[Any]) -> list[list[int]]:
+        """The MTP pass over spec_decode.DraftChunks after the step that computed
+        last_hidden: writes the MTP layer's KV of every row; returns each chunk's greedy
+        drafts (its last row's argmax, then the MTP chained on its own output)."""
+        from pdserve.serve.spec_decode import MAX_SPECULATIVE_TOKENS
+
+        mtp, embed = self.model.mtp, self.model.model.embed_tokens
+        rotary = self.model.model.rotary_emb
+        rows = torch.cat([torch.arange(c.hidden_start, c.hidden_start + len(c.token_ids))
+                          for c in chunks]).to(self.device)
+        previous = self.last_hidden.index_select(0, rows)  # [T', hidden]
+        # Rows of a sequence that verified drafts are as few: marked so, the attention
+        # takes them as decode rows (serve/attention.py); a prompt chunk's go to prefill.
+        short = all(len(c.token_ids) <= 1 + MAX_SPECULATIVE_TOKENS for c in chunks)
+        step = StepInput([SeqChunk(c.request_id, c.token_ids, c.start_pos, c.block_table,
+                                   c.num_drafts > 0,
+                                   num_draft_tokens=len(c.token_ids) - 1 if short else 0)
+                          for c in chunks])
+        drafting = [i for i, c in enumerate(chunks) if c.num_drafts > 0]
+        drafts: list[list[int]] = [[] for _ in chunks]
+        positions = [chunks[i].start_pos + len(chunks[i].token_ids) - 1 for i in drafting]
+        last = previous  # the MTP's output rows of the sequences drafting, set below
+        for j in range(max((chunks[i].num_drafts for i in drafting), default=1)):
+            if j > 0:  # chained: one row per sequence still drafting, one position on
+                keep = [n for n, i in enumerate(drafting) if chunks[i].num_drafts > j]
+                if not keep:
+                    break
+                drafting = [drafting[n] for n in keep]
+                positions = [positions[n] + 1 for n in keep]
+                previous = last.index_select(0, torch.tensor(keep, device=self.device))
+                step = StepInput([SeqChunk(chunks[i].request_id, [drafts[i][-1]], pos,
+                                           chunks[i].block_table, True)
+                                  for i, pos in zip(drafting, positions, strict=True)])
+            meta = build_attention_metadata(step, self.block_size, self.device)
+            input_ids = torch.tensor([t for c in step.chunks for t in c.token_ids],
+                                     dtype=torch.int64, device=self.device)
+            hidden = mtp.propose(embed(input_ids), previous, self.mtp_kv_cache, meta,
+                                 rotary.cos_sin(meta.positions, previous.dtype))
+            if not drafting:
+                break  # a pass that only writes the MTP layer's KV
+            ends = meta.cu_seqlens_q[1:].long() - 1
+            if j == 0:
+                ends = ends[torch.tensor(drafting, device=self.device)]
+            last = hidden.index_select(0, ends)  # [drafting, hidden]
+            tokens = mtp.compute_logits(last).argmax(dim=-1).tolist()
+            for i, token in zip(drafting, tokens, strict=True):
+                drafts[i].append(int(token))
+        return drafts
 
     def allocate_pool(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                       min_over_ranks: Callable[[int], int] = lambda n: n) -> None:
         """Plan the pool (profiling the largest step on CUDA), agree on the block count with
         the other ranks (collectives: call on every rank together), allocate it."""
         spec, device = self.spec, self.device
-        per_block = bytes_per_block(spec.num_layers, self.block_size,
+        per_block = bytes_per_block(self.num_local_layers + self.num_mtp_layers,
+                                    self.block_size,
                                     self.num_kv_heads_per_rank, spec.head_dim,
-                                    spec.torch_dtype, self.layout.num_planes)
+                                    spec.kv_torch_dtype, self.layout.num_planes)
         plan: KVCachePlan | None = None
         error: ValueError | None = None
         try:
@@ -116,17 +218,24 @@ class _Rank:
                                       "cache (see its log)")
         plan = dataclasses.replace(plan, num_blocks=num_blocks)
         if device.type == "cpu" and self.tp.rank == 0:  # every rank's pool is on this host
-            check_fits_host_memory(plan, self.tp.size, available_host_memory_bytes())
+            check_fits_host_memory(plan, self.tp.size * self.pp.size * self.cp.size,
+                                   available_host_memory_bytes())
         self.plan: KVCachePlan = plan
         self.num_blocks = plan.num_blocks
         # The served context is what the pool holds: a longer request could never run.
         self.spec = dataclasses.replace(spec, max_model_len=plan.max_model_len)
         self.pool = self._new_pool(self.num_blocks)
+        if self.num_mtp_layers:  # the MTP layer's own cache, same block ids (spec_decode.py)
+            self.mtp_kv_cache: torch.Tensor = self._new_pool_of(
+                1, self.num_blocks).kv_caches[0].zero_()
 
     def _new_pool(self, num_blocks: int) -> KVCachePool:
+        return self._new_pool_of(self.num_local_layers, num_blocks)
+
+    def _new_pool_of(self, num_layers: int, num_blocks: int) -> KVCachePool:
         spec = self.spec
-        return KVCachePool(spec.num_layers, num_blocks, self.block_size,
-                           self.num_kv_heads_per_rank, spec.head_dim, spec.torch_dtype,
+        return KVCachePool(num_layers, num_blocks, self.block_size,
+                           self.num_kv_heads_per_rank, spec.head_dim, spec.kv_torch_dtype,
                            self.device, self.layout.num_planes)
 
     @torch.inference_mode()
@@ -136,15 +245,37 @@ class _Rank:
 
     def _forward(self, step: StepInput, kv_caches: list[torch.Tensor],
                  layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        if self.cp.size > 1:  # this rank's share of the tokens, attention round the ring
+            return run_context_parallel_step(self.model, step, kv_caches, self.block_size,
+                                             self.cp, self.device,
+                                             default_backend_name(self.device), logit_rows(step))
+        if self.pp.size > 1:  # this stage's layers over the step's micro-batches
+            spec = self.spec
+            return run_pipelined_step(self, step, kv_caches, spec.hidden_size,
+                                      spec.torch_dtype, len(logit_rows(step)), spec.vocab_size,
+                                      self.pipeline_times)
+        hidden = self.run_model(step, kv_caches, layer_done)  # [T, hidden]
+        if self.num_mtp_layers:
+            self.last_hidden = hidden  # the MTP pass after sampling reads its rows
+        return self.compute_logits(hidden, step)
+
+    def run_model(self, step: StepInput, kv_caches: list[torch.Tensor],
+                  layer_done: Callable[[int], None] | None = None,
+                  carried: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """The model over one step (or micro-batch): the final hidden states [T, hidden], or
+        on a pipeline stage before the last, (hidden, residual) for the next stage."""
         meta = build_attention_metadata(step, self.block_size, self.device)
         token_ids = np.fromiter(  # chain iterates in C: no Python work per token
             itertools.chain.from_iterable(c.token_ids for c in step.chunks), dtype=np.int64,
             count=step.num_tokens,
         )
         input_ids = torch.from_numpy(token_ids).to(self.device)
+        return self.model(input_ids, kv_caches, meta, layer_done, carried)
+
+    def compute_logits(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor | None:
+        """The step's logit rows from its final hidden states (None off the logits rank)."""
         # The last row of each chunk that samples, then the rows of prompt logprobs
         logits_rows = torch.from_numpy(logit_rows(step)).to(self.device)
-        hidden = self.model(input_ids, kv_caches, meta, layer_done)  # [T, hidden]
         if logits_rows.numel() == 0:
             return None
         # A step without prompt logprobs has at most a row per chunk: one call. Prompt rows
@@ -187,24 +318,43 @@ class _Rank:
         return profile
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """This rank's heads of the blocks: [layers, P, n, block_size, local heads, dim]."""
+        """This rank's heads of the blocks, for its stage's layers:
+        [stage layers, P, n, block_size, local heads, dim]. Under CP: the blocks this rank
+        owns, zeros for the others (every rank's summed is the whole)."""
+        if self.cp.size > 1:
+            return read_owned_blocks(self.pool, block_ids, self.cp)
         return torch.stack(self.pool.read_blocks(block_ids))
 
+    def read_kv_for_gather(self, block_ids: list[int]) -> torch.Tensor:
+        """read_kv on the host, padded to the largest stage's layer count (one gather shape
+        on every rank; serve/pipeline.py assemble_kv_blocks drops the padding)."""
+        local = self.read_kv(block_ids).cpu()
+        if self.pp.size == 1:
+            return local
+        return pad_layers(local, max(len(r) for r in self.pp.layer_ranges()))
+
     def write_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
-        """Write this rank's head slice of whole-head blocks [layers, P, n, bs, heads, dim]."""
-        mine = full[:, :, :, :, self.layout.rank_heads(self.tp.rank, self.tp.size)]
+        """Write this rank's layers and head slice of whole-model, whole-head blocks
+        [layers, P, n, bs, heads, dim]. Under CP: the blocks this rank owns."""
+        if self.cp.size > 1:
+            write_owned_blocks(self.pool, block_ids, full, self.cp)
+            return
+        layers = self.pp.stage.layers
+        mine = full[layers.start:layers.stop, :, :, :,
+                    self.layout.rank_heads(self.tp.rank, self.tp.size)]
         self.pool.write_blocks(block_ids, list(mine.unbind(0)))
 
     def serve_kv_command(self, command: ReadKV | WriteKV, control: Any) -> None:
         """A non-zero rank's part of ModelRunner.read_kv_blocks / write_kv_blocks."""
         if isinstance(command, ReadKV):
-            dist.gather(self.read_kv(command.block_ids).cpu(), None, dst=0, group=control)
+            dist.gather(_as_bytes(self.read_kv_for_gather(command.block_ids)), None, dst=0,
+                        group=control)
         else:
             spec, layout = self.spec, self.layout
             full = torch.empty(spec.num_layers, layout.num_planes, len(command.block_ids),
                                self.block_size, spec.num_kv_heads, spec.head_dim,
-                               dtype=spec.torch_dtype)
-            dist.broadcast(full, src=0, group=control)
+                               dtype=spec.kv_torch_dtype)
+            dist.broadcast(_as_bytes(full), src=0, group=control)
             self.write_kv(command.block_ids, full.to(self.device))
 
     def validate(self, step: StepInput) -> None:
@@ -227,9 +377,16 @@ class _Rank:
                 raise ValueError(f"request {c.request_id}: block id out of [0, {max_slot})")
 
 
+def _as_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """An FP8 KV tensor as its bytes (gloo has no float8 type); others unchanged."""
+    return kv.view(torch.uint8) if kv.element_size() == 1 else kv
+
+
 def _device_for(parallel_config: ParallelConfig, rank: int) -> torch.device:
+    """Rank r takes its node's (r mod ranks per node)-th visible GPU."""
     kind = parallel_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
+    local_rank = rank % parallel_config.ranks_per_node
+    return torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
 
 
 def _free_device_memory(device: torch.device) -> tuple[int, int] | None:
@@ -281,37 +438,65 @@ def _free_port(host: str) -> int:
 def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
                 scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
                 timeout_s: float, start_timeout_s: float,
-                peers_alive: Callable[[], bool] | None = None) -> tuple[_Rank, Any]:
+                peers_alive: Callable[[], bool] | None = None,
+                with_mtp: bool = False) -> tuple[_Rank, Any]:
     """Join the group, load this rank's shard; returns the rank and its control group."""
-    size = parallel_config.tensor_parallel_size
+    size = parallel_config.world_size  # TP x PP ranks
     device = _device_for(parallel_config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif parallel_config.cpu_threads is not None:
         torch.set_num_threads(parallel_config.cpu_threads)
-    elif size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    elif size > 1:  # this node's cores among this node's ranks
+        local_size = min(size, parallel_config.ranks_per_node)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
     backend = parallel_config.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if parallel_config.dist_interface is not None:  # read by gloo / NCCL at group creation
+        os.environ["GLOO_SOCKET_IFNAME"] = parallel_config.dist_interface
+        os.environ["NCCL_SOCKET_IFNAME"] = parallel_config.dist_interface
     rendezvous = None
     if size > 1:
         assert parallel_config.master_port is not None
+        # Over several nodes, a node that never comes is an error within the collective
+        # timeout, not after the (long) loading one.
+        join_timeout_s = timeout_s if parallel_config.nnodes > 1 else start_timeout_s
         rendezvous = Rendezvous(rank, size, parallel_config.master_addr,
-                                parallel_config.master_port, start_timeout_s)
-    tp = dataclasses.replace(init_tp_group(rendezvous, backend, timeout_s, peers_alive),
-                             expert_parallel=parallel_config.enable_expert_parallel)
+                                parallel_config.master_port, start_timeout_s,
+                                join_timeout_s, parallel_config.ranks_per_node)
+    world = init_tp_group(rendezvous, backend, timeout_s, peers_alive)
+    cp = CPGroup()
+    if parallel_config.context_parallel_size > 1:  # every CP rank holds the whole model
+        world, cp = TPGroup(), CPGroup(world.rank, world.size)
+    tp, stage = split_stages(world, parallel_config.tensor_parallel_size,
+                             parallel_config.pipeline_parallel_size, timeout_s)
+    tp = dataclasses.replace(tp, expert_parallel=parallel_config.enable_expert_parallel,
+                             expert_capacity_factor=parallel_config.expert_capacity_factor)
     control = None
     if rendezvous is not None:
         control = dist.new_group(backend="gloo",
                                  timeout=datetime.timedelta(seconds=timeout_s))
     spec = load_model_spec(model_config, device.type)
-    state = _Rank(spec, cache_config.block_size, tp, device)
+    spec = dataclasses.replace(spec, kv_cache_dtype=kv_cache_dtype_name(
+        cache_config.kv_cache_dtype, spec.dtype))
+    pp_size = parallel_config.pipeline_parallel_size
+    pp = PPGroup(PipelineStage(stage, pp_size, spec.num_layers, spec.tie_word_embeddings),
+                 tp.rank, tp.size, parallel_config.pipeline_micro_batches or pp_size)
+    state = _Rank(spec, cache_config.block_size, tp, device, pp)
+    if with_mtp:  # speculative decoding's drafter (rank 0 of a one-rank worker)
+        state.add_mtp()
     if rendezvous is not None:
         # Every rank loaded before any enters a collective (the profiling forward, the
         # block-count agreement, a step): loading may outlast a collective's timeout.
         rendezvous.arrive_and_wait("loaded", peers_alive)
+    state.cp = cp
     state.allocate_pool(cache_config, scheduler_config,
                         (lambda n: _min_over_ranks(n, control)) if control is not None
                         else (lambda n: n))
+    if cp.size > 1:  # the engine's pool spans the ranks: global block g on rank g % CP
+        state.plan = dataclasses.replace(state.plan, num_blocks=state.num_blocks * cp.size)
+        state.num_blocks = state.plan.num_blocks
+        state.spec = dataclasses.replace(state.spec, max_model_len=state.plan.max_model_len)
+    state.rendezvous = rendezvous
     return state, control
 
 
@@ -338,6 +523,9 @@ def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig
         # it to the user: no second copy, and no traceback, from here.
         logger.debug("TP rank %d cannot start: %s", rank, exc)
         raise SystemExit(1) from None
+    except RendezvousError as exc:  # on another node nobody else would say it
+        logger.error("%s", exc)
+        raise SystemExit(1) from None
     try:
         while True:
             # A malformed message raises WireError: this rank leaves, and rank 0 sees it die.
@@ -350,8 +538,51 @@ def _worker_main(rank: int, model_config: ModelConfig, cache_config: CacheConfig
                     pass
                 case Stop():
                     break
+    except RuntimeError as exc:  # mostly a collective that failed: rank 0 or a peer is gone
+        logger.error("rank %d (node %d) leaves the group: %s", rank,
+                     parallel_config.node_of(rank), exc)
+        raise SystemExit(1) from None
     finally:
+        if state.rendezvous is not None:
+            state.rendezvous.stop_beating()
         dist.destroy_process_group()
+
+
+def _describe_lost(rendezvous: Rendezvous, after_failure: bool) -> str | None:
+    """Which ranks are gone: right after a failed collective (watch a few seconds, a short
+    silence is enough), or on the idle heartbeat's look (no wait, a long silence)."""
+    if after_failure:
+        lost = rendezvous.lost_ranks()
+    else:
+        lost = rendezvous.lost_ranks(wait_s=0.0, lost_after_s=SILENT_AFTER_S)
+    if not lost:
+        return None
+    return f"lost {rendezvous.describe_ranks(lost)}: its liveness beat stopped"
+
+
+def serve_node(model_config: ModelConfig, cache_config: CacheConfig,
+               parallel_config: ParallelConfig, scheduler_config: SchedulerConfig | None = None,
+               stop: threading.Event | None = None,
+               start_timeout_s: float = START_TIMEOUT_S) -> int:
+    """Node k > 0 of a worker over several nodes: start this node's ranks, which join the
+    rendezvous at master_addr:master_port and serve rank 0's steps, and wait on them. Returns
+    0 when rank 0 stopped them (or `stop` was set), 1 when one failed (rank 0 gone, or it
+    could not join within the timeout)."""
+    if parallel_config.node_rank == 0:
+        raise ValueError("node 0 runs the engine (ModelRunner), not serve_node")
+    if parallel_config.master_port is None:
+        raise ValueError("serve_node needs the rendezvous port of node 0 (master_port)")
+    dist_timeout_s = parallel_config.dist_timeout_s or DIST_TIMEOUT_S
+    procs = RankProcesses(heartbeat_s=dist_timeout_s / 4)
+    for rank in parallel_config.local_ranks:
+        procs.spawn(_worker_main, rank, model_config, cache_config,
+                    scheduler_config or SchedulerConfig(), parallel_config, dist_timeout_s,
+                    start_timeout_s)
+    logger.info("node %d of %d: ranks %s joining the rendezvous at %s:%d",
+                parallel_config.node_rank, parallel_config.nnodes,
+                list(parallel_config.local_ranks), parallel_config.master_addr,
+                parallel_config.master_port)
+    return wait_node_ranks(procs, stop or threading.Event())
 
 
 # ---- the engine-facing runner ------------------------------------------------------------
@@ -367,10 +598,27 @@ class ModelRunner:
                  parallel_config: ParallelConfig | None = None,
                  dist_timeout_s: float = DIST_TIMEOUT_S,
                  start_timeout_s: float = START_TIMEOUT_S,
-                 scheduler_config: SchedulerConfig | None = None) -> None:
+                 scheduler_config: SchedulerConfig | None = None,
+                 speculative_config: Any = None) -> None:
+        """speculative_config (serve/spec_decode.SpeculativeConfig): load the checkpoint's
+        MTP module as the drafter; one rank only."""
         parallel_config = parallel_config or ParallelConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
-        size = parallel_config.tensor_parallel_size
+        size = parallel_config.world_size  # every rank: TP x PP
+        if speculative_config is not None and size > 1:
+            raise ValueError("MTP speculative decoding runs on one rank: tensor and pipeline "
+                             "parallel size must be 1")
+        if parallel_config.pipeline_parallel_size > 1:  # before any process starts
+            stage_layer_range(load_model_spec(model_config).num_layers,
+                              parallel_config.pipeline_parallel_size, 0)
+            if getattr(parallel_config, "context_parallel_size", 1) > 1:
+                raise ValueError("pipeline_parallel_size > 1 with context_parallel_size > 1 "
+                                 "is not supported: use one of the two")
+        if parallel_config.node_rank != 0:
+            raise ValueError("the engine runs on node 0; node_rank > 0 runs only its ranks "
+                             "(serve_node)")
+        if parallel_config.dist_timeout_s is not None:
+            dist_timeout_s = parallel_config.dist_timeout_s
         _check_devices(parallel_config)
         if size > 1 and dist.is_initialized():
             raise RuntimeError(
@@ -382,21 +630,31 @@ class ModelRunner:
                 parallel_config, master_port=_free_port(parallel_config.master_addr)
             )
         self._closed = False
-        self._tp_size = size
-        self._procs = RankProcesses(heartbeat_s=dist_timeout_s / 4)
+        self._tp_size = parallel_config.tensor_parallel_size
+        self._pp_size = parallel_config.pipeline_parallel_size
+        self._world_size = size
+        # Idle ranks need a message within the timeout; a remote rank's death is noticed
+        # by the next one, so send one every few seconds however long the timeout is.
+        self._procs = RankProcesses(heartbeat_s=min(dist_timeout_s / 4, HEARTBEAT_MAX_S))
         procs = self._procs
         try:
-            for rank in range(1, size):
+            for rank in parallel_config.local_ranks[1:]:  # the other nodes start their own
                 procs.spawn(_worker_main, rank, model_config, cache_config, scheduler_config,
                             parallel_config, dist_timeout_s, start_timeout_s)
             procs.owns_process_group = size > 1
             self._rank, procs.control = _setup_rank(
                 0, model_config, cache_config, scheduler_config, parallel_config,
                 dist_timeout_s, start_timeout_s, peers_alive=procs.peers_alive,
+                with_mtp=speculative_config is not None,
             )
         except BaseException:
             procs.stop(send_stop=False)
             raise
+        rendezvous = self._rank.rendezvous
+        if rendezvous is not None:
+            procs.describe_lost = lambda after_failure: _describe_lost(rendezvous,
+                                                                      after_failure)
+            procs.has_remote_ranks = parallel_config.nnodes > 1
         self._finalizer = weakref.finalize(self, procs.stop, True)
         self.plan: KVCachePlan = self._rank.plan
         """The pool's numbers: blocks, bytes, and the served max_model_len."""
@@ -414,9 +672,34 @@ class ModelRunner:
     def tensor_parallel_size(self) -> int:
         return self._tp_size
 
+    def propose_drafts(self, chunks: list[Any]) -> list[list[int]]:
+        """The MTP pass after a step (serve/spec_decode.py): each DraftChunk's drafts."""
+        with self._collective():
+            return self._rank.propose(chunks)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self._rank.cp.size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self._pp_size
+
+    @property
+    def pipeline_times(self) -> PipelineTimes:
+        """Rank 0's busy and step time in pipelined steps (its measured bubble)."""
+        return self._rank.pipeline_times
+
     @property
     def max_model_len(self) -> int:
         return self.spec.max_model_len
+
+    def moe_load(self) -> tuple[list[int], int] | None:
+        """(assignments per routed expert, dropped past capacity) since start, over rank 0's
+        MoE layers (its pipeline stage's; under CP its share of the tokens); None without
+        MoE layers. Every TP/EP rank routes every token alike, so rank 0's counts are the
+        group's."""
+        return moe_load(self._rank.model)
 
     @property
     def _workers(self) -> list[Any]:
@@ -430,15 +713,21 @@ class ModelRunner:
         `layer_done(i)` runs on rank 0 as soon as layer i wrote this step's KV; with TP > 1
         an MHA rank 0 holds only its own heads, so whole-head users (the KV hand-off) gather
         after the step instead (read_kv_blocks) and pass no callback. An MLA latent is whole
-        on rank 0 at any TP degree."""
+        on rank 0 at any TP degree. Under pipeline parallelism rank 0 holds only the first
+        stage's layers: no callback either."""
         if layer_done is not None and self._tp_size > 1 and self._rank.layout.kind == "mha":
             raise ValueError("per-layer callbacks see only rank 0's heads: TP must be 1")
+        if layer_done is not None and self._rank.cp.size > 1:
+            raise ValueError("per-layer callbacks see only rank 0's blocks: CP must be 1")
+        if layer_done is not None and self._pp_size > 1:
+            raise ValueError("per-layer callbacks see only the first stage's layers: PP must "
+                             "be 1")
         self._rank.validate(step)
         if not step.chunks:
             self._check_usable()
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         with self._collective():
-            if self._tp_size > 1:
+            if self._world_size > 1:
                 self._procs.send(TP_PROTOCOL.encode(step))
             logits = self._rank.execute(step, layer_done)
         if logits is None:
@@ -448,28 +737,36 @@ class ModelRunner:
     def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Copies of the blocks with every KV head (all ranks' shards gathered), per layer
         [P, n, block_size, num_kv_heads, head_dim] on the host: the TP-independent layout
-        the KV hand-off moves."""
-        local = self._rank.read_kv(list(block_ids))  # [L, P, n, bs, local heads, D]
-        if self._tp_size == 1 or self._rank.layout.kind == "mla":  # rank 0 holds it all
+        the KV hand-off moves (every pipeline stage's layers, in order)."""
+        is_mla = self._rank.layout.kind == "mla"
+        is_cp = self._rank.cp.size > 1
+        if self._pp_size == 1 and (self._tp_size == 1 or is_mla) and not is_cp:  # all on rank 0
+            local = self._rank.read_kv(list(block_ids))  # [L, P, n, bs, local heads, D]
             return list(local.cpu().unbind(0))
         self._check_kv_split()
+        local = self._rank.read_kv_for_gather(list(block_ids))
         procs = self._procs
         with self._collective(), procs.send_lock:
             procs.send_locked(TP_PROTOCOL.encode(ReadKV(list(block_ids))))
-            parts = [torch.empty_like(local, device="cpu") for _ in range(self._tp_size)]
-            dist.gather(local.cpu(), parts, dst=0, group=procs.control)
+            parts = [torch.empty_like(local) for _ in range(self._world_size)]
+            dist.gather(_as_bytes(local), [_as_bytes(p) for p in parts], dst=0,
+                        group=procs.control)
+        if self._pp_size > 1:
+            return assemble_kv_blocks(parts, self._rank.pp, is_mla)
+        if is_cp:  # each block from the rank that owns it
+            return assemble_owned_blocks(parts, block_ids)
         return list(torch.cat(parts, dim=4).unbind(0))
 
     def write_kv_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
         """Inverse of read_kv_blocks: per layer [P, n, block_size, num_kv_heads, head_dim];
         every rank keeps its own heads (so the writer's TP degree does not matter)."""
-        full = torch.stack([b.to(self.spec.torch_dtype) for b in blocks]).cpu().contiguous()
-        if self._tp_size > 1:
+        full = torch.stack([b.to(self.spec.kv_torch_dtype) for b in blocks]).cpu().contiguous()
+        if self._world_size > 1:
             self._check_kv_split()
             procs = self._procs
             with self._collective(), procs.send_lock:
                 procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
-                dist.broadcast(full, src=0, group=procs.control)
+                dist.broadcast(_as_bytes(full), src=0, group=procs.control)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:
@@ -495,7 +792,8 @@ class ModelRunner:
         if self._closed:
             raise RuntimeError("ModelRunner is shut down")
         if self._procs.is_broken:
-            raise RuntimeError("ModelRunner failed in an earlier step; shut it down")
+            raise RuntimeError("ModelRunner failed in an earlier step; shut it down"
+                               + (f" ({self._procs.failure})" if self._procs.failure else ""))
         self._check_workers()
 
     @contextlib.contextmanager
@@ -505,9 +803,12 @@ class ModelRunner:
         self._check_usable()
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             # One rank has nobody to fall out of step with: it stays usable.
-            self._procs.is_broken = self._tp_size > 1
+            self._procs.is_broken = self._world_size > 1
+            lost = self._procs.explain(exc) if self._world_size > 1 else None
+            if lost is not None:  # name the rank (and node) that is gone
+                raise lost from exc
             raise
 
     def _check_workers(self) -> None:
@@ -525,10 +826,13 @@ def _check_devices(parallel_config: ParallelConfig) -> None:
     if not torch.cuda.is_available():
         raise ValueError("device cuda was asked for but no CUDA device is visible "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-    size, visible = parallel_config.tensor_parallel_size, torch.cuda.device_count()
+    size = min(parallel_config.world_size, parallel_config.ranks_per_node)  # TP x PP
+    visible = torch.cuda.device_count()
     if size > visible:
         raise ValueError(
-            f"tensor_parallel_size={size} needs {size} GPUs but {visible} are visible "
+            f"tensor_parallel_size={parallel_config.tensor_parallel_size} x "
+            f"pipeline_parallel_size={parallel_config.pipeline_parallel_size} needs {size} "
+            f"GPUs on this node but {visible} are visible "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
 
 

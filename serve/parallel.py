@@ -32,6 +32,7 @@ from torch import nn
 
 from pdserve import envs
 from pdserve.serve.distributed import TPGroup
+from pdserve.serve.fp8 import dequantize_rows, fp8_linear, scale_shard
 from pdserve.serve.layers import fused_fp32
 
 
@@ -82,9 +83,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, fp8_scale: torch.Tensor | None = None,
+           fp8_block_k: int = 128) -> torch.Tensor:
     """x W^T + b: the skinny kernel for a decode step's few rows (plain fp32 W on CPU), the
-    packed copy of W for more rows when there is one, else torch."""
+    packed copy of W for more rows when there is one, else torch. An FP8 W (with its
+    per-row block scales, serve/fp8.py) goes to fp8_linear."""
+    if fp8_scale is not None:
+        return fp8_linear(x, weight, fp8_scale, bias, fp8_block_k)
     if x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.is_contiguous():
         ops = fused_fp32(x)
         if ops is not None and weight.dtype == torch.float32:
@@ -97,15 +102,66 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class PrepackedLinear(nn.Module):
     """A linear layer that, once loaded, also keeps its weight packed for the CPU matmul
     library (`packed`, for prefills; decode steps read the plain weight). Two copies of every
-    weight on CPU: the price of the faster layout for each regime."""
+    weight on CPU: the price of the faster layout for each regime.
+
+    An FP8 checkpoint's layer (serve/fp8.py convert_linears) holds an FP8 weight and its
+    per-row block scales, `weight_scale_inv` [rows, ceil(columns / fp8_block_k)]."""
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    fp8_block_k: int = 128
+
+    def __init__(self) -> None:
+        super().__init__()
+        # a registered (empty) slot, not a class attribute: nn.Module keeps parameters in
+        # _parameters, which a class-level None would shadow
+        self.register_parameter("weight_scale_inv", None)
 
     def process_weights_after_loading(self) -> None:
         """Loader hook (after every parent's hook, which may still read the plain weight)."""
         if can_prepack(self.weight):
             self.packed = prepack(self.weight)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's weight [out, in] in `dtype`, dequantized when it is FP8."""
+        if self.weight_scale_inv is None:
+            return self.weight.detach().to(dtype)
+        return dequantize_rows(self.weight.detach(), self.weight_scale_inv.detach(), dtype,
+                               self.fp8_block_k)
+
+    def scale_loader(self, param: nn.Parameter, loaded: ShardSource) -> None:
+        """A replicated layer's FP8 scales: every row and column."""
+        _copy_shard(param.data, _rows(param, loaded, 0, param.shape[0]))
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, self.weight, bias, self.packed, self.weight_scale_inv,
+                      self.fp8_block_k)
+
+
+def _rows(param: nn.Parameter, loaded: ShardSource, start: int, length: int) -> torch.Tensor:
+    """Rows [start, start + length) of a checkpoint tensor; for an FP8 scale parameter, the
+    per-row scales of those weight rows out of the checkpoint's block grid."""
+    block = getattr(param, "fp8_block_size", None)
+    if block is None:
+        return loaded.narrow(0, start, length)
+    num_cols = param.shape[1] * block[1]  # whole blocks: the last may be partial
+    return scale_shard(loaded, start, length, 0, num_cols, block, "weight rows")
+
+
+def _cols(param: nn.Parameter, loaded: ShardSource, start: int, length: int) -> torch.Tensor:
+    """Columns [start, start + length) of a checkpoint weight; for an FP8 scale parameter,
+    the per-row scales of those columns (refused unless the split falls on a block edge)."""
+    block = getattr(param, "fp8_block_size", None)
+    if block is None:
+        return loaded.narrow(1, start, length)
+    return scale_shard(loaded, 0, param.shape[0], start, length, block,
+                       "row-parallel weight")
+
+
+def fp8_linear_types() -> tuple[type, ...]:
+    """The layer types whose forward runs an FP8 weight (their forward calls _linear)."""
+    return (ReplicatedLinear, ColumnParallelLinear, MergedColumnParallelLinear,
+            QKVParallelLinear, RowParallelLinear)
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -123,7 +179,7 @@ class ReplicatedLinear(PrepackedLinear):
         self.bias = _new_param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(PrepackedLinear):
@@ -141,10 +197,10 @@ class ColumnParallelLinear(PrepackedLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: ShardSource) -> None:
         shard = param.shape[0]
-        _copy_shard(param.data, loaded.narrow(0, self.tp.rank * shard, shard))
+        _copy_shard(param.data, _rows(param, loaded, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -164,7 +220,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                       ) -> None:
         part = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        _copy_shard(param.data.narrow(0, offset, part), loaded.narrow(0, self.tp.rank * part, part))
+        _copy_shard(param.data.narrow(0, offset, part),
+                    _rows(param, loaded, self.tp.rank * part, part))
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -203,7 +260,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_shard = self.tp.rank // self.num_kv_replicas
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, start = self.kv_size, kv_shard * self.kv_size
-        _copy_shard(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+        _copy_shard(param.data.narrow(0, offset, size), _rows(param, loaded, start, size))
 
 
 class RowParallelLinear(PrepackedLinear):
@@ -229,11 +286,11 @@ class RowParallelLinear(PrepackedLinear):
         if param.dim() == 1:  # bias: added once, after the reduce
             _copy_shard(param.data, loaded.narrow(0, 0, loaded.shape[0]))
             return
-        shard = param.shape[1]
-        _copy_shard(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
+        shard = self.input_size_per_rank
+        _copy_shard(param.data, _cols(param, loaded, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed)
+        y = self._linear(x, None)
         if self.reduce:
             y = self.tp.all_reduce(y)
         elif self.tp.rank != 0:
@@ -293,7 +350,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.tp.size)] if self.tp.rank == 0 \
             else None
-        dist.gather(logits, parts, dst=0)
+        dist.gather(logits, parts, group=self.tp.group, group_dst=0)
         if parts is None:
             return None
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]

@@ -52,11 +52,16 @@ def num_prompt_logit_rows(request: Request, start: int, num_tokens: int) -> int:
 
 def logit_rows(step: StepInput) -> np.ndarray:
     """Row indices of the step's hidden states [num_tokens] that get logits: each sampling
-    chunk's last row, then each chunk's prompt rows (see the module docstring)."""
+    chunk's last row (a verify chunk's last 1 + num_draft_tokens), then each chunk's prompt
+    rows (see the module docstring)."""
     chunks = step.chunks
     lengths = [len(c.token_ids) for c in chunks]
     ends = np.cumsum(lengths) - 1
     rows = ends[np.array([c.need_logits for c in chunks], dtype=bool)]
+    if any(c.num_draft_tokens for c in chunks):  # a verify chunk: its 1 + k last rows
+        rows = np.concatenate([np.arange(end - c.num_draft_tokens, end + 1, dtype=np.int64)
+                               for end, c in zip(ends.tolist(), chunks, strict=True)
+                               if c.need_logits])
     counts = [c.num_prompt_logits for c in chunks]
     if not any(counts):  # the usual step: one list pass more than sampling rows alone
         return rows

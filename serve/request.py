@@ -105,6 +105,9 @@ class Request:
     already reported)."""
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     """sampling_params.bad_words as token ids (serve/logit_controls.py), set by the engine."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: drafts of the tokens after the last one, verified in the next
+    step (serve/spec_decode.py); empty without."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -156,16 +156,23 @@ class Sampler:
                 logits[row, banned] = float("-inf")
         return logits
 
-    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def sampling_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution a sampled row draws from: temperature, min-p, top-k, top-p, then
+        softmax. [rows, V] -> [rows, V]. Speculative decoding verifies against it
+        (serve/spec_decode.py) for requests whose stop, logit-control and penalty steps do
+        nothing."""
         params = [r.sampling_params for r in requests]
-        logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        logits = logits.float() / torch.tensor([p.temperature for p in params]).unsqueeze(1)
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params]))
         if any(p.top_k > 0 for p in params):
             logits = apply_top_k(logits, torch.tensor([p.top_k for p in params]))
         if any(p.top_p < 1.0 for p in params):
             logits = apply_top_p(logits, torch.tensor([p.top_p for p in params]))
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self.sampling_probs(logits, requests)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             seed = request.sampling_params.seed

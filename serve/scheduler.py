@@ -131,7 +131,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
                 continue
-            num_new = min(request.num_uncomputed_tokens, budget)
+            # With drafts (speculative decoding) a decode verifies 1 + k tokens.
+            num_new = min(request.num_uncomputed_tokens + len(request.spec_token_ids), budget)
             if num_new < request.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
             while not self.block_manager.can_append(request, num_new):
@@ -186,13 +187,16 @@ class Scheduler:
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
+            num_drafts = max(0, start + num_new - request.num_tokens)
             output.step.chunks.append(SeqChunk(
                 request_id=request_id,
-                token_ids=request.all_token_ids[start:start + num_new],
+                token_ids=(request.all_token_ids[start:start + num_new]
+                           + request.spec_token_ids[:num_drafts]),
                 start_pos=start,
                 block_table=list(self.block_manager.block_table(request_id)),
-                need_logits=start + num_new == request.num_tokens,
+                need_logits=start + num_new - num_drafts == request.num_tokens,
                 num_prompt_logits=num_prompt_logit_rows(request, start, num_new),
+                num_draft_tokens=num_drafts,
             ))
             output.scheduled.append((request, num_new))
         return output
@@ -201,6 +205,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # drafts follow a forward; the recompute makes new ones
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -208,9 +213,11 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The step ran: its tokens' KV is in the cache; publish newly full blocks."""
-        for request, num_new in output.scheduled:
-            request.num_computed_tokens += num_new
+        """The step ran: its tokens' KV is in the cache; publish newly full blocks. Drafts
+        count once verified (the engine's speculative decoding, serve/spec_decode.py)."""
+        for (request, num_new), chunk in zip(output.scheduled, output.step.chunks,
+                                             strict=True):
+            request.num_computed_tokens += num_new - chunk.num_draft_tokens
             self.block_manager.commit_computed(request)
 
     # ---- leaving ------------------------------------------------------------------------

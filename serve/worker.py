@@ -15,14 +15,17 @@ phases); a colocated worker never does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import zmq
 
-from pdserve import security
+from pdserve import discovery, security
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -35,13 +38,16 @@ from pdserve.protocol.worker import (
 )
 from pdserve.serve.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     CacheConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from pdserve.serve.distributed import RendezvousError
 from pdserve.serve.handoff import HandOff
 from pdserve.serve.roles import ROLE_NAMES
+from pdserve.serve.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +84,20 @@ class WorkerConfig:
     handoff_dram_gb: float = 1.0
     """Host DRAM of this worker's own hand-off node (prefill saves there, decode workers
     read from it directly); 0: hand off through the fleet store instead."""
+    discovery_ttl_s: float = discovery.DEFAULT_TTL_S  # (before the field that hides the module)
+    """The registration's lease TTL: a killed worker leaves the registry this long after."""
+    discovery: str | None = None
+    """etcd://HOST:PORT[/CLUSTER]: register there (pdserve/discovery.py), find the store
+    there when store_address is None, and drain on SIGTERM (withdraw, finish, exit)."""
+    discovery_store_wait_s: float = 30.0
+    """With discovery and no store_address: how long to wait for a store data node to
+    register (past it the worker exits with an error); 0: take one if registered, else run
+    without the store."""
+    drain_timeout_s: float = 60.0
+    """With discovery, SIGTERM: the longest wait for the requests held to finish."""
+    speculative: SpeculativeConfig | None = None
+    """MTP speculative decoding (serve/spec_decode.py); None: off. A prefill worker loads
+    the drafter but never drafts (its requests end at their first token)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_NAMES:
@@ -88,6 +108,11 @@ class WorkerConfig:
             raise ValueError("store_timeout_s and kv_lease_ttl_s must be positive")
         if self.handoff_dram_gb < 0:
             raise ValueError(f"handoff_dram_gb must be >= 0, got {self.handoff_dram_gb}")
+        if self.discovery is not None:
+            discovery.DiscoveryURL.parse(self.discovery)
+            discovery.check_ttl(self.discovery_ttl_s)
+        if self.discovery_store_wait_s < 0 or self.drain_timeout_s <= 0:
+            raise ValueError("discovery_store_wait_s must be >= 0 and drain_timeout_s > 0")
 
     @property
     def name(self) -> str:
@@ -110,10 +135,23 @@ class Worker:
         # request id -> the choices (Output.index) that have not ended yet (n > 1: several)
         self._open_choices: dict[str, set[int]] = {}
         self.stop_event = threading.Event()
+        self.is_draining = False
+        """Leaving: its status says not ready, so routers send it nothing new."""
+        self.on_role_change: Callable[[str], None] | None = None
+        """Told the new role after a flip (the registration follows it)."""
 
     @property
     def role(self) -> str:
         return self.handoff.role
+
+    @property
+    def is_idle(self) -> bool:
+        """Holds no request: none owned, none in the engine, none held for a save, loading,
+        or leased on its hand-off node for a decode worker to read."""
+        kv_transfer = self.handoff.kv_transfer
+        leases = kv_transfer.totals().get("num_handoff_leases", 0) if kv_transfer else 0
+        return (not self._owners and not self.engine.has_unfinished_requests()
+                and not self.handoff.is_busy and not leases)
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -191,6 +229,8 @@ class Worker:
             return
         self.handoff.switch_role(role)
         logger.info("%s is now a %s worker", self.worker_id, role)
+        if self.on_role_change is not None:
+            self.on_role_change(role)
 
     # ---- messages out ------------------------------------------------------------------
     def _send(self, output: Output) -> None:
@@ -226,7 +266,8 @@ class Worker:
         kv_transfer = self.handoff.kv_transfer
         return WorkerStatus(
             worker_id=self.worker_id, role=role, model=engine.spec.model_id,
-            max_model_len=engine.max_model_len, is_ready=True, num_running=stats.num_running,
+            max_model_len=engine.max_model_len, is_ready=not self.is_draining,
+            num_running=stats.num_running,
             num_waiting=stats.num_waiting + self.handoff.num_loading,
             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_blocks,
             block_size=block_size, kv_layout=asdict(engine.spec.kv_layout(block_size)),
@@ -236,13 +277,24 @@ class Worker:
             num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
             num_preemptions=stats.num_preemptions,
             kv_transfer=kv_transfer.totals() if kv_transfer is not None else {},
+            spec_decode=(engine.speculator.stats.as_dict() if engine.speculator is not None
+                         else {}),
             step_samples=samples[-NUM_STEP_SAMPLES_PER_STATUS:],
             max_num_seqs=engine.scheduler_config.max_num_seqs,
             max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
             tensor_parallel_size=engine.runner.tensor_parallel_size,
             num_cached_blocks=stats.num_cached_blocks,
             max_num_used_blocks=engine.block_manager.max_num_used_blocks,
+            **_moe_load(engine),
         )
+
+
+def _moe_load(engine) -> dict[str, object]:
+    load = getattr(engine.runner, "moe_load", lambda: None)()  # a test's fake runner: none
+    if load is None:
+        return {}
+    routed, dropped = load
+    return {"moe_expert_tokens": routed, "moe_dropped_tokens": dropped}
 
 
 def _mean_seconds(samples: list) -> float:
@@ -255,11 +307,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", required=True, help="local Hugging Face checkpoint dir")
     add("--host", default="127.0.0.1", help="address to bind")
-    add("--port", type=int, required=True, help="ZeroMQ port for the router")
+    add("--port", type=int, default=None,
+        help="ZeroMQ port for the router (required, but on nodes with --node-rank > 0)")
     add("--worker-id", default=None, help="name in status and metrics")
     add("--dtype", default="auto", choices=DTYPES)
     add("--max-model-len", type=int, default=None)
     add("--tensor-parallel-size", "--tp", type=int, default=parallel.tensor_parallel_size)
+    add("--pipeline-parallel-size", "--pp", type=int, default=parallel.pipeline_parallel_size,
+        help="stages the layers are split into, each of --tensor-parallel-size ranks (PP x TP "
+             "ranks in all); activations pass stage to stage")
+    add("--pipeline-micro-batches", type=int, default=parallel.pipeline_micro_batches,
+        help="micro-batches a step is split into so the stages overlap (bubble "
+             "(PP-1)/(M+PP-1) of a step; default: one per stage)")
+    add("--context-parallel-size", "--cp", type=int, default=parallel.context_parallel_size,
+        help="ranks each prompt's tokens are split over (zig-zag), attention as ring "
+             "attention; each rank holds its blocks' KV, so prompts longer than one rank's "
+             "pool prefill (not combined with --tp or --pp yet)")
     add("--enable-expert-parallel", action="store_true",
         help="MoE models: whole experts spread over the TP ranks, tokens sent to them by "
              "all-to-all (default: every expert TP-split)")
@@ -276,10 +339,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-cache-memory-gb", type=float, default=None,
         help="KV cache size per rank in GiB (default: 0.5 on CPU, checked against the "
              "host's available memory; on CUDA, sized by --gpu-memory-utilization)")
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=cache.kv_cache_dtype,
+        help="what the KV cache holds: auto (the model dtype) or fp8 / fp8_e4m3 "
+             "(float8_e4m3fn, half of bf16's bytes in the pool, the store and the hand-off; "
+             "prefill and decode workers must agree)")
     add("--max-num-seqs", type=int, default=sched.max_num_seqs)
     add("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
     add("--no-prefix-caching", action="store_true")
     add("--seed", type=int, default=0)
+    add("--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, as vLLM: \'{"method": "mtp", "num_speculative_tokens": '
+             '1}\' drafts with the checkpoint\'s multi-token-prediction layer (DeepSeek-V3)')
+    add("--expert-capacity-factor", type=float, default=parallel.expert_capacity_factor,
+        help="MoE: each expert takes at most ceil(F x tokens x top_k / experts) assignments "
+             "per step, the rest dropped (gates renormalised); default: no limit (exact)")
+    add("--nnodes", type=int, default=parallel.nnodes,
+        help="hosts this worker's ranks spread over, evenly (torchrun's flag); start the same "
+             "command on each with its --node-rank")
+    add("--node-rank", type=int, default=parallel.node_rank,
+        help="this host's index: 0 runs the engine and hosts the rendezvous, k > 0 runs only "
+             "its ranks, which join node 0 at --master-addr:--master-port")
+    add("--master-addr", default=parallel.master_addr,
+        help="address of node 0's rendezvous, as the other nodes reach it")
+    add("--master-port", type=int, default=parallel.master_port,
+        help="port of the rendezvous (required with --nnodes > 1; default: a free one)")
+    add("--dist-timeout-s", type=float, default=parallel.dist_timeout_s,
+        help="longest wait of a collective, and of node 0 for the other nodes to join "
+             "(default 300)")
+    add("--dist-interface", default=parallel.dist_interface,
+        help="network interface for the ranks' gloo/NCCL connections (default: the one the "
+             "host name resolves to)")
     add("--cpu-threads", type=int, default=parallel.cpu_threads,
         help="torch threads per TP rank on CPU (default: cores / ranks)")
     add("--store", default=None, metavar="ADDR",
@@ -295,25 +384,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host DRAM of this worker's own hand-off node: prefill saves a prompt's KV "
              "there and decode workers read it directly, one hop (0: hand off through the "
              "store)")
+    discovery.add_arguments(parser)
+    add("--discovery-store-wait-s", type=float, default=30.0,
+        help="with --discovery and no --store: wait this long for a store data node to "
+             "register, then exit with an error (0: use one if registered, else run without)")
+    add("--drain-timeout-s", type=float, default=60.0,
+        help="with --discovery, on SIGTERM: leave the registry, then finish the requests held "
+             "for at most this long before exiting")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    if args.port is None:
+        raise ValueError("--port is required (the router connects to it)")
+    model, cache, parallel, scheduler = engine_configs_from_args(args)
     return WorkerConfig(
         role=args.command, host=args.host, port=args.port, worker_id=args.worker_id,
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          seed=args.seed),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          kv_cache_memory_bytes=_gib_to_bytes(args.kv_cache_memory_gb),
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=not args.no_prefix_caching),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                cpu_threads=args.cpu_threads, device=args.device,
-                                enable_expert_parallel=args.enable_expert_parallel),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        model=model, cache=cache, parallel=parallel, scheduler=scheduler,
         store_address=args.store, store_master_address=args.store_master,
         store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s,
-        handoff_dram_gb=args.handoff_dram_gb)
+        handoff_dram_gb=args.handoff_dram_gb, discovery=args.discovery,
+        discovery_ttl_s=args.discovery_ttl_s,
+        discovery_store_wait_s=args.discovery_store_wait_s,
+        drain_timeout_s=args.drain_timeout_s,
+        speculative=SpeculativeConfig.parse(args.speculative_config))
+
+
+def engine_configs_from_args(args: argparse.Namespace
+                             ) -> tuple[ModelConfig, CacheConfig, ParallelConfig,
+                                        SchedulerConfig]:
+    """The engine's four configs: what every node of a worker must be started with alike."""
+    return (
+        ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                    seed=args.seed),
+        CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                    kv_cache_memory_bytes=_gib_to_bytes(args.kv_cache_memory_gb),
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    enable_prefix_caching=not args.no_prefix_caching,
+                    kv_cache_dtype=args.kv_cache_dtype),
+        parallel_config_from_args(args),
+        SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                          cpu_threads=args.cpu_threads, device=args.device,
+                          enable_expert_parallel=args.enable_expert_parallel,
+                          expert_capacity_factor=args.expert_capacity_factor,
+                          nnodes=args.nnodes, node_rank=args.node_rank,
+                          master_addr=args.master_addr, master_port=args.master_port,
+                          dist_timeout_s=args.dist_timeout_s,
+                          dist_interface=args.dist_interface,
+                          pipeline_parallel_size=args.pipeline_parallel_size,
+                          pipeline_micro_batches=args.pipeline_micro_batches,
+                          context_parallel_size=args.context_parallel_size)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """--node-rank k > 0: run this node's ranks of the worker (no engine, no socket) until
+    node 0 stops them or a signal comes."""
+    from pdserve.serve.model_runner import serve_node
+
+    try:
+        model, cache, parallel, scheduler = engine_configs_from_args(args)
+    except ValueError as exc:
+        logger.error("cannot start node %d of the %s worker: %s", args.node_rank,
+                     args.command, exc)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return serve_node(model, cache, parallel, scheduler, stop)
 
 
 def _gib_to_bytes(gib: float | None) -> int | None:
@@ -328,6 +470,7 @@ def make_kv_transfer(config: WorkerConfig, engine):
     """The worker's KV transfer: its hand-off node and/or the fleet store; None for a
     colocated worker or when neither can be had (decode then recomputes prompts)."""
     if config.role == "colocated" or (config.store_address is None
+                                      and config.store_master_address is None
                                       and config.handoff_dram_gb == 0):
         return None
     from pdserve.kvstore.connector import block_nbytes
@@ -354,29 +497,135 @@ def make_kv_transfer(config: WorkerConfig, engine):
         return None
 
 
+def discover_store(config: WorkerConfig) -> WorkerConfig:
+    """With discovery and no store address: the store's data node (one on this host first)
+    and master from the registry. Raises DiscoveryError when none registers in time."""
+    if config.discovery is None or config.store_address is not None \
+            or config.role == "colocated":  # a colocated worker never uses the store
+        return config
+    url = discovery.DiscoveryURL.parse(config.discovery)
+    wait_s = config.discovery_store_wait_s
+    nodes = discovery.find(url, "store-data", wait_s)
+    if not nodes:
+        if wait_s > 0:
+            raise discovery.DiscoveryError(
+                f"no KV store data node registered in {url} within {wait_s:.0f}s: start "
+                f"`pdserve store --discovery {config.discovery}`, or pass "
+                "--discovery-store-wait-s 0 to run without the store")
+        logger.warning("no KV store registered in %s: running without it", url)
+        return config
+    host = discovery.advertised_host(config.host)
+    node = next((n for n in nodes if n.record_id.startswith(f"{host}:")), nodes[0])
+    master = config.store_master_address
+    if master is None:
+        masters = discovery.find(url, "store-master", wait_s)
+        master = masters[0].address if masters else None
+    logger.info("store from the registry: data node %s, master %s", node.address, master)
+    return dataclasses.replace(config, store_address=node.address, store_master_address=master)
+
+
+def worker_record(config: WorkerConfig, worker: Worker) -> discovery.Record:
+    """What this worker tells the fleet: its role, address, model, KV layout, TP degree and
+    capacity (what a router otherwise learns from its first WorkerStatus)."""
+    engine = worker.engine
+    block_size = engine.block_manager.block_size
+    return discovery.Record(
+        role=worker.role, address=discovery.reachable(f"tcp://{config.host}:{config.port}"),
+        name=config.name, model=engine.spec.model_id,
+        kv_layout=asdict(engine.spec.kv_layout(block_size)),
+        tensor_parallel_size=engine.runner.tensor_parallel_size,
+        capacity={"num_kv_blocks": engine.stats().num_blocks, "block_size": block_size,
+                  "max_num_seqs": engine.scheduler_config.max_num_seqs,
+                  "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
+                  "max_model_len": engine.max_model_len})
+
+
+DRAIN_QUIET_S = 1.0
+"""A draining worker exits once idle this long: a request a router sent before it saw the
+withdrawal has arrived by then."""
+
+
+def drain_then_stop(worker: Worker, registration: discovery.Registration | None,
+                    timeout_s: float) -> None:
+    """Leave gracefully: withdraw from the registry (routers stop sending), report not ready,
+    finish what is held (at most `timeout_s`), then stop the serving loop."""
+    worker.is_draining = True
+    if registration is not None:
+        registration.withdraw()
+    deadline = time.monotonic() + timeout_s
+    idle_since = None
+    while time.monotonic() < deadline:
+        if not worker.is_idle:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= DRAIN_QUIET_S:
+            break
+        time.sleep(0.05)
+    else:
+        logger.warning("requests still held after %.0fs of draining: stopping anyway",
+                       timeout_s)
+    logger.info("%s drained", worker.worker_id)
+    worker.stop_event.set()
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from pdserve.serve.engine import Engine
 
+    if args.node_rank > 0:
+        return run_node(args)
     try:
-        config = config_from_args(args)
+        config = discover_store(config_from_args(args))
         tokenizer = AutoTokenizer.from_pretrained(config.model.model)
         engine = Engine(config.model, config.cache, config.parallel, config.scheduler,
-                        tokenizer=tokenizer)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+                        tokenizer=tokenizer, speculative_config=config.speculative)
+    except (ValueError, FileNotFoundError, OSError, discovery.DiscoveryError,
+            RendezvousError) as exc:
         logger.error("cannot start the %s worker: %s", args.command, exc)
         return 2
     kv_transfer = make_kv_transfer(config, engine)
     worker = Worker(engine, config.role, f"tcp://{config.host}:{config.port}", config.name,
                     kv_transfer)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop_event.set())
+    registration = None
+    if config.discovery is not None:
+        try:
+            registration = discovery.Registration(
+                discovery.DiscoveryURL.parse(config.discovery), worker_record(config, worker),
+                config.discovery_ttl_s).start()
+        except discovery.DiscoveryError as exc:
+            logger.error("cannot register the %s worker: %s", args.command, exc)
+            worker.close()
+            if kv_transfer is not None:
+                kv_transfer.close()
+            return 2
+        else:
+            # off the serving thread: the update waits on etcd (bounded by its timeout)
+            worker.on_role_change = lambda role: threading.Thread(
+                target=registration.update, args=(worker_record(config, worker),),
+                name="discovery-update", daemon=True).start()
+
+    def on_stop_signal(*_) -> None:
+        if registration is None or worker.is_draining:  # no fleet to leave, or asked twice
+            worker.stop_event.set()
+            return
+        threading.Thread(target=drain_then_stop, name="drain", daemon=True,
+                         args=(worker, registration, config.drain_timeout_s)).start()
+
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGINT, on_stop_signal)
     logger.info("%s worker %s ready on tcp://%s:%d", config.role, config.name, config.host,
                 config.port)
     try:
         worker.serve_forever()
+    except RuntimeError as exc:  # the engine's ranks failed: a lost rank (and node) is named
+        logger.debug("the engine failed", exc_info=True)
+        logger.error("the %s worker stops: %s", config.role, exc)
+        return 1
     finally:
+        if registration is not None:
+            registration.withdraw()
         worker.close()
         if kv_transfer is not None:
             kv_transfer.close()

@@ -6,6 +6,7 @@
         │          └──► kvstore            └──► protocol
         └── serve, kvstore                 benchmarks: HTTP, except offline engine/store/
                                              kernel micro-benchmarks
+    discovery (pdserve/discovery.py, etcd) ◄── router, serve, kvstore: a leaf
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ FOLDERS = {  # repository folder -> the package it installs as
 
 # module prefix -> the pdserve packages it must never import
 FORBIDDEN = {
+    # etcd discovery: a leaf that the router, the workers and the store all register through
+    "pdserve.discovery": ("pdserve.serve", "pdserve.router", "pdserve.kvstore",
+                          "pdserve.kernels", "pdserve.benchmarks", "pdserve.protocol",
+                          "pdserve.cli", "pdserve.launcher"),
     "pdserve.protocol": ("pdserve.serve", "pdserve.router", "pdserve.kvstore",
                          "pdserve.kernels", "pdserve.benchmarks", "pdserve.cli",
                          "pdserve.launcher"),
@@ -46,9 +51,14 @@ FORBIDDEN = {
 # Benchmarks that measure a component in-process rather than a server over HTTP.
 OFFLINE_BENCHMARKS = {
     "pdserve.benchmarks.engine_throughput": ("pdserve.serve",),   # offline engine
+    "pdserve.benchmarks.pp_bubble": ("pdserve.serve",),           # offline runner, PP 1 vs 2
+    "pdserve.benchmarks.mtp_decode": ("pdserve.serve",),          # offline engine, MTP on/off
+    "pdserve.benchmarks.fp8_kv": ("pdserve.serve", "pdserve.kvstore"),  # offline engine + store
+    "pdserve.benchmarks.cp_prefill": ("pdserve.serve",),          # offline runner, CP 1 vs 2
     "pdserve.benchmarks.step_roofline": ("pdserve.serve",),       # offline engine step
     "pdserve.benchmarks.structured_cost": ("pdserve.serve",),     # offline engine step
     "pdserve.benchmarks.store_replay": ("pdserve.kvstore",),      # the store's tiers
+    "pdserve.benchmarks.store_sharded": ("pdserve.kvstore",),     # put/get over data nodes
     "pdserve.benchmarks.kv_transfer": ("pdserve.kvstore",),       # the UCX data plane
     "pdserve.benchmarks.kernels.bench_attention": ("pdserve.kernels",),
     # runs the router's own goodput simulator on what the router's /status published
@@ -63,8 +73,13 @@ OFFLINE_BENCHMARKS = {
     "pdserve.benchmarks.profiler": ("pdserve.serve", "pdserve.kvstore.connector",
                                     "pdserve.router.goodput_model",
                                     "pdserve.router.latency_profile"),
+    # `pdserve up` served at 1P1D; the engine profile it scales is the router's format
+    "pdserve.benchmarks.profile_served": ("pdserve.router.goodput_model",
+                                          "pdserve.router.latency_profile"),
     # a loopback `pdserve up` under SIGKILLs; its leak check reads the store's own counters
     "pdserve.benchmarks.chaos_soak": ("pdserve.kvstore",),
+    # arithmetic only: the communication model of a layout (no engine runs)
+    "pdserve.benchmarks.comm_table": ("pdserve.serve.comm_model", "pdserve.serve.default_model"),
 }
 # The protocol package depends on nothing but the standard library and msgpack.
 PROTOCOL_THIRD_PARTY = {"msgpack"}

@@ -208,7 +208,8 @@ def test_sliding_window_caps_max_model_len(architecture: str, llama_dir: Path,
 def test_deepseek_spec_mtp_layer_and_quantized_checkpoints(make_model_dir,
                                                            tmp_path: Path) -> None:
     """An MLA checkpoint caches one latent row per token; the V3 multi-token-prediction layer
-    (model.layers.{num_hidden_layers}.*) is skipped; a quantized checkpoint is refused."""
+    (model.layers.{num_hidden_layers}.*) is skipped; an FP8 (block-scaled) config is read and
+    other quantized checkpoints are refused."""
     from safetensors.torch import load_file, save_file
 
     source = make_model_dir("deepseek_v3", seed=3)
@@ -231,7 +232,11 @@ def test_deepseek_spec_mtp_layer_and_quantized_checkpoints(make_model_dir,
     torch.testing.assert_close(_last_logits(model_dir, tokens), _last_logits(source, tokens),
                                atol=0, rtol=0)
 
+    # DeepSeek's FP8 release format is read (tests/test_fp8.py loads one); others are refused
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized checkpoint \\(fp8\\)"):
+    assert load_model_spec(ModelConfig(str(model_dir))).quantization.block_size == (128, 128)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="awq checkpoint"):
         load_model_spec(ModelConfig(str(model_dir)))

@@ -263,9 +263,11 @@ void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
   }
 }
 
-template <typename T>
+// T: the query's and output's type; C: the cache's (T, or float8_e4m3fn for an FP8 cache,
+// whose rows Plane::block upcasts like any other non-fp32 type).
+template <typename T, typename C>
 void last_token_attention(
-    const T* q, int64_t q_s, int64_t q_h, const Plane<T>& keys, const Plane<T>& values,
+    const T* q, int64_t q_s, int64_t q_h, const Plane<C>& keys, const Plane<C>& values,
     const int32_t* seq_lens, const int32_t* tables, int64_t table_stride,
     T* out, int64_t o_s, int64_t o_h, int64_t num_seqs, const Shape& sh, float scale) {
   // Split the context into items: whole sequences, or chunks of whole blocks when there
@@ -359,8 +361,9 @@ torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_ca
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "last dimensions must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-              k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  const bool is_fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+              (is_fp8 || query.scalar_type() == k_cache.scalar_type()), "dtypes differ");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 &&
               block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1,
               "seq_lens and block_tables must be int32 (tables row-contiguous)");
@@ -387,15 +390,22 @@ torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_ca
   auto out = torch::empty({num_seqs, num_heads, dv}, query.options());
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, dk, dv, k_cache.size(1)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged", [&] {
-    const Plane<scalar_t> keys{k_cache.data_ptr<scalar_t>(), k_cache.stride(0),
-                               k_cache.stride(1), k_cache.stride(2), dk};
-    const Plane<scalar_t> values{v_cache.data_ptr<scalar_t>(), v_cache.stride(0),
-                                 v_cache.stride(1), v_cache.stride(2), dv};
-    last_token_attention<scalar_t>(
-        query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), keys, values,
-        seq_lens_c.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
-        block_tables.stride(0), out.data_ptr<scalar_t>(), out.stride(0), out.stride(1),
-        num_seqs, shape, static_cast<float>(scale));
+    auto run = [&](auto cache_type) {
+      using C = decltype(cache_type);
+      const Plane<C> keys{static_cast<const C*>(k_cache.data_ptr()), k_cache.stride(0),
+                          k_cache.stride(1), k_cache.stride(2), dk};
+      const Plane<C> values{static_cast<const C*>(v_cache.data_ptr()), v_cache.stride(0),
+                            v_cache.stride(1), v_cache.stride(2), dv};
+      last_token_attention<scalar_t, C>(
+          query.data_ptr<scalar_t>(), query.stride(0), query.stride(1), keys, values,
+          seq_lens_c.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+          block_tables.stride(0), out.data_ptr<scalar_t>(), out.stride(0), out.stride(1),
+          num_seqs, shape, static_cast<float>(scale));
+    };
+    if (is_fp8)
+      run(at::Float8_e4m3fn());
+    else
+      run(scalar_t());
   });
   return out;
 }

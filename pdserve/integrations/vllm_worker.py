@@ -64,7 +64,8 @@ POOL_VIEWS: dict[tuple[str, str | None], PoolView] = {
 class PlanesAsPool:
     """One layer's planes, each [num_blocks, B, H, D] with strides of its own, as the single
     [P, num_blocks, B, H, D] pool tensor pdserve's KVConnector copies blocks into and out of
-    (it asks for index_copy_ and index_select along the block dim, device, dtype, is_cuda)."""
+    (it asks for index_copy_ and index_select along the block dim, view, device, dtype,
+    is_cuda)."""
 
     def __init__(self, planes: Sequence[torch.Tensor]) -> None:
         if len({(p.shape, p.dtype, p.device) for p in planes}) != 1:
@@ -82,6 +83,13 @@ class PlanesAsPool:
     @property
     def is_cuda(self) -> bool:
         return self.planes[0].is_cuda
+
+    def element_size(self) -> int:
+        return self.planes[0].element_size()
+
+    def view(self, dtype: torch.dtype) -> PlanesAsPool:
+        """The same planes seen as `dtype` (FP8 caches are copied as bytes)."""
+        return PlanesAsPool([plane.view(dtype) for plane in self.planes])
 
     def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> PlanesAsPool:
         """source [P, n, B, H, D] into blocks `index` of every plane."""

@@ -6,8 +6,13 @@ one request and one reply type; a refused request is answered with an ErrorReply
 (request_id 0 when the request could not even be decoded).
 
     data server:  hello bye put get exists pin renew release evict prefetch stats check
-                  lookup_prefix
+                  lookup_prefix node_info
     master:       join heartbeat leave update lookup_prefix nodes stats check
+                  place locate lease_group take_lease_group
+
+The master's `place` and `locate` spread blocks over the data nodes (kvstore/master.py): a
+client asks where to write new blocks, writes them to those nodes' data servers, and asks
+where to read them from; the data nodes' own reports (`update`) keep the index.
 
 Block payloads never ride inside msgpack: they follow the header as extra ZeroMQ frames (zmq
 data path) or move over UCX under the `ucx_tag` named in the message. A header is at most
@@ -19,7 +24,7 @@ server setting: the server checks it after decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.protocol.codec import Protocol, WireError
 
@@ -84,6 +89,14 @@ def _check_ttl(ttl_s: object) -> None:
         raise ValueError(f"ttl_s must be in (0, {MAX_TTL_S:g})")
 
 
+def _check_addresses(addresses: object) -> None:
+    if not isinstance(addresses, dict):
+        raise TypeError("addresses must be a map")
+    for node_id, address in addresses.items():
+        _check_str("node_id", node_id)
+        _check_str("address", address)
+
+
 def _check_same_length(what: str, a: list, b: list) -> None:
     if len(a) != len(b):
         raise ValueError(f"{what}: {len(a)} vs {len(b)} items")
@@ -142,6 +155,33 @@ class BlockHolder:
     def __post_init__(self) -> None:
         _check_str("node_id", self.node_id)
         _check_str("tier", self.tier)
+
+
+@dataclass(frozen=True)
+class NodeUsage:
+    """How full a data node is (all tiers together), as it reports it to the master."""
+
+    capacity_blocks: int
+    num_blocks: int
+    num_bytes: int
+    """Payload bytes of the blocks it holds."""
+
+    def __post_init__(self) -> None:
+        _check_uint("capacity_blocks", self.capacity_blocks)
+        _check_uint("num_blocks", self.num_blocks)
+        _check_uint("num_bytes", self.num_bytes)
+
+
+@dataclass(frozen=True)
+class NodeLease:
+    """A lease one data node handed out (a part of a fleet-wide lease group)."""
+
+    node_id: str
+    lease_id: int
+
+    def __post_init__(self) -> None:
+        _check_str("node_id", self.node_id)
+        _check_uint("lease_id", self.lease_id)
 
 
 # ---- data server: session ---------------------------------------------------------------------
@@ -431,15 +471,43 @@ class LookupPrefixReply(StoreReply):
     num_blocks: int
     holders: list[list[BlockHolder]]
     """For each of the num_blocks leading blocks: who holds it."""
+    addresses: dict[str, str] = field(default_factory=dict)
+    """node_id -> data-server address of every holder named (from the master)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_uint("num_blocks", self.num_blocks)
         if not isinstance(self.holders, list) or len(self.holders) != self.num_blocks:
             raise ValueError("lookup_prefix: one holder list per found block")
-        if not all(isinstance(hs, list) and all(isinstance(h, BlockHolder) for h in hs)
-                   for hs in self.holders):
-            raise TypeError("holders must be lists of BlockHolder")
+        _check_holders(self.holders)
+        _check_addresses(self.addresses)
+
+
+def _check_holders(holders: object) -> None:
+    if not isinstance(holders, list) or not all(
+            isinstance(hs, list) and all(isinstance(h, BlockHolder) for h in hs)
+            for hs in holders):
+        raise TypeError("holders must be lists of BlockHolder")
+
+
+@STORE_PROTOCOL.message("node_info")
+@dataclass(frozen=True)
+class NodeInfoRequest(StoreRequest):
+    """Ask a data server who it is and which master indexes it."""
+
+
+@STORE_PROTOCOL.message("node_info_reply")
+@dataclass(frozen=True)
+class NodeInfoReply(StoreReply):
+    node_id: str
+    master_address: str | None
+    """The master this node reports to (None: a node on its own)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_str("node_id", self.node_id)
+        if self.master_address is not None:
+            _check_str("master_address", self.master_address)
 
 
 # ---- master -----------------------------------------------------------------------------------
@@ -451,6 +519,8 @@ class JoinRequest(StoreRequest):
     node_id: str
     address: str
     """The node's data-server control address, tcp://host:port."""
+    usage: NodeUsage | None = None
+    """How full it is (placement spreads blocks by it)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -468,6 +538,7 @@ class JoinReply(StoreReply):
 @dataclass(frozen=True)
 class HeartbeatRequest(StoreRequest):
     node_id: str
+    usage: NodeUsage | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -531,14 +602,135 @@ class NodesRequest(StoreRequest):
 class NodesReply(StoreReply):
     nodes: dict[str, str]
     """node_id -> data-server address of every live node."""
+    usage: dict[str, NodeUsage] = field(default_factory=dict)
+    """node_id -> how full it is, as last reported."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.nodes, dict):
-            raise TypeError("nodes must be a map")
-        for node_id, address in self.nodes.items():
+        _check_addresses(self.nodes)
+        if not isinstance(self.usage, dict) or not all(
+                isinstance(u, NodeUsage) for u in self.usage.values()):
+            raise TypeError("usage must map node ids to NodeUsage")
+        for node_id in self.usage:
             _check_str("node_id", node_id)
-            _check_str("address", address)
+
+
+@STORE_PROTOCOL.message("place")
+@dataclass(frozen=True)
+class PlaceRequest(StoreRequest):
+    """Where should these new blocks be written? (The master picks data nodes.)"""
+
+    keys: list[bytes]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_keys(self.keys)
+
+
+@STORE_PROTOCOL.message("place_reply")
+@dataclass(frozen=True)
+class PlaceReply(StoreReply):
+    targets: list[list[str]]
+    """Per key: the node ids to write it to (the master's replica count of distinct nodes;
+    empty: some live node holds it already, or no node is live)."""
+    held: list[bool]
+    """Per key: a live node holds it already (nothing to write)."""
+    addresses: dict[str, str]
+    """node_id -> data-server address of every node named."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.targets, list) or not all(
+                isinstance(ts, list) for ts in self.targets):
+            raise TypeError("targets must be lists of node ids")
+        for ts in self.targets:
+            for node_id in ts:
+                _check_str("node_id", node_id)
+        _check_bools("held", self.held)
+        _check_same_length("place: targets and held", self.targets, self.held)
+        _check_addresses(self.addresses)
+
+
+@STORE_PROTOCOL.message("locate")
+@dataclass(frozen=True)
+class LocateRequest(StoreRequest):
+    """Who holds each of these blocks (every key, not only a leading run)?"""
+
+    keys: list[bytes]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_keys(self.keys)
+
+
+@STORE_PROTOCOL.message("locate_reply")
+@dataclass(frozen=True)
+class LocateReply(StoreReply):
+    holders: list[list[BlockHolder]]
+    """Per key: its holders, best first (empty: nobody)."""
+    addresses: dict[str, str]
+    """node_id -> data-server address of every holder named."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_holders(self.holders)
+        _check_addresses(self.addresses)
+
+
+@STORE_PROTOCOL.message("lease_group")
+@dataclass(frozen=True)
+class LeaseGroupRequest(StoreRequest):
+    """File the data nodes' leases pinning one batch under one fleet-wide lease id, so a
+    reader in another process can release them all by that id."""
+
+    node_leases: list[NodeLease]
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.node_leases, list) or not all(
+                isinstance(lease, NodeLease) for lease in self.node_leases):
+            raise TypeError("node_leases must be a list of NodeLease")
+        _check_ttl(self.ttl_s)
+
+
+@STORE_PROTOCOL.message("lease_group_reply")
+@dataclass(frozen=True)
+class LeaseGroupReply(StoreReply):
+    lease_id: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_uint("lease_id", self.lease_id)
+
+
+@STORE_PROTOCOL.message("take_lease_group")
+@dataclass(frozen=True)
+class TakeLeaseGroupRequest(StoreRequest):
+    """End a lease group: the master forgets it and answers with its live nodes' leases."""
+
+    lease_id: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_uint("lease_id", self.lease_id)
+
+
+@STORE_PROTOCOL.message("take_lease_group_reply")
+@dataclass(frozen=True)
+class TakeLeaseGroupReply(StoreReply):
+    known: bool
+    """False: the group had expired or was taken already."""
+    node_leases: list[NodeLease]
+    """The group's leases on nodes still live, to release there."""
+    addresses: dict[str, str]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.node_leases, list) or not all(
+                isinstance(lease, NodeLease) for lease in self.node_leases):
+            raise TypeError("node_leases must be a list of NodeLease")
+        _check_addresses(self.addresses)
 
 
 def decode_store_message(raw: bytes) -> StoreRequest | StoreReply:

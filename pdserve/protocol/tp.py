@@ -53,6 +53,9 @@ class SeqChunk:
     num_prompt_logits: int = 0
     """Also return the logits of this many leading rows, for prompt logprobs (every rank
     computes the same rows: serve/prompt_logprobs.py)."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: the last this many token_ids are drafts to verify; the runner
+    returns the logits of the chunk's last 1 + num_draft_tokens rows (serve/spec_decode.py)."""
 
 
 @TP_PROTOCOL.message("step")

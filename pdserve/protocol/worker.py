@@ -47,11 +47,17 @@ class KVHandoff:
     """A request of n > 1 sequences (best_of included): choice index -> the first token
     prefill sampled for it, for every choice that continues on decode (those that ended at
     their first token are absent). Empty: one sequence, first_token_id, choice 0."""
+    kv_cache_dtype: str = ""
+    """The dtype of the handed-off KV blocks (the prefill worker's KV layout: e.g. bfloat16,
+    or float8_e4m3fn with --kv-cache-dtype fp8). A decode worker whose cache holds another
+    dtype refuses the hand-off with a clear error. "": not stated."""
 
     def __post_init__(self) -> None:
         if self.source_address and not _DATA_ADDRESS.fullmatch(self.source_address):
             raise ValueError(f"source_address must be tcp://host:port, got "
                              f"{self.source_address[:80]!r}")
+        if len(self.kv_cache_dtype) > 32:
+            raise ValueError("kv_cache_dtype is a torch dtype name (at most 32 characters)")
         if any(not 0 <= i < MAX_NUM_SEQS_PER_REQUEST for i in self.choice_first_tokens):
             raise ValueError(f"choice indices must be in [0, {MAX_NUM_SEQS_PER_REQUEST})")
 
@@ -237,6 +243,9 @@ class WorkerStatus:
     kv_transfer: dict[str, float] = field(default_factory=dict)
     """Totals since start: {saved,loaded}_bytes, {save,load}_seconds, {save,load}_count;
     and num_handoff_leases: hand-offs its own node holds for decode now."""
+    spec_decode: dict[str, float] = field(default_factory=dict)
+    """Speculative decoding totals since start (empty when off): num_drafts,
+    num_draft_tokens, num_accepted_tokens, and accepted_pos_<j> per draft position."""
     step_samples: list[StepSample] = field(default_factory=list)
     """The most recent step samples (at most 64), oldest first; a reader dedups by seq."""
     max_num_seqs: int = 0
@@ -249,3 +258,8 @@ class WorkerStatus:
     max_num_used_blocks: int = 0
     """The most KV blocks that requests held at once since the worker started (a block
     shared by several sequences of an n > 1 request counts once)."""
+    moe_expert_tokens: list[int] = field(default_factory=list)
+    """MoE models: (token, expert) assignments each routed expert computed since start,
+    summed over rank 0's MoE layers (empty for a dense model)."""
+    moe_dropped_tokens: int = 0
+    """MoE models: assignments dropped past the expert capacity since start."""

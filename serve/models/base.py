@@ -19,8 +19,10 @@ from pdserve.serve.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pdserve.serve.pipeline import MissingLayer, PipelineStage, current_stage
 
 LayerDone = Callable[[int], None]
+Carried = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between pipeline stages
 # checkpoint part -> (fused parameter, shard id): the loader routes a checkpoint tensor whose
 # name holds ".q_proj." into shard "q" of the model's qkv_proj (see serve/loader.py)
 PackedMapping = dict[str, tuple[str, str | int]]
@@ -103,31 +105,51 @@ class DecoderModel(nn.Module):
     Each layer is called as layer(hidden, residual, kv_cache, meta, cos_sin) and returns
     (hidden, residual); layer_done(i) runs as soon as layer i has written its KV, so the KV
     hand-off saves layer by layer from there.
+
+    Under pipeline parallelism (serve/pipeline.py) the model is one stage's part: the layers
+    of other stages are MissingLayer placeholders (names keep the global layer index), the
+    embedding lives on the first stage, the norm on the last; kv_caches holds this stage's
+    layers only, and a stage other than the last returns (hidden, residual) for the next.
     """
 
     def __init__(self, hf_config: Mapping[str, Any], tp: TPGroup, rotary_emb: RotaryEmbedding,
                  make_layer: Callable[[int], nn.Module]) -> None:
         """make_layer(i) builds decoder layer i (the model file's own layer class)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config["vocab_size"],
-                                                   hf_config["hidden_size"], tp)
+        self.stage = current_stage(int(hf_config["num_hidden_layers"]),
+                                   bool(hf_config.get("tie_word_embeddings", False)))
+        self.embed_tokens = (VocabParallelEmbedding(hf_config["vocab_size"],
+                                                    hf_config["hidden_size"], tp)
+                             if self.stage.holds_embedding else None)
         self.rotary_emb = rotary_emb
-        self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config["num_hidden_layers"]))
-        self.norm = RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
+        self.layers = nn.ModuleList(
+            make_layer(i) if self.stage.holds_layer(i) else MissingLayer()
+            for i in range(hf_config["num_hidden_layers"]))
+        self.norm = (RMSNorm(hf_config["hidden_size"], float(hf_config.get("rms_norm_eps", 1e-6)))
+                     if self.stage.is_last else None)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+                meta: AttentionMetadata, layer_done: LayerDone | None = None,
+                carried: Carried | None = None) -> torch.Tensor | Carried:
+        """carried: what the previous pipeline stage returned (None on the first)."""
+        residual: torch.Tensor | None = None
+        if carried is None:
+            hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            hidden, residual = carried
         cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
-        fused = self.fused_decode() if layer_done is None else None
-        if fused is not None and fused.applies(hidden, meta):
+        fused = self.fused_decode() if layer_done is None and self.stage.is_whole else None
+        # (the fused loop reads and writes a model-dtype cache: an FP8 one takes the layers)
+        if (fused is not None and fused.applies(hidden, meta)
+                and kv_caches[0].dtype == hidden.dtype):
             hidden, residual = fused(hidden, kv_caches, meta, cos_sin)
         else:
-            residual: torch.Tensor | None = None
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                hidden, residual = layer(hidden, residual, kv_cache, meta, cos_sin)
+            for i, kv_cache in zip(self.stage.layers, kv_caches, strict=True):
+                hidden, residual = self.layers[i](hidden, residual, kv_cache, meta, cos_sin)
                 if layer_done is not None:
                     layer_done(i)
+        if not self.stage.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -150,16 +172,27 @@ class CausalLM(nn.Module):
     model: DecoderModel
 
     def add_lm_head(self, hf_config: Mapping[str, Any], tp: TPGroup) -> None:
-        self.lm_head = ParallelLMHead(hf_config["vocab_size"], hf_config["hidden_size"], tp)
+        """The LM head, on the last pipeline stage only."""
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        if not self.model.stage.is_last:
+            self.lm_head = None
+            return
+        self.lm_head = ParallelLMHead(hf_config["vocab_size"], hf_config["hidden_size"], tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def pipeline_stage(self) -> PipelineStage:
+        """The part of the model built here (the loader skips the others' tensors)."""
+        return self.model.stage
+
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, layer_done: LayerDone | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, layer_done: LayerDone | None = None,
+                carried: Carried | None = None) -> torch.Tensor | Carried:
         """input_ids [T] -> final hidden states [T, hidden]; layer_done(i) runs as soon as
-        layer i has written its KV (the KV hand-off saves layer by layer from there)."""
-        return self.model(input_ids, kv_caches, meta, layer_done)
+        layer i has written its KV (the KV hand-off saves layer by layer from there). A
+        pipeline stage other than the last returns (hidden, residual) instead."""
+        return self.model(input_ids, kv_caches, meta, layer_done, carried)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""

@@ -30,8 +30,10 @@ and every expert's intermediate size (or, with expert parallelism, places whole 
 latent projections, the router and the latent cache are whole on every rank.
 
 The loader skips V3's multi-token-prediction layer (model.layers.{num_hidden_layers}.*), as
-HF does (skips_checkpoint_tensor); FP8 checkpoints (block-scaled weights) are refused with a
-clear error: serve a bf16 conversion.
+HF does (skips_checkpoint_tensor), unless MTP speculative decoding asks for it: build_mtp
+adds DeepseekMTPLayer and serve/spec_decode.load_mtp_weights loads it. FP8 checkpoints as
+released (block-scaled weights) load as they are (serve/fp8.py); W_UK and W_UV are
+dequantized once, after loading.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from pdserve.serve.models.base import (
 from pdserve.serve.models.moe import DeepseekMoE, is_other_ranks_expert, local_experts
 from pdserve.serve.parallel import (
     ColumnParallelLinear,
+    ParallelLMHead,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -107,12 +110,18 @@ class MLAAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q_nope [T, H, N], q_rope [T, H, P], latent [T, R + P], w_uk [H, N, R],
         w_uv [H, V, R] -> [T, H, V]."""
+        if meta.context_parallel is not None:  # ring attention over the CP ranks
+            return meta.context_parallel.mla_attention(q_nope, q_rope, latent, w_uk, w_uv,
+                                                       kv_cache, self.scale, self.backend)
         latent_cache = kv_cache[0, :, :, 0]
         self.backend.write_latent_cache(latent, latent_cache, meta.slot_mapping)
-        if meta.is_decode_only:
+        if meta.is_decode_only or meta.token_seq_lens is not None:
+            # a verify step (speculative decoding): each token is its own decode query row
+            seq_lens, block_tables = ((meta.seq_lens, meta.block_tables) if meta.is_decode_only
+                                      else (meta.token_seq_lens, meta.token_block_tables))
             q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
             o_latent = self.backend.mla_decode_attention(
-                q_latent, q_rope, latent_cache, meta.seq_lens, meta.block_tables, self.scale)
+                q_latent, q_rope, latent_cache, seq_lens, block_tables, self.scale)
             return torch.einsum("thr,hvr->thv", o_latent, w_uv)
         return self.backend.mla_prefill_attention(
             q_nope, q_rope, latent_cache, w_uk, w_uv, meta.cu_seqlens_q, meta.seq_lens,
@@ -157,7 +166,7 @@ class DeepseekAttention(nn.Module):
         """Split kv_b_proj once into contiguous per-head W_UK [H, N, R] and W_UV [H, V, R]
         (kv_b_proj's rows per head are [W_UK ; W_UV], each over R): the absorbed attention
         multiplies by them every step, and a strided view would be copied each time."""
-        w_kv_b = self.kv_b_proj.weight.detach().view(
+        w_kv_b = self.kv_b_proj.dense_weight(self.kv_a_layernorm.weight.dtype).view(
             self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_uk = w_kv_b[:, :self.nope_dim].contiguous()
         self.w_uv = w_kv_b[:, self.nope_dim:].contiguous()
@@ -196,6 +205,52 @@ class DeepseekDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
 
+class SharedHead(nn.Module):
+    """The MTP module's output: its own final norm and LM head (checkpoint: shared_head)."""
+
+    def __init__(self, hf_config: Mapping[str, Any], tp: TPGroup) -> None:
+        super().__init__()
+        hidden = hf_config["hidden_size"]
+        self.norm = RMSNorm(hidden, float(hf_config.get("rms_norm_eps", 1e-6)))
+        self.head = ParallelLMHead(hf_config["vocab_size"], hidden, tp)
+
+
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module (checkpoint layer num_hidden_layers), used
+    as the drafter of speculative decoding (serve/spec_decode.py). Row i pairs the main
+    model's final hidden state h_i with the embedding of the token after position i:
+
+        x = eh_proj([enorm(embed(t_(i+1))) ; hnorm(h_i)])     [T, 2H] -> [T, H]
+        h' = decoder block(x) (its own MLA layer and KV cache, MoE or dense as layer i is)
+        logits of t_(i+2) = shared_head.head(shared_head.norm(h'))
+
+    The embedding is the main model's (the checkpoint's copy is the same tensor)."""
+
+    def __init__(self, hf_config: Mapping[str, Any], layer_id: int, rotary_emb: RotaryEmbedding,
+                 scoring_func: str, tp: TPGroup, backend_name: str) -> None:
+        super().__init__(hf_config, layer_id, rotary_emb, scoring_func, tp, backend_name)
+        hidden = hf_config["hidden_size"]
+        eps = float(hf_config.get("rms_norm_eps", 1e-6))
+        self.layer_id = layer_id
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, False)
+        self.shared_head = SharedHead(hf_config, tp)
+
+    def propose(self, embeds: torch.Tensor, previous_hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """embeds, previous_hidden [T, H] -> the block's output h' [T, H] (before the head's
+        norm: what a chained draft takes as its previous hidden state)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds)[0], self.hnorm(previous_hidden)[0]],
+                                   dim=-1))
+        hidden, residual = super().forward(x, None, kv_cache, meta, cos_sin)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_head.head(self.shared_head.norm(hidden)[0])
+
+
 def is_moe_layer(hf_config: Mapping[str, Any], layer_id: int) -> bool:
     """Dense below first_k_dense_replace, then MoE on every moe_layer_freq-th layer (1 in
     every released checkpoint; Hugging Face reads only first_k_dense_replace)."""
@@ -224,8 +279,25 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekModel(hf_config, max_positions, self.scoring_func, tp,
                                    backend_name)
         self.add_lm_head(hf_config, tp)
+        self._hf_config = hf_config
+        self._tp = tp
+        self._backend_name = backend_name
         self._num_layers = int(hf_config["num_hidden_layers"])
+        self.mtp: DeepseekMTPLayer | None = None
+        """The multi-token-prediction module, built only for speculative decoding
+        (build_mtp; serve/spec_decode.load_mtp_weights fills it)."""
         self._local_experts = local_experts(int(hf_config.get("n_routed_experts") or 0), tp)
+
+    def build_mtp(self) -> DeepseekMTPLayer:
+        """Add the MTP module (checkpoint layer num_hidden_layers); ValueError when the
+        config declares none (num_nextn_predict_layers, as DeepSeek-V3's release has it)."""
+        if int(self._hf_config.get("num_nextn_predict_layers") or 0) < 1:
+            raise ValueError("this model has no multi-token-prediction layer "
+                             "(num_nextn_predict_layers is 0 or missing in config.json): MTP "
+                             "speculative decoding needs a DeepSeek-V3 checkpoint with one")
+        self.mtp = DeepseekMTPLayer(self._hf_config, self._num_layers, self.model.rotary_emb,
+                                    self.scoring_func, self._tp, self._backend_name)
+        return self.mtp
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """What the loader skips: the multi-token-prediction layer V3 checkpoints append

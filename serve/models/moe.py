@@ -16,10 +16,20 @@ in the shared expert (SparseMoE.shared_output):
 Checkpoints store each expert as its own gate/up/down (`experts.N.*`). Experts are TP-split
 by default, or placed whole on ranks with expert parallelism (SparseMoE's docstring draws
 the all-to-all).
+
+Capacity (tp.expert_capacity_factor, ParallelConfig): with a factor f, each expert takes at
+most C = ceil(f x T x top_k / num_experts) of a step's T x top_k (token, expert) assignments,
+first come first served in token order (GShard, Switch); an assignment past C is dropped
+(never sent, never computed) and the token's remaining gates are renormalised to their
+original sum (a token with every slot dropped keeps only the shared expert and the
+residual). Every rank routes every token alike, so all ranks drop the same assignments and
+EP and TP give the same result. None: no limit, Hugging Face's exact routing. Routed and
+dropped assignments are counted per expert (SparseMoE.load) for /metrics.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,7 +105,9 @@ class TopKRouter(ReplicatedLinear):
 
     def _mask_other_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """Experts outside each token's topk_groups best groups drop out of the choice."""
-        grouped = choice.view(choice.shape[0], self.num_groups, -1)  # [T, G, E / G]
+        # [T, G, E / G]; E / G spelled out, as a CP rank may hold no tokens in a step
+        grouped = choice.view(choice.shape[0], self.num_groups,
+                              choice.shape[1] // self.num_groups)
         if self.scoring_func == "sigmoid":
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             dropped = float("-inf")
@@ -171,6 +183,8 @@ class SparseMoE(nn.Module):
             str(e): expert_cls(hidden, inter, False, expert_tp, reduce=False)
             for e in self.local_experts
         })
+        self.capacity_factor = tp.expert_capacity_factor
+        self.load = ExpertLoad(gate.num_experts)
 
     def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Every token's shared-expert output, this rank's partial sum ([T, hidden], not yet
@@ -179,28 +193,44 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(hidden)  # [T, k] each
+        kept = None  # [T, k] bool: the assignments within capacity (None: all)
+        if self.capacity_factor is not None:
+            weights, kept = apply_capacity(weights, expert_ids, self.gate.num_experts,
+                                           self.capacity_factor)
+        self.load.add(expert_ids, kept)
         if self.is_expert_parallel:
-            out = self._dispatch_and_combine(hidden, weights, expert_ids)
+            out = self._dispatch_and_combine(hidden, weights, expert_ids, kept)
         else:
             top_k = expert_ids.shape[1]
             tokens = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
-            out = self._weighted_sum(hidden, tokens, self._apply_experts(
-                hidden, expert_ids.flatten(), tokens), weights.flatten())
+            ids, flat_weights = expert_ids.flatten(), weights.flatten()
+            if kept is not None:
+                mask = kept.flatten()
+                tokens, ids, flat_weights = tokens[mask], ids[mask], flat_weights[mask]
+            out = self._weighted_sum(hidden, tokens, self._apply_experts(hidden, ids, tokens),
+                                     flat_weights)
         shared = self.shared_output(hidden)
         if shared is not None:
             out = out + shared
         return self.tp.all_reduce(out)
 
     def _dispatch_and_combine(self, hidden: torch.Tensor, weights: torch.Tensor,
-                              expert_ids: torch.Tensor) -> torch.Tensor:
+                              expert_ids: torch.Tensor, kept: torch.Tensor | None = None
+                              ) -> torch.Tensor:
         """Three all-to-alls: rows per expert, the rows (sorted by expert id, so by rank as
-        experts are laid out rank by rank), and the expert outputs back."""
+        experts are laid out rank by rank), and the expert outputs back. Dropped
+        assignments (kept False) are never sent."""
         num_tokens, top_k = expert_ids.shape
         size, rank, per_rank = self.tp.size, self.tp.rank, len(self.local_experts)
         start, end = rank * num_tokens // size, (rank + 1) * num_tokens // size
         ids = expert_ids[start:end].flatten()
+        tokens = torch.arange(start, end, device=hidden.device).repeat_interleave(top_k)
+        my_weights = weights[start:end].flatten()
+        if kept is not None:
+            mask = kept[start:end].flatten()
+            ids, tokens, my_weights = ids[mask], tokens[mask], my_weights[mask]
         order = ids.argsort(stable=True)
-        tokens = torch.arange(start, end, device=hidden.device).repeat_interleave(top_k)[order]
+        tokens = tokens[order]
         send = torch.bincount(ids, minlength=self.gate.num_experts).view(size, per_rank)
         # [source rank, my expert]: the rows coming here (row r of send goes to rank r)
         recv = self.tp.all_to_all(send, [1] * size, [1] * size)
@@ -211,7 +241,7 @@ class SparseMoE(nn.Module):
         row_experts = mine.repeat(size).repeat_interleave(recv.flatten())
         outputs = self._apply_experts(rows, row_experts)
         returned = self.tp.all_to_all(outputs, recv_counts, send_counts)
-        return self._weighted_sum(hidden, tokens, returned, weights[start:end].flatten()[order])
+        return self._weighted_sum(hidden, tokens, returned, my_weights[order])
 
     @staticmethod
     def _weighted_sum(hidden: torch.Tensor, tokens: torch.Tensor, outputs: torch.Tensor,
@@ -240,6 +270,81 @@ class SparseMoE(nn.Module):
             out.index_copy_(0, index, self.experts[str(expert)](rows.index_select(0, source)))
             start += count
         return out
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Assignments one expert takes per step: ceil(factor x tokens x top_k / experts)."""
+    return math.ceil(factor * num_tokens * top_k / num_experts)
+
+
+def apply_capacity(weights: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                   factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights renormalised over the kept assignments, kept [T, k] bool).
+
+    An assignment's place in its expert's queue is its rank among that expert's
+    assignments in (token, slot) order; those at place >= capacity are dropped:
+
+        expert ids (T=4, k=2)   [[0 1] [0 2] [0 1] [3 0]]     capacity 2
+        place in the queue      [[0 0] [1 0] [2 1] [0 3]]
+        kept                    [[T T] [T T] [F T] [T F]]
+    """
+    num_tokens, top_k = expert_ids.shape
+    capacity = expert_capacity(num_tokens, top_k, num_experts, factor)
+    flat = expert_ids.flatten()
+    order = flat.argsort(stable=True)  # by expert, then token order
+    counts = torch.bincount(flat, minlength=num_experts)
+    first = torch.cumsum(counts, 0) - counts  # where each expert's run starts in `order`
+    place = torch.empty_like(flat)
+    place[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+    kept = (place < capacity).view(num_tokens, top_k)
+    kept_weights = weights * kept
+    total, kept_total = weights.sum(-1, keepdim=True), kept_weights.sum(-1, keepdim=True)
+    scale = torch.where(kept_total > 0, total / kept_total.clamp_min(1e-20),
+                        torch.zeros_like(total))
+    return kept_weights * scale, kept
+
+
+class ExpertLoad:
+    """Per-expert counts of one MoE layer since start: assignments routed to (and computed
+    by) each expert, and assignments dropped past capacity. Kept on the device (no sync per
+    step); read with totals()."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self._routed: torch.Tensor | None = None  # [E] int64
+        self._dropped: torch.Tensor | None = None  # [] int64
+
+    def add(self, expert_ids: torch.Tensor, kept: torch.Tensor | None) -> None:
+        ids = expert_ids.flatten() if kept is None else expert_ids[kept]
+        routed = torch.bincount(ids, minlength=self.num_experts)
+        dropped = (expert_ids.numel() - ids.numel()) + routed.new_zeros(())
+        if self._routed is None or self._dropped is None:
+            self._routed, self._dropped = routed, dropped
+        else:
+            self._routed += routed
+            self._dropped += dropped
+
+    def totals(self) -> tuple[list[int], int]:
+        """(assignments per expert, dropped assignments) since start."""
+        if self._routed is None or self._dropped is None:
+            return [0] * self.num_experts, 0
+        return self._routed.tolist(), int(self._dropped.item())
+
+
+def moe_load(model: nn.Module) -> tuple[list[int], int] | None:
+    """Every MoE layer's ExpertLoad summed by expert id: (assignments per expert, dropped);
+    None for a model without MoE layers."""
+    layers = [m.load for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return None
+    num_experts = max(layer.num_experts for layer in layers)
+    routed, dropped = [0] * num_experts, 0
+    for layer in layers:
+        counts, num_dropped = layer.totals()
+        for e, count in enumerate(counts):
+            routed[e] += count
+        dropped += num_dropped
+    return routed, dropped
 
 
 def deepseek_router(hf_config: Mapping[str, Any], scoring_func: str) -> TopKRouter:

@@ -1,0 +1,569 @@
+"""Fleet discovery through etcd: every role registers a record under a lease it keeps alive;
+routers and workers watch the records (DESIGN.md, "Processes, ports and the fleet").
+
+Key layout (one key per process, the value a JSON `Record`):
+
+    /pdserve/<cluster>/<role>/<id>
+        cluster  the path of the discovery URL, etcd://HOST:PORT/<cluster> ("default")
+        role     router | prefill | decode | colocated | store-master | store-data
+        id       the process's advertised host:port (unique per reachable endpoint)
+
+Each key is put under a lease of `ttl_s` seconds that a keepalive thread renews every third
+of it. A graceful stop revokes the lease (its keys vanish at once); a process that dies
+stops renewing, and its keys vanish when the lease expires, at most `ttl_s` later.
+
+etcd is reached through its v3 JSON gateway (`/v3/kv/put`, `/v3/kv/range`, `/v3/lease/*`,
+`/v3/watch`: keys and values base64) with httpx; every call has a timeout. A watch resumes
+from the revision after the last one it saw, so no event is lost across a reconnect; when
+that revision has been compacted away it starts over from a fresh range.
+
+Records are validated on read: a malformed one is logged and skipped, never raised into a
+watcher. This module is a leaf: it imports nothing else of pdserve, so every package (the
+router, the workers, the store) may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+KEY_ROOT = "/pdserve"
+DEFAULT_CLUSTER = "default"
+WORKER_ROLES = ("prefill", "decode", "colocated")
+ROLES = ("router", *WORKER_ROLES, "store-master", "store-data")
+DEFAULT_TTL_S = 10.0
+REQUEST_TIMEOUT_S = 5.0
+WATCH_IDLE_S = 2.0
+"""A watch stream that brings nothing for this long is reopened (from its next revision)."""
+RETRY_S = 0.5
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+class DiscoveryError(RuntimeError):
+    """etcd could not be reached, or answered with an error."""
+
+
+class RecordError(ValueError):
+    """A registry value is not a valid Record."""
+
+
+# ---- where -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DiscoveryURL:
+    """etcd://HOST:PORT[/CLUSTER]: the etcd endpoint and the fleet's name inside it."""
+
+    host: str
+    port: int
+    cluster: str = DEFAULT_CLUSTER
+
+    @classmethod
+    def parse(cls, url: str) -> DiscoveryURL:
+        match = re.fullmatch(r"etcd://([^/:\s]+|\[[0-9a-fA-F:]+\]):(\d+)(?:/([^/\s]*))?/?", url)
+        if match is None:
+            raise ValueError(f"--discovery must look like etcd://HOST:PORT[/CLUSTER], got "
+                             f"{url[:80]!r}")
+        host, port, cluster = match.group(1), int(match.group(2)), match.group(3) or ""
+        if not 0 < port < 65536:
+            raise ValueError(f"--discovery port must be in 1..65535, got {port}")
+        cluster = cluster or DEFAULT_CLUSTER
+        if not _NAME.fullmatch(cluster):
+            raise ValueError(f"cluster name {cluster!r} must be 1-63 letters, digits, '.', "
+                             "'_' or '-'")
+        return cls(host, port, cluster)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def prefix(self, role: str | None = None) -> str:
+        """The key prefix of the whole fleet, or of one role in it."""
+        base = f"{KEY_ROOT}/{self.cluster}/"
+        return base if role is None else f"{base}{role}/"
+
+    def key(self, role: str, record_id: str) -> str:
+        return f"{self.prefix(role)}{record_id}"
+
+    def __str__(self) -> str:
+        return f"etcd://{self.host}:{self.port}/{self.cluster}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--discovery and --discovery-ttl-s: the same two flags on every role."""
+    parser.add_argument("--discovery", default=None, metavar="etcd://HOST:PORT[/CLUSTER]",
+                        help="register in this etcd under a lease, and find the other roles "
+                             "there (no worker, store or master addresses needed)")
+    parser.add_argument("--discovery-ttl-s", type=float, default=DEFAULT_TTL_S,
+                        help="registry lease TTL: a process that dies leaves the registry "
+                             "this long after (default %(default)s)")
+
+
+def check_ttl(ttl_s: float) -> None:
+    if not 1 <= ttl_s <= 3600:
+        raise ValueError(f"--discovery-ttl-s must be in [1, 3600] seconds, got {ttl_s}")
+
+
+def advertised_host(bind_host: str) -> str:
+    """The host others reach a socket bound to `bind_host` at: the host itself, or for a
+    wildcard bind (0.0.0.0, ::) this machine's address as its hostname resolves."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def reachable(address: str) -> str:
+    """`address` (tcp://HOST:PORT or http://HOST:PORT) with a wildcard host replaced by the
+    advertised one."""
+    match = re.fullmatch(r"(\w+)://(.*):(\d+)", address)
+    if match is None:
+        return address
+    scheme, host, port = match.groups()
+    return f"{scheme}://{advertised_host(host)}:{port}"
+
+
+# ---- what ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Record:
+    """What one process tells the fleet about itself."""
+
+    role: str
+    """One of ROLES."""
+    address: str
+    """Where it is reached: a worker's or store node's ZeroMQ address (tcp://HOST:PORT), a
+    router's HTTP base URL."""
+    name: str = ""
+    """Its name in statuses and metrics (worker id, store node id)."""
+    model: str | None = None
+    """The model it serves (workers)."""
+    kv_layout: dict[str, Any] | None = None
+    """The KV layout its blocks have (workers; the fields of WorkerStatus.kv_layout)."""
+    tensor_parallel_size: int = 1
+    capacity: dict[str, int] = field(default_factory=dict)
+    """What it can hold: a worker's num_kv_blocks, block_size, max_num_seqs; a data node's
+    dram_blocks, disk_blocks."""
+    addresses: dict[str, str] = field(default_factory=dict)
+    """Further addresses by purpose (e.g. a store node's master and data sockets)."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise RecordError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not isinstance(self.address, str) or not re.fullmatch(r"\w+://\S+:\d+\S*",
+                                                                  self.address):
+            raise RecordError(f"address must be SCHEME://HOST:PORT, got {self.address!r}")
+        if not isinstance(self.name, str) or len(self.name) > 200:
+            raise RecordError("name must be a string of at most 200 characters")
+        if self.model is not None and not isinstance(self.model, str):
+            raise RecordError("model must be a string")
+        if self.kv_layout is not None and not isinstance(self.kv_layout, dict):
+            raise RecordError("kv_layout must be an object")
+        if (not isinstance(self.tensor_parallel_size, int) or isinstance(
+                self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1):
+            raise RecordError("tensor_parallel_size must be a positive integer")
+        if not isinstance(self.capacity, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                for k, v in self.capacity.items()):
+            raise RecordError("capacity must map names to integers")
+        if not isinstance(self.addresses, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.addresses.items()):
+            raise RecordError("addresses must map names to strings")
+
+    @property
+    def record_id(self) -> str:
+        """The last part of its key: HOST:PORT of its address."""
+        return self.address.split("://", 1)[1].rstrip("/")
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Record:
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RecordError(f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RecordError("not a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise RecordError(f"unknown fields {sorted(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a required field missing
+            raise RecordError(str(exc)) from None
+
+
+def parse_entry(url: DiscoveryURL, key: str, raw: bytes) -> Record | None:
+    """The record stored at `key`, or None (logged) when it is malformed or its key does not
+    match its role."""
+    try:
+        record = Record.from_json(raw)
+    except RecordError as exc:
+        logger.warning("ignored a malformed registry record at %s: %s", key, exc)
+        return None
+    if not key.startswith(url.prefix(record.role)):
+        logger.warning("ignored a registry record at %s: its role is %s", key, record.role)
+        return None
+    return record
+
+
+# ---- the etcd v3 JSON gateway ---------------------------------------------------------------
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _prefix_end(prefix: str) -> str:
+    """etcd's range_end for every key starting with `prefix` (its last byte plus one)."""
+    raw = prefix.encode()
+    return _b64(raw[:-1] + bytes([raw[-1] + 1]))
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    """put | delete."""
+    key: str
+    value: bytes
+    """The new value of a put (b"" for a delete)."""
+    revision: int
+
+
+class Compacted(DiscoveryError):
+    """A watch asked for a revision etcd has compacted away."""
+
+
+class EtcdClient:
+    """A few verbs of etcd's v3 API over its JSON gateway. Not shared between threads: each
+    thread that talks to etcd makes its own."""
+
+    def __init__(self, endpoint: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(base_url=endpoint, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = self._http.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise DiscoveryError(f"etcd at {self.endpoint} unreachable: {exc}") from exc
+        if response.status_code != 200:
+            raise DiscoveryError(f"etcd {path} answered {response.status_code}: "
+                                 f"{response.text[:200]}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise DiscoveryError(f"etcd {path} answered non-JSON") from exc
+
+    def grant(self, ttl_s: float) -> int:
+        """A new lease of `ttl_s` seconds (rounded up to whole seconds)."""
+        reply = self._call("/v3/lease/grant", {"TTL": max(1, int(-(-ttl_s // 1)))})
+        if "ID" not in reply or reply.get("error"):
+            raise DiscoveryError(f"lease grant failed: {reply}")
+        return int(reply["ID"])
+
+    def keepalive(self, lease_id: int) -> int:
+        """Renew a lease once; its remaining TTL in seconds, 0 when it no longer exists."""
+        reply = self._call("/v3/lease/keepalive", {"ID": str(lease_id)})
+        return int(reply.get("result", {}).get("TTL", 0))
+
+    def revoke(self, lease_id: int) -> None:
+        self._call("/v3/lease/revoke", {"ID": str(lease_id)})
+
+    def put(self, key: str, value: bytes, lease_id: int | None = None) -> int:
+        """Store `value` at `key` (tied to the lease when given); the new revision."""
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease_id is not None:
+            body["lease"] = str(lease_id)
+        return int(self._call("/v3/kv/put", body)["header"]["revision"])
+
+    def delete(self, key: str) -> None:
+        self._call("/v3/kv/deleterange", {"key": _b64(key)})
+
+    def range_prefix(self, prefix: str) -> tuple[int, list[tuple[str, bytes]]]:
+        """Every (key, value) under `prefix`, and the store's revision they were read at."""
+        reply = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
+        entries = [(_unb64(kv["key"]).decode(errors="replace"), _unb64(kv.get("value", "")))
+                   for kv in reply.get("kvs", [])]
+        return int(reply["header"]["revision"]), entries
+
+    def watch(self, prefix: str, start_revision: int, idle_s: float = WATCH_IDLE_S
+              ) -> Iterator[Event]:
+        """The events under `prefix` from `start_revision` on, until the stream has been
+        quiet for `idle_s` (then it ends; the caller reopens from its next revision).
+        Raises Compacted when start_revision is gone, DiscoveryError when etcd fails."""
+        body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
+                                   "start_revision": str(start_revision)}}
+        timeout = httpx.Timeout(self.timeout_s, read=idle_s)
+        try:
+            with self._http.stream("POST", "/v3/watch", json=body, timeout=timeout) as stream:
+                if stream.status_code != 200:
+                    raise DiscoveryError(f"etcd watch answered {stream.status_code}")
+                for line in stream.iter_lines():
+                    if not line.strip():
+                        continue
+                    yield from _watch_events(json.loads(line))
+        except httpx.ReadTimeout:
+            return
+        except (httpx.HTTPError, ValueError) as exc:
+            raise DiscoveryError(f"etcd watch at {self.endpoint} failed: {exc}") from exc
+
+
+def _watch_events(message: dict[str, Any]) -> list[Event]:
+    if "error" in message:
+        raise DiscoveryError(f"etcd watch error: {message['error']}")
+    result = message.get("result", {})
+    if int(result.get("compact_revision", 0) or 0):
+        raise Compacted(f"revision compacted (now from {result['compact_revision']})")
+    if result.get("canceled"):
+        raise DiscoveryError(f"etcd cancelled the watch: {result.get('cancel_reason', '')}")
+    events = []
+    for event in result.get("events", []):
+        kv = event.get("kv", {})
+        events.append(Event("delete" if event.get("type") == "DELETE" else "put",
+                            _unb64(kv["key"]).decode(errors="replace"),
+                            _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0))))
+    return events
+
+
+# ---- registering -----------------------------------------------------------------------------
+class Registration:
+    """One process's record, kept in the registry under a lease until `withdraw()`.
+
+    A keepalive thread renews the lease every ttl/3; if the lease is gone (etcd restarted, or
+    this process was cut off longer than the TTL) it takes a new one and puts the record
+    again, so a process that comes back reappears by itself."""
+
+    def __init__(self, url: DiscoveryURL, record: Record, ttl_s: float = DEFAULT_TTL_S
+                 ) -> None:
+        check_ttl(ttl_s)
+        self.url = url
+        self.ttl_s = ttl_s
+        self._record = record
+        self._client = EtcdClient(url.endpoint)
+        self._lock = threading.Lock()  # the client and the lease, between the two threads
+        self._lease_id: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        return self.url.key(self._record.role, self._record.record_id)
+
+    @property
+    def record(self) -> Record:
+        return self._record
+
+    def start(self) -> Registration:
+        """Put the record now (raises DiscoveryError when etcd is unreachable), then keep it."""
+        with self._lock:
+            self._put_fresh()
+        self._thread = threading.Thread(target=self._keep, name="discovery-keepalive",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("registered %s at %s in %s (lease TTL %.0fs)", self._record.address,
+                    self.key, self.url, self.ttl_s)
+        return self
+
+    def update(self, record: Record) -> None:
+        """Replace the record (e.g. after a role flip: its key moves with the role)."""
+        with self._lock:
+            old_key = self.key
+            self._record = record
+            if self._lease_id is None or self._stop.is_set():
+                return
+            try:
+                self._client.put(self.key, record.to_json(), self._lease_id)
+                if self.key != old_key:
+                    self._client.delete(old_key)
+            except DiscoveryError as exc:
+                logger.warning("could not update the registry record: %s", exc)
+
+    def withdraw(self) -> None:
+        """Stop renewing and revoke the lease: the record vanishes now. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=REQUEST_TIMEOUT_S + 1)
+        with self._lock:
+            if self._lease_id is not None:
+                try:
+                    self._client.revoke(self._lease_id)
+                except DiscoveryError as exc:  # it expires within its TTL anyway
+                    logger.warning("could not revoke the registry lease: %s", exc)
+                self._lease_id = None
+            self._client.close()
+        logger.info("withdrew %s from the registry", self._record.address)
+
+    def _put_fresh(self) -> None:
+        self._lease_id = self._client.grant(self.ttl_s)
+        self._client.put(self.key, self._record.to_json(), self._lease_id)
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                try:
+                    if self._lease_id is None or self._client.keepalive(self._lease_id) <= 0:
+                        logger.warning("registry lease lost; registering %s again",
+                                       self._record.address)
+                        self._put_fresh()
+                except DiscoveryError as exc:
+                    logger.warning("registry keepalive failed (will retry): %s", exc)
+
+
+# ---- watching --------------------------------------------------------------------------------
+class RegistryWatch:
+    """A thread that keeps `records` (key -> Record) equal to the registry under the fleet's
+    prefix, and calls `on_change(records)` (a copy) after every change it applies, from the
+    watch thread. Malformed values are logged and left out."""
+
+    def __init__(self, url: DiscoveryURL,
+                 on_change: Callable[[dict[str, Record]], None] | None = None) -> None:
+        self.url = url
+        self.on_change = on_change
+        self._records: dict[str, Record] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.is_synced = False
+        """The first range has been read (records reflect the registry)."""
+
+    @property
+    def records(self) -> dict[str, Record]:
+        with self._cond:
+            return dict(self._records)
+
+    def start(self) -> RegistryWatch:
+        self._thread = threading.Thread(target=self._run, name="discovery-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=WATCH_IDLE_S + REQUEST_TIMEOUT_S)
+
+    def wait_for(self, predicate: Callable[[dict[str, Record]], bool], timeout_s: float
+                 ) -> bool:
+        """Whether `predicate(records)` held within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not predicate(dict(self._records)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+            return True
+
+    def _run(self) -> None:
+        client = EtcdClient(self.url.endpoint)
+        prefix = self.url.prefix()
+        next_revision = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    if next_revision is None:  # (re)start from a fresh range
+                        revision, entries = client.range_prefix(prefix)
+                        self._reset({key: raw for key, raw in entries})
+                        next_revision = revision + 1
+                    for event in client.watch(prefix, next_revision):
+                        self._apply(event)
+                        next_revision = event.revision + 1
+                        if self._stop.is_set():
+                            return
+                except Compacted as exc:
+                    logger.warning("registry watch: %s; reading it afresh", exc)
+                    next_revision = None
+                except DiscoveryError as exc:
+                    logger.warning("registry watch failed (retrying): %s", exc)
+                    self._stop.wait(RETRY_S)
+        finally:
+            client.close()
+
+    def _reset(self, entries: dict[str, bytes]) -> None:
+        records = {}
+        for key, raw in entries.items():
+            record = parse_entry(self.url, key, raw)
+            if record is not None:
+                records[key] = record
+        with self._cond:
+            changed = records != self._records or not self.is_synced
+            self._records = records
+            self.is_synced = True
+            self._cond.notify_all()
+        if changed:
+            self._notify()
+
+    def _apply(self, event: Event) -> None:
+        with self._cond:
+            if event.kind == "delete":
+                changed = self._records.pop(event.key, None) is not None
+            else:
+                record = parse_entry(self.url, event.key, event.value)
+                if record is None:  # a malformed replacement: the key holds nothing valid
+                    changed = self._records.pop(event.key, None) is not None
+                else:
+                    changed = self._records.get(event.key) != record
+                    self._records[event.key] = record
+            self._cond.notify_all()
+        if changed:
+            self._notify()
+
+    def _notify(self) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(self.records)
+        except Exception:  # a bad callback must not end the watch
+            logger.exception("registry watch callback failed")
+
+
+def check_reachable(url: DiscoveryURL) -> None:
+    """Raise DiscoveryError (naming the endpoint) unless etcd answers a read."""
+    client = EtcdClient(url.endpoint)
+    try:
+        client.range_prefix(url.prefix())
+    finally:
+        client.close()
+
+
+def find(url: DiscoveryURL, role: str, timeout_s: float) -> list[Record]:
+    """The records of `role`, waiting up to `timeout_s` for at least one to appear (an empty
+    list when none did; DiscoveryError when etcd could not be reached at all)."""
+    client = EtcdClient(url.endpoint)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            _, entries = client.range_prefix(url.prefix(role))
+            records = [r for key, raw in entries if (r := parse_entry(url, key, raw))]
+            if records or time.monotonic() >= deadline:
+                return sorted(records, key=lambda r: r.address)
+            time.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
+    finally:
+        client.close()
