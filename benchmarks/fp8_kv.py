@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from pdserve.benchmarks.plots import save_json
+
 MODELS: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2),
@@ -206,9 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(json.dumps(report))
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out = save_json(report, args.output)
         plot(results, out.with_suffix(".png"))
     return report
 

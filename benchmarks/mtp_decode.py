@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.benchmarks.plots import save_json
+
 MODEL_CONFIG: dict[str, object] = dict(
     hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=192, qk_rope_head_dim=32,
@@ -137,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report))
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out = save_json(report, args.output)
         plot(results, out.with_suffix(".png"))
     return 0
 

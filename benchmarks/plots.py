@@ -1,4 +1,5 @@
-"""PNG plots of a benchmark: SLO attainment vs request rate, and TTFT / TPOT CDFs.
+"""PNG plots of a benchmark: SLO attainment vs request rate, and TTFT / TPOT CDFs; the JSON
+results file a plot goes beside.
 
 matplotlib is imported inside each function with the Agg backend, so the harness runs headless
 and `pdserve bench --help` does not pay for it.
@@ -6,6 +7,7 @@ and `pdserve bench --help` does not pay for it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -100,4 +102,12 @@ def save_figure(fig, plt, path: str | Path, dpi: int = 100) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+    return path
+
+
+def save_json(report: Mapping, path: str | Path) -> Path:
+    """Write a benchmark's JSON results (its plot goes beside: path.with_suffix(".png"))."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
     return path

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from pdserve.benchmarks.plots import save_json
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=384)
@@ -192,9 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(json.dumps(report))
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out = save_json(report, args.output)
         plot(results, Path(args.plot) if args.plot else out.with_suffix(".png"))
     return report
 

@@ -196,14 +196,7 @@ class BlockManager:
         keep = max(self.num_blocks_for(num_tokens), self._num_committed[request.request_id])
         tail = table[keep:]
         del table[keep:]
-        for block_id in reversed(tail):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_key is not None:
-                    self._cached[block_id] = None
-                else:
-                    self._free.append(block_id)
+        self._release(tail)
         return len(tail)
 
     def claim(self, request: Request, block_ids: list[int]) -> None:
@@ -301,9 +294,13 @@ class BlockManager:
         self._num_committed.pop(request.request_id, None)
         if table is None:
             return
-        # Tail first: a prompt's last blocks are the least likely to be shared, so they
-        # should be the first evicted.
-        for block_id in reversed(table):
+        self._release(table)
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; an unreferenced one becomes evictable if it has
+        a key (cached), else free. Tail first: a prompt's last blocks are the least likely to
+        be shared, so they should be the first evicted."""
+        for block_id in reversed(block_ids):
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
