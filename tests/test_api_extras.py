@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from cluster_util import start_cluster, stream_chunks
+from cluster_util import stream_chunks
 from fastapi.testclient import TestClient
 from model_util import hf_logits, load_hf, random_prompts
 from router_util import StandInDispatcher, router_config
@@ -256,13 +256,10 @@ def test_controls_reach_the_workers(router) -> None:
 
 
 # ---- end to end --------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["colocated", "disagg"])
-def cluster(request, llama_dir, tmp_path_factory):
-    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("logs"), "--mode", request.param,
-                            "--num-kv-blocks", "256")
-    yield cluster
-    cluster.assert_nothing_leaked(with_store=request.param == "disagg")
-    assert cluster.stop() == 0, cluster.log()
+@pytest.fixture(scope="module")
+def cluster(served_cluster):
+    """The shared `pdserve up` (conftest.served_cluster), colocated and disaggregated."""
+    return served_cluster
 
 
 def _post(cluster, path: str, body: dict) -> dict:

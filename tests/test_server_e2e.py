@@ -39,12 +39,10 @@ def reference(llama_dir):
     return texts
 
 
-@pytest.fixture(scope="module", params=["colocated", "disagg"])
-def cluster(request, llama_dir, tmp_path_factory):
-    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("logs"), "--mode", request.param,
-                            "--num-kv-blocks", "512")
-    yield cluster
-    assert cluster.stop() == 0, cluster.log()
+@pytest.fixture(scope="module")
+def cluster(served_cluster):
+    """The shared `pdserve up` (conftest.served_cluster), colocated and disaggregated."""
+    return served_cluster
 
 
 @pytest.fixture(autouse=True)

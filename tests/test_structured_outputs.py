@@ -22,7 +22,6 @@ from typing import Any, Literal
 import httpx
 import jsonschema
 import pytest
-from cluster_util import start_cluster
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 from router_util import StandInDispatcher, router_config
@@ -150,12 +149,10 @@ def test_bad_structured_fields_are_400s_naming_the_problem(stand_in, fields, par
 
 
 # ---- end to end ---------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["colocated", "disagg"])
-def cluster(request, llama_dir, tmp_path_factory):
-    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("logs"), "--mode", request.param,
-                            "--num-kv-blocks", "4096")
-    yield cluster
-    assert cluster.stop() == 0, cluster.log()
+@pytest.fixture(scope="module")
+def cluster(served_cluster):
+    """The shared `pdserve up` (conftest.served_cluster), colocated and disaggregated."""
+    return served_cluster
 
 
 @pytest.fixture(autouse=True)

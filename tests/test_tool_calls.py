@@ -655,18 +655,10 @@ E2E_MAX_TOKENS = 400
 model always finishes its JSON before max_tokens."""
 
 
-@pytest.fixture(scope="module", params=["colocated", "disagg"])
-def cluster(request, llama_dir, tmp_path_factory):
-    from cluster_util import start_cluster
-
-    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("tool-logs"), "--mode",
-                            request.param, "--num-kv-blocks", "512",
-                            "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield cluster
-    try:
-        cluster.assert_nothing_leaked(with_store=request.param == "disagg")
-    finally:
-        assert cluster.stop() == 0, cluster.log()
+@pytest.fixture(scope="module")
+def cluster(served_cluster):
+    """The shared `pdserve up` (conftest.served_cluster), colocated and disaggregated."""
+    return served_cluster
 
 
 def _cluster_call(base_url: str, body: dict, stream: bool) -> tuple[list[dict], str, dict]:
