@@ -480,7 +480,8 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
         cache_config.kv_cache_dtype, spec.dtype))
     pp_size = parallel_config.pipeline_parallel_size
     pp = PPGroup(PipelineStage(stage, pp_size, spec.num_layers, spec.tie_word_embeddings),
-                 tp.rank, tp.size, parallel_config.pipeline_micro_batches or pp_size)
+                 tp.rank, tp.size, parallel_config.pipeline_micro_batches or pp_size,
+                 timeout_s)
     state = _Rank(spec, cache_config.block_size, tp, device, pp)
     if with_mtp:  # speculative decoding's drafter (rank 0 of a one-rank worker)
         state.add_mtp()

@@ -178,6 +178,8 @@ class PPGroup:
     tp_rank: int = 0
     tp_size: int = 1
     num_micro_batches: int = 1
+    timeout_s: float = 300.0
+    """The longest wait for a send to a neighbouring stage (the process groups' timeout)."""
 
     @property
     def size(self) -> int:
@@ -307,7 +309,7 @@ def run_pipelined_step(rank: StageRank, step: StepInput, kv_caches: list[torch.T
             sends.append((dist.isend(outgoing, dst=pp.next_rank, tag=m), outgoing))
         busy_s += time.perf_counter() - busy_start_s
     for work, _ in sends:
-        work.wait()
+        work.wait(timeout=datetime.timedelta(seconds=pp.timeout_s))
     logits = None
     if pp.stage.is_last:
         busy_start_s = time.perf_counter()
