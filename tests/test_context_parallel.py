@@ -107,20 +107,9 @@ def test_prompt_longer_than_one_ranks_pool(make_model_dir):
     _assert_shut_down()
 
 
-def test_cp2_prefill_hands_off_to_cp1_decode(model_dir):
-    """A prefill-role CP 2 engine computes the prompts (their KV striped over two pools) and
-    hands off; read_kv_blocks gathers each request's blocks from their owners in token order,
-    and a CP 1 decode engine continues from them to HF's tokens."""
-    prompts = _prompts([3, 17, 30], seed=1)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model_config = ModelConfig(str(model_dir))
-    prefill, saver = prefill_engine(
-        model_config, CacheConfig(block_size=4, num_blocks=16),
-        ParallelConfig(context_parallel_size=2, device="cpu"), SchedulerConfig(),
-        tokenizer=tokenizer)
-    decode = Engine(model_config, CacheConfig(block_size=4, num_blocks=64),
-                    ParallelConfig(device="cpu"), tokenizer=tokenizer,
-                    role=make_role("decode"))
+def _assert_handoff_gives_hf_tokens(model_dir, prompts, prefill, saver, decode) -> None:
+    """Prefill every prompt, write each one's saved blocks into the decode engine, decode:
+    the tokens are HF's, both engines end clean, and both shut down."""
     try:
         for i, prompt in enumerate(prompts):
             prefill.add_request(prompt, GREEDY, f"p{i}")
@@ -143,6 +132,23 @@ def test_cp2_prefill_hands_off_to_cp1_decode(model_dir):
     _assert_shut_down()
 
 
+def test_cp2_prefill_hands_off_to_cp1_decode(model_dir):
+    """A prefill-role CP 2 engine computes the prompts (their KV striped over two pools) and
+    hands off; read_kv_blocks gathers each request's blocks from their owners in token order,
+    and a CP 1 decode engine continues from them to HF's tokens."""
+    prompts = _prompts([3, 17, 30], seed=1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_config = ModelConfig(str(model_dir))
+    prefill, saver = prefill_engine(
+        model_config, CacheConfig(block_size=4, num_blocks=16),
+        ParallelConfig(context_parallel_size=2, device="cpu"), SchedulerConfig(),
+        tokenizer=tokenizer)
+    decode = Engine(model_config, CacheConfig(block_size=4, num_blocks=64),
+                    ParallelConfig(device="cpu"), tokenizer=tokenizer,
+                    role=make_role("decode"))
+    _assert_handoff_gives_hf_tokens(model_dir, prompts, prefill, saver, decode)
+
+
 def test_cp1_prefill_hands_off_to_cp2_decode(make_model_dir):
     """The other way: whole blocks from a CP 1 prefill, written into a CP 2 decode (each
     rank keeps the blocks it owns), decode merging the two shards' partials."""
@@ -155,24 +161,7 @@ def test_cp1_prefill_hands_off_to_cp2_decode(make_model_dir):
     decode = Engine(model_config, CacheConfig(block_size=4, num_blocks=16),
                     ParallelConfig(context_parallel_size=2, device="cpu"),
                     tokenizer=tokenizer, role=make_role("decode"))
-    try:
-        for i, prompt in enumerate(prompts):
-            prefill.add_request(prompt, GREEDY, f"p{i}")
-        prefilled = run_to_completion(prefill)
-        for i, prompt in enumerate(prompts):
-            first = prefilled[f"p{i}"][0].outputs[0].token_ids
-            block_ids = decode.add_prefilled_request(f"d{i}", prompt, GREEDY, first)
-            decode.runner.write_kv_blocks(block_ids, saver.blocks.pop(f"p{i}"))
-        decoded = run_to_completion(decode)
-        results = [prefilled[f"p{i}"][0].outputs[0].token_ids + token_ids(decoded[f"d{i}"])
-                   for i in range(len(prompts))]
-        _assert_clean(prefill)
-        _assert_clean(decode)
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
-    assert results == _hf_greedy(model_dir, prompts)
-    _assert_shut_down()
+    _assert_handoff_gives_hf_tokens(model_dir, prompts, prefill, saver, decode)
 
 
 def test_triton_ring_attention_in_the_engine(model_dir, monkeypatch):

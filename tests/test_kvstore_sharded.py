@@ -17,7 +17,14 @@ import pytest
 import zmq
 from cluster_util import free_port_block, wait_until
 from engine_util import run_to_completion, token_ids
-from worker_util import BLOCK, assert_worker_idle, collect, make_engine
+from worker_util import (
+    BLOCK,
+    assert_worker_idle,
+    collect,
+    dealer_sockets,
+    make_engine,
+    stop_workers,
+)
 
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.config import StoreConfig
@@ -318,11 +325,7 @@ def test_decode_on_another_node_and_a_killed_node_costs_only_a_recompute(fleet, 
                                        nodes.addresses[node_id])
         workers[name], threads = worker, threads + [thread]
     context = zmq.Context()
-    sockets = {}
-    for i, name in enumerate(workers):
-        sockets[name] = context.socket(zmq.DEALER)
-        sockets[name].setsockopt(zmq.LINGER, 0)
-        sockets[name].connect(f"tcp://127.0.0.1:{base + i}")
+    sockets = dealer_sockets(context, base, workers)
 
     def disaggregated(request_id: str) -> tuple[list[bytes], list[int]]:
         """(the keys the prompt's KV went to the store under, with a lease; all tokens)."""
@@ -367,13 +370,4 @@ def test_decode_on_another_node_and_a_killed_node_costs_only_a_recompute(fleet, 
         assert wait_until(lambda: master.master.num_lease_groups == 0, 15)
         master.check_integrity()
     finally:
-        for worker in workers.values():
-            worker.stop_event.set()
-        for thread in threads:
-            thread.join(10)
-        for worker in workers.values():
-            worker.handoff.kv_transfer.close()
-            worker.close()
-        for socket in sockets.values():
-            socket.close()
-        context.term()
+        stop_workers(workers, threads, sockets, context)

@@ -10,7 +10,14 @@ import pytest
 import zmq
 from cluster_util import free_port_block
 from engine_util import run_to_completion, token_ids
-from worker_util import BLOCK, assert_worker_idle, collect, make_engine
+from worker_util import (
+    BLOCK,
+    assert_worker_idle,
+    collect,
+    dealer_sockets,
+    make_engine,
+    stop_workers,
+)
 
 from pdserve.kvstore.connector import KVConnector
 from pdserve.kvstore.tiered_store import TieredStore
@@ -35,22 +42,9 @@ def fleet(llama_dir):
         thread.start()
         workers[name], threads = worker, threads + [thread]
     context = zmq.Context()
-    sockets = {}
-    for i, name in enumerate(workers):
-        sockets[name] = context.socket(zmq.DEALER)
-        sockets[name].setsockopt(zmq.LINGER, 0)
-        sockets[name].connect(f"tcp://127.0.0.1:{base + i}")
+    sockets = dealer_sockets(context, base, workers)
     yield workers, sockets, store
-    for worker in workers.values():
-        worker.stop_event.set()
-    for thread in threads:
-        thread.join(10)
-    for worker in workers.values():
-        worker.handoff.kv_transfer.close()
-        worker.close()
-    for socket in sockets.values():
-        socket.close()
-    context.term()
+    stop_workers(workers, threads, sockets, context)
 
 
 def _disagg(sockets, prefill: str, request_id: str, prompt: list[int]) -> tuple[Output, list]:

@@ -62,3 +62,29 @@ def assert_worker_idle(worker) -> None:
         assert worker.handoff.kv_transfer.num_in_flight == 0
     worker.engine.block_manager.check_integrity()
     assert worker.engine.block_manager.num_used_blocks == 0
+
+
+def dealer_sockets(context, base_port: int, names) -> dict:
+    """A DEALER socket to each in-process worker, the i-th of `names` on base_port + i."""
+    import zmq
+
+    sockets = {}
+    for i, name in enumerate(names):
+        sockets[name] = context.socket(zmq.DEALER)
+        sockets[name].setsockopt(zmq.LINGER, 0)
+        sockets[name].connect(f"tcp://127.0.0.1:{base_port + i}")
+    return sockets
+
+
+def stop_workers(workers: dict, threads: list, sockets: dict, context) -> None:
+    """Stop in-process workers' loops, close their KV transfers, sockets and the context."""
+    for worker in workers.values():
+        worker.stop_event.set()
+    for thread in threads:
+        thread.join(10)
+    for worker in workers.values():
+        worker.handoff.kv_transfer.close()
+        worker.close()
+    for socket in sockets.values():
+        socket.close()
+    context.term()
