@@ -48,7 +48,7 @@ import torch
 
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.kvstore.master import PrefixLookup
-from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
+from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor, fp8_as_bytes
 from pdserve.kvstore.tiered_store import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -260,10 +260,7 @@ class KVConnector:
                 index = torch.tensor(block_ids[: len(usable)], dtype=torch.int64, device=device)
                 for layer, cache in enumerate(kv_caches):
                     src = stacked[:, layer, :, :, self._heads].transpose(0, 1)
-                    src = src.to(cache.dtype)
-                    if cache.element_size() == 1:  # FP8: CPU torch copies it as bytes
-                        cache, src = cache.view(torch.uint8), src.view(torch.uint8)
-                    cache.index_copy_(1, index, src)
+                    fp8_as_bytes(cache).index_copy_(1, index, fp8_as_bytes(src.to(cache.dtype)))
                     if device.type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                     load.layer_done[layer].set()

@@ -19,6 +19,12 @@ from pdserve.kvstore.lru_index import LRUIndex
 BytesLike = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 
 
+def fp8_as_bytes(kv):
+    """An FP8 KV tensor (or a pool of them) seen as its bytes, same shape; others unchanged.
+    CPU torch has no index_copy_ and gloo no transfer for float8 types, their bytes do."""
+    return kv.view(torch.uint8) if kv.element_size() == 1 else kv
+
+
 def as_uint8_tensor(data: BytesLike) -> torch.Tensor:
     """A flat uint8 view (no copy where possible) of a block payload; may alias a read-only
     buffer, so treat it as read-only."""

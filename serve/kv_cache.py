@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.serve.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, CacheConfig
 
 logger = logging.getLogger(__name__)
@@ -236,6 +237,4 @@ class KVCachePool:
             if tuple(layer_blocks.shape) != expected:
                 raise ValueError(f"blocks must be {expected}, got {tuple(layer_blocks.shape)}")
             layer_blocks = layer_blocks.to(device=cache.device, dtype=cache.dtype)
-            if cache.element_size() == 1:  # FP8: CPU torch has no index_copy_ for it, bytes do
-                cache, layer_blocks = cache.view(torch.uint8), layer_blocks.view(torch.uint8)
-            cache.index_copy_(1, index, layer_blocks)
+            fp8_as_bytes(cache).index_copy_(1, index, fp8_as_bytes(layer_blocks))

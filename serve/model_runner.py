@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve import envs
+from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.protocol.tp import TP_PROTOCOL, Ping, ReadKV, SeqChunk, StepInput, Stop, WriteKV
 from pdserve.serve.attention import build_attention_metadata, default_backend_name
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -347,14 +348,14 @@ class _Rank:
     def serve_kv_command(self, command: ReadKV | WriteKV, control: Any) -> None:
         """A non-zero rank's part of ModelRunner.read_kv_blocks / write_kv_blocks."""
         if isinstance(command, ReadKV):
-            dist.gather(_as_bytes(self.read_kv_for_gather(command.block_ids)), None, dst=0,
+            dist.gather(fp8_as_bytes(self.read_kv_for_gather(command.block_ids)), None, dst=0,
                         group=control)
         else:
             spec, layout = self.spec, self.layout
             full = torch.empty(spec.num_layers, layout.num_planes, len(command.block_ids),
                                self.block_size, spec.num_kv_heads, spec.head_dim,
                                dtype=spec.kv_torch_dtype)
-            dist.broadcast(_as_bytes(full), src=0, group=control)
+            dist.broadcast(fp8_as_bytes(full), src=0, group=control)
             self.write_kv(command.block_ids, full.to(self.device))
 
     def validate(self, step: StepInput) -> None:
@@ -375,11 +376,6 @@ class _Rank:
                                  f"{len(c.block_table)} blocks, positions need {needed}")
             if min(c.block_table) < 0 or max(c.block_table) >= max_slot:
                 raise ValueError(f"request {c.request_id}: block id out of [0, {max_slot})")
-
-
-def _as_bytes(kv: torch.Tensor) -> torch.Tensor:
-    """An FP8 KV tensor as its bytes (gloo has no float8 type); others unchanged."""
-    return kv.view(torch.uint8) if kv.element_size() == 1 else kv
 
 
 def _device_for(parallel_config: ParallelConfig, rank: int) -> torch.device:
@@ -750,7 +746,7 @@ class ModelRunner:
         with self._collective(), procs.send_lock:
             procs.send_locked(TP_PROTOCOL.encode(ReadKV(list(block_ids))))
             parts = [torch.empty_like(local) for _ in range(self._world_size)]
-            dist.gather(_as_bytes(local), [_as_bytes(p) for p in parts], dst=0,
+            dist.gather(fp8_as_bytes(local), [fp8_as_bytes(p) for p in parts], dst=0,
                         group=procs.control)
         if self._pp_size > 1:
             return assemble_kv_blocks(parts, self._rank.pp, is_mla)
@@ -767,7 +763,7 @@ class ModelRunner:
             procs = self._procs
             with self._collective(), procs.send_lock:
                 procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
-                dist.broadcast(_as_bytes(full), src=0, group=procs.control)
+                dist.broadcast(fp8_as_bytes(full), src=0, group=procs.control)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:
