@@ -258,6 +258,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="every worker's KV cache: auto (the model dtype) or fp8 "
                              "(float8_e4m3fn: half the bytes stored and handed off)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="every worker recomputes every prompt (no prefix-cache hits): "
+                             "for benchmarks that send the same prompts more than once")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='every worker\'s speculative decoding, as vLLM: \'{"method": '
                              '"mtp", "num_speculative_tokens": 1}\' (DeepSeek-V3\'s MTP layer '
@@ -376,6 +379,8 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv.append("--enable-expert-parallel")
         if args.kv_cache_dtype != "auto":
             argv += ["--kv-cache-dtype", args.kv_cache_dtype]
+        if args.no_prefix_caching:
+            argv.append("--no-prefix-caching")
         if args.speculative_config is not None:
             argv += ["--speculative-config", args.speculative_config]
         if cpu_threads is not None:

@@ -81,6 +81,9 @@ def test_cpu_plan_is_unchanged() -> None:
     for child in _workers(cluster).values():
         assert not child.env and _flag(child, "--device") == "cpu"
         assert _flag(child, "--kv-cache-memory-gb") == "2.0"
+        assert "--no-prefix-caching" not in child.argv
+    cluster = launcher.plan(_args("--no-prefix-caching"), "/m", gpus=[])
+    assert all("--no-prefix-caching" in c.argv for c in _workers(cluster).values())
 
 
 def test_visible_gpus_reads_cuda_visible_devices(monkeypatch) -> None:
