@@ -2,13 +2,20 @@
 
     python -m pdserve.benchmarks.step_roofline [--model DIR] [--threads N] [--with-vllm]
 
-A decode step must read every weight once and each sequence's KV once, so it cannot beat
+A decode step must read every weight once and each sequence's KV once, and do 2 FLOPs per
+parameter and row plus its attention's, so it cannot beat
 
-    floor_s = (weight bytes + batch * context * KV bytes per token) / read bandwidth
+    floor_s = max(bytes / read bandwidth at that many bytes, FLOPs / matmul peak)
+    bytes   = weight bytes + batch * context * KV bytes per token
 
-where the read bandwidth is measured here, on the same threads (torch sum over 512 MiB). A
-prefill must do 2 * params FLOPs per token plus the causal attention's, so it cannot beat
-FLOPs / the fp32 matmul peak measured here on the same threads (a large square matmul).
+where both ceilings are measured here, on the same threads. The read bandwidth is the faster
+of a torch sum and a one-row skinny product over a buffer of exactly the step's bytes, read
+again and again as the step reads its weights:
+a step whose bytes fit the last-level cache is held to the cache's speed, not the memory's (on
+a host with a 480 MB L3 the llama-mid-like model's 97 MB of weights read at ~54 GB/s on 2
+threads, against 26 GB/s over 512 MiB). A prefill must do 2 * params FLOPs per token plus
+the causal attention's, so it cannot beat FLOPs / the fp32 matmul peak measured here on the
+same threads (a large square matmul).
 Every timed prompt is fresh (random tokens from a new seed, prefix caching off).
 
 Without --model it builds (and caches in PDSERVE_CACHE_DIR) a llama-mid-like random Llama:
@@ -68,13 +75,26 @@ def mid_model_dir() -> Path:
 
 # ---- the machine's ceilings, on the same threads ---------------------------------------------
 def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
+    """The faster of two readers over a warm buffer of nbytes, best of 5 each: torch's sum,
+    and pdserve's skinny product of one row (kernels/csrc/skinny_gemm.cpp: 2 FLOPs per 4
+    bytes, with software prefetch), which on some hosts reads half again as fast as the sum.
+    A floor measured with the slower reader alone would let a step beat it."""
+    from pdserve.serve.layers import cpu_kernels
+
     data = torch.ones(nbytes // 4)
-    data.sum()
+    readers = [data.sum]
+    ops = cpu_kernels()
+    if ops is not None:
+        rows = data[: nbytes // 4 // 1024 * 1024].view(-1, 1024)
+        row = torch.ones(1, 1024)
+        readers.append(lambda: ops.skinny_linear(row, rows, None))
     best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
+    for read in readers:
+        read()
+        for _ in range(5):
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
     return nbytes / best
 
 
@@ -103,6 +123,16 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
             "head_dim": head_dim, "vocab": vocab, "matmul_params": matmul_params,
             "weight_bytes": 4 * matmul_params,
             "kv_bytes_per_token": 4 * layers * 2 * kv_heads * head_dim}
+
+
+def decode_bytes(facts: dict[str, Any], batch: int, context: int) -> int:
+    return facts["weight_bytes"] + batch * context * facts["kv_bytes_per_token"]
+
+
+def decode_flops(facts: dict[str, Any], batch: int, context: int) -> float:
+    """2 FLOPs per parameter per row, plus each row's attention over its context (QK^T, PV)."""
+    attention = 2 * 2 * facts["layers"] * facts["heads"] * facts["head_dim"] * context * batch
+    return 2.0 * facts["matmul_params"] * batch + attention
 
 
 def prefill_flops(facts: dict[str, Any], tokens: int) -> float:
@@ -193,13 +223,18 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
 
 
 # ---- report -----------------------------------------------------------------------------------
-def analyse(facts: dict[str, Any], bandwidth: float, peak: float, runs: dict[str, Any]
-            ) -> dict[str, Any]:
+def analyse(facts: dict[str, Any], bandwidths: dict[int, float], peak: float,
+            runs: dict[str, Any]) -> dict[str, Any]:
+    """`bandwidths`: the read bandwidth (bytes/s) measured at each decode row's byte count."""
     decode = []
     for row in runs["pdserve"]["decode"]:
-        nbytes = facts["weight_bytes"] + row["batch"] * row["context"] * facts["kv_bytes_per_token"]
-        floor_s = nbytes / bandwidth
-        entry = {**row, "bytes": nbytes, "floor_s": floor_s, "x_floor": row["step_s"] / floor_s}
+        nbytes = decode_bytes(facts, row["batch"], row["context"])
+        flops = decode_flops(facts, row["batch"], row["context"])
+        memory_s, compute_s = nbytes / bandwidths[nbytes], flops / peak
+        floor_s = max(memory_s, compute_s)
+        entry = {**row, "bytes": nbytes, "read_gb_s": bandwidths[nbytes] / 1e9,
+                 "memory_floor_s": memory_s, "flops": flops, "compute_floor_s": compute_s,
+                 "floor_s": floor_s, "x_floor": row["step_s"] / floor_s}
         peer = _match(runs.get("vllm"), "decode", row, ("batch", "context"))
         if peer is not None:
             entry.update(vllm_step_s=peer["step_s"], x_vllm=row["step_s"] / peer["step_s"],
@@ -225,16 +260,16 @@ def _match(run: dict[str, Any] | None, kind: str, row: dict[str, Any], keys: tup
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\nread bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s, fp32 matmul peak "
-          f"{result['matmul_peak_gflops']:.0f} GFLOP/s on {result['threads']} threads; "
-          f"weights {result['model']['weight_bytes'] / 1e6:.1f} MB")
-    print(f"{'batch':>5} {'ctx':>5} | {'step ms':>8} {'floor ms':>8} {'x floor':>7} | "
-          f"{'vLLM ms':>8} {'x vLLM':>6}")
+    print(f"\nread bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s over 512 MiB, fp32 "
+          f"matmul peak {result['matmul_peak_gflops']:.0f} GFLOP/s on {result['threads']} "
+          f"threads; weights {result['model']['weight_bytes'] / 1e6:.1f} MB")
+    print(f"{'batch':>5} {'ctx':>5} | {'MB':>6} {'GB/s':>5} | {'step ms':>8} {'floor ms':>8} "
+          f"{'x floor':>7} | {'vLLM ms':>8} {'x vLLM':>6}")
     for r in result["decode"]:
         peer = (f"{r['vllm_step_s'] * 1e3:8.2f} {r['x_vllm']:6.2f}" if "vllm_step_s" in r
                 else f"{'-':>8} {'-':>6}")
-        print(f"{r['batch']:>5} {r['context']:>5} | {r['step_s'] * 1e3:8.2f} "
-              f"{r['floor_s'] * 1e3:8.2f} {r['x_floor']:7.2f} | {peer}")
+        print(f"{r['batch']:>5} {r['context']:>5} | {r['bytes'] / 1e6:6.0f} {r['read_gb_s']:5.1f} "
+              f"| {r['step_s'] * 1e3:8.2f} {r['floor_s'] * 1e3:8.2f} {r['x_floor']:7.2f} | {peer}")
     print(f"{'tokens':>6} | {'prefill ms':>10} {'GFLOP/s':>8} {'of peak':>7} | "
           f"{'vLLM ms':>8} {'x vLLM':>6}")
     for r in result["prefill"]:
@@ -252,14 +287,14 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     labels = [f"b{r['batch']}\nc{r['context']}" for r in result["decode"]]
     xs = range(len(labels))
     left.bar([x - 0.27 for x in xs], [r["floor_s"] * 1e3 for r in result["decode"]], 0.27,
-             label="floor (bytes / bandwidth)", color="lightgrey")
+             label="floor (bytes / bandwidth, or FLOPs / peak)", color="lightgrey")
     left.bar(list(xs), [r["step_s"] * 1e3 for r in result["decode"]], 0.27, label="pdserve")
     if any("vllm_step_s" in r for r in result["decode"]):
         left.bar([x + 0.27 for x in xs], [r.get("vllm_step_s", 0) * 1e3
                                           for r in result["decode"]], 0.27, label="vLLM")
     left.set_xticks(list(xs), labels)
     left.set_ylabel("decode step (ms)")
-    left.set_title("decode step against its memory floor")
+    left.set_title("decode step against its floor")
     left.legend()
     tokens = [r["tokens"] for r in result["prefill"]]
     right.plot(tokens, [r["gflops_per_s"] for r in result["prefill"]], marker="o",
@@ -282,8 +317,14 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else mid_model_dir()
     facts = model_facts(model_dir)
     bandwidth, peak = read_bandwidth_bytes_per_s(), matmul_peak_flops()
-    print(f"measured on {args.threads} threads: read {bandwidth / 1e9:.1f} GB/s, "
-          f"matmul {peak / 1e9:.0f} GFLOP/s", flush=True)
+    bandwidths = {}
+    for batch in args.batch_sizes:
+        for context in args.contexts:
+            nbytes = decode_bytes(facts, batch, context)
+            bandwidths[nbytes] = read_bandwidth_bytes_per_s(nbytes)
+    print(f"measured on {args.threads} threads: read {bandwidth / 1e9:.1f} GB/s over 512 MiB "
+          f"({', '.join(f'{b / 1e9:.1f} at {n / 1e6:.0f} MB' for n, b in bandwidths.items())})"
+          f", matmul {peak / 1e9:.0f} GFLOP/s", flush=True)
     runs = {"pdserve": measure_pdserve(model_dir, args, facts["vocab"])}
     if args.with_vllm:
         peer = measure_vllm(model_dir, args, facts["vocab"])
@@ -291,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
             runs["vllm"] = peer
     result = {"model": {**facts, "dir": str(model_dir)}, "threads": args.threads,
               "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflops": peak / 1e9,
-              **analyse(facts, bandwidth, peak, runs)}
+              **analyse(facts, bandwidths, peak, runs)}
     print_table(result)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

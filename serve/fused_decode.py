@@ -13,8 +13,8 @@ It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
 - the model is a dense Llama-family decoder (Llama, Mistral, Qwen2; not MoE, not MLA) with
   NeoX rotary, on one tensor-parallel rank, with the "cpu" attention backend and fp32 weights;
-- the step is decode-only with at most SKINNY_MAX_ROWS sequences (past that the matmuls take
-  oneDNN's packed weights and Python's share of the step is small), and nobody waits on a
+- the step is decode-only with at most serve/parallel.skinny_max_rows sequences (past that the
+  matmuls take oneDNN's packed weights and Python's share of the step is small), and nobody waits on a
   per-layer callback (a prefill's KV hand-off).
 """
 
@@ -29,7 +29,7 @@ from torch import nn
 from pdserve import envs
 from pdserve.serve.attention import AttentionMetadata
 from pdserve.serve.layers import RMSNorm, cpu_kernels
-from pdserve.serve.parallel import SKINNY_MAX_ROWS
+from pdserve.serve.parallel import skinny_max_rows
 
 _NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
 
@@ -43,10 +43,11 @@ class FusedDecode:
         self._weights = weights
         self._eps = eps
         self._shape = (num_heads, num_kv_heads, head_dim, rotary_dim, scale)
+        self.max_rows = skinny_max_rows(ops)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (meta.is_decode_only and hidden.dim() == 2 and hidden.dtype == torch.float32
-                and hidden.shape[0] <= SKINNY_MAX_ROWS)
+                and hidden.shape[0] <= self.max_rows)
 
     def __call__(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]

@@ -23,6 +23,8 @@ cannot clash.
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -61,11 +63,18 @@ def _copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-SKINNY_MAX_ROWS = 12
-"""Up to this many rows, the compiled skinny product (kernels/csrc/skinny_gemm.cpp) reads the
-plain weight; past it oneDNN's packed layout wins (measured on the llama-mid-like model's
-weights, 2 AVX2 cores: 4.1 against 5.4 ms at 1 row, 6.4 against 9.0 at 8, 9.1 against 10.1 at
-12, 11.7 against 11.5 at 16, 20.6 against 18.1 at 32)."""
+def skinny_max_rows(ops: ModuleType) -> int:
+    """Up to this many rows the compiled skinny product (kernels/csrc/skinny_gemm.cpp) reads
+    the plain weight; past it oneDNN's packed layout wins. It depends on the build: 32 where
+    the kernels compiled for AVX-512, 12 for AVX2 (measured on the llama-mid-like model's
+    weights, 2 cores; AVX2: 4.1 against 5.4 ms at 1 row, 6.4 against 9.0 at 8, 9.1 against 10.1
+    at 12, 11.7 against 11.5 at 16; AVX-512: see benchmarks/results/README.md)."""
+    return _skinny_max_rows(ops)
+
+
+@functools.cache
+def _skinny_max_rows(ops: ModuleType) -> int:
+    return int(ops.skinny_max_rows())
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -90,9 +99,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     per-row block scales, serve/fp8.py) goes to fp8_linear."""
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias, fp8_block_k)
-    if x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.is_contiguous():
+    if x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
         ops = fused_fp32(x)
-        if ops is not None and weight.dtype == torch.float32:
+        if ops is not None and x.shape[0] <= skinny_max_rows(ops):
             return ops.skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

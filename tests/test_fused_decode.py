@@ -1,6 +1,6 @@
 """The fused decode loop (serve/fused_decode.py, kernels/csrc/decode_step.cpp) against the
 module path it replaces, bit for bit, and against Hugging Face at the edge where it stops
-applying (SKINNY_MAX_ROWS sequences, then one more)."""
+applying (serve/parallel.skinny_max_rows sequences, then one more)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.fused_decode import FusedDecode
 from pdserve.serve.model_runner import ModelRunner
-from pdserve.serve.parallel import SKINNY_MAX_ROWS
+from pdserve.serve.layers import cpu_kernels
+from pdserve.serve.parallel import skinny_max_rows
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="CPU kernels not built here")
 
-NUM_BLOCKS = 96
+NUM_BLOCKS = 256  # 33 sequences of up to 5 blocks (the AVX-512 edge is 32)
 BLOCK_SIZE = 4
 
 
@@ -66,9 +67,17 @@ def model_dir(request, llama_dir: Path, make_model_dir, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("num_seqs", [1, 5, SKINNY_MAX_ROWS])
-def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seqs: int,
+def _max_rows() -> int:
+    """The fused loop's edge for this build (12 with AVX2, 32 with AVX-512)."""
+    ops = cpu_kernels()
+    assert ops is not None
+    return skinny_max_rows(ops)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5, 9, "edge"])
+def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seqs: int | str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    num_seqs = _max_rows() if num_seqs == "edge" else num_seqs
     calls: list[int] = []
     real_call = FusedDecode.__call__
 
@@ -99,13 +108,14 @@ def test_hf_logits_at_and_past_the_fused_edge(llama_dir: Path,
                         or real_call(self, hidden, *a))
     hf = load_hf(llama_dir)
     with make_runner(llama_dir) as runner:
-        for num_seqs in (SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+        edge = _max_rows()
+        for num_seqs in (edge, edge + 1):
             steps, seqs = run_walk(runner, num_seqs, num_decodes=2, seed=num_seqs)
             expected = [hf_logits(hf, seq) for seq in seqs]
             for d, logits in enumerate(steps[1:]):
                 assert_rows_match(logits, [e[len(seq) - 2 + d] for e, seq in
                                            zip(expected, seqs, strict=True)])
-    assert calls == [SKINNY_MAX_ROWS] * 2  # past the edge the module path ran
+    assert calls == [edge] * 2  # past the edge the module path ran
 
 
 @pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])

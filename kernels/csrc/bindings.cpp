@@ -7,5 +7,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_neox_", &rotary_neox_);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("skinny_linear", &skinny_linear);
+  m.def("skinny_max_rows", &skinny_max_rows);
   m.def("llama_decode_layers", &llama_decode_layers);
 }

@@ -16,6 +16,8 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
 // skinny_gemm.cpp
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight,
                             c10::optional<torch::Tensor> bias);
+// Up to how many rows skinny_linear beats the matmul library's packed weights, for this build.
+int64_t skinny_max_rows();
 // decode_step.cpp
 std::vector<torch::Tensor> llama_decode_layers(
     torch::Tensor hidden, std::vector<torch::Tensor> weights,
