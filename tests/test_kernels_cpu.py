@@ -135,10 +135,19 @@ def test_add_rms_norm_matches_torch(with_residual):
     torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_silu_and_mul_matches_torch():
-    x = torch.randn(7, 2 * 40)
+@pytest.mark.parametrize("width", [40, 43, 1408])
+def test_silu_and_mul_matches_torch(width):
+    """Vector body and scalar tail; gates of both signs, large ones included (exp(-g) of a
+    very negative g would overflow a naive sigmoid)."""
+    torch.manual_seed(width)
+    x = torch.randn(7, 2 * width) * 4
+    x[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0])
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(_ops().silu_and_mul(x), torch.nn.functional.silu(gate) * up,
+                               atol=1e-6, rtol=1e-6)
+    wide = torch.randn(3, 2 * width + 5)[:, : 2 * width]  # rows a stride apart
+    gate, up = wide.chunk(2, dim=-1)
+    torch.testing.assert_close(_ops().silu_and_mul(wide), torch.nn.functional.silu(gate) * up,
                                atol=1e-6, rtol=1e-6)
 
 

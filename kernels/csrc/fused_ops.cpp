@@ -3,6 +3,7 @@
 // fp32 only (callers keep the torch path for other dtypes); each follows Hugging Face's
 // order of operations.
 #include "cpu_ops.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
@@ -51,7 +52,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   return {out, sum};
 }
 
-// [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+// [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, silu(g) = g * sigmoid(g), with
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows).
+// Vectorised: a scalar exp per element cost 50 us a layer at a batch of 8 (llama-mid-like).
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
               x.size(1) % 2 == 0, "x");
@@ -59,11 +62,26 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto out = torch::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T * I, 16384, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / I, j = i % I;
-      const float g = xp[t * ldx + j], u = xp[t * ldx + I + j];
-      op[i] = g / (1.f + std::exp(-g)) * u;
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = xp + t * ldx;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
+        const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 sig = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), gv);  // by g's sign bit
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+      }
+#endif
+      for (; j < I; ++j) {
+        const float e = std::exp(-std::fabs(g[j])), r = 1.f / (1.f + e);
+        o[j] = g[j] * (g[j] >= 0.f ? r : e * r) * u[j];
+      }
     }
   });
   return out;
