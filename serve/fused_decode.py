@@ -13,9 +13,9 @@ It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
 - the model is a dense Llama-family decoder (Llama, Mistral, Qwen2; not MoE, not MLA) with
   NeoX rotary, on one tensor-parallel rank, with the "cpu" attention backend and fp32 weights;
-- the step is decode-only with at most serve/parallel.skinny_max_rows sequences (past that the
-  matmuls take oneDNN's packed weights and Python's share of the step is small), and nobody waits on a
-  per-layer callback (a prefill's KV hand-off).
+- the step is decode-only with at most serve/parallel.skinny_max_rows sequences (past that
+  the matmuls take oneDNN's packed weights and Python's share of the step is small), and
+  nobody waits on a per-layer callback (a prefill's KV hand-off).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from pdserve.kernels import cpu_ops
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.fused_decode import FusedDecode
-from pdserve.serve.model_runner import ModelRunner
 from pdserve.serve.layers import cpu_kernels
+from pdserve.serve.model_runner import ModelRunner
 from pdserve.serve.parallel import skinny_max_rows
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="CPU kernels not built here")
