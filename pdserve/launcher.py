@@ -258,6 +258,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="every worker's KV cache: auto (the model dtype) or fp8 "
                              "(float8_e4m3fn: half the bytes stored and handed off)")
+    parser.add_argument("--prefill-max-prefills-per-step", type=int, default=None,
+                        metavar="N",
+                        help="prompts a prefill worker computes in one step (0: as many as "
+                             "its token budget holds; default: 1 on a CPU host, where a "
+                             "prefill is compute-bound and batching prompts only delays the "
+                             "first, else 0)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="every worker recomputes every prompt (no prefix-cache hits): "
                              "for benchmarks that send the same prompts more than once")
@@ -272,8 +278,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cpu-pinning", action="store_true",
                         help="on a CPU host, let every role float over all cores (default: "
                              "each worker rank gets cores of its own, and the router and "
-                             "store get cores the workers do not use where there are more "
-                             "than 4)")
+                             "store get a core the workers do not use where there are more "
+                             "than 4, else share the decode workers' cores, never a "
+                             "prefill's)")
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-cores", type=parse_core_list, default=None,
+                            metavar="LIST",
+                            help=f"on a CPU host, the cores the {role} workers run on, shared "
+                                 "out among their ranks, with as many threads (default: "
+                                 "cores of their own, see --no-cpu-pinning). Prefill and "
+                                 "decode cores may overlap: on a small host a prefill then "
+                                 "borrows decode's cores while decode is idle")
+    parser.add_argument("--service-cores", type=parse_core_list, default=None,
+                        metavar="LIST",
+                        help="on a CPU host, the cores the router and store run on, e.g. "
+                             "'1' or '6-7' (default: see --no-cpu-pinning)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     discovery.add_arguments(parser)  # optional: `pdserve up` itself needs no etcd
     parser.add_argument("--api-key", default=None,
@@ -351,14 +370,39 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     # decode step's core) and as many threads; without pinning, a share of the cores.
     num_ranks = sum(tp * pp for _, _, tp, pp in workers)
     cores = sorted(os.sched_getaffinity(0))
-    cpu_threads, worker_cores, service_cores = None, [], None
-    if device != "cuda":
-        cpu_threads = max(1, len(cores) // num_ranks)
-        if not args.no_cpu_pinning:
-            worker_cores, service_cores = place_on_cores(
-                [tp * pp for _, _, tp, pp in workers], cores)
-            if worker_cores:
-                cpu_threads = len(worker_cores[0]) // (workers[0][2] * workers[0][3])
+    worker_cores: list[list[int] | None] = [None] * len(workers)
+    service_cores = None
+    if device != "cuda" and not args.no_cpu_pinning:
+        placed, service_cores = place_on_cores([tp * pp for _, _, tp, pp in workers], cores)
+        worker_cores = list(placed) or worker_cores
+        for role in ("prefill", "decode"):
+            chosen = getattr(args, f"{role}_cores", None)
+            if chosen is None or args.mode == "colocated":
+                continue
+            index = [i for i, (r, *_) in enumerate(workers) if r == role]
+            shares = split_cores([workers[i][2] * workers[i][3] for i in index], chosen)
+            if not shares:
+                raise ValueError(f"--{role}-cores {','.join(map(str, chosen))}: fewer cores "
+                                 f"than the {role} workers' {len(index)} worker(s) have ranks")
+            for i, share in zip(index, shares, strict=True):
+                worker_cores[i] = share
+        if service_cores is None and args.mode == "disagg":
+            # No core to spare: the services share decode's cores. A prefill's TTFT is its
+            # compute, and on 2 cores the router and store floating onto the prefill core
+            # cost it (llama-mid-like, 8 req/s: benchmarks/results/README.md).
+            service_cores = sorted({core for (role, *_), cpus in zip(workers, worker_cores,
+                                                                       strict=True)
+                                    if role == "decode" and cpus for core in cpus}) or None
+        if args.service_cores is not None:
+            service_cores = args.service_cores
+    # Threads per rank: its cores where pinned, else a share of the host's.
+    cpu_threads = [None if device == "cuda" else
+                   max(1, len(cpus) // (tp * pp) if cpus else len(cores) // num_ranks)
+                   for (_, _, tp, pp), cpus in zip(workers, worker_cores, strict=True)]
+    # Workers whose cores overlap wait passively at their OpenMP barriers: a spinning
+    # prefill thread would take the decode step's core it only borrows.
+    overlapping = {i for i, a in enumerate(worker_cores) for j, b in enumerate(worker_cores)
+                   if i != j and a and b and set(a) & set(b)}
     for child in cluster.children:  # the store, started first
         child.cpus = service_cores
     for index, (role, i, tp, pp) in enumerate(workers):
@@ -381,10 +425,18 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv += ["--kv-cache-dtype", args.kv_cache_dtype]
         if args.no_prefix_caching:
             argv.append("--no-prefix-caching")
+        if role == "prefill":
+            per_step = args.prefill_max_prefills_per_step
+            if per_step is None and device != "cuda":
+                per_step = 1  # 8 req/s on llama-mid-like, 2 cores: mean TTFT -18%, p99 -30%
+            if per_step is not None:
+                argv += ["--max-prefills-per-step", str(per_step)]
         if args.speculative_config is not None:
             argv += ["--speculative-config", args.speculative_config]
-        if cpu_threads is not None:
-            argv += ["--cpu-threads", str(cpu_threads)]
+        if cpu_threads[index] is not None:
+            argv += ["--cpu-threads", str(cpu_threads[index])]
+        if index in overlapping:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         if args.device is not None:
             argv += ["--device", device]
         if placement:
@@ -392,8 +444,7 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             num_sharing = max(shares[gpu] for gpu in placement[index])
             argv += ["--gpu-memory-utilization",
                      f"{args.gpu_memory_utilization / num_sharing:.4g}"]
-        cluster.children.append(Child(f"{role}-{i}", argv, env,
-                                      worker_cores[index] if worker_cores else None,
+        cluster.children.append(Child(f"{role}-{i}", argv, env, worker_cores[index],
                                       ports=[("127.0.0.1", port)]))
         router_argv += [f"--{role}", f"tcp://127.0.0.1:{port}"]
         port += 1
@@ -406,6 +457,21 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     return cluster
 
 
+def parse_core_list(text: str) -> list[int]:
+    """'0,2-3' -> [0, 2, 3] (an argparse type: a bad list is a usage error)."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a core list like '1' or '0,2-3': {text!r}"
+                                         ) from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"not a core list like '1' or '0,2-3': {text!r}")
+    return sorted(cores)
+
+
 def place_on_cores(tp_sizes: list[int], cores: list[int]
                    ) -> tuple[list[list[int]], list[int] | None]:
     """Each worker's cores (worker i with TP t takes t equal shares, disjoint from every
@@ -415,14 +481,22 @@ def place_on_cores(tp_sizes: list[int], cores: list[int]
     num_ranks = sum(tp_sizes)
     services = cores[-1:] if len(cores) > 4 and len(cores) - 1 >= num_ranks else None
     usable = cores[:-1] if services else cores
-    per_rank = len(usable) // num_ranks
+    placement = split_cores(tp_sizes, usable)
+    return (placement, services) if placement else ([], None)
+
+
+def split_cores(tp_sizes: list[int], cores: list[int]) -> list[list[int]]:
+    """Each worker's share of `cores` (worker i with TP t takes t equal shares, disjoint from
+    the others'); [] where the ranks outnumber the cores."""
+    num_ranks = sum(tp_sizes)
+    per_rank = len(cores) // num_ranks
     if per_rank == 0:
-        return [], None
+        return []
     placement, start = [], 0
     for tp in tp_sizes:
-        placement.append(usable[start:start + tp * per_rank])
+        placement.append(cores[start:start + tp * per_rank])
         start += tp * per_rank
-    return placement, services
+    return placement
 
 
 def assign_gpus(tp_sizes: list[int], gpus: list[str], allow_sharing: bool = False

@@ -126,11 +126,16 @@ class Scheduler:
         preempted: list[Request] = []
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        num_prefills = 0
         for request in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
                 continue
+            if request.num_uncomputed_tokens > 1:
+                if self._prefills_full(num_prefills):
+                    continue
+                num_prefills += 1
             # With drafts (speculative decoding) a decode verifies 1 + k tokens.
             num_new = min(request.num_uncomputed_tokens + len(request.spec_token_ids), budget)
             if num_new < request.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
@@ -148,13 +153,16 @@ class Scheduler:
                 budget -= num_new
         # vLLM's rule: a step that had to preempt admits nobody new (memory is short).
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, num_prefills)
         return self._build_output(scheduled, preempted)
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, int]) -> int:
+    def _prefills_full(self, num_prefills: int) -> bool:
+        return 0 < self.config.max_prefills_per_step <= num_prefills
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, int], num_prefills: int) -> int:
         bm = self.block_manager
         num_seats = sum(r.num_seqs for r in self.running)
-        while self.waiting and budget > 0 and \
+        while self.waiting and budget > 0 and not self._prefills_full(num_prefills) and \
                 num_seats + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             request = self.waiting[0]
             # Prompt logprobs need every prompt row computed: no prefix hit (as vLLM)
@@ -177,6 +185,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             num_seats += request.num_seqs
+            num_prefills += 1
             scheduled[request.request_id] = num_new
             budget -= num_new
         return budget

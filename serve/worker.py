@@ -345,6 +345,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "prefill and decode workers must agree)")
     add("--max-num-seqs", type=int, default=sched.max_num_seqs)
     add("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
+    add("--max-prefills-per-step", type=int, default=sched.max_prefills_per_step,
+        help="prompts that get prefill tokens in one step (0: as many as the token budget "
+             "holds); 1 on a CPU prefill worker gives the first prompt its token a batch "
+             "sooner")
     add("--no-prefix-caching", action="store_true")
     add("--seed", type=int, default=0)
     add("--speculative-config", default=None, metavar="JSON",
@@ -423,7 +427,8 @@ def engine_configs_from_args(args: argparse.Namespace
                     kv_cache_dtype=args.kv_cache_dtype),
         parallel_config_from_args(args),
         SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens),
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_prefills_per_step=args.max_prefills_per_step),
     )
 
 

@@ -36,6 +36,7 @@ def test_each_worker_gets_its_own_gpus() -> None:
     for child in workers.values():
         assert _flag(child, "--gpu-memory-utilization") == "0.9"  # nobody shares
         assert "--cpu-threads" not in child.argv
+        assert "--max-prefills-per-step" not in child.argv  # GPUs batch prompts
     assert [c.role for c in cluster.children] == ["store", "prefill-0", "prefill-1",
                                                   "decode-0", "router"]
     assert all(not c.env for c in cluster.children if c.role in ("store", "router"))
@@ -104,6 +105,38 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
     assert launcher.place_on_cores([2, 1], list(range(8))) == ([[0, 1, 2, 3], [4, 5]], [7])
     assert launcher.place_on_cores([1], [0, 1]) == ([[0, 1]], None)
     assert launcher.place_on_cores([2, 2], [0, 1, 2]) == ([], None)
+    # 2 cores, disaggregated: the router and store share decode's core, never prefill's
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
+    cluster = launcher.plan(_args("--device", "cpu"), "/m")
+    by_role = {c.role: c.cpus for c in cluster.children}
+    assert by_role == {"store": [1], "prefill-0": [0], "decode-0": [1], "router": [1]}
+    # and a CPU prefill computes one prompt a step; decode is left alone
+    workers = _workers(cluster)
+    assert _flag(workers["prefill-0"], "--max-prefills-per-step") == "1"
+    assert "--max-prefills-per-step" not in workers["decode-0"].argv
+    batched = _workers(launcher.plan(_args("--prefill-max-prefills-per-step", "0"), "/m",
+                                     gpus=[]))
+    assert _flag(batched["prefill-0"], "--max-prefills-per-step") == "0"
+    colocated = launcher.plan(_args("--device", "cpu", "--mode", "colocated"), "/m")
+    assert {c.role: c.cpus for c in colocated.children} == {"colocated-0": [0, 1],
+                                                            "router": None}
+    chosen = launcher.plan(_args("--device", "cpu", "--service-cores", "0"), "/m")
+    assert {c.role: c.cpus for c in chosen.children}["router"] == [0]
+    # chosen cores: a prefill that borrows decode's core runs 2 threads and waits passively
+    overlap = launcher.plan(_args("--device", "cpu", "--prefill-cores", "0-1",
+                                  "--decode-cores", "1"), "/m")
+    workers = _workers(overlap)
+    assert (workers["prefill-0"].cpus, workers["decode-0"].cpus) == ([0, 1], [1])
+    assert (_flag(workers["prefill-0"], "--cpu-threads"),
+            _flag(workers["decode-0"], "--cpu-threads")) == ("2", "1")
+    assert all(w.env["OMP_WAIT_POLICY"] == "PASSIVE" for w in workers.values())
+    assert "OMP_WAIT_POLICY" not in _workers(cluster)["prefill-0"].env  # disjoint: spin
+    with pytest.raises(ValueError, match="--prefill-cores 0: fewer cores"):
+        launcher.plan(_args("--device", "cpu", "--num-prefill", "2", "--prefill-cores", "0"),
+                      "/m")
+    assert launcher.parse_core_list("0,2-3") == [0, 2, 3]
+    with pytest.raises(argparse.ArgumentTypeError, match="core list"):
+        launcher.parse_core_list("a-b")
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(8)))
     cluster = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE, "--device", "cpu"), "/m")
     workers = _workers(cluster)

@@ -21,12 +21,14 @@ SAMPLED = 7
 
 def make_scheduler(num_blocks: int = 64, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 8, prefix_caching: bool = False,
-                   max_model_len: int = 256, chunked: bool = True) -> Scheduler:
+                   max_model_len: int = 256, chunked: bool = True,
+                   max_prefills_per_step: int = 0) -> Scheduler:
     layout = KVLayout("float32", BLOCK, num_layers=1, num_kv_heads=1, head_dim=8)
     bm = BlockManager(num_blocks, BLOCK, "m", layout, prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             enable_chunked_prefill=chunked)
+                             enable_chunked_prefill=chunked,
+                             max_prefills_per_step=max_prefills_per_step)
     return Scheduler(config, bm, max_model_len)
 
 
@@ -181,3 +183,23 @@ def test_add_running_request_decodes_from_given_blocks() -> None:
     s.finish_request("d", RequestStatus.FINISHED_ABORTED)
     assert s.block_manager.num_free_blocks == 8
     s.block_manager.check_integrity()
+
+
+def test_one_prefill_per_step_serves_prompts_in_arrival_order() -> None:
+    """max_prefills_per_step=1: each step prefills one prompt (the oldest first, a chunked
+    one until it is done), while every decode keeps its token each step."""
+    s = make_scheduler(max_num_batched_tokens=16, max_prefills_per_step=1)
+    s.add_request(make_request("a", 6, max_tokens=3))
+    s.add_request(make_request("b", 20, max_tokens=2))
+    s.add_request(make_request("c", 5, max_tokens=2))
+    assert run_step(s) == [("a", 6, 0, True)]
+    assert run_step(s) == [("a", 1, 6, True), ("b", 15, 0, False)]
+    assert run_step(s) == [("a", 1, 7, True), ("b", 5, 15, True)]
+    assert run_step(s) == [("b", 1, 20, True), ("c", 5, 0, True)]
+    # without the cap, the first step takes all three prompts the budget holds
+    s = make_scheduler(max_num_batched_tokens=16)
+    for r in (make_request("a", 6), make_request("b", 20), make_request("c", 5)):
+        s.add_request(r)
+    assert run_step(s) == [("a", 6, 0, True), ("b", 10, 0, False)]
+    with pytest.raises(ValueError, match="max_prefills_per_step"):
+        SchedulerConfig(max_prefills_per_step=-1)
