@@ -34,6 +34,11 @@ for server in ${SERVERS:-vllm colocated disagg}; do
       > "$out/serve-$server.log" 2>&1 & pid=$!
   fi
   wait_health http://127.0.0.1:18700 "$out/serve-$server.log"
+  # The same warm-up for every server (first-request allocations and kernel loads), unmeasured
+  "$peer" bench --backend openai --base-url http://127.0.0.1:18700 --model "$name" \
+    --tokenizer "$model" --dataset-name random --random-input-len "${INPUT_LEN:-256}" \
+    --random-output-len 8 --num-prompts 8 --request-rate 4 --seed 99991 --ignore-eos \
+    --disable-tqdm > /dev/null 2>&1 || true
   for rate in $rates; do
     echo "== $server at $rate req/s"
     "$peer" bench --backend openai --base-url http://127.0.0.1:18700 --model "$name" \
