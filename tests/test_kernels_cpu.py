@@ -41,6 +41,21 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads):
                                rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [20, 40, 64])
+def test_paired_query_heads_match_reference(head_dim):
+    """GQA groups of 2 take query heads two at a time (one K/V load for both): head dims
+    with and without a vector tail (20: scalar dots; 40: a 32-wide pair step and an 8-wide
+    one), lengths that leave 1-3 rows after the 4-row steps."""
+    torch.manual_seed(head_dim)
+    kv_cache = torch.randn(2, 24, 8, 2, head_dim)
+    query = torch.randn(5, 4, head_dim)
+    seq_lens = torch.tensor([1, 3, 5, 33, 70], dtype=torch.int32)
+    tables = _tables(5, 9, 24, seed=3)
+    out = cpu_attention.decode_attention(query, kv_cache, seq_lens, tables, 0.2)
+    torch.testing.assert_close(out, ref.decode_attention(query, kv_cache, seq_lens, tables, 0.2),
+                               atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_context_splits_and_merges(threads, dtype):

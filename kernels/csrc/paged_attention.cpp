@@ -124,6 +124,56 @@ inline void weighted_rows(const float* p, int64_t n, const float* v, int64_t ts,
   }
   for (int j = 0; j < R; ++j) _mm256_storeu_ps(acc + 8 * j, r[j]);
 }
+
+// Two query heads of one KV group at once, so every K (V) vector loaded serves both: a K
+// row's load then feeds two FMAs, not one (load-bound -> FMA-bound). Each sum runs in the
+// same order as its one-head counterpart's, so the results are the same bits.
+// out0[j] = q0 . k_j, out1[j] = q1 . k_j for 4 rows k_j = k + j * ts (dk a multiple of 8).
+inline void dot4x2(const float* q0, const float* q1, const float* k, int64_t ts, int64_t dk,
+                   float* out0, float* out1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t d = 0; d < dk; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
+    const float* kd = k + d;
+    const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + ts);
+    const __m256 k2 = _mm256_loadu_ps(kd + 2 * ts), k3 = _mm256_loadu_ps(kd + 3 * ts);
+    a0 = _mm256_fmadd_ps(x, k0, a0);
+    b0 = _mm256_fmadd_ps(y, k0, b0);
+    a1 = _mm256_fmadd_ps(x, k1, a1);
+    b1 = _mm256_fmadd_ps(y, k1, b1);
+    a2 = _mm256_fmadd_ps(x, k2, a2);
+    b2 = _mm256_fmadd_ps(y, k2, b2);
+    a3 = _mm256_fmadd_ps(x, k3, a3);
+    b3 = _mm256_fmadd_ps(y, k3, b3);
+  }
+  const __m256 r = reduce8(a0, a1, a2, a3, b0, b1, b2, b3);
+  _mm_storeu_ps(out0, _mm256_castps256_ps128(r));
+  _mm_storeu_ps(out1, _mm256_extractf128_ps(r, 1));
+}
+
+// acc0[0, 8 R) += sum_t p0[t] v_t and acc1 likewise with p1, each v_t loaded once.
+template <int R>
+inline void weighted_rows2(const float* p0, const float* p1, int64_t n, const float* v,
+                           int64_t ts, float* acc0, float* acc1) {
+  __m256 r0[R], r1[R];
+  for (int j = 0; j < R; ++j) {
+    r0[j] = _mm256_loadu_ps(acc0 + 8 * j);
+    r1[j] = _mm256_loadu_ps(acc1 + 8 * j);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 x = _mm256_set1_ps(p0[t]), y = _mm256_set1_ps(p1[t]);
+    const float* vt = v + t * ts;
+    for (int j = 0; j < R; ++j) {
+      const __m256 w = _mm256_loadu_ps(vt + 8 * j);
+      r0[j] = _mm256_fmadd_ps(x, w, r0[j]);
+      r1[j] = _mm256_fmadd_ps(y, w, r1[j]);
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    _mm256_storeu_ps(acc0 + 8 * j, r0[j]);
+    _mm256_storeu_ps(acc1 + 8 * j, r1[j]);
+  }
+}
 #endif
 
 // scores[t] = q . k_t for t < n (rows k + t * ts).
@@ -147,6 +197,35 @@ inline void block_values(const float* p, const float* v, int64_t ts, int64_t dv,
 #endif
   if (d < dv)
     for (int64_t t = 0; t < n; ++t) axpy(p[t], v + t * ts + d, acc + d, dv - d);
+}
+
+// block_scores for two query heads of one KV group.
+inline void block_scores2(const float* q0, const float* q1, const float* k, int64_t ts,
+                          int64_t dk, int64_t n, float* s0, float* s1) {
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dk % 8 == 0)
+    for (; t + 4 <= n; t += 4) dot4x2(q0, q1, k + t * ts, ts, dk, s0 + t, s1 + t);
+#endif
+  for (; t < n; ++t) {
+    s0[t] = dot(q0, k + t * ts, dk);
+    s1[t] = dot(q1, k + t * ts, dk);
+  }
+}
+
+// block_values for two query heads of one KV group.
+inline void block_values2(const float* p0, const float* p1, const float* v, int64_t ts,
+                          int64_t dv, int64_t n, float* acc0, float* acc1) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d + 32 <= dv; d += 32) weighted_rows2<4>(p0, p1, n, v + d, ts, acc0 + d, acc1 + d);
+  for (; d + 8 <= dv; d += 8) weighted_rows2<1>(p0, p1, n, v + d, ts, acc0 + d, acc1 + d);
+#endif
+  if (d < dv)
+    for (int64_t t = 0; t < n; ++t) {
+      axpy(p0[t], v + t * ts + d, acc0 + d, dv - d);
+      axpy(p1[t], v + t * ts + d, acc1 + d, dv - d);
+    }
 }
 
 // One plane (K or V) of a paged cache: rows at (block, offset, kv head).
@@ -214,14 +293,23 @@ void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
   const int64_t first_block = item.begin / bs, last_block = (item.end - 1) / bs;
   auto rows_in = [&](int64_t b) { return std::min(item.end, (b + 1) * bs) - b * bs; };
   int64_t ts = 0, hs = 0;
+  // Query heads two at a time where a KV group holds an even number of them (GQA): a pair
+  // always shares its KV head.
+  const int64_t step = sh.group % 2 == 0 ? 2 : 1;
   // pass 1: scores[h, t] = q_h . K_t, a block at a time
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t n = rows_in(b);
     const float* k = keys.block(table[b], n, sh.num_kv_heads, rowbuf, &ts, &hs);
-    for (int64_t h = 0; h < sh.num_heads; ++h) {
-      if (b < last_block) keys.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, h, sh.num_heads);
-      block_scores(qf + h * sh.dk, k + (h / sh.group) * hs, ts, sh.dk, n,
-                   scores.data() + h * len + (b * bs - item.begin));
+    for (int64_t h = 0; h < sh.num_heads; h += step) {
+      if (b < last_block)
+        for (int64_t i = h; i < h + step; ++i)
+          keys.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, i, sh.num_heads);
+      const float* kh = k + (h / sh.group) * hs;
+      float* s = scores.data() + h * len + (b * bs - item.begin);
+      if (step == 2)
+        block_scores2(qf + h * sh.dk, qf + (h + 1) * sh.dk, kh, ts, sh.dk, n, s, s + len);
+      else
+        block_scores(qf + h * sh.dk, kh, ts, sh.dk, n, s);
     }
   }
   for (int64_t h = 0; h < sh.num_heads; ++h) {  // e^(s - max) per head
@@ -236,10 +324,16 @@ void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t n = rows_in(b);
     const float* v = values.block(table[b], n, sh.num_kv_heads, rowbuf, &ts, &hs);
-    for (int64_t h = 0; h < sh.num_heads; ++h) {
-      if (b < last_block) values.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, h, sh.num_heads);
-      block_values(scores.data() + h * len + (b * bs - item.begin), v + (h / sh.group) * hs,
-                   ts, sh.dv, n, acc + h * sh.dv);
+    for (int64_t h = 0; h < sh.num_heads; h += step) {
+      if (b < last_block)
+        for (int64_t i = h; i < h + step; ++i)
+          values.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, i, sh.num_heads);
+      const float* vh = v + (h / sh.group) * hs;
+      const float* p = scores.data() + h * len + (b * bs - item.begin);
+      if (step == 2)
+        block_values2(p, p + len, vh, ts, sh.dv, n, acc + h * sh.dv, acc + (h + 1) * sh.dv);
+      else
+        block_values(p, vh, ts, sh.dv, n, acc + h * sh.dv);
     }
   }
 }
