@@ -68,6 +68,13 @@ node after its node_ttl_s, 10 s by default)."""
 MAX_PARALLEL_NODES = 8
 """Data nodes written to or read from at once by one batch."""
 
+LOCATE_SETTLE_S = 0.05
+"""How long get_many keeps asking the master about keys it did not know at the first ask. The
+index follows the data nodes' own reports, which trail a write by the reporter's flush delay
+(kvstore/master_reporter.py, 5 ms) and a round trip, so a block written just before the read
+(a hand-off: prefill puts, decode gets at once) may not be indexed yet."""
+LOCATE_RETRY_S = 0.01
+
 T = TypeVar("T")
 
 
@@ -203,7 +210,15 @@ class FleetClient:
     def get_many(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """The blocks (uint8 arrays), None for each that no live holder gave."""
         found: list[np.ndarray | None] = [None] * len(keys)
-        candidates = {i: holders for i, holders in enumerate(self._locate(keys)) if holders}
+        located = self._locate(keys)
+        deadline_s = time.monotonic() + LOCATE_SETTLE_S
+        while (unknown := [i for i, holders in enumerate(located) if not holders]) \
+                and time.monotonic() < deadline_s:
+            time.sleep(LOCATE_RETRY_S)
+            for i, holders in zip(unknown, self._locate([keys[i] for i in unknown]),
+                                  strict=True):
+                located[i] = holders
+        candidates = {i: holders for i, holders in enumerate(located) if holders}
         while candidates:  # one round per replica at most
             groups: dict[str, list[int]] = {}
             for i, holders in candidates.items():
