@@ -10,12 +10,11 @@ parameter and row plus its attention's, so it cannot beat
 
 where both ceilings are measured here, on the same threads. The read bandwidth is the faster
 of a torch sum and a one-row skinny product over a buffer of exactly the step's bytes, read
-again and again as the step reads its weights:
-a step whose bytes fit the last-level cache is held to the cache's speed, not the memory's (on
-a host with a 480 MB L3 the llama-mid-like model's 97 MB of weights read at ~54 GB/s on 2
-threads, against 26 GB/s over 512 MiB). A prefill must do 2 * params FLOPs per token plus
-the causal attention's, so it cannot beat FLOPs / the fp32 matmul peak measured here on the
-same threads (a large square matmul).
+again and again as the step reads its weights: a step whose bytes fit the last-level cache is
+held to the cache's speed, not the memory's (on a host with a 480 MB L3 the llama-mid-like
+model's 97 MB of weights read at ~54 GB/s on 2 threads, against 26 GB/s over 512 MiB). A
+prefill must do 2 * params FLOPs per token plus the causal attention's, so it cannot beat
+FLOPs / the fp32 matmul peak measured here on the same threads (a large square matmul).
 Every timed prompt is fresh (random tokens from a new seed, prefix caching off).
 
 Without --model it builds (and caches in PDSERVE_CACHE_DIR) a llama-mid-like random Llama:
@@ -129,16 +128,20 @@ def decode_bytes(facts: dict[str, Any], batch: int, context: int) -> int:
     return facts["weight_bytes"] + batch * context * facts["kv_bytes_per_token"]
 
 
+def attention_flops(facts: dict[str, Any], num_pairs: float) -> float:
+    """QK^T and PV over num_pairs (query, key) pairs: 2 FLOPs each per head dimension, every
+    head and layer."""
+    return 2 * 2 * facts["layers"] * facts["heads"] * facts["head_dim"] * num_pairs
+
+
 def decode_flops(facts: dict[str, Any], batch: int, context: int) -> float:
-    """2 FLOPs per parameter per row, plus each row's attention over its context (QK^T, PV)."""
-    attention = 2 * 2 * facts["layers"] * facts["heads"] * facts["head_dim"] * context * batch
-    return 2.0 * facts["matmul_params"] * batch + attention
+    """2 FLOPs per parameter per row, plus each row's attention over its context."""
+    return 2.0 * facts["matmul_params"] * batch + attention_flops(facts, context * batch)
 
 
 def prefill_flops(facts: dict[str, Any], tokens: int) -> float:
-    """2 FLOPs per parameter per token, plus causal attention (QK^T and PV, half the square)."""
-    attention = 2 * 2 * facts["layers"] * facts["heads"] * facts["head_dim"] * tokens * tokens / 2
-    return 2.0 * facts["matmul_params"] * tokens + attention
+    """2 FLOPs per parameter per token, plus causal attention (half the square)."""
+    return 2.0 * facts["matmul_params"] * tokens + attention_flops(facts, tokens * tokens / 2)
 
 
 # ---- pdserve ----------------------------------------------------------------------------------
@@ -321,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
     for batch in args.batch_sizes:
         for context in args.contexts:
             nbytes = decode_bytes(facts, batch, context)
-            bandwidths[nbytes] = read_bandwidth_bytes_per_s(nbytes)
+            if nbytes not in bandwidths:  # e.g. 8 x 1024 and 32 x 256 read the same bytes
+                bandwidths[nbytes] = read_bandwidth_bytes_per_s(nbytes)
     print(f"measured on {args.threads} threads: read {bandwidth / 1e9:.1f} GB/s over 512 MiB "
           f"({', '.join(f'{b / 1e9:.1f} at {n / 1e6:.0f} MB' for n, b in bandwidths.items())})"
           f", matmul {peak / 1e9:.0f} GFLOP/s", flush=True)

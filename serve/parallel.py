@@ -63,17 +63,13 @@ def _copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+@functools.cache
 def skinny_max_rows(ops: ModuleType) -> int:
     """Up to this many rows the compiled skinny product (kernels/csrc/skinny_gemm.cpp) reads
     the plain weight; past it oneDNN's packed layout wins. It depends on the build: 32 where
     the kernels compiled for AVX-512, 12 for AVX2 (measured on the llama-mid-like model's
     weights, 2 cores; AVX2: 4.1 against 5.4 ms at 1 row, 6.4 against 9.0 at 8, 9.1 against 10.1
     at 12, 11.7 against 11.5 at 16; AVX-512: see benchmarks/results/README.md)."""
-    return _skinny_max_rows(ops)
-
-
-@functools.cache
-def _skinny_max_rows(ops: ModuleType) -> int:
     return int(ops.skinny_max_rows())
 
 
