@@ -32,7 +32,8 @@ def log_level() -> str:
 
 def cpu_prepack() -> bool:
     """PDSERVE_CPU_PREPACK=0 keeps linear weights in torch's plain layout on CPU (default 1:
-    oneDNN's packed layout, about 2x faster for decode-sized matmuls; see serve/parallel.py)."""
+    a packed copy too, pdserve's panels on AVX-512 and oneDNN's layout elsewhere; see
+    serve/parallel.py prepack)."""
     value = os.environ.get("PDSERVE_CPU_PREPACK", "1")
     if value not in ("0", "1"):
         raise ValueError(f"PDSERVE_CPU_PREPACK must be 0 or 1, got {value!r}")

@@ -4,18 +4,19 @@ Walking a decoder's layers as nn.Modules costs Python time per layer (module cal
 argument checks): about 0.3 ms a layer on this project's 2-core machines, 2.5 ms of an 8-layer
 step, which on a small model is more than its matmuls. On CUDA a captured graph removes that;
 on CPU, kernels/csrc/decode_step.cpp runs the loop in C++, calling the very kernels the module
-path calls (add_rms_norm, skinny_linear, rotary_neox_, write_kv_cache, the paged decode
-attention, silu_and_mul), in the same order on the same tensors: its hidden states are
-bit-identical to the module path's (tests/test_fused_decode.py compares them), which stays
-the reference and the path for everything else.
+path calls (add_rms_norm, panel_linear or skinny_linear, rotary_neox_, write_kv_cache, the
+paged decode attention, silu_and_mul), in the same order on the same tensors: its hidden
+states are bit-identical to the module path's (tests/test_fused_decode.py compares them),
+which stays the reference and the path for everything else.
 
 It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
 - the model is a dense Llama-family decoder (Llama, Mistral, Qwen2; not MoE, not MLA) with
   NeoX rotary, on one tensor-parallel rank, with the "cpu" attention backend and fp32 weights;
-- the step is decode-only with at most serve/parallel.skinny_max_rows sequences (past that
-  the matmuls take oneDNN's packed weights and Python's share of the step is small), and
-  nobody waits on a per-layer callback (a prefill's KV hand-off).
+- the step is decode-only, and nobody waits on a per-layer callback (a prefill's KV
+  hand-off); where the weights are plain (no AVX-512 panels, serve/parallel.py prepack), with
+  at most serve/parallel.skinny_max_rows sequences (past that the matmuls take oneDNN's packed
+  weights and Python's share of the step is small).
 """
 
 from __future__ import annotations
@@ -37,17 +38,19 @@ _NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
 class FusedDecode:
     """The weights of every layer in the kernel's order, and the shapes it needs."""
 
-    def __init__(self, ops: ModuleType, weights: list[torch.Tensor], eps: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, rotary_dim: int, scale: float) -> None:
+    def __init__(self, ops: ModuleType, weights: list[torch.Tensor], panels: bool, eps: float,
+                 num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
+                 scale: float) -> None:
         self._ops = ops
         self._weights = weights
         self._eps = eps
         self._shape = (num_heads, num_kv_heads, head_dim, rotary_dim, scale)
-        self.max_rows = skinny_max_rows(ops)
+        # plain weights go to the skinny product, which has an edge; panels take any batch
+        self.max_rows = None if panels else skinny_max_rows(ops)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (meta.is_decode_only and hidden.dim() == 2 and hidden.dtype == torch.float32
-                and hidden.shape[0] <= self.max_rows)
+                and (self.max_rows is None or hidden.shape[0] <= self.max_rows))
 
     def __call__(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]
@@ -62,6 +65,12 @@ class FusedDecode:
         return out, residual
 
 
+def _matrix(linear: nn.Module) -> torch.Tensor:
+    """The weight the module path's product reads: its panels where it has them, else W."""
+    packed = linear.packed
+    return packed if packed is not None and not packed.is_mkldnn else linear.weight
+
+
 def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
     """The fused loop for these Llama-family layers, or None where it does not apply (see the
     module docstring); decided once, after the weights are loaded."""
@@ -74,6 +83,7 @@ def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
     weights: list[torch.Tensor] = []
     eps: set[float] = set()
     shapes: set[tuple[int, int, int, int, float]] = set()
+    kinds: set[int] = set()
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         norms = (getattr(layer, "input_layernorm", None),
@@ -86,8 +96,10 @@ def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
         if (attn.attn.backend.name != "cpu" or rotary.is_interleaved
                 or any(p.tp.size != 1 for p in (qkv, o_proj, gate_up, down))):
             return None
-        layer_weights = [norms[0].weight, qkv.weight, qkv.bias, o_proj.weight, o_proj.bias,
-                         norms[1].weight, gate_up.weight, gate_up.bias, down.weight, down.bias]
+        matrices = [_matrix(m) for m in (qkv, o_proj, gate_up, down)]
+        layer_weights = [norms[0].weight, matrices[0], qkv.bias, matrices[1], o_proj.bias,
+                         norms[1].weight, matrices[2], gate_up.bias, matrices[3], down.bias]
+        kinds.update(w.dim() for w in matrices)  # 1: panels, 2: plain
         for w in layer_weights:
             if w is not None and not (w.device.type == "cpu" and w.dtype == torch.float32
                                       and w.is_contiguous()):
@@ -96,6 +108,6 @@ def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
         eps.update(n.eps for n in norms)
         shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim,
                     attn.attn.scale))
-    if not layers or len(eps) != 1 or len(shapes) != 1:
+    if not layers or len(eps) != 1 or len(shapes) != 1 or len(kinds) != 1:
         return None
-    return FusedDecode(ops, weights, eps.pop(), *shapes.pop())
+    return FusedDecode(ops, weights, kinds == {1}, eps.pop(), *shapes.pop())

@@ -35,7 +35,7 @@ from torch import nn
 from pdserve import envs
 from pdserve.serve.distributed import TPGroup
 from pdserve.serve.fp8 import dequantize_rows, fp8_linear, scale_shard
-from pdserve.serve.layers import fused_fp32
+from pdserve.serve.layers import cpu_kernels, fused_fp32
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -74,27 +74,67 @@ def skinny_max_rows(ops: ModuleType) -> int:
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's packed fp32 layout pays on CPU for the many rows of a prefill (a [2048, 512] x
-    [512, 2816] product: 38 ms packed against 51 ms for F.linear on this project's machines).
-    bf16 weights stay plain: oneDNN refuses a bf16 reorder where the CPU lacks bf16 support."""
+    """A packed copy pays on CPU for fp32 weights (see `prepack`). bf16 weights stay plain:
+    oneDNN refuses a bf16 reorder where the CPU lacks bf16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.dim() == 2 and envs.cpu_prepack() and torch.backends.mkldnn.is_available())
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor of the same
-    shape), which `linear` multiplies by without reordering it every call."""
+    """The weight [out, in] in the layout `linear` multiplies by without reordering it:
+    - where the CPU kernels compiled for AVX-512, pdserve's panels (`pack_panels`), which
+      serve every row count: on the llama-mid-like model's four products, 8 layers, 2 cores,
+      1.9 / 2.9 / 5.0 ms at 8 / 16 / 32 rows against 2.2 / 3.7 / 7.0 for the plain-layout
+      skinny kernel and 3.4 / 4.1 / 6.6 for oneDNN; at 256 rows level with oneDNN, at 1024
+      rows 10% behind it (benchmarks/results/README.md);
+    - elsewhere oneDNN's blocked layout (an opaque mkldnn tensor of the same shape), for the
+      many rows of a prefill (a [2048, 512] x [512, 2816] product: 38 ms packed against 51
+      ms for F.linear on an AVX2 host); decode steps there read the plain weight."""
+    ops = cpu_kernels()
+    width = int(ops.panel_width()) if ops is not None else 0
+    if width:
+        return pack_panels(weight.detach(), width)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """W [N, K] in the panel layout of kernels/csrc/skinny_gemm.cpp `panel_linear`: panel p
+    is columns [width p, width p + w) of W^T stored k-major ([K, w] contiguous; w = width
+    but for the last panel's N mod width), the panels one after another in one flat tensor
+    of N K floats."""
+    n, k = weight.shape
+    full = n // width * width
+    parts = [weight[:full].reshape(-1, width, k).transpose(1, 2).reshape(-1)]
+    if full < n:
+        parts.append(weight[full:].t().reshape(-1))
+    return torch.cat(parts)
+
+
+def unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The plain [out, in] weight back from either packed layout (tests compare it)."""
+    if packed.is_mkldnn:
+        return packed.to_dense()
+    n, k = shape
+    width = int(cpu_kernels().panel_width())
+    full = n // width * width
+    head = packed[: full * k].view(-1, k, width).transpose(1, 2).reshape(full, k)
+    return torch.cat([head, packed[full * k:].view(k, n - full).t()])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None, fp8_scale: torch.Tensor | None = None,
            fp8_block_k: int = 128) -> torch.Tensor:
-    """x W^T + b: the skinny kernel for a decode step's few rows (plain fp32 W on CPU), the
-    packed copy of W for more rows when there is one, else torch. An FP8 W (with its
-    per-row block scales, serve/fp8.py) goes to fp8_linear."""
+    """x W^T + b: pdserve's panels when W has them (any row count), else the skinny kernel
+    for a decode step's few rows (plain fp32 W on CPU), oneDNN's packed copy of W for more
+    rows when there is one, else torch. An FP8 W (with its per-row block scales,
+    serve/fp8.py) goes to fp8_linear."""
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias, fp8_block_k)
+    if packed is not None and not packed.is_mkldnn and x.dtype == torch.float32:
+        rows = x.reshape(-1, x.shape[-1])
+        y = cpu_kernels().panel_linear(rows if rows.stride(1) == 1 else rows.contiguous(),
+                                       packed, bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
     if x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
         ops = fused_fp32(x)
         if ops is not None and x.shape[0] <= skinny_max_rows(ops):
@@ -105,9 +145,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class PrepackedLinear(nn.Module):
-    """A linear layer that, once loaded, also keeps its weight packed for the CPU matmul
-    library (`packed`, for prefills; decode steps read the plain weight). Two copies of every
-    weight on CPU: the price of the faster layout for each regime.
+    """A linear layer that, once loaded, also keeps its weight packed for the CPU (`packed`,
+    see `prepack`: pdserve's panels for every step on AVX-512, else oneDNN's layout for
+    prefills while decode steps read the plain weight). Two copies of every weight on CPU:
+    the plain one stays the parameter that loaders, tensor parallelism and tests read.
 
     An FP8 checkpoint's layer (serve/fp8.py convert_linears) holds an FP8 weight and its
     per-row block scales, `weight_scale_inv` [rows, ceil(columns / fp8_block_k)]."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.serve.engine import Engine
+from pdserve.serve.parallel import unpack
 from pdserve.serve.request import RequestOutput
 from pdserve.serve.roles import PrefillRole
 
@@ -57,4 +58,4 @@ def assert_tied_head(model) -> None:
     serve/parallel.py) a packed copy of exactly those rows."""
     head, embedding = model.lm_head, model.model.embed_tokens.weight
     assert head.weight is embedding
-    assert head.packed is None or torch.equal(head.packed.to_dense(), embedding)
+    assert head.packed is None or torch.equal(unpack(head.packed, embedding.shape), embedding)

@@ -1,6 +1,7 @@
 """The fused decode loop (serve/fused_decode.py, kernels/csrc/decode_step.cpp) against the
 module path it replaces, bit for bit, and against Hugging Face at the edge where it stops
-applying (serve/parallel.skinny_max_rows sequences, then one more)."""
+applying with plain weights (serve/parallel.skinny_max_rows sequences, then one more) and
+past that edge with AVX-512 panels (which have none)."""
 
 from __future__ import annotations
 
@@ -68,16 +69,17 @@ def model_dir(request, llama_dir: Path, make_model_dir, tmp_path: Path) -> Path:
 
 
 def _max_rows() -> int:
-    """The fused loop's edge for this build (12 with AVX2, 32 with AVX-512)."""
+    """The skinny product's edge for this build (12 with AVX2, 32 with AVX-512)."""
     ops = cpu_kernels()
     assert ops is not None
     return skinny_max_rows(ops)
 
 
-@pytest.mark.parametrize("num_seqs", [1, 5, 9, "edge"])
+@pytest.mark.parametrize("num_seqs", [1, 5, 9, "edge", "past"])
 def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seqs: int | str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    num_seqs = _max_rows() if num_seqs == "edge" else num_seqs
+    edge = _max_rows()
+    num_seqs = edge if num_seqs == "edge" else edge + 1 if num_seqs == "past" else num_seqs
     calls: list[int] = []
     real_call = FusedDecode.__call__
 
@@ -87,7 +89,10 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
 
     monkeypatch.setattr(FusedDecode, "__call__", counting)
     with make_runner(model_dir) as fused:
-        assert decoder(fused).fused_decode() is not None
+        loop = decoder(fused).fused_decode()
+        assert loop is not None
+        if loop.max_rows is not None and num_seqs > loop.max_rows:
+            pytest.skip("plain weights (no AVX-512 panels): the loop stops at the edge")
         fused_steps, _ = run_walk(fused, num_seqs, num_decodes=4)
     assert calls == [num_seqs] * 4  # every decode step, and no prefill, took the fused loop
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
@@ -99,8 +104,12 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
         assert torch.equal(got, want)
 
 
-def test_hf_logits_at_and_past_the_fused_edge(llama_dir: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("prepack", ["0", "1"])
+def test_hf_logits_at_and_past_the_skinny_edge(llama_dir: Path, prepack: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain weights (PDSERVE_CPU_PREPACK=0, or no AVX-512): the loop runs up to the skinny
+    product's edge and the module path past it. AVX-512 panels: the loop runs past it too."""
+    monkeypatch.setenv("PDSERVE_CPU_PREPACK", prepack)
     calls: list[int] = []
     real_call = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__",
@@ -109,13 +118,16 @@ def test_hf_logits_at_and_past_the_fused_edge(llama_dir: Path,
     hf = load_hf(llama_dir)
     with make_runner(llama_dir) as runner:
         edge = _max_rows()
+        panels = decoder(runner).fused_decode().max_rows is None
+        assert panels == (prepack == "1" and bool(cpu_kernels().panel_width()))
         for num_seqs in (edge, edge + 1):
             steps, seqs = run_walk(runner, num_seqs, num_decodes=2, seed=num_seqs)
             expected = [hf_logits(hf, seq) for seq in seqs]
             for d, logits in enumerate(steps[1:]):
                 assert_rows_match(logits, [e[len(seq) - 2 + d] for e, seq in
                                            zip(expected, seqs, strict=True)])
-    assert calls == [edge] * 2  # past the edge the module path ran
+    # past the edge the module path ran, unless the loop has panels
+    assert calls == ([edge] * 2 + [edge + 1] * 2 if panels else [edge] * 2)
 
 
 @pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])

@@ -210,31 +210,90 @@ def test_skinny_linear_refuses_what_it_cannot_read():
         _ops().skinny_linear(torch.randn(2, 8), torch.randn(8, 4).T, None)
 
 
-def test_decode_rows_take_the_skinny_kernel_and_prefill_rows_the_packed_weight(monkeypatch):
-    """parallel.linear: a decode step's few rows read the plain weight through the skinny
-    kernel; more rows use the packed copy; both equal torch."""
+def _needs_panels():
+    if not _ops().panel_width():
+        pytest.skip("the kernels compiled without AVX-512: no panel kernel")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 130])  # tiles of 8, passes of 128 rows
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (112, 37), (40, 200), (7, 9),
+                                                      (1, 8)])
+def test_panel_linear_matches_torch(rows, out_features, in_features):
+    """Whole panels (96 = 2 x 48), a last panel of whole vectors (112 = 2 x 48 + 16, 40 = 32 +
+    8: one masked), one narrow masked panel (7, 1); with and without bias, on a strided x; and
+    the packing undoes exactly."""
+    _needs_panels()
+    from pdserve.serve import parallel
+
+    torch.manual_seed(9)
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    panels = parallel.prepack(weight)
+    assert panels.shape == (out_features * in_features,)
+    assert torch.equal(parallel.unpack(panels, weight.shape), weight)
+    x = torch.randn(rows, in_features + 5)[:, 2:2 + in_features]
+    torch.testing.assert_close(_ops().panel_linear(x, panels, None), x @ weight.T,
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_ops().panel_linear(x, panels, bias), x @ weight.T + bias,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_panel_linear_rows_do_not_depend_on_their_batch():
+    """Each output is one FMA chain over k, whatever the tile a row lands in: a row's result is
+    bit-identical alone, in a batch of 13, and in a prefill-sized batch of 300."""
+    _needs_panels()
+    from pdserve.serve import parallel
+
+    torch.manual_seed(10)
+    weight = torch.randn(200, 96)
+    panels = parallel.prepack(weight)
+    x = torch.randn(300, 96)
+    alone = _ops().panel_linear(x[7:8], panels, None)
+    assert torch.equal(_ops().panel_linear(x[:13], panels, None)[7:8], alone)
+    assert torch.equal(_ops().panel_linear(x, panels, None)[7:8], alone)
+
+
+def test_panel_linear_refuses_what_it_cannot_read():
+    _needs_panels()
+    with pytest.raises(RuntimeError, match="do not hold rows of K = 9"):
+        _ops().panel_linear(torch.randn(2, 9), torch.randn(32), None)
+    with pytest.raises(RuntimeError, match="fp32"):
+        _ops().panel_linear(torch.randn(2, 8).double(), torch.randn(32), None)
+    with pytest.raises(RuntimeError, match="bias \\[N\\]"):
+        _ops().panel_linear(torch.randn(2, 8), torch.randn(32), torch.randn(5))
+
+
+def test_linear_takes_the_panels_for_every_row_count_or_else_skinny_then_onednn(monkeypatch):
+    """parallel.linear: with AVX-512 the packed copy is pdserve's panels and every row count
+    reads them; elsewhere a decode step's few rows read the plain weight through the skinny
+    kernel and more rows oneDNN's packed copy. All equal torch."""
     from pdserve.serve import parallel
 
     torch.manual_seed(8)
     weight, bias = torch.randn(40, 24), torch.randn(40)
     packed = parallel.prepack(weight)
-    calls = []
     ops = _ops()
+    calls = []
 
     class Spy:
         def __getattr__(self, name):
-            if name != "skinny_max_rows":  # the edge's lookup is not a product
+            if name not in ("skinny_max_rows", "panel_width"):  # lookups, not products
                 calls.append(name)
             return getattr(ops, name)
 
     monkeypatch.setattr(parallel, "fused_fp32", lambda x: Spy())
+    monkeypatch.setattr(parallel, "cpu_kernels", lambda: Spy())
     few, many = torch.randn(parallel.skinny_max_rows(ops), 24), torch.randn(64, 24)
     torch.testing.assert_close(parallel.linear(few, weight, bias, packed), few @ weight.T + bias,
                                atol=1e-4, rtol=1e-4)
-    assert calls == ["skinny_linear"]
     torch.testing.assert_close(parallel.linear(many, weight, bias, packed),
                                many @ weight.T + bias, atol=1e-4, rtol=1e-4)
-    assert calls == ["skinny_linear"]  # the packed path took the 64 rows
+    if ops.panel_width():
+        assert not packed.is_mkldnn and calls == ["panel_linear", "panel_linear"]
+    else:
+        assert packed.is_mkldnn and calls == ["skinny_linear"]  # oneDNN took the 64 rows
+    batched = torch.randn(2, 3, 24)  # a 3-D x keeps its leading dimensions
+    torch.testing.assert_close(parallel.linear(batched, weight, None, packed), batched @ weight.T,
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,5 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache);
   m.def("skinny_linear", &skinny_linear);
   m.def("skinny_max_rows", &skinny_max_rows);
+  m.def("panel_width", &panel_width);
+  m.def("panel_linear", &panel_linear);
   m.def("llama_decode_layers", &llama_decode_layers);
 }

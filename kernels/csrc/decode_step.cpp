@@ -14,7 +14,8 @@
 //   x, r   = add_rms_norm(h, r, ln2)
 //   h      = silu_and_mul(x W_gu^T (+ b)) W_down^T (+ b)
 // Weights come 10 per layer: ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down; an
-// empty tensor stands for an absent bias. fp32, one tensor-parallel rank.
+// empty tensor stands for an absent bias; a W is plain [N, K] or packed in panels (1-D). fp32,
+// one tensor-parallel rank.
 #include "cpu_ops.h"
 
 namespace {
@@ -28,6 +29,13 @@ torch::Tensor with_bias(torch::Tensor y, const torch::Tensor& bias) {
 c10::optional<torch::Tensor> optional_bias(const torch::Tensor& bias) {
   if (bias.numel() == 0) return c10::nullopt;
   return bias;
+}
+
+// x W^T (+ b) as serve/parallel.py linear computes it: W packed in panels (a flat tensor) or
+// plain [N, K].
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w,
+                      c10::optional<torch::Tensor> bias) {
+  return w.dim() == 1 ? panel_linear(x, w, bias) : skinny_linear(x, w, bias);
 }
 
 }  // namespace
@@ -51,7 +59,7 @@ std::vector<torch::Tensor> llama_decode_layers(
     const torch::Tensor& cache = kv_caches[layer];
     auto normed = add_rms_norm(hidden, residual, w[0], eps);
     residual = normed[1];
-    auto qkv = skinny_linear(normed[0], w[1], optional_bias(w[2]));
+    auto qkv = project(normed[0], w[1], optional_bias(w[2]));
     auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -59,11 +67,11 @@ std::vector<torch::Tensor> llama_decode_layers(
     rotary_neox_(k, cos, sin, rotary_dim);
     write_kv_cache(k, v.contiguous(), cache, slot_mapping);
     auto attn = paged_last_token_attention(q, cache[0], cache[1], lens, tables, scale);
-    hidden = with_bias(skinny_linear(attn.reshape({T, q_size}), w[3], c10::nullopt), w[4]);
+    hidden = with_bias(project(attn.reshape({T, q_size}), w[3], c10::nullopt), w[4]);
     normed = add_rms_norm(hidden, residual, w[5], eps);
     residual = normed[1];
-    auto gate_up = skinny_linear(normed[0], w[6], optional_bias(w[7]));
-    hidden = with_bias(skinny_linear(silu_and_mul(gate_up), w[8], c10::nullopt), w[9]);
+    auto gate_up = project(normed[0], w[6], optional_bias(w[7]));
+    hidden = with_bias(project(silu_and_mul(gate_up), w[8], c10::nullopt), w[9]);
   }
   return {hidden, residual.has_value() ? *residual : hidden};
 }
