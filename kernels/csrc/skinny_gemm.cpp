@@ -274,33 +274,41 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+  // Tasks: (block of rows, panel) pairs, panels inner. A decode step's rows are one block,
+  // so threads split the panels and each streams its own stretch of W; a prefill's blocks
+  // split too, which keeps the threads level where the panels are few (11 at N = 512).
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t num_blocks = (M + kPanelBlockRows - 1) / kPanelBlockRows;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanel * K * 4));  // ~64 KiB of W
-  at::parallel_for(0, num_panels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t b0 = 0; b0 < M; b0 += kPanelBlockRows) {
+  at::parallel_for(0, num_blocks * num_panels, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = t / num_panels * kPanelBlockRows, p = t % num_panels;
       const int64_t b1 = std::min(M, b0 + kPanelBlockRows);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t width = std::min(kPanel, N - p * kPanel);
-        const int nv = static_cast<int>((width + 15) / 16);
-        const __mmask16 last = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
-        const float* panel = wp + p * kPanel * K;  // every panel before it is full
-        const bool masked = width % 16 != 0;
-        // The first tile of rows reads the panel from memory and asks for it kPanelAhead
-        // floats ahead. The others find it in L2, and between them they ask for the next
-        // panel (3 lines a step over K steps), so that memory streams while they compute.
-        const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
-        const bool next = p + 1 < p1;
-        const int lines = tiles > 1 && next ? static_cast<int>((tiles + 1) / (tiles - 1)) : 0;
-        const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
-        for (int64_t i = 0; i < tiles; ++i) {
-          const int64_t m0 = b0 + i * kPanelRows;
-          const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
-          const char* own = reinterpret_cast<const char*>(panel + kPanelAhead);
-          panel_tile_for(mt, nv, masked)(
-              xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
-              i == 0 ? own : next_panel + (i - 1) * K * lines * 64,
-              i == 0 ? width * 4 : lines * 64, i == 0 ? nv : lines);
-        }
+      const int64_t width = std::min(kPanel, N - p * kPanel);
+      const int nv = static_cast<int>((width + 15) / 16);
+      const __mmask16 last = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
+      const float* panel = wp + p * kPanel * K;  // every panel before it is full
+      const bool masked = width % 16 != 0;
+      const PanelTileFn full = panel_tile_for(kPanelRows, nv, masked);
+      // The first tile of rows reads the panel from memory and asks for it kPanelAhead
+      // floats ahead. The others find it in L2, and the first of them ask for this
+      // thread's next panel (3 lines a step over K steps: 3, 2 or 1 lines a step for 1, 2
+      // or 3 tiles), so that memory streams while they compute.
+      const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
+      const bool next = t + 1 < t1 && p + 1 < num_panels;
+      const int64_t fetching = std::min<int64_t>(3, tiles - 1);
+      const int lines = next && fetching > 0 ? static_cast<int>((3 + fetching - 1) / fetching) : 0;
+      const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t m0 = b0 + i * kPanelRows;
+        const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
+        const PanelTileFn tile = mt == kPanelRows ? full : panel_tile_for(mt, nv, masked);
+        if (i == 0)
+          tile(xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
+               reinterpret_cast<const char*>(panel + kPanelAhead), width * 4, nv);
+        else
+          tile(xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
+               next_panel + (i - 1) * K * lines * 64, lines * 64, i <= fetching ? lines : 0);
       }
     }
   });
