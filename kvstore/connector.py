@@ -23,9 +23,11 @@ keeps the prefix for later requests, and a decode worker that cannot reach the s
 from it instead. Without a node, saves go to the fleet store directly (the older two-hop
 path), and without a fleet store, a worker still hands off through its node.
 
-Loads and saves run on one background thread; the engine polls for completions. The KV cache
-is a cache: a load that fails (store down, timeout, missing or malformed block) reports the
-blocks it did place, possibly none, and the engine recomputes the rest.
+Loads and saves run on one background thread; the engine polls for completions, and a loop
+with nothing else to do sleeps on `wakeup_fd`, readable once a completion waits. (A loop that
+spun instead took half of a one-core decode worker from the load it waited for.) The KV
+cache is a cache: a load that fails (store down, timeout, missing or malformed block) reports
+the blocks it did place, possibly none, and the engine recomputes the rest.
 
     lookup(keys) -> n          start_load(req, keys[:n], block_ids, kv_caches, source)
     wait_for_layer_load(req, l)   save_layer(req, l, keys, block_ids, kv_caches[l])
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -135,6 +138,10 @@ class KVConnector:
         self._saves: dict[str, _Save] = {}
         self._results: list[TransferResult] = []
         self._lock = threading.Lock()
+        # a byte is written for each completion, and poll() empties the pipe
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run_jobs, name="kv-connector", daemon=True)
         self._worker.start()
@@ -272,6 +279,7 @@ class KVConnector:
                 event.set()
             with self._lock:
                 self._results.append(TransferResult(request_id, "load", load.num_blocks, error))
+            self._wake()
 
     def wait_for_layer_load(self, request_id: str, layer: int,
                             timeout_s: float | None = None) -> int:
@@ -342,6 +350,7 @@ class KVConnector:
             self._results.append(TransferResult(
                 request_id, "save", num_stored, error, lease_id,
                 node.address if node is not None else ""))
+        self._wake()
         if node is not None and self.backend is not None and num_stored:
             backend, keys = self.backend, save.keys[:num_stored]
 
@@ -371,8 +380,24 @@ class KVConnector:
         self._jobs.put(job)
 
     # ---- completion -------------------------------------------------------------------------
+    @property
+    def wakeup_fd(self) -> int:
+        """A file descriptor that is readable while finished transfers wait for poll()."""
+        return self._wake_read
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:  # the pipe is full: the reader is woken already
+            pass
+
     def poll(self) -> list[TransferResult]:
         """Transfers finished since the last poll; a reported load's state is freed."""
+        try:
+            while self._wake_write >= 0 and os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:  # emptied (before taking the results: a later one wakes again)
+            pass
         with self._lock:
             results, self._results = self._results, []
             for r in results:
@@ -404,6 +429,10 @@ class KVConnector:
         self._worker.join(timeout=CLOSE_DRAIN_S)
         for source in list(self._peers):
             self._drop_peer(source)
+        if not self._worker.is_alive() and self._wake_write >= 0:  # (a running job may write)
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_write = -1
 
     def _run_jobs(self) -> None:
         while True:

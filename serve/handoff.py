@@ -84,8 +84,21 @@ class HandOff:
 
     @property
     def is_busy(self) -> bool:
-        """Something is held, loading or waiting for blocks (the loop must not sleep)."""
+        """Something is held, loading or waiting for blocks."""
         return bool(self._held or self._loading or self._waiting_for_blocks)
+
+    @property
+    def must_poll(self) -> bool:
+        """poll() has work now, without a transfer finishing: a loaded request waits for blocks
+        (engine steps free them), or a save failed in this thread. The loop must not sleep;
+        for transfers in flight it sleeps on `wakeup_fd`."""
+        return bool(self._waiting_for_blocks) or (
+            self.kv_transfer is not None and self.kv_transfer.has_failed)
+
+    @property
+    def wakeup_fd(self) -> int | None:
+        """Readable once a transfer finished (None without a KV transfer)."""
+        return None if self.kv_transfer is None else self.kv_transfer.connector.wakeup_fd
 
     # ---- requests in ------------------------------------------------------------------------
     def add(self, message: GenerateRequest) -> None:

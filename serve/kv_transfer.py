@@ -242,6 +242,11 @@ class KVTransfer:
                 done.append(finished)
         return done
 
+    @property
+    def has_failed(self) -> bool:
+        """A failure noted in this thread waits for poll() (no transfer will wake the loop)."""
+        return bool(self._failed)
+
     def totals(self) -> dict[str, float]:
         """Bytes moved and time spent since start (the worker reports them as metrics), and
         the leases its hand-off node holds now (hand-offs not yet read by decode)."""

@@ -757,6 +757,9 @@ class ModelRunner:
     def write_kv_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
         """Inverse of read_kv_blocks: per layer [P, n, block_size, num_kv_heads, head_dim];
         every rank keeps its own heads (so the writer's TP degree does not matter)."""
+        if self._world_size == 1:  # one rank holds every layer and head: straight into its pool
+            self._rank.pool.write_blocks(list(block_ids), blocks)
+            return
         full = torch.stack([b.to(self.spec.kv_torch_dtype) for b in blocks]).cpu().contiguous()
         if self._world_size > 1:
             self._check_kv_split()

@@ -156,8 +156,10 @@ class Worker:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        if self.handoff.wakeup_fd is not None:  # a finished transfer ends the wait too
+            poller.register(self.handoff.wakeup_fd, zmq.POLLIN)
         while not self.stop_event.is_set():
-            busy = self.engine.has_unfinished_requests() or self.handoff.is_busy
+            busy = self.engine.has_unfinished_requests() or self.handoff.must_poll
             if poller.poll(0 if busy else IDLE_POLL_MS):
                 self._drain()
             for output in self.handoff.poll():

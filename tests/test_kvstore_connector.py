@@ -63,6 +63,29 @@ def test_save_then_load_round_trips_into_other_block_ids():
     connector.close()
 
 
+def test_wakeup_fd_is_readable_while_a_completion_waits():
+    """A serving loop sleeps on wakeup_fd while transfers run: it must turn readable when a
+    save or load finishes, and quiet again once poll() took the results."""
+    import os
+    import select
+
+    connector = make_in_process_connector(LAYOUT, dram_capacity_blocks=16)
+    fd = connector.wakeup_fd
+    assert select.select([fd], [], [], 0)[0] == []
+    keys = request_keys(2)
+    save_all_layers(connector, "r1", keys, [0, 1], make_pool(4, seed=1))
+    assert select.select([fd], [], [], 10)[0] == [fd]
+    assert [r.kind for r in connector.poll()] == ["save"]
+    assert select.select([fd], [], [], 0)[0] == []
+    connector.start_load("r2", keys, [2, 3], make_pool(4))
+    assert select.select([fd], [], [], 10)[0] == [fd]
+    assert [r.kind for r in connector.poll()] == ["load"]
+    assert select.select([fd], [], [], 0)[0] == []
+    connector.close()
+    with pytest.raises(OSError):  # closed with the connector: no descriptor leaks
+        os.fstat(fd)
+
+
 def test_tp2_reader_takes_its_heads():
     store_side = make_in_process_connector(LAYOUT, dram_capacity_blocks=4)
     pool = make_pool(2, seed=1)
