@@ -6,13 +6,18 @@ it imports nothing of pdserve. Prints one JSON object on its last line:
     {"decode": [{"batch", "context", "step_s"}], "prefill": [{"tokens", "seconds"}]}
 
 Every timed prompt is fresh (random tokens from a new seed; prefix caching off), so nothing
-is served from a cache. The decode step is (time to generate N tokens - time to generate 1)
-/ (N - 1) for the same batch of fresh prompts of the same length.
+is served from a cache. The decode step is timed as step_roofline times pdserve's: the batch's
+prompts are added to vLLM's engine, stepped through their prefill untimed, then N decode
+steps are timed one by one and the median is the step. (It used to be (time to generate N
+tokens - time to generate 1) / (N - 1), the best of two: at batch 8 and 32 the prefill both
+runs share is most of either, its noise divided by N came out as +-60% of a step, and the
+best of two leaned low: vLLM's batch-8 step read 6-17 ms run to run on one box.)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import time
@@ -24,7 +29,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=12, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, required=True)
     args = parser.parse_args()
@@ -48,19 +53,37 @@ def main() -> None:
         return time.perf_counter() - start
 
     timed([fresh(32)], 4)  # warm-up
+    engine = llm.llm_engine
+    request_ids = itertools.count()
+
+    def decode_step_s(prompts: list[TokensPrompt], steps: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+        pending = set()
+        for prompt in prompts:
+            request_id = f"decode-{next(request_ids)}"
+            engine.add_request(request_id, prompt, params)
+            pending.add(request_id)
+        deadline = time.monotonic() + 600
+        while pending and time.monotonic() < deadline:  # prefill (chunked), untimed
+            for out in engine.step():
+                if out.outputs and out.outputs[0].token_ids:
+                    pending.discard(out.request_id)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            engine.step()
+        times.sort()
+        return times[len(times) // 2]
+
     decode = []
     for context in args.contexts:
         for batch in args.batch_sizes:
-            best = float("inf")
-            for _ in range(args.repeats):
-                # the same prompts both times (no prefix cache here): the difference is the
-                # decode steps alone, not the noise of two different prefills
-                prompts = [fresh(context) for _ in range(batch)]
-                one = timed(prompts, 1)
-                many = timed(prompts, args.decode_tokens)
-                best = min(best, (many - one) / (args.decode_tokens - 1))
-            decode.append({"batch": batch, "context": context, "step_s": max(best, 0.0)})
-            print(f"vllm decode batch {batch} context {context}: {best * 1e3:.2f} ms",
+            step_s = decode_step_s([fresh(context) for _ in range(batch)], args.decode_tokens)
+            decode.append({"batch": batch, "context": context, "step_s": step_s})
+            print(f"vllm decode batch {batch} context {context}: {step_s * 1e3:.2f} ms",
                   flush=True)
     prefill = []
     for length in args.prefill_lengths:

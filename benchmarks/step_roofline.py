@@ -208,7 +208,7 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
                "--batch-sizes", *map(str, args.batch_sizes),
                "--contexts", *map(str, args.contexts),
                "--prefill-lengths", *map(str, args.prefill_lengths),
-               "--decode-tokens", str(max(32, args.decode_steps))]
+               "--decode-tokens", str(args.decode_steps)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         print(f"vLLM run failed:\n{done.stderr[-3000:]}", flush=True)
