@@ -82,6 +82,9 @@ class TransferResult:
     expires), so they survive until the reader (a decode worker) has loaded them."""
     source: str = ""
     """Save: the data node holding the blocks and the lease ("": the fleet store)."""
+    layers: list[torch.Tensor] | None = None
+    """Load started without a pool: the placed blocks per layer, [P, num_blocks, block_size,
+    this rank's heads, head_dim], views into one buffer (the caller installs them)."""
 
 
 @dataclass
@@ -89,6 +92,7 @@ class _Load:
     num_layers: int
     layer_done: list[threading.Event] = field(default_factory=list)
     num_blocks: int = 0
+    layers: list[torch.Tensor] | None = None  # loaded without a pool: the blocks, per layer
 
     def __post_init__(self) -> None:
         self.layer_done = [threading.Event() for _ in range(self.num_layers)]
@@ -175,11 +179,14 @@ class KVConnector:
 
     # ---- load -------------------------------------------------------------------------------
     def start_load(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
-                   kv_caches: Sequence[torch.Tensor], source: str = "") -> None:
+                   kv_caches: Sequence[torch.Tensor] | None, source: str = "") -> None:
         """Fetch blocks `keys` into pool blocks `block_ids` of every layer, asynchronously:
         from the data node at `source` (a prefill worker's), else (or when that fails) from
-        the fleet store."""
-        if len(keys) != len(block_ids) or len(kv_caches) != self.layout.num_layers:
+        the fleet store. With `kv_caches` None the blocks are not placed anywhere: the
+        TransferResult carries them per layer (`layers`), for a caller that allocates their
+        pool blocks only once they arrived (no staging copy)."""
+        if len(keys) != len(block_ids) or (
+                kv_caches is not None and len(kv_caches) != self.layout.num_layers):
             raise ValueError("start_load: one block id per key and one cache per layer")
         with self._lock:
             if request_id in self._loads:
@@ -252,14 +259,19 @@ class KVConnector:
                 logger.debug("kv connector: closing the client of %s: %s", source, e)
 
     def _load(self, request_id: str, load: _Load, keys: list[bytes], block_ids: list[int],
-              kv_caches: Sequence[torch.Tensor], source: str) -> None:
+              kv_caches: Sequence[torch.Tensor] | None, source: str) -> None:
         error = None
         try:
             usable = self._fetch(keys, source)
             if len(usable) < len(keys):
                 error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
             load.num_blocks = len(usable)  # before any layer is signalled as done
-            if usable:
+            if usable and kv_caches is None:  # [n, layers, P, bs, H, D] -> per layer views
+                stacked = torch.stack(usable).view(self.dtype).view(len(usable),
+                                                                    *self.block_shape)
+                load.layers = [stacked[:, layer, :, :, self._heads].transpose(0, 1)
+                               for layer in range(self.layout.num_layers)]
+            elif usable:
                 device = kv_caches[0].device
                 # [n, num_layers, P, block_size, H, D] -> per layer [P, n, block_size, h, D]
                 stacked = torch.stack(usable).to(device).view(self.dtype).view(
@@ -273,12 +285,13 @@ class KVConnector:
                     load.layer_done[layer].set()
         except Exception as e:  # failure is a miss: the engine recomputes
             logger.warning("kv connector: load of %s failed (%s); recomputing", request_id, e)
-            error, load.num_blocks = repr(e), 0
+            error, load.num_blocks, load.layers = repr(e), 0, None
         finally:
             for event in load.layer_done:
                 event.set()
             with self._lock:
-                self._results.append(TransferResult(request_id, "load", load.num_blocks, error))
+                self._results.append(TransferResult(request_id, "load", load.num_blocks, error,
+                                                    layers=load.layers))
             self._wake()
 
     def wait_for_layer_load(self, request_id: str, layer: int,

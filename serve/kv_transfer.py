@@ -45,7 +45,6 @@ PEER_TIMEOUT_S = 3.0
 @dataclass
 class PendingLoad:
     num_blocks: int
-    staging: list[torch.Tensor]  # per layer [P, num_blocks, block_size, all heads, head_dim]
     lease_id: int = 0
     source: str = ""  # the data node holding the blocks and the lease ("": the fleet store)
 
@@ -57,6 +56,8 @@ class TransferDone:
     ok: bool
     keys: list[bytes]
     staging: list[torch.Tensor] | None = None
+    """Load: the loaded blocks per layer [P, n, block_size, heads, head_dim] (views into the
+    received buffer), for `install`."""
     lease_id: int | None = None
     """Save: the store lease pinning the blocks until the decode worker loaded them."""
     source: str = ""
@@ -215,18 +216,13 @@ class KVTransfer:
     # ---- decode side -----------------------------------------------------------------------
     def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0,
                    source: str = "") -> None:
-        """Fetch blocks into a staging area in the background, from the data node at
-        `source` (else the fleet store); then release the lease that pinned them for this
-        load (0: none)."""
-        spec, layout = self.runner.spec, self.connector.layout
-        _, planes, block_size, heads, dim = layout.block_shape()
-        shape = (planes, len(keys), block_size, heads, dim)
-        # only loaded blocks are ever installed: no need to zero the rest
-        staging = [torch.empty(shape, dtype=spec.kv_torch_dtype)
-                   for _ in range(spec.num_layers)]
-        self._loads[request_id] = (keys, PendingLoad(len(keys), staging, lease_id, source))
+        """Fetch blocks in the background, from the data node at `source` (else the fleet
+        store); then release the lease that pinned them for this load (0: none). The blocks
+        arrive in the TransferDone (`staging`, per layer) and `install` copies them into the
+        pool blocks allocated then: one copy from the received buffer to the pool."""
+        self._loads[request_id] = (keys, PendingLoad(len(keys), lease_id, source))
         self._started_s["load", request_id] = time.monotonic()
-        self.connector.start_load(request_id, keys, list(range(len(keys))), staging, source)
+        self.connector.start_load(request_id, keys, list(range(len(keys))), None, source)
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank)."""
@@ -273,7 +269,7 @@ class KVTransfer:
         # loaded (or missed): the blocks need no pin now
         self.release(pending.lease_id, pending.source)
         ok = result.error is None and result.num_blocks == pending.num_blocks
-        return TransferDone(result.request_id, "load", ok, keys, pending.staging)
+        return TransferDone(result.request_id, "load", ok, keys, result.layers)
 
     def release(self, lease_id: int | None, source: str = "") -> None:
         if lease_id:

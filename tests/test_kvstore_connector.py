@@ -63,6 +63,32 @@ def test_save_then_load_round_trips_into_other_block_ids():
     connector.close()
 
 
+def test_a_load_without_a_pool_hands_over_the_blocks_per_layer():
+    """kv_caches None (a decode worker allocates pool blocks once the KV arrived): nothing is
+    written anywhere, and the result carries each layer's blocks, this rank's heads only."""
+    connector = make_in_process_connector(LAYOUT, dram_capacity_blocks=16)
+    prefill = make_pool(8, seed=3)
+    keys = request_keys(3)
+    save_all_layers(connector, "r1", keys, [4, 0, 2], prefill)
+    wait_results(connector, 1)
+    connector.start_load("r1", keys, [0, 1, 2], None)
+    (result,) = wait_results(connector, 1)
+    assert (result.kind, result.num_blocks, result.error) == ("load", 3, None)
+    assert len(result.layers) == LAYOUT.num_layers
+    for layer, blocks in enumerate(result.layers):
+        assert torch.equal(blocks, prefill[layer][:, [4, 0, 2]])
+    rank1 = KVConnector(connector.backend, LAYOUT, tp_rank=1, tp_size=2)
+    rank1.start_load("r2", keys[:2], [0, 1], None)
+    (result,) = wait_results(rank1, 1)
+    assert torch.equal(result.layers[1], prefill[1][:, [4, 0], :, 2:])
+    missing = request_keys(2, salt="never saved")
+    connector.start_load("r3", missing, [0, 1], None)
+    (result,) = wait_results(connector, 1)
+    assert (result.num_blocks, result.layers) == (0, None)
+    rank1.close()
+    connector.close()
+
+
 def test_wakeup_fd_is_readable_while_a_completion_waits():
     """A serving loop sleeps on wakeup_fd while transfers run: it must turn readable when a
     save or load finishes, and quiet again once poll() took the results."""
