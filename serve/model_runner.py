@@ -761,12 +761,11 @@ class ModelRunner:
             self._rank.pool.write_blocks(list(block_ids), blocks)
             return
         full = torch.stack([b.to(self.spec.kv_torch_dtype) for b in blocks]).cpu().contiguous()
-        if self._world_size > 1:
-            self._check_kv_split()
-            procs = self._procs
-            with self._collective(), procs.send_lock:
-                procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
-                dist.broadcast(fp8_as_bytes(full), src=0, group=procs.control)
+        self._check_kv_split()
+        procs = self._procs
+        with self._collective(), procs.send_lock:
+            procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
+            dist.broadcast(fp8_as_bytes(full), src=0, group=procs.control)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:

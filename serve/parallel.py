@@ -85,8 +85,8 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     - where the CPU kernels compiled for AVX-512, pdserve's panels (`pack_panels`), which
       serve every row count: on the llama-mid-like model's four products, 8 layers, 2 cores,
       1.9 / 2.9 / 5.0 ms at 8 / 16 / 32 rows against 2.2 / 3.7 / 7.0 for the plain-layout
-      skinny kernel and 3.4 / 4.1 / 6.6 for oneDNN; at 256 rows level with oneDNN, at 1024
-      rows 10% behind it (benchmarks/results/README.md);
+      skinny kernel and 3.4 / 4.1 / 6.6 for oneDNN; a whole prefill within 1-7% of oneDNN's
+      (benchmarks/results/README.md), so one packed copy serves both;
     - elsewhere oneDNN's blocked layout (an opaque mkldnn tensor of the same shape), for the
       many rows of a prefill (a [2048, 512] x [512, 2816] product: 38 ms packed against 51
       ms for F.linear on an AVX2 host); decode steps there read the plain weight."""
@@ -130,7 +130,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     serve/fp8.py) goes to fp8_linear."""
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias, fp8_block_k)
-    if packed is not None and not packed.is_mkldnn and x.dtype == torch.float32:
+    if packed is not None and not packed.is_mkldnn:  # panels
+        if x.dtype != torch.float32:
+            return F.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         y = cpu_kernels().panel_linear(rows if rows.stride(1) == 1 else rows.contiguous(),
                                        packed, bias)
