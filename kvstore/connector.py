@@ -266,23 +266,26 @@ class KVConnector:
             if len(usable) < len(keys):
                 error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
             load.num_blocks = len(usable)  # before any layer is signalled as done
-            if usable and kv_caches is None:  # [n, layers, P, bs, H, D] -> per layer views
-                stacked = torch.stack(usable).view(self.dtype).view(len(usable),
-                                                                    *self.block_shape)
-                load.layers = [stacked[:, layer, :, :, self._heads].transpose(0, 1)
-                               for layer in range(self.layout.num_layers)]
-            elif usable:
-                device = kv_caches[0].device
+            if usable:
+                stacked = torch.stack(usable)
+                if kv_caches is not None:
+                    stacked = stacked.to(kv_caches[0].device)
                 # [n, num_layers, P, block_size, H, D] -> per layer [P, n, block_size, h, D]
-                stacked = torch.stack(usable).to(device).view(self.dtype).view(
-                    len(usable), *self.block_shape)
-                index = torch.tensor(block_ids[: len(usable)], dtype=torch.int64, device=device)
-                for layer, cache in enumerate(kv_caches):
-                    src = stacked[:, layer, :, :, self._heads].transpose(0, 1)
-                    fp8_as_bytes(cache).index_copy_(1, index, fp8_as_bytes(src.to(cache.dtype)))
-                    if device.type == "cuda":
-                        torch.cuda.current_stream(device).synchronize()
-                    load.layer_done[layer].set()
+                stacked = stacked.view(self.dtype).view(len(usable), *self.block_shape)
+                layers = [stacked[:, layer, :, :, self._heads].transpose(0, 1)
+                          for layer in range(self.layout.num_layers)]
+                if kv_caches is None:  # the caller installs them
+                    load.layers = layers
+                else:
+                    device = kv_caches[0].device
+                    index = torch.tensor(block_ids[: len(usable)], dtype=torch.int64,
+                                         device=device)
+                    for layer, (cache, src) in enumerate(zip(kv_caches, layers, strict=True)):
+                        fp8_as_bytes(cache).index_copy_(1, index,
+                                                        fp8_as_bytes(src.to(cache.dtype)))
+                        if device.type == "cuda":
+                            torch.cuda.current_stream(device).synchronize()
+                        load.layer_done[layer].set()
         except Exception as e:  # failure is a miss: the engine recomputes
             logger.warning("kv connector: load of %s failed (%s); recomputing", request_id, e)
             error, load.num_blocks, load.layers = repr(e), 0, None

@@ -289,7 +289,6 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
       const __mmask16 last = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
       const float* panel = wp + p * kPanel * K;  // every panel before it is full
       const bool masked = width % 16 != 0;
-      const PanelTileFn full = panel_tile_for(kPanelRows, nv, masked);
       // The first tile of rows reads the panel from memory and asks for it kPanelAhead
       // floats ahead. The others find it in L2, and the first of them ask for this
       // thread's next panel (3 lines a step over K steps: 3, 2 or 1 lines a step for 1, 2
@@ -298,17 +297,15 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
       const bool next = t + 1 < t1 && p + 1 < num_panels;
       const int64_t fetching = std::min<int64_t>(3, tiles - 1);
       const int lines = next && fetching > 0 ? static_cast<int>((3 + fetching - 1) / fetching) : 0;
+      const char* own = reinterpret_cast<const char*>(panel + kPanelAhead);
       const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t m0 = b0 + i * kPanelRows;
         const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
-        const PanelTileFn tile = mt == kPanelRows ? full : panel_tile_for(mt, nv, masked);
-        if (i == 0)
-          tile(xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
-               reinterpret_cast<const char*>(panel + kPanelAhead), width * 4, nv);
-        else
-          tile(xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
-               next_panel + (i - 1) * K * lines * 64, lines * 64, i <= fetching ? lines : 0);
+        panel_tile_for(mt, nv, masked)(
+            xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
+            i == 0 ? own : next_panel + (i - 1) * K * lines * 64,
+            i == 0 ? width * 4 : lines * 64, i == 0 ? nv : i <= fetching ? lines : 0);
       }
     }
   });
