@@ -427,6 +427,8 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv.append("--no-prefix-caching")
         if role == "prefill":
             per_step = args.prefill_max_prefills_per_step
+            if per_step is not None and per_step < 0:
+                raise ValueError("--prefill-max-prefills-per-step must be >= 0 (0: no limit)")
             if per_step is None and device != "cuda":
                 per_step = 1  # 8 req/s on llama-mid-like, 2 cores: mean TTFT -18%, p99 -30%
             if per_step is not None:

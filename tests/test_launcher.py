@@ -117,6 +117,8 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
     batched = _workers(launcher.plan(_args("--prefill-max-prefills-per-step", "0"), "/m",
                                      gpus=[]))
     assert _flag(batched["prefill-0"], "--max-prefills-per-step") == "0"
+    with pytest.raises(ValueError, match="--prefill-max-prefills-per-step must be >= 0"):
+        launcher.plan(_args("--prefill-max-prefills-per-step", "-1"), "/m", gpus=[])
     colocated = launcher.plan(_args("--device", "cpu", "--mode", "colocated"), "/m")
     assert {c.role: c.cpus for c in colocated.children} == {"colocated-0": [0, 1],
                                                             "router": None}
