@@ -220,6 +220,7 @@ def test_cli_ready_check_and_warmups_send_the_first_prompt_unmeasured(
         threaded_server: ScriptedSSEServer, tmp_path: Path) -> None:
     rc = cli("--base-url", threaded_server.base_url, "--num-prompts", "3", "--seed", "4",
              "--random-input-len", "6", "--ready-check-timeout-sec", "5", "--num-warmups", "2",
+             "--max-concurrency", "1",  # the measured three arrive in their order
              "--save-result", "--no-plots", "--result-dir", str(tmp_path),
              "--result-filename", "w.json", "--disable-tqdm")
     assert rc == 0
