@@ -56,9 +56,10 @@ TTFT_PHASES = ("router", "queue", "prefill", "layer_save", "kv_save", "transport
 HANDOVER_PHASES = ("second_dispatch", "kv_load", "first_decode", "decode_transport")
 HTTP_PHASE = "http"
 """Client TTFT less the router's: HTTP both ways, body parsing, tokenizing, SSE delivery."""
-SETUPS = ("colocated", "disagg", "disagg-no-store")
+SETUPS = ("colocated", "disagg", "disagg-no-store", "disagg-no-lending")
 """What `--setups` may name: `pdserve up --mode colocated`, `--mode disagg` (1 prefill + 1
-decode with the KV store) and `--mode disagg --no-store` (the same without the fleet store)."""
+decode with the KV store), `--mode disagg --no-store` (the same without the fleet store) and
+`--mode disagg --no-core-lending` (prefill never runs on an idle decode worker's cores)."""
 NUM_WARMUP_REQUESTS = 2
 NUM_OFFLINE_PROMPTS = 5
 
@@ -250,13 +251,16 @@ def start_cluster(setup: str, model_dir: str, config: BreakdownConfig) -> Runnin
             "--store-port", str(port + 15)]
     if setup == "disagg-no-store":
         argv.append("--no-store")
+    if setup == "disagg-no-lending":
+        argv.append("--no-core-lending")
     if config.device is not None:
         argv += ["--device", config.device]
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
     args = parser.parse_args(argv)
-    launcher.provide_cluster_key(args, Path(tempfile.mkdtemp(prefix="pdserve-ttft-")))
-    cluster = launcher.plan(args, model_dir)
+    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
+    launcher.provide_cluster_key(args, run_dir)
+    cluster = launcher.plan(args, model_dir, run_dir=run_dir)
     workers = [c for c in cluster.children if c.role not in ("router", "store")]
     threads = _threads_per_rank(config, len(workers))  # TP 1 each
     for child in cluster.children:

@@ -8,6 +8,7 @@
                                  memory at close to its read speed (serve/parallel.py)
     llama_decode_layers          a Llama-family decode step's whole layer loop in one call,
                                  the ops above in the module path's order (serve/fused_decode.py)
+    pin_openmp_threads           torch's OpenMP thread i on core i of a list (serve/core_share.py)
 
 Built with torch's C++ extension builder (gcc and ninja; -O3 -march=native, OpenMP through
 torch's own runtime) into torch's extension cache (TORCH_EXTENSIONS_DIR), under a name that
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp",
-           "decode_step.cpp")
+           "decode_step.cpp", "threads.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0

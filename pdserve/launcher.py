@@ -55,6 +55,7 @@ from pdserve.router.server import (
     tracing_argv,
 )
 from pdserve.serve.config import KV_CACHE_DTYPES, CacheConfig
+from pdserve.serve.core_share import parse_core_list
 
 GPU_QUERY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
@@ -287,8 +288,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"on a CPU host, the cores the {role} workers run on, shared "
                                  "out among their ranks, with as many threads (default: "
                                  "cores of their own, see --no-cpu-pinning). Prefill and "
-                                 "decode cores may overlap: on a small host a prefill then "
-                                 "borrows decode's cores while decode is idle")
+                                 "decode cores may overlap: both then share them, the "
+                                 "overlapping ranks' threads waiting passively")
+    parser.add_argument("--no-core-lending", action="store_true",
+                        help="on a CPU host, disaggregated: keep each one-rank prefill "
+                             "worker on its own cores (default: while a decode worker holds "
+                             "no request, a prefill worker runs on its cores too, checked "
+                             "before each layer)")
     parser.add_argument("--service-cores", type=parse_core_list, default=None,
                         metavar="LIST",
                         help="on a CPU host, the cores the router and store run on, e.g. "
@@ -321,11 +327,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tool_arguments(parser)
 
 
-def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None) -> Cluster:
+def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None,
+         run_dir: Path | None = None) -> Cluster:
     """The children `pdserve up` starts, in start order (store, workers, router).
 
     `gpus`: the CUDA_VISIBLE_DEVICES entries to hand out (None: the GPUs this host has,
-    see visible_gpus). Raises ValueError when the workers' ranks do not fit on them."""
+    see visible_gpus). Raises ValueError when the workers' ranks do not fit on them.
+    `run_dir`: where the decode workers publish whether they are idle, for the prefill
+    workers that borrow their cores (None: no core lending)."""
     if args.speculative_config is not None:  # refused here, not by every worker at start
         from pdserve.serve.spec_decode import SpeculativeConfig
 
@@ -403,6 +412,10 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     # prefill thread would take the decode step's core it only borrows.
     overlapping = {i for i, a in enumerate(worker_cores) for j, b in enumerate(worker_cores)
                    if i != j and a and b and set(a) & set(b)}
+    lending, start_cores = (
+        lend_idle_cores(workers, worker_cores, run_dir)
+        if run_dir is not None and args.mode == "disagg" and not args.no_core_lending
+        else ({}, {}))
     for child in cluster.children:  # the store, started first
         child.cpus = service_cores
     for index, (role, i, tp, pp) in enumerate(workers):
@@ -439,6 +452,7 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv += ["--cpu-threads", str(cpu_threads[index])]
         if index in overlapping:
             env["OMP_WAIT_POLICY"] = "PASSIVE"
+        argv += lending.get(index, [])
         if args.device is not None:
             argv += ["--device", device]
         if placement:
@@ -446,7 +460,8 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             num_sharing = max(shares[gpu] for gpu in placement[index])
             argv += ["--gpu-memory-utilization",
                      f"{args.gpu_memory_utilization / num_sharing:.4g}"]
-        cluster.children.append(Child(f"{role}-{i}", argv, env, worker_cores[index],
+        cluster.children.append(Child(f"{role}-{i}", argv, env,
+                                      start_cores.get(index, worker_cores[index]),
                                       ports=[("127.0.0.1", port)]))
         router_argv += [f"--{role}", f"tcp://127.0.0.1:{port}"]
         port += 1
@@ -459,19 +474,32 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     return cluster
 
 
-def parse_core_list(text: str) -> list[int]:
-    """'0,2-3' -> [0, 2, 3] (an argparse type: a bad list is a usage error)."""
-    cores: set[int] = set()
-    try:
-        for part in text.split(","):
-            first, _, last = part.strip().partition("-")
-            cores.update(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a core list like '1' or '0,2-3': {text!r}"
-                                         ) from None
-    if not cores or min(cores) < 0:
-        raise argparse.ArgumentTypeError(f"not a core list like '1' or '0,2-3': {text!r}")
-    return sorted(cores)
+def lend_idle_cores(workers: list[tuple[str, int, int, int]],
+                    worker_cores: list[list[int] | None], run_dir: Path
+                    ) -> tuple[dict[int, list[str]], dict[int, list[int]]]:
+    """Core lending: decode worker j lends its cores to one-rank prefill worker j mod (their
+    number) while it holds no request (serve/core_share.py); only pinned workers whose cores
+    do not overlap take part. Returns each worker's flags, and each borrower's cores to
+    start on: its own and the lent ones (OpenMP sizes its waits from the cores it starts
+    with; the worker narrows itself to its own at once)."""
+    decode = [i for i, (role, *_) in enumerate(workers) if role == "decode"]
+    borrowers = [i for i, (role, _, tp, pp) in enumerate(workers)
+                 if role == "prefill" and tp * pp == 1]
+    flags: dict[int, list[str]] = {}
+    start_cores: dict[int, list[int]] = {}
+    for j, lender in enumerate(decode):
+        if not borrowers:
+            break
+        borrower = borrowers[j % len(borrowers)]
+        cores, own = worker_cores[lender], worker_cores[borrower]
+        if not cores or not own or set(cores) & set(own):
+            continue
+        path = run_dir / f"{workers[lender][0]}-{workers[lender][1]}.idle"
+        flags.setdefault(lender, []).extend(["--lend-idle-flag", str(path)])
+        flags.setdefault(borrower, []).extend(
+            ["--borrow-idle-cores", f"{','.join(map(str, cores))}@{path}"])
+        start_cores[borrower] = sorted({*start_cores.get(borrower, own), *cores})
+    return flags, start_cores
 
 
 def place_on_cores(tp_sizes: list[int], cores: list[int]
@@ -602,16 +630,20 @@ def run(args: argparse.Namespace) -> int:
                                max_backoff_s=max(args.restart_backoff_s, 30.0),
                                start_window_s=args.start_window_s,
                                max_start_failures=args.max_start_failures)
-        cluster = plan(args, model_dir)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    taken = _ports_in_use(cluster.children)
-    if taken:
-        for exc in taken:
-            print(f"pdserve up: {exc}", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as run_dir:
+        try:
+            cluster = plan(args, model_dir, run_dir=Path(run_dir))
+        except ValueError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 2
+        taken = _ports_in_use(cluster.children)
+        if taken:
+            for exc in taken:
+                print(f"pdserve up: {exc}", file=sys.stderr)
+            return 2
         try:
             provide_cluster_key(args, Path(run_dir))
         except (security.ClusterKeyError, OSError) as exc:

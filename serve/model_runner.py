@@ -731,6 +731,15 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         return logits.float().cpu()
 
+    def call_before_each_layer(self, hook: Callable[[], None]) -> None:
+        """hook() runs before each decoder layer of every forward (serve/core_share.py moves
+        the threads of a one-rank prefill worker there); one rank only: a TP or PP rank's
+        threads live in other processes."""
+        if self._world_size > 1:
+            raise ValueError("a per-layer hook sees rank 0's process only: TP and PP must be 1")
+        for layer in self._rank.model.model.layers:
+            layer.register_forward_pre_hook(lambda _module, _args: hook())
+
     def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Copies of the blocks with every KV head (all ranks' shards gathered), per layer
         [P, n, block_size, num_kv_heads, head_dim] on the host: the TP-independent layout

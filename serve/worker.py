@@ -44,6 +44,7 @@ from pdserve.serve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pdserve.serve.core_share import CoreBorrower, IdleFlag, Lender
 from pdserve.serve.distributed import RendezvousError
 from pdserve.serve.handoff import HandOff
 from pdserve.serve.roles import ROLE_NAMES
@@ -95,6 +96,11 @@ class WorkerConfig:
     without the store."""
     drain_timeout_s: float = 60.0
     """With discovery, SIGTERM: the longest wait for the requests held to finish."""
+    lend_idle_flag: str | None = None
+    """Decode: publish in this file whether the worker holds no request, so that a prefill
+    worker on the same host borrows its cores meanwhile (serve/core_share.py)."""
+    borrow_idle_cores: tuple[Lender, ...] = ()
+    """Prefill, one rank: also run on each lender's cores while that lender is idle."""
     speculative: SpeculativeConfig | None = None
     """MTP speculative decoding (serve/spec_decode.py); None: off. A prefill worker loads
     the drafter but never drafts (its requests end at their first token)."""
@@ -113,6 +119,12 @@ class WorkerConfig:
             discovery.check_ttl(self.discovery_ttl_s)
         if self.discovery_store_wait_s < 0 or self.drain_timeout_s <= 0:
             raise ValueError("discovery_store_wait_s must be >= 0 and drain_timeout_s > 0")
+        if self.lend_idle_flag is not None and self.role != "decode":
+            raise ValueError("only a decode worker lends its cores (--lend-idle-flag)")
+        if self.borrow_idle_cores and (self.role != "prefill"
+                                       or self.parallel.world_size > 1):
+            raise ValueError("only a one-rank prefill worker borrows cores "
+                             "(--borrow-idle-cores): its threads are all in one process")
 
     @property
     def name(self) -> str:
@@ -121,8 +133,16 @@ class WorkerConfig:
 
 class Worker:
     def __init__(self, engine, role: str, address: str, worker_id: str,
-                 kv_transfer=None) -> None:
+                 kv_transfer=None, idle_flag: IdleFlag | None = None,
+                 borrower: CoreBorrower | None = None) -> None:
+        """idle_flag: a decode worker publishes there whether it holds a request; borrower:
+        a prefill worker takes the idle lenders' cores before each layer (serve/core_share.py).
+        """
         self.engine = engine
+        self.idle_flag = idle_flag
+        self.borrower = borrower
+        if borrower is not None:
+            engine.runner.call_before_each_layer(self.borrow_cores)
         self.worker_id = worker_id
         self.handoff = HandOff(engine, role, worker_id, kv_transfer)
         self._context = zmq.Context()
@@ -160,8 +180,10 @@ class Worker:
             poller.register(self.handoff.wakeup_fd, zmq.POLLIN)
         while not self.stop_event.is_set():
             busy = self.engine.has_unfinished_requests() or self.handoff.must_poll
+            self._share_cores()
             if poller.poll(0 if busy else IDLE_POLL_MS):
                 self._drain()
+                self._share_cores()
             for output in self.handoff.poll():
                 self._send(output)
             if self.engine.has_unfinished_requests():
@@ -170,7 +192,27 @@ class Worker:
                     if output is not None:
                         self._send(output)
 
+    def _share_cores(self) -> None:
+        """A lender says whether it holds a request; a borrower gives cores back once their
+        lender is busy (it takes them before a layer: borrow_cores)."""
+        if self.idle_flag is not None:
+            self.idle_flag.set_idle(self.role == "decode" and not self._owners)
+        if self.borrower is not None and self.borrower.is_borrowing:
+            self.borrow_cores()
+
+    def borrow_cores(self) -> None:
+        """The idle lenders' cores while this is a prefill worker (a flipped one gives them
+        back)."""
+        if self.role == "prefill":
+            self.borrower.update()
+        else:
+            self.borrower.give_back()
+
     def close(self) -> None:
+        if self.borrower is not None:
+            self.borrower.close()
+        if self.idle_flag is not None:
+            self.idle_flag.close()
         self.engine.shutdown()
         self._socket.close(linger=0)
         security.release_context(self._context)
@@ -386,6 +428,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-lease-ttl-s", type=float, default=30.0,
         help="prefill pins a hand-off's blocks in the store this long at most (the decode "
              "worker releases them once loaded)")
+    add("--lend-idle-flag", default=None, metavar="PATH",
+        help="decode: publish in this file whether the worker holds a request, so that a "
+             "prefill worker on the same host (--borrow-idle-cores) runs on its cores too "
+             "while it holds none")
+    add("--borrow-idle-cores", type=Lender.parse, action="append", default=[],
+        metavar="CORES@PATH",
+        help="prefill, one rank: also run on CORES (and with as many more threads) while "
+             "the decode worker publishing in PATH holds no request; checked before each "
+             "layer (repeatable)")
     add("--handoff-dram-gb", type=float, default=1.0,
         help="host DRAM of this worker's own hand-off node: prefill saves a prompt's KV "
              "there and decode workers read it directly, one hop (0: hand off through the "
@@ -412,6 +463,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         discovery_ttl_s=args.discovery_ttl_s,
         discovery_store_wait_s=args.discovery_store_wait_s,
         drain_timeout_s=args.drain_timeout_s,
+        lend_idle_flag=args.lend_idle_flag, borrow_idle_cores=tuple(args.borrow_idle_cores),
         speculative=SpeculativeConfig.parse(args.speculative_config))
 
 
@@ -583,8 +635,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.node_rank > 0:
         return run_node(args)
+    borrower = None
     try:
         config = discover_store(config_from_args(args))
+        if config.borrow_idle_cores:  # before the engine starts threads (see CoreBorrower)
+            borrower = CoreBorrower(config.borrow_idle_cores)
         tokenizer = AutoTokenizer.from_pretrained(config.model.model)
         engine = Engine(config.model, config.cache, config.parallel, config.scheduler,
                         tokenizer=tokenizer, speculative_config=config.speculative)
@@ -594,7 +649,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     kv_transfer = make_kv_transfer(config, engine)
     worker = Worker(engine, config.role, f"tcp://{config.host}:{config.port}", config.name,
-                    kv_transfer)
+                    kv_transfer,
+                    IdleFlag(config.lend_idle_flag, create=True) if config.lend_idle_flag
+                    else None, borrower)
     registration = None
     if config.discovery is not None:
         try:

@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from pdserve import launcher
+from pdserve.serve.core_share import parse_core_list
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -136,9 +137,9 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
     with pytest.raises(ValueError, match="--prefill-cores 0: fewer cores"):
         launcher.plan(_args("--device", "cpu", "--num-prefill", "2", "--prefill-cores", "0"),
                       "/m")
-    assert launcher.parse_core_list("0,2-3") == [0, 2, 3]
+    assert parse_core_list("0,2-3") == [0, 2, 3]
     with pytest.raises(argparse.ArgumentTypeError, match="core list"):
-        launcher.parse_core_list("a-b")
+        parse_core_list("a-b")
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(8)))
     cluster = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE, "--device", "cpu"), "/m")
     workers = _workers(cluster)

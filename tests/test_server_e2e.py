@@ -4,6 +4,8 @@ and Hugging Face, in colocated and disaggregated (1 prefill + 1 decode over the 
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import torch
@@ -71,6 +73,11 @@ def test_completions_match_reference(cluster, reference):
                          {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
         assert "".join(c["choices"][0]["text"] for c in chunks) == reference[prompt]
         assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
+    roles = {w["role"] for w in cluster.status()["workers"]}
+    if "prefill" in roles and len(os.sched_getaffinity(0)) >= 2 and not torch.cuda.is_available():
+        # on a CPU host the idle decode worker's cores ran these prefills (core lending),
+        # and the tokens above are still the reference's
+        assert "borrowed cores" in cluster.log_path.read_text(errors="replace")
 
 
 def test_chat_stream_equals_non_stream(cluster, llama_dir):

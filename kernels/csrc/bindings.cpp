@@ -11,4 +11,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &panel_width);
   m.def("panel_linear", &panel_linear);
   m.def("llama_decode_layers", &llama_decode_layers);
+  m.def("pin_openmp_threads", &pin_openmp_threads);
 }

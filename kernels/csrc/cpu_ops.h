@@ -29,3 +29,5 @@ std::vector<torch::Tensor> llama_decode_layers(
     torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
     double scale);
+// threads.cpp
+void pin_openmp_threads(std::vector<int64_t> cores);
