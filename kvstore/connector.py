@@ -111,6 +111,18 @@ def block_nbytes(layout: KVLayout) -> int:
     return math.prod(layout.block_shape()) * getattr(torch, layout.dtype).itemsize
 
 
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """[(start, stop, first block id)]: positions start..stop-1 hold block ids first,
+    first + 1, ... (consecutive ids, so one slice of the pool covers them)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block_id in enumerate(block_ids):
+        if runs and block_id == runs[-1][2] + i - runs[-1][0]:
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, block_id))
+    return runs
+
+
 class KVConnector:
     def __init__(self, backend: BlockBackend | None, layout: KVLayout, tp_rank: int = 0,
                  tp_size: int = 1, timeout_s: float = 10.0, lease_ttl_s: float | None = None,
@@ -327,10 +339,12 @@ class KVConnector:
                 save = self._saves[request_id] = _Save(list(keys), staging)
         if list(keys) != save.keys or layer in save.layers_saved:
             raise ValueError(f"save_layer: keys changed or layer {layer} saved twice")
-        index = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
-        # [P, n, block_size, H, D] -> staging[:, layer] [n, P, block_size, H, D]
-        layer_blocks = kv_cache.index_select(1, index).transpose(0, 1)
-        save.staging[:, layer].copy_(layer_blocks, non_blocking=kv_cache.is_cuda)
+        # pool [P, num_blocks, block_size, H, D] -> staging[:, layer] [n, P, block_size, H, D],
+        # one strided copy per run of consecutive block ids (a prompt's blocks mostly are one)
+        for start, stop, first in block_runs(block_ids):
+            save.staging[start:stop, layer].copy_(
+                kv_cache[:, first:first + stop - start].transpose(0, 1),
+                non_blocking=kv_cache.is_cuda)
         if kv_cache.is_cuda:
             event = torch.cuda.Event()
             event.record()

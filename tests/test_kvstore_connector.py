@@ -8,7 +8,7 @@ import torch
 from pdserve.kvstore.block_key import KVLayout, block_keys, root_key
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.config import StoreConfig
-from pdserve.kvstore.connector import KVConnector, make_in_process_connector
+from pdserve.kvstore.connector import KVConnector, block_runs, make_in_process_connector
 from pdserve.kvstore.server import StoreServer
 
 LAYOUT = KVLayout(dtype="float32", block_size=4, num_layers=3, num_kv_heads=4, head_dim=8)
@@ -60,6 +60,26 @@ def test_save_then_load_round_trips_into_other_block_ids():
     assert connector.num_in_flight == 0
     connector.backend.check_integrity()
     assert connector.backend.num_pinned_blocks == 0
+    connector.close()
+
+
+def test_runs_of_consecutive_blocks_are_staged_in_request_order():
+    """save_layer copies each run of consecutive pool blocks in one slice."""
+    assert block_runs([5, 6, 7, 2, 3, 9]) == [(0, 3, 5), (3, 5, 2), (5, 6, 9)]
+    assert block_runs([]) == []
+    connector = make_in_process_connector(LAYOUT, dram_capacity_blocks=16)
+    prefill = make_pool(8, seed=1)
+    keys = request_keys(4)
+    save_all_layers(connector, "r", keys, [2, 3, 4, 0], prefill)
+    assert wait_results(connector, 1)[0].num_blocks == 4
+    decode = make_pool(8)
+    connector.start_load("r", keys, [4, 5, 6, 7], decode)
+    (result,) = wait_results(connector, 1)
+    assert (result.kind, result.num_blocks, result.error) == ("load", 4, None)
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(decode[layer][:, 4:7], prefill[layer][:, 2:5])
+        assert torch.equal(decode[layer][:, 7], prefill[layer][:, 0])
+    connector.backend.check_integrity()
     connector.close()
 
 
