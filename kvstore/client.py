@@ -164,11 +164,18 @@ class StoreClient:
                 reply, _ = channel.request_locked(GetRequest, GetReply, keys=list(keys),
                                                   ucx_tag=tag)
                 found = _one_per_key(reply.found, "found", len(keys))
-                # GetReply bounds every size, so a server cannot make us allocate wildly.
-                payloads = [np.empty(size, np.uint8)
-                            for size, ok in zip(reply.sizes, found, strict=True) if ok]
-                self._ucx.wait([self._ucx.recv(p, tag + i) for i, p in enumerate(payloads)],
-                               self.timeout_s)
+                # One buffer for every found block (GetReply bounds each size, so a server
+                # cannot make us allocate wildly), each message landing in its run's slice:
+                # the blocks come back to back, as a decode worker stacks them anyway.
+                sizes = [size for size, ok in zip(reply.sizes, found, strict=True) if ok]
+                received = np.empty(sum(sizes), np.uint8)
+                offsets = np.cumsum([0, *sizes]).tolist()
+                payloads = [received[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
+                runs = reply.runs or [1] * len(sizes)
+                bounds = np.cumsum([0, *runs]).tolist()
+                self._ucx.wait([self._ucx.recv(received[offsets[bounds[j]]:
+                                                        offsets[bounds[j + 1]]], tag + j)
+                                for j in range(len(runs))], self.timeout_s)
         if sum(found) != len(payloads):
             raise ValueError("get: the server sent a different number of blocks than found")
         it = iter(payloads)

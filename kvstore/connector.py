@@ -51,7 +51,13 @@ import torch
 
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.kvstore.master import PrefixLookup
-from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor, fp8_as_bytes
+from pdserve.kvstore.memory_tier import (
+    BytesLike,
+    as_uint8_tensor,
+    back_to_back_runs,
+    fp8_as_bytes,
+    run_view,
+)
 from pdserve.kvstore.tiered_store import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -207,11 +213,11 @@ class KVConnector:
         keys, block_ids = list(keys), list(block_ids)
         self._jobs.put(lambda: self._load(request_id, load, keys, block_ids, kv_caches, source))
 
-    def _fetch(self, keys: list[bytes], source: str) -> list[torch.Tensor]:
-        """The leading run of present, well-formed blocks: from `source`, else the fleet
-        store (each failure logged and passed over)."""
+    def _fetch(self, keys: list[bytes], source: str) -> list[BytesLike]:
+        """The leading run of present, well-formed blocks, as the backend returned them: from
+        `source`, else the fleet store (each failure logged and passed over)."""
         names = ([source] if source else []) + ([""] if self.backend is not None else [])
-        best: list[torch.Tensor] = []
+        best: list[BytesLike] = []
         for name in names:
             if self._recently_failed(name):
                 continue
@@ -227,10 +233,9 @@ class KVConnector:
                 continue
             usable = []
             for block in blocks:
-                data = None if block is None else as_uint8_tensor(block)
-                if data is None or data.numel() != self.block_bytes:
+                if block is None or as_uint8_tensor(block).numel() != self.block_bytes:
                     break
-                usable.append(data)
+                usable.append(block)
             if len(usable) > len(best):
                 best = usable
             if len(best) == len(keys):
@@ -279,7 +284,10 @@ class KVConnector:
                 error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
             load.num_blocks = len(usable)  # before any layer is signalled as done
             if usable:
-                stacked = torch.stack(usable)
+                # blocks received back to back (a remote read lands them in one buffer; a
+                # local one returns views of the save's staging) need no stacking copy
+                stacked = (run_view(usable) if len(back_to_back_runs(usable)) == 1
+                           else torch.stack([as_uint8_tensor(block) for block in usable]))
                 if kv_caches is not None:
                     stacked = stacked.to(kv_caches[0].device)
                 # [n, num_layers, P, block_size, H, D] -> per layer [P, n, block_size, h, D]

@@ -38,6 +38,7 @@ import numpy as np
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.lease import Lease, LeaseTable
 from pdserve.kvstore.master import Usage
+from pdserve.kvstore.memory_tier import back_to_back_runs, run_view
 from pdserve.kvstore.service import Answer, Peer, answer_check
 from pdserve.kvstore.tiered_store import ChangeListener, TieredStore
 from pdserve.kvstore.ucx_prober import UcxAddressProber
@@ -218,11 +219,18 @@ class DataService:
             with self._ucx_lock:  # refuse a stranger's tag before reading anything
                 self._ucx_endpoint(peer, request.ucx_tag)
         blocks = self.store.get_many(request.keys)
-        arrays = [b.numpy() for b in blocks if b is not None]
-        reply = GetReply(request.request_id, found=[b is not None for b in blocks],
-                         sizes=[b.nbytes if b is not None else 0 for b in blocks])
+        present = [b for b in blocks if b is not None]
+        found = [b is not None for b in blocks]
+        sizes = [b.nbytes if b is not None else 0 for b in blocks]
         if request.ucx_tag is None:
-            return Answer(reply, arrays)
+            return Answer(GetReply(request.request_id, found, sizes),
+                          [b.numpy() for b in present])
+        # one message per run of blocks that lie back to back (a hand-off's staged blocks
+        # do): each message costs a rendezvous, whatever its size
+        runs = back_to_back_runs(present)
+        arrays = [run_view(present[start:stop]).numpy() for start, stop in runs]
+        reply = GetReply(request.request_id, found, sizes,
+                         runs=[stop - start for start, stop in runs])
         tag = request.ucx_tag
         return Answer(reply, after_reply=lambda: self._send_over_ucx(peer, tag, arrays))
 

@@ -44,6 +44,53 @@ def as_uint8_tensor(data: BytesLike) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
+def _span(block: torch.Tensor | np.ndarray) -> tuple[object, int, int] | None:
+    """(the buffer it lives in, start address, bytes) of a contiguous block; None for other
+    kinds (bytes, frames) or a strided one."""
+    if isinstance(block, torch.Tensor):
+        if not block.is_contiguous():
+            return None
+        storage = block.untyped_storage()
+        return storage.data_ptr(), block.data_ptr(), block.nbytes
+    if isinstance(block, np.ndarray):
+        base = block.base
+        if not (block.flags.c_contiguous and isinstance(base, np.ndarray)
+                and base.flags.c_contiguous):
+            return None
+        return id(block.base), block.ctypes.data, block.nbytes
+    return None
+
+
+def back_to_back_runs(blocks: list[torch.Tensor] | list[np.ndarray]) -> list[tuple[int, int]]:
+    """[(start, stop)] over `blocks`: each run lies back to back in one buffer, in order (a
+    hand-off's blocks, views of the save's one staging tensor, are one run)."""
+    runs: list[tuple[int, int]] = []
+    previous = None
+    for i, block in enumerate(blocks):
+        span = _span(block)
+        if (runs and span is not None and previous is not None and span[0] == previous[0]
+                and span[1] == previous[1] + previous[2]):
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+        previous = span
+    return runs
+
+
+def run_view(blocks: list[torch.Tensor] | list[np.ndarray]) -> torch.Tensor:
+    """One flat uint8 tensor over blocks that back_to_back_runs puts in one run (no copy)."""
+    first = blocks[0]
+    if len(blocks) == 1:
+        return as_uint8_tensor(first)
+    nbytes = sum(b.nbytes for b in blocks)
+    if isinstance(first, np.ndarray):
+        base = first.base.reshape(-1).view(np.uint8)
+        start = first.ctypes.data - base.ctypes.data
+        return torch.from_numpy(base[start:start + nbytes])
+    flat = as_uint8_tensor(first)
+    return torch.as_strided(flat, (nbytes,), (1,), flat.storage_offset())
+
+
 class MemoryTier:
     """LRU map key -> uint8 tensor with a capacity in blocks."""
 

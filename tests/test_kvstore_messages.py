@@ -129,6 +129,9 @@ def raw(type_: str, **fields) -> bytes:
     raw("update", request_id=1, node_id="n", changes=[{"key": KEY}]),
     raw("update", request_id=1, node_id="n", changes=[{"key": KEY, "tier": 3}]),
     raw("update", request_id=1, node_id="n", changes=[{"key": b"x" * 65, "tier": None}]),
+    raw("get_reply", request_id=1, found=[True, True], sizes=[4, 4], runs=[1]),  # 1 of 2
+    raw("get_reply", request_id=1, found=[True], sizes=[4], runs=[0, 1]),  # an empty message
+    raw("get_reply", request_id=1, found=[True], sizes=[4], runs=[-1, 2]),
     raw("stats", request_id=1, extra=0),  # unknown field
     raw("stats_reply", request_id=1, stats={"n": -1}),
     raw("lookup_prefix_reply", request_id=1, num_blocks=2, holders=[]),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from pdserve.kvstore.disk_tier import DiskTier
 from pdserve.kvstore.lease import LeaseTable
 from pdserve.kvstore.master import Master
+from pdserve.kvstore.memory_tier import back_to_back_runs, run_view
 from pdserve.kvstore.tiered_store import TieredStore
 
 
@@ -213,3 +215,22 @@ def test_disk_write_behind_is_bounded(tmp_path):
     assert disk.num_blocks == 20 and len(os.listdir(tmp_path)) == 20
     assert all(torch.equal(disk.read(key(i)), block(i)) for i in range(20))
     disk.close()
+
+
+def test_blocks_back_to_back_in_one_buffer_are_one_run_and_one_view():
+    """A hand-off's blocks are views of one staging tensor: the store sends them as one UCX
+    message, and the client's receive buffer joins again without a copy."""
+    staging = torch.arange(4 * 6, dtype=torch.float32).view(4, 6)
+    views = [staging[i].view(torch.uint8) for i in range(4)]
+    assert back_to_back_runs(views) == [(0, 4)]
+    joined = run_view(views)
+    assert joined.data_ptr() == staging.data_ptr()  # a view, not a copy
+    assert torch.equal(joined, staging.view(-1).view(torch.uint8))
+    apart = [views[0], views[2], views[3], views[1].clone()]
+    assert back_to_back_runs(apart) == [(0, 1), (1, 3), (3, 4)]
+    assert torch.equal(run_view(apart[1:3]), staging[2:].reshape(-1).view(torch.uint8))
+    received = np.arange(64, dtype=np.uint8)
+    blocks = [received[0:16], received[16:32], received[40:48]]
+    assert back_to_back_runs(blocks) == [(0, 2), (2, 3)]
+    assert run_view(blocks[:2]).tolist() == list(range(32))
+    assert back_to_back_runs([b"abcd", b"efgh"]) == [(0, 1), (1, 2)]  # frames: never joined

@@ -2,7 +2,8 @@
 # Served latency and goodput against vLLM, measured by vLLM's own client (`vllm bench serve`)
 # for every server: vLLM's CPU build, pdserve colocated and pdserve disaggregated, on the same
 # model and box, one server at a time (they never share the cores), fresh random prompts
-# (seed per rate, so no rate is served from the prefix cache of the one before).
+# (seed per rate, fractional rates included, so no rate is served from the prefix cache of the
+# one before).
 #   benchmarks/results/served_vs_vllm.sh [MODEL_DIR] [OUT_DIR]
 # Env: RATES ("1 2 4"), NUM_PROMPTS (40), INPUT_LEN (256), OUTPUT_LEN (64), GOODPUT
 # ("ttft:1000 tpot:100"), SERVERS ("vllm colocated disagg"), UP_ARGS (extra `pdserve up` flags).
@@ -44,7 +45,7 @@ for server in ${SERVERS:-vllm colocated disagg}; do
     "$peer" bench --backend openai --base-url http://127.0.0.1:18700 --model "$name" \
       --tokenizer "$model" --dataset-name random --random-input-len "${INPUT_LEN:-256}" \
       --random-output-len "${OUTPUT_LEN:-64}" --num-prompts "${NUM_PROMPTS:-40}" \
-      --request-rate "$rate" --seed "$(( ${rate%.*} * 7919 + 1 ))" --ignore-eos \
+      --request-rate "$rate" --seed "$(awk -v r="$rate" 'BEGIN { printf "%d", r * 791900 + 1 }')" --ignore-eos \
       --goodput ${GOODPUT:-ttft:1000 tpot:100} --percentile-metrics ttft,tpot,e2el \
       --metric-percentiles 50,99 --disable-tqdm --save-result --result-dir "$out" \
       --result-filename "$server-rate$rate.json" 2>&1 | grep -E "^(Request|Mean|Median|P99|Successful)" || true

@@ -260,8 +260,9 @@ class PutReply(StoreReply):
 @STORE_PROTOCOL.message("get")
 @dataclass(frozen=True)
 class GetRequest(StoreRequest):
-    """Fetch blocks. The found ones follow the reply as ZeroMQ frames, or over UCX with tags
-    ucx_tag + i (i counting found blocks only)."""
+    """Fetch blocks. The found ones follow the reply as ZeroMQ frames, or over UCX as the
+    reply's `runs` say: message j (tag ucx_tag + j) carries the next runs[j] found blocks back
+    to back."""
 
     keys: list[bytes]
     ucx_tag: int | None
@@ -279,6 +280,9 @@ class GetReply(StoreReply):
     found: list[bool]
     sizes: list[int]
     """Payload bytes of each block (0 where not found)."""
+    runs: list[int] = field(default_factory=list)
+    """Over UCX: found blocks per message, in order (blocks that lie back to back in the
+    node's memory go as one message); empty over ZeroMQ (a frame per block)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -287,6 +291,9 @@ class GetReply(StoreReply):
         _check_same_length("get: found and sizes", self.found, self.sizes)
         if any(size > MAX_BLOCK_BYTES for size in self.sizes):
             raise ValueError(f"a block is at most {MAX_BLOCK_BYTES} bytes")
+        _check_uints("runs", self.runs)
+        if self.runs and (min(self.runs) == 0 or sum(self.runs) != sum(self.found)):
+            raise ValueError("get: runs must be positive and cover the found blocks")
 
 
 @STORE_PROTOCOL.message("exists")
