@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -236,9 +237,12 @@ class RunningCluster:
     cluster: Any
     """pdserve.launcher.Cluster."""
     threads: int
+    run_dir: Path
+    """The cluster key and the decode workers' idle flags (removed on stop)."""
 
     def stop(self) -> None:
         self.cluster.stop()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def start_cluster(setup: str, model_dir: str, config: BreakdownConfig) -> RunningCluster:
@@ -267,7 +271,7 @@ def start_cluster(setup: str, model_dir: str, config: BreakdownConfig) -> Runnin
         child.env["PDSERVE_LOG_LEVEL"] = "WARNING"  # keep the progress lines readable
         if "--cpu-threads" in child.argv:
             child.argv[child.argv.index("--cpu-threads") + 1] = str(threads)
-    running = RunningCluster(setup, f"http://127.0.0.1:{port}", cluster, threads)
+    running = RunningCluster(setup, f"http://127.0.0.1:{port}", cluster, threads, run_dir)
     try:
         for child in cluster.children:
             child.start()
