@@ -199,3 +199,16 @@ def test_attention_metadata_of_a_mixed_step() -> None:
     decode = build_attention_metadata(StepInput([SeqChunk("B", [9], 9, [1, 0, 6], True)]), 4,
                                       torch.device("cpu"))
     assert decode.is_decode_only and decode.slot_mapping.tolist() == [25]
+    # a decode step of three (its own shorter path): the same tensors, dtypes included
+    three = build_attention_metadata(StepInput([
+        SeqChunk("B", [9], 9, [1, 0, 6], True), SeqChunk("C", [2], 0, [5], True),
+        SeqChunk("D", [4], 4, [7, 2], True)]), 4, torch.device("cpu"))
+    expected = {"positions": ([9, 0, 4], torch.int64), "slot_mapping": ([25, 20, 8], torch.int64),
+                "cu_seqlens_q": ([0, 1, 2, 3], torch.int32),
+                "seq_lens": ([10, 1, 5], torch.int32),
+                "block_tables": ([[1, 0, 6], [5, 0, 0], [7, 2, 0]], torch.int32)}
+    for name, (values, dtype) in expected.items():
+        tensor = getattr(three, name)
+        assert (tensor.tolist(), tensor.dtype) == (values, dtype), name
+    assert three.is_decode_only and three.max_query_len == 1
+    assert three.token_seq_lens is None and three.token_block_tables is None
