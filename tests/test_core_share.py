@@ -16,7 +16,7 @@ import time
 import pytest
 import zmq
 from cluster_util import free_port_block
-from worker_util import assert_worker_idle, collect, make_engine
+from worker_util import collect, make_engine, stop_workers
 
 from pdserve import launcher
 from pdserve.protocol.sampling import SamplingParams
@@ -201,14 +201,5 @@ def test_decode_worker_says_idle_only_while_it_holds_no_request(llama_dir, tmp_p
         assert _wait_for(reader.is_idle)  # r1 done: idle again
     finally:
         del decode.engine.step
-        for worker in workers.values():
-            worker.stop_event.set()
-        for thread in threads:
-            thread.join(10)
-        for worker in workers.values():
-            assert_worker_idle(worker)
-            worker.close()
-        for socket in sockets.values():
-            socket.close()
-        context.term()
+        stop_workers(workers, threads, sockets, context, check_idle=True)
         reader.close()

@@ -11,7 +11,7 @@ import pytest
 import zmq
 from cluster_util import free_port_block
 from engine_util import run_to_completion
-from worker_util import BLOCK, assert_worker_idle, collect, make_engine, status_reply
+from worker_util import BLOCK, collect, make_engine, status_reply, stop_workers
 
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.sampling import SamplingParams
@@ -75,16 +75,7 @@ def workers(llama_dir):
         sockets[role].setsockopt(zmq.LINGER, 0)
         sockets[role].connect(address)
     yield workers, sockets
-    for worker in workers.values():
-        worker.stop_event.set()
-    for thread in threads:
-        thread.join(10)
-    for worker in workers.values():
-        assert_worker_idle(worker)
-        worker.close()
-    for socket in sockets.values():
-        socket.close()
-    context.term()
+    stop_workers(workers, threads, sockets, context, check_idle=True)
 
 
 def _tokens(socket, request: GenerateRequest) -> list[int]:

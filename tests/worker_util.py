@@ -76,15 +76,21 @@ def dealer_sockets(context, base_port: int, names) -> dict:
     return sockets
 
 
-def stop_workers(workers: dict, threads: list, sockets: dict, context) -> None:
-    """Stop in-process workers' loops, close their KV transfers, sockets and the context."""
+def stop_workers(workers: dict, threads: list, sockets: dict, context,
+                 check_idle: bool = False) -> None:
+    """Stop in-process workers' loops (checking, with check_idle, that each left nothing
+    behind), close their KV transfers, sockets and the context."""
     for worker in workers.values():
         worker.stop_event.set()
     for thread in threads:
         thread.join(10)
     for worker in workers.values():
-        worker.handoff.kv_transfer.close()
+        if check_idle:
+            assert_worker_idle(worker)
+        if worker.handoff.kv_transfer is not None:
+            worker.handoff.kv_transfer.close()
         worker.close()
     for socket in sockets.values():
         socket.close()
     context.term()
+
