@@ -9,7 +9,8 @@ bound.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.router.worker_client import WorkerClient
@@ -44,17 +45,17 @@ class CacheAwarePrefill:
 
     load_penalty_tokens: int = 512
     """How many prompt tokens of prefix reuse one queued request is worth."""
+    _turns: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
+    """Ties take turns: requests one at a time would otherwise all land on one worker."""
 
     def choose(self, workers: Sequence[WorkerClient], ctx: RouteContext) -> WorkerClient:
-        ready = [w for w in workers if w.accepting]
+        ready = sorted((w for w in workers if w.accepting), key=lambda w: w.address)
         if not ready:
             raise NoWorkerAvailable("no prefill worker is ready")
-
-        def cost(w: WorkerClient) -> tuple[int, str]:
-            compute = ctx.num_prompt_tokens - ctx.num_cached_tokens(w)
-            return compute + self.load_penalty_tokens * (w.num_inflight + num_queued(w)), w.address
-
-        return min(ready, key=cost)
+        costs = [ctx.num_prompt_tokens - ctx.num_cached_tokens(w)
+                 + self.load_penalty_tokens * (w.num_inflight + num_queued(w)) for w in ready]
+        tied = [w for w, c in zip(ready, costs, strict=True) if c == min(costs)]
+        return tied[next(self._turns) % len(tied)]
 
 
 def num_blocks_needed_now(num_prompt_tokens: int, block_size: int) -> int:

@@ -16,8 +16,10 @@ from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.policies import (
+    CacheAwarePrefill,
     MostFreeKVDecode,
     NoWorkerAvailable,
+    RouteContext,
     num_blocks_needed_now,
 )
 
@@ -124,3 +126,20 @@ def test_decode_pick_reserves_what_is_needed_now() -> None:
     assert policy.choose([full, tight], num_blocks_needed=3) is tight  # none fits: queues
     with pytest.raises(NoWorkerAvailable):
         policy.choose([], num_blocks_needed=1)
+
+
+def test_prefill_pick_takes_cache_then_load_and_ties_take_turns() -> None:
+    """Equal prefill workers take turns (one request at a time used to land on the lowest
+    address every time, so a worker that had just flipped to prefill got none); a cached
+    prefix or a lighter load still decides first."""
+    policy = CacheAwarePrefill()
+    b, a, busy = _Decoder("b", 0), _Decoder("a", 0), _Decoder("c", 0)
+    for worker in (a, b, busy):
+        worker.status = None
+    busy.num_inflight = 1
+    picks = [policy.choose([b, a, busy], RouteContext(100)).address for _ in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+    cached = RouteContext(600, num_worker_cached_tokens={"c": 600})  # 0 + 512 < 600
+    assert policy.choose([b, a, busy], cached) is busy
+    with pytest.raises(NoWorkerAvailable):
+        policy.choose([], RouteContext(1))

@@ -64,8 +64,8 @@ POOL_VIEWS: dict[tuple[str, str | None], PoolView] = {
 class PlanesAsPool:
     """One layer's planes, each [num_blocks, B, H, D] with strides of its own, as the single
     [P, num_blocks, B, H, D] pool tensor pdserve's KVConnector copies blocks into and out of
-    (it asks for index_copy_ and index_select along the block dim, view, device, dtype,
-    is_cuda)."""
+    (it asks for index_copy_, index_select and slices `[:, a:b]` along the block dim, view,
+    device, dtype, is_cuda)."""
 
     def __init__(self, planes: Sequence[torch.Tensor]) -> None:
         if len({(p.shape, p.dtype, p.device) for p in planes}) != 1:
@@ -98,6 +98,13 @@ class PlanesAsPool:
         for plane, blocks in zip(self.planes, source, strict=True):
             plane.index_copy_(0, index, blocks)
         return self
+
+    def __getitem__(self, index: tuple[slice, slice]) -> torch.Tensor:
+        """pool[:, a:b]: blocks a..b-1 of every plane, [P, b - a, B, H, D] (a copy)."""
+        if not (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None)
+                and isinstance(index[1], slice)):
+            raise TypeError("PlanesAsPool takes pool[:, a:b] only")
+        return torch.stack([plane[index[1]] for plane in self.planes])
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         """Blocks `index` of every plane: [P, n, B, H, D] (a copy)."""
