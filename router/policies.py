@@ -54,7 +54,8 @@ class CacheAwarePrefill:
             raise NoWorkerAvailable("no prefill worker is ready")
         costs = [ctx.num_prompt_tokens - ctx.num_cached_tokens(w)
                  + self.load_penalty_tokens * (w.num_inflight + num_queued(w)) for w in ready]
-        tied = [w for w, c in zip(ready, costs, strict=True) if c == min(costs)]
+        best = min(costs)
+        tied = [w for w, c in zip(ready, costs, strict=True) if c == best]
         return tied[next(self._turns) % len(tied)]
 
 

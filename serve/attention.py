@@ -61,10 +61,7 @@ def build_attention_metadata(step: StepInput, block_size: int, device: torch.dev
                              count=len(chunks))
     start_pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
     seq_lens = start_pos + query_lens
-    max_blocks = max((len(c.block_table) for c in chunks), default=0)
-    block_tables = np.zeros((len(chunks), max(1, max_blocks)), dtype=np.int64)
-    for s, chunk in enumerate(chunks):
-        block_tables[s, : len(chunk.block_table)] = chunk.block_table
+    block_tables = padded_block_tables(chunks, np.int64)
     cu_seqlens_q = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu_seqlens_q[1:])
     num_tokens = int(cu_seqlens_q[-1])
@@ -87,16 +84,22 @@ def build_attention_metadata(step: StepInput, block_size: int, device: torch.dev
     )
 
 
+def padded_block_tables(chunks: list, dtype: type) -> np.ndarray:
+    """[num_chunks, max(1, longest table)] of `dtype`, each row a chunk's table padded with 0."""
+    max_blocks = max((len(c.block_table) for c in chunks), default=0)
+    block_tables = np.zeros((len(chunks), max(1, max_blocks)), dtype=dtype)
+    for s, chunk in enumerate(chunks):
+        block_tables[s, : len(chunk.block_table)] = chunk.block_table
+    return block_tables
+
+
 def _decode_metadata(chunks: list, block_size: int, device: torch.device
                      ) -> AttentionMetadata:
     """build_attention_metadata for a step of one token per chunk (a decode step): the same
     tensors with less numpy work per step (a step of a small model is a few ms)."""
     num_seqs = len(chunks)
     positions = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num_seqs)
-    max_blocks = max(len(c.block_table) for c in chunks)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    for s, chunk in enumerate(chunks):
-        block_tables[s, : len(chunk.block_table)] = chunk.block_table
+    block_tables = padded_block_tables(chunks, np.int32)
     rows = np.arange(num_seqs)
     slot_mapping = (block_tables[rows, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
