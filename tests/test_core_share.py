@@ -15,7 +15,7 @@ import time
 
 import pytest
 import zmq
-from cluster_util import free_port_block
+from cluster_util import free_port_block, wait_until
 from worker_util import collect, make_engine, stop_workers
 
 from pdserve import launcher
@@ -150,15 +150,6 @@ def test_pdserve_up_lends_each_decode_workers_cores_to_a_one_rank_prefill(tmp_pa
     assert children["prefill-0"].cpus == [0, 1, 2, 3, 4, 5]
 
 
-def _wait_for(condition, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.005)
-    return False
-
-
 def test_decode_worker_says_idle_only_while_it_holds_no_request(llama_dir, tmp_path) -> None:
     """In-process prefill and decode workers over ZeroMQ; the decode one publishes its flag.
     Its steps wait for a go, so the request is surely held while the flag is read."""
@@ -181,14 +172,14 @@ def test_decode_worker_says_idle_only_while_it_holds_no_request(llama_dir, tmp_p
     real_step = decode.engine.step
     decode.engine.step = lambda: real_step() if may_step.is_set() else []
     try:
-        assert _wait_for(reader.is_idle)  # started busy, idle once its loop runs
+        assert wait_until(reader.is_idle)  # started busy, idle once its loop runs
         prompt = list(range(40, 57))
         params = SamplingParams(max_tokens=5, temperature=0.0)
         [first] = collect(sockets["prefill"], GenerateRequest("r1", prompt, params))
         assert first.finish_reason == "handoff"
         sockets["decode"].send(WORKER_PROTOCOL.encode(
             GenerateRequest("r1", prompt, params, handoff=first.handoff)))
-        assert _wait_for(lambda: not reader.is_idle())  # holds r1: lent cores come back
+        assert wait_until(lambda: not reader.is_idle())  # holds r1: lent cores come back
         assert not reader.is_idle()
         may_step.set()
         deadline = time.monotonic() + 60
@@ -198,7 +189,7 @@ def test_decode_worker_says_idle_only_while_it_holds_no_request(llama_dir, tmp_p
                 message = WORKER_PROTOCOL.decode(sockets["decode"].recv())
                 finished = isinstance(message, Output) and message.finish_reason is not None
         assert finished
-        assert _wait_for(reader.is_idle)  # r1 done: idle again
+        assert wait_until(reader.is_idle)  # r1 done: idle again
     finally:
         del decode.engine.step
         stop_workers(workers, threads, sockets, context, check_idle=True)
