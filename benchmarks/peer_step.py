@@ -32,12 +32,14 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=12, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--dtype", default="float32",
+                        help="float32, or the checkpoint's own bfloat16/float16")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
     longest = max(args.contexts + args.prefill_lengths) + args.decode_tokens + 8
-    llm = LLM(args.model, dtype="float32", max_model_len=longest, enable_prefix_caching=False,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=longest, enable_prefix_caching=False,
               max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, longest),
               seed=0)
     rng = random.Random(1234)

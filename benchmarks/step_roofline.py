@@ -2,8 +2,9 @@
 
     python -m pdserve.benchmarks.step_roofline [--model DIR] [--threads N] [--with-vllm]
 
-A decode step must read every weight once and each sequence's KV once, and do 2 FLOPs per
-parameter and row plus its attention's, so it cannot beat
+A decode step must read every weight once and each sequence's KV once (in the checkpoint's
+precision: 2 bytes a value for a bf16 or fp16 one), and do 2 FLOPs per parameter and row plus
+its attention's, so it cannot beat
 
     floor_s = max(bytes / read bandwidth at that many bytes, FLOPs / matmul peak)
     bytes   = weight bytes + batch * context * KV bytes per token
@@ -118,10 +119,14 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden \
         + 3 * hidden * inter + 2 * hidden
     matmul_params = layers * per_layer + vocab * hidden + hidden  # + LM head, final norm
+    # The floor reads weights and KV in the checkpoint's own precision (2 bytes for a bf16 or
+    # fp16 one), whatever precision an engine computes in.
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    size = 2 if dtype in ("bfloat16", "float16") else 4
     return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
-            "head_dim": head_dim, "vocab": vocab, "matmul_params": matmul_params,
-            "weight_bytes": 4 * matmul_params,
-            "kv_bytes_per_token": 4 * layers * 2 * kv_heads * head_dim}
+            "head_dim": head_dim, "vocab": vocab, "dtype": dtype,
+            "matmul_params": matmul_params, "weight_bytes": size * matmul_params,
+            "kv_bytes_per_token": size * layers * 2 * kv_heads * head_dim}
 
 
 def decode_bytes(facts: dict[str, Any], batch: int, context: int) -> int:
@@ -208,7 +213,8 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
                "--batch-sizes", *map(str, args.batch_sizes),
                "--contexts", *map(str, args.contexts),
                "--prefill-lengths", *map(str, args.prefill_lengths),
-               "--decode-tokens", str(args.decode_steps)]
+               "--decode-tokens", str(args.decode_steps),
+               "--dtype", model_facts(model_dir)["dtype"]]  # vLLM's own precision for it
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         print(f"vLLM run failed:\n{done.stderr[-3000:]}", flush=True)

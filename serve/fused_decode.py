@@ -12,7 +12,8 @@ which stays the reference and the path for everything else.
 It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
 - the model is a dense Llama-family decoder (Llama, Mistral, Qwen2; not MoE, not MLA) with
-  NeoX rotary, on one tensor-parallel rank, with the "cpu" attention backend and fp32 weights;
+  NeoX rotary, on one tensor-parallel rank, with the "cpu" attention backend and fp32 weights
+  (panels may store them in bf16 or fp16, serve/parallel.panel_dtype);
 - the step is decode-only, and nobody waits on a per-layer callback (a prefill's KV
   hand-off); where the weights are plain (no AVX-512 panels, serve/parallel.py prepack), with
   at most serve/parallel.skinny_max_rows sequences (past that the matmuls take oneDNN's packed
@@ -33,6 +34,7 @@ from pdserve.serve.layers import RMSNorm, cpu_kernels
 from pdserve.serve.parallel import skinny_max_rows
 
 _NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
+_HALF = (torch.bfloat16, torch.float16)
 
 
 class FusedDecode:
@@ -101,8 +103,11 @@ def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
                          norms[1].weight, matrices[2], gate_up.bias, matrices[3], down.bias]
         kinds.update(w.dim() for w in matrices)  # 1: panels, 2: plain
         for w in layer_weights:
-            if w is not None and not (w.device.type == "cpu" and w.dtype == torch.float32
-                                      and w.is_contiguous()):
+            # fp32 throughout, but for panels that store a half-precision checkpoint's
+            # weights (serve/parallel.panel_dtype)
+            panels = any(w is m for m in matrices) and w.dim() == 1
+            if w is not None and not (w.device.type == "cpu" and w.is_contiguous() and (
+                    w.dtype == torch.float32 or (panels and w.dtype in _HALF))):
                 return None
         weights += [_NO_BIAS if w is None else w.detach() for w in layer_weights]
         eps.update(n.eps for n in norms)

@@ -118,20 +118,33 @@ def cpu_has_native(dtype: str) -> bool:
     return True
 
 
+def cpu_reads_half_panels() -> bool:
+    """Whether pdserve's CPU kernels here read half-precision weights in their panel layout
+    (built for AVX-512, where ATen dispatches AVX512 too; serve/parallel.panel_dtype)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def resolve_dtype(requested: str, checkpoint_dtype: str, device_type: str | None) -> str:
-    """dtype "auto" is the checkpoint's, except that a half-precision checkpoint on a CPU
-    without native arithmetic for it runs in float32: converting bf16/fp16 weights to float32
-    is exact, and on such CPUs (AVX2, measured on this project's machines with the
-    llama-mid-like model) float32 is the faster: decode 11.5 against 15.1 ms a step at batch
-    1 and 23 against 58 at batch 8, a 256-token prefill 0.30 against 1.50 s."""
+    """dtype "auto" is the checkpoint's, except that a half-precision checkpoint on a CPU runs
+    in float32 where that is the faster, which converting its weights keeps exact:
+    - where the CPU has no native arithmetic for it (AVX2; measured on this project's
+      machines with the llama-mid-like model): decode 11.5 against 15.1 ms a step at batch
+      1 and 23 against 58 at batch 8, a 256-token prefill 0.30 against 1.50 s;
+    - where the kernels read half-precision panels (AVX-512): the products read the
+      checkpoint's own 2-byte weights and multiply in fp32 (serve/parallel.panel_dtype). On
+      an AVX-512 + AMX host, llama-mid-like in bf16: decode 1.7 against 5.7 ms a step at
+      batch 1 and 3.7 against 8.2 at batch 8; a 256-token prefill takes 53 against 27 ms
+      (AMX's bf16 matmuls), so `--dtype bfloat16` stays the choice for prefill-only work."""
     if requested != "auto":
         return requested
-    if (device_type == "cpu" and checkpoint_dtype in ("bfloat16", "float16")
-            and not cpu_has_native(checkpoint_dtype)):
-        logger.info("this CPU has no native %s arithmetic: running the %s checkpoint in "
-                    "float32 (exact for its weights, and faster here); --dtype %s keeps it",
-                    checkpoint_dtype, checkpoint_dtype, checkpoint_dtype)
-        return "float32"
+    if device_type == "cpu" and checkpoint_dtype in ("bfloat16", "float16"):
+        native = cpu_has_native(checkpoint_dtype)
+        if not native or cpu_reads_half_panels():
+            logger.info("running the %s checkpoint in float32 on this CPU (%s; exact for its "
+                        "weights); --dtype %s keeps it", checkpoint_dtype,
+                        "its products read the 2-byte weights" if native
+                        else f"no native {checkpoint_dtype} arithmetic", checkpoint_dtype)
+            return "float32"
     return checkpoint_dtype
 
 

@@ -130,6 +130,39 @@ def test_hf_logits_at_and_past_the_skinny_edge(llama_dir: Path, prepack: str,
     assert calls == ([edge] * 2 + [edge + 1] * 2 if panels else [edge] * 2)
 
 
+def test_bf16_checkpoint_in_float32_reads_bf16_panels(make_model_dir,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 checkpoint run in float32: on AVX-512 its panels keep the 2-byte weights and
+    the fused loop reads them; every step is bit-identical to fp32 panels of the same
+    weights, and matches Hugging Face in float32."""
+    from pdserve.serve import parallel
+
+    if not cpu_kernels().panel_width():
+        pytest.skip("the kernels compiled without AVX-512: no panel kernel")
+    model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
+
+    def runner() -> ModelRunner:
+        return ModelRunner(ModelConfig(str(model_dir), dtype="float32"),
+                           CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+                           ParallelConfig(device="cpu"))
+
+    with runner() as half:
+        assert half._rank.model.model.layers[0].mlp.down_proj.packed.dtype == torch.bfloat16
+        assert decoder(half).fused_decode() is not None
+        half_steps, seqs = run_walk(half, 3, num_decodes=3)
+    monkeypatch.setattr(parallel, "panel_dtype", lambda weight: weight.dtype)
+    with runner() as full:
+        assert full._rank.model.model.layers[0].mlp.down_proj.packed.dtype == torch.float32
+        full_steps, _ = run_walk(full, 3, num_decodes=3)
+    for got, want in zip(half_steps, full_steps, strict=True):
+        assert torch.equal(got, want)
+    hf = load_hf(model_dir)  # fp32
+    expected = [hf_logits(hf, seq) for seq in seqs]
+    for d, logits in enumerate(half_steps[1:]):
+        assert_rows_match(logits, [e[len(seq) - 3 + d] for e, seq in
+                                   zip(expected, seqs, strict=True)])
+
+
 @pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])
 def test_other_families_keep_the_module_path(architecture: str, make_model_dir) -> None:
     with make_runner(make_model_dir(architecture, seed=3)) as runner:

@@ -237,6 +237,42 @@ def test_panel_linear_matches_torch(rows, out_features, in_features):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 8, 9, 130])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 200), (7, 9)])
+def test_half_precision_panels_give_the_same_bits(half, rows, out_features, in_features):
+    """A weight every value of which is a bf16 (fp16) number packs into bf16 (fp16) panels,
+    half the bytes, and the kernel widens them exactly: the products are bit-identical to
+    the fp32 panels', masked panels included, and the packing undoes exactly."""
+    _needs_panels()
+    from pdserve.serve import parallel
+
+    torch.manual_seed(11)
+    weight = torch.randn(out_features, in_features).to(half).float()
+    panels = parallel.prepack(weight)
+    assert panels.dtype == half and panels.shape == (out_features * in_features,)
+    assert torch.equal(parallel.unpack(panels, weight.shape), weight)
+    full = parallel.pack_panels(weight, int(_ops().panel_width()))
+    assert full.dtype == torch.float32
+    x = torch.randn(rows, in_features + 3)[:, 1:1 + in_features]
+    bias = torch.randn(out_features)
+    assert torch.equal(_ops().panel_linear(x, panels, bias), _ops().panel_linear(x, full, bias))
+
+
+def test_panel_dtype_is_the_narrowest_that_holds_the_weight_exactly():
+    from pdserve.serve.parallel import panel_dtype
+
+    torch.manual_seed(12)
+    weight = torch.randn(16, 8)
+    assert panel_dtype(weight) == torch.float32
+    assert panel_dtype(weight.bfloat16().float()) == torch.bfloat16
+    fp16_only = weight.half().float()
+    assert not torch.equal(fp16_only.bfloat16().float(), fp16_only)
+    assert panel_dtype(fp16_only) == torch.float16
+    assert panel_dtype(torch.full((4, 4), 2.0 ** 20)) == torch.bfloat16  # past fp16's range
+    assert panel_dtype(torch.full((4, 4), 1e6 + 1)) == torch.float32
+
+
 def test_panel_linear_rows_do_not_depend_on_their_batch():
     """Each output is one FMA chain over k, whatever the tile a row lands in: a row's result is
     bit-identical alone, in a batch of 13, and in a prefill-sized batch of 300."""
@@ -260,6 +296,8 @@ def test_panel_linear_refuses_what_it_cannot_read():
         _ops().panel_linear(torch.randn(2, 8).double(), torch.randn(32), None)
     with pytest.raises(RuntimeError, match="bias \\[N\\]"):
         _ops().panel_linear(torch.randn(2, 8), torch.randn(32), torch.randn(5))
+    with pytest.raises(RuntimeError, match="fp32, bf16 or fp16 panels"):
+        _ops().panel_linear(torch.randn(2, 8), torch.ones(32, dtype=torch.int16), None)
 
 
 def test_linear_takes_the_panels_for_every_row_count_or_else_skinny_then_onednn(monkeypatch):

@@ -65,15 +65,19 @@ def test_sharded_checkpoint_loads_and_matches(llama_dir: Path, tmp_path: Path, c
     torch.testing.assert_close(sharded_logits, _last_logits(llama_dir, tokens), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_auto_dtype_of_a_bf16_checkpoint_on_cpu(make_model_dir, monkeypatch, native) -> None:
-    """auto: bf16 where the CPU computes in bf16, float32 (exact for the weights, faster)
-    where it does not; an explicit dtype always wins."""
+@pytest.mark.parametrize(("native", "half_panels"), [(False, False), (True, False),
+                                                     (True, True)])
+def test_auto_dtype_of_a_bf16_checkpoint_on_cpu(make_model_dir, monkeypatch, native,
+                                                half_panels) -> None:
+    """auto: bf16 where the CPU computes in bf16 and the kernels cannot read bf16 panels;
+    float32 (exact for the weights, faster) where it does not or they can; an explicit dtype
+    always wins."""
     from pdserve.serve import loader
 
     model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
     monkeypatch.setattr(loader, "cpu_has_native", lambda dtype: native)
-    want = "bfloat16" if native else "float32"
+    monkeypatch.setattr(loader, "cpu_reads_half_panels", lambda: half_panels)
+    want = "bfloat16" if native and not half_panels else "float32"
     assert load_model_spec(ModelConfig(str(model_dir)), "cpu").dtype == want
     assert load_model_spec(ModelConfig(str(model_dir)), "cuda").dtype == "bfloat16"
     assert load_model_spec(ModelConfig(str(model_dir)), None).dtype == "bfloat16"

@@ -18,7 +18,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight,
                             c10::optional<torch::Tensor> bias);
 // Up to how many rows skinny_linear beats the matmul library's packed weights, for this build.
 int64_t skinny_max_rows();
-// W packed in panels of panel_width() columns (0: this build has no panel kernel).
+// W packed in panels of panel_width() columns (0: this build has no panel kernel), stored in
+// fp32, bf16 or fp16 and multiplied in fp32.
 int64_t panel_width();
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
                            c10::optional<torch::Tensor> bias);

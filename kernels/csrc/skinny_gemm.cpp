@@ -21,6 +21,7 @@
 #include "cpu_ops.h"
 #include "simd.h"
 #include <ATen/Parallel.h>
+#include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -144,30 +145,50 @@ TileFn tile_for(int mt, int nt) {
 // form. In a decode step, where W comes from memory, the step's four products at 32 rows
 // went 7.7 -> 6.2 ms (llama-mid-like, 8 layers, 2 cores); at 8 rows they stream W at the
 // memory's speed either way. It serves a prefill's rows too, within 1-7% of oneDNN.
+//
+// Panels may also store bf16 or fp16 (serve/parallel.py panel_dtype: only where that holds
+// every value of the weight exactly, as for a half-precision checkpoint run in float32). A
+// tile widens each loaded vector exactly and multiplies in fp32 as before, so the sums are
+// the same bits, from half the bytes: the four products above at 1 row 2.0 -> 1.0-1.1 ms, at
+// 8 rows 2.3 -> 1.5, equal at 32, 4-6% slower at 256 (there the widening costs compute).
 constexpr int64_t kPanel = 48;        // columns of W per panel: 3 vectors of 16
 constexpr int kPanelRows = 8;         // rows of x per tile: 8 x 3 sums + 3 W vectors + 1 x
 constexpr int64_t kPanelBlockRows = 128;  // rows of x per pass over the panels (a prefill's
                                           // 256 KiB at K = 512 stays in L2 across them)
-constexpr int64_t kPanelAhead = 2048;     // floats of the panel stream asked for ahead (8 KiB)
+constexpr int64_t kPanelAhead = 8192;     // bytes of the panel stream asked for ahead
+
+// A panel's 16 columns at row k as fp32: stored fp32, or bf16 / fp16 widened exactly (bf16 is
+// fp32's upper half; fp16 converts in hardware), so a half-precision checkpoint's weights are
+// read in half the bytes and multiplied as the very same fp32 values.
+template <typename W>
+inline __m512 load_columns(const W* p, __mmask16 mask, bool masked) {
+  if constexpr (std::is_same_v<W, float>) {
+    return masked ? _mm512_maskz_loadu_ps(mask, p) : _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = masked ? _mm256_maskz_loadu_epi16(mask, p)
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<W, at::Half>) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
 
 // y[m, 0:width) = x[m, :] . panel[:, 0:width) for MT rows of x, NV vectors of 16 columns.
 // kMasked: the last vector is partial (width not a multiple of 16; a masked load every step
 // measured 2.5x slower, so only such a panel pays it). Each step also asks for `lines` cache
 // lines at `fetch` into L2, then moves `fetch` on by `fetch_step` bytes (see panel_linear).
-template <int MT, int NV, bool kMasked>
-void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t width, int64_t K,
+template <int MT, int NV, bool kMasked, typename W>
+void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t width, int64_t K,
                 float* y, int64_t ldy, __mmask16 last, const char* fetch, int64_t fetch_step,
                 int lines) {
   __m512 acc[MT][NV];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NV; ++n) acc[m][n] = _mm512_setzero_ps();
-  const float* row = panel;
+  const W* row = panel;
   for (int64_t k = 0; k < K; ++k, row += width, fetch += fetch_step) {
     for (int j = 0; j < lines; ++j) __builtin_prefetch(fetch + 64 * j, 0, 2);
     __m512 wv[NV];
     for (int n = 0; n < NV; ++n)
-      wv[n] = kMasked && n == NV - 1 ? _mm512_maskz_loadu_ps(last, row + 16 * n)
-                                     : _mm512_loadu_ps(row + 16 * n);
+      wv[n] = load_columns(row + 16 * n, last, kMasked && n == NV - 1);
     for (int m = 0; m < MT; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
       for (int n = 0; n < NV; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
@@ -178,28 +199,76 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t width, 
       _mm512_mask_storeu_ps(y + m * ldy + 16 * n, n == NV - 1 ? last : 0xFFFF, acc[m][n]);
 }
 
-using PanelTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
-                             int64_t, __mmask16, const char*, int64_t, int);
+template <typename W>
+using PanelTileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t,
+                             __mmask16, const char*, int64_t, int);
 
-template <int MT>
-PanelTileFn panel_pick(int nv, bool masked) {
-  if (masked) return nv == 3 ? panel_tile<MT, 3, true> : nv == 2 ? panel_tile<MT, 2, true>
-                                                                 : panel_tile<MT, 1, true>;
-  return nv == 3 ? panel_tile<MT, 3, false> : nv == 2 ? panel_tile<MT, 2, false>
-                                                      : panel_tile<MT, 1, false>;
+template <int MT, typename W>
+PanelTileFn<W> panel_pick(int nv, bool masked) {
+  if (masked) return nv == 3 ? panel_tile<MT, 3, true, W> : nv == 2 ? panel_tile<MT, 2, true, W>
+                                                                    : panel_tile<MT, 1, true, W>;
+  return nv == 3 ? panel_tile<MT, 3, false, W> : nv == 2 ? panel_tile<MT, 2, false, W>
+                                                         : panel_tile<MT, 1, false, W>;
 }
 
-PanelTileFn panel_tile_for(int mt, int nv, bool masked) {
+template <typename W>
+PanelTileFn<W> panel_tile_for(int mt, int nv, bool masked) {
   switch (mt) {
-    case 8: return panel_pick<8>(nv, masked);
-    case 7: return panel_pick<7>(nv, masked);
-    case 6: return panel_pick<6>(nv, masked);
-    case 5: return panel_pick<5>(nv, masked);
-    case 4: return panel_pick<4>(nv, masked);
-    case 3: return panel_pick<3>(nv, masked);
-    case 2: return panel_pick<2>(nv, masked);
-    default: return panel_pick<1>(nv, masked);
+    case 8: return panel_pick<8, W>(nv, masked);
+    case 7: return panel_pick<7, W>(nv, masked);
+    case 6: return panel_pick<6, W>(nv, masked);
+    case 5: return panel_pick<5, W>(nv, masked);
+    case 4: return panel_pick<4, W>(nv, masked);
+    case 3: return panel_pick<3, W>(nv, masked);
+    case 2: return panel_pick<2, W>(nv, masked);
+    default: return panel_pick<1, W>(nv, masked);
   }
+}
+
+// panel_linear's body for panels stored as W (float, at::BFloat16 or at::Half).
+template <typename W>
+void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t N, int64_t K,
+                   float* yp) {
+  // Tasks: (block of rows, panel) pairs, panels inner. A decode step's rows are one block,
+  // so threads split the panels and each streams its own stretch of W; a prefill's blocks
+  // split too, which keeps the threads level where the panels are few (11 at N = 512).
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t num_blocks = (M + kPanelBlockRows - 1) / kPanelBlockRows;
+  const int64_t row_bytes = kPanel * static_cast<int64_t>(sizeof(W));  // a full panel's row
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (row_bytes * K));  // ~64 KiB of W
+  at::parallel_for(0, num_blocks * num_panels, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = t / num_panels * kPanelBlockRows, p = t % num_panels;
+      const int64_t b1 = std::min(M, b0 + kPanelBlockRows);
+      const int64_t width = std::min(kPanel, N - p * kPanel);
+      const int nv = static_cast<int>((width + 15) / 16);
+      const __mmask16 last = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
+      const W* panel = wp + p * kPanel * K;  // every panel before it is full
+      const bool masked = width % 16 != 0;
+      // The first tile of rows reads the panel from memory and asks for it kPanelAhead
+      // bytes ahead, a row's lines a step. The others find it in L2, and the first (up to
+      // 3) of them ask for this thread's next panel, its lines split between them over
+      // their K steps, so that memory streams while they compute.
+      const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
+      const bool next = t + 1 < t1 && p + 1 < num_panels;
+      const int64_t fetching = std::min<int64_t>(3, tiles - 1);
+      const int64_t next_lines = (row_bytes + 63) / 64;  // per step, for all fetching tiles
+      const int lines = next && fetching > 0
+                            ? static_cast<int>((next_lines + fetching - 1) / fetching) : 0;
+      const int own_lines = static_cast<int>((width * static_cast<int64_t>(sizeof(W)) + 63) / 64);
+      const char* own = reinterpret_cast<const char*>(panel) + kPanelAhead;
+      const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t m0 = b0 + i * kPanelRows;
+        const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
+        panel_tile_for<W>(mt, nv, masked)(
+            xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
+            i == 0 ? own : next_panel + (i - 1) * K * lines * 64,
+            i == 0 ? width * static_cast<int64_t>(sizeof(W)) : lines * 64,
+            i == 0 ? own_lines : i <= fetching ? lines : 0);
+      }
+    }
+  });
 }
 #endif
 
@@ -257,58 +326,29 @@ int64_t panel_width() {
 }
 
 // x [M, K] (unit last stride), panels: W [N, K] packed by serve/parallel.py pack_panels (N * K
-// floats, N read off the size), bias [N] or None -> [M, N].
+// values, fp32, bf16 or fp16; N read off the size), bias [N] or None -> [M, N].
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
                            c10::optional<torch::Tensor> bias) {
 #if defined(__AVX512F__)
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat,
               "panel_linear: x [M, K] fp32 with contiguous rows");
-  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == torch::kFloat,
-              "panel_linear: contiguous fp32 panels");
+  const auto type = panels.scalar_type();
+  TORCH_CHECK(panels.is_contiguous() && (type == torch::kFloat || type == torch::kBFloat16 ||
+                                         type == torch::kHalf),
+              "panel_linear: contiguous fp32, bf16 or fp16 panels");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K > 0 && panels.numel() % K == 0, "panel_linear: panels of ", panels.numel(),
-              " floats do not hold rows of K = ", K);
+              " values do not hold rows of K = ", K);
   const int64_t N = panels.numel() / K;
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  // Tasks: (block of rows, panel) pairs, panels inner. A decode step's rows are one block,
-  // so threads split the panels and each streams its own stretch of W; a prefill's blocks
-  // split too, which keeps the threads level where the panels are few (11 at N = 512).
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  const int64_t num_blocks = (M + kPanelBlockRows - 1) / kPanelBlockRows;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanel * K * 4));  // ~64 KiB of W
-  at::parallel_for(0, num_blocks * num_panels, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b0 = t / num_panels * kPanelBlockRows, p = t % num_panels;
-      const int64_t b1 = std::min(M, b0 + kPanelBlockRows);
-      const int64_t width = std::min(kPanel, N - p * kPanel);
-      const int nv = static_cast<int>((width + 15) / 16);
-      const __mmask16 last = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
-      const float* panel = wp + p * kPanel * K;  // every panel before it is full
-      const bool masked = width % 16 != 0;
-      // The first tile of rows reads the panel from memory and asks for it kPanelAhead
-      // floats ahead. The others find it in L2, and the first of them ask for this
-      // thread's next panel (3 lines a step over K steps: 3, 2 or 1 lines a step for 1, 2
-      // or 3 tiles), so that memory streams while they compute.
-      const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
-      const bool next = t + 1 < t1 && p + 1 < num_panels;
-      const int64_t fetching = std::min<int64_t>(3, tiles - 1);
-      const int lines = next && fetching > 0 ? static_cast<int>((3 + fetching - 1) / fetching) : 0;
-      const char* own = reinterpret_cast<const char*>(panel + kPanelAhead);
-      const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
-      for (int64_t i = 0; i < tiles; ++i) {
-        const int64_t m0 = b0 + i * kPanelRows;
-        const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
-        panel_tile_for(mt, nv, masked)(
-            xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
-            i == 0 ? own : next_panel + (i - 1) * K * lines * 64,
-            i == 0 ? width * 4 : lines * 64, i == 0 ? nv : i <= fetching ? lines : 0);
-      }
-    }
-  });
+  if (type == torch::kFloat)
+    panel_product(xp, x.stride(0), panels.data_ptr<float>(), M, N, K, yp);
+  else if (type == torch::kBFloat16)
+    panel_product(xp, x.stride(0), panels.data_ptr<at::BFloat16>(), M, N, K, yp);
+  else
+    panel_product(xp, x.stride(0), panels.data_ptr<at::Half>(), M, N, K, yp);
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat,
                 "panel_linear: bias [N] fp32");
