@@ -6,6 +6,8 @@
     rotary_neox_, write_kv_cache   instead of several torch dispatches (fp32)
     skinny_linear                x W^T for the few rows of a decode step, streaming W from
                                  memory at close to its read speed (serve/parallel.py)
+    panel_linear                 x W^T from W packed in panels (fp32, bf16 or fp16; AVX-512)
+    amx_panel_linear             x W^T for many rows from bf16 panels on AMX (fp32 results)
     llama_decode_layers          a Llama-family decode step's whole layer loop in one call,
                                  the ops above in the module path's order (serve/fused_decode.py)
     pin_openmp_threads           torch's OpenMP thread i on core i of a list (serve/core_share.py)
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp",
-           "decode_step.cpp", "threads.cpp")
+           "amx_gemm.cpp", "decode_step.cpp", "threads.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0

@@ -40,6 +40,16 @@ def cpu_prepack() -> bool:
     return value == "1"
 
 
+def cpu_amx() -> bool:
+    """PDSERVE_CPU_AMX=0 keeps a prefill's products on the fp32 panels (default 1: where the
+    CPU has AMX and the panels store a half-precision checkpoint's bf16 weights, steps of many
+    rows run on AMX, kernels/csrc/amx_gemm.cpp)."""
+    value = os.environ.get("PDSERVE_CPU_AMX", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_CPU_AMX must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def fused_decode() -> bool:
     """PDSERVE_FUSED_DECODE=0 runs decode steps through the model's modules layer by layer
     (default 1: a Llama-family decode step's layer loop runs as one compiled call on CPU,

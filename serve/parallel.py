@@ -24,6 +24,7 @@ cannot clash.
 from __future__ import annotations
 
 import functools
+import math
 from types import ModuleType
 from typing import Protocol
 
@@ -71,6 +72,17 @@ def skinny_max_rows(ops: ModuleType) -> int:
     weights, 2 cores; AVX2: 4.1 against 5.4 ms at 1 row, 6.4 against 9.0 at 8, 9.1 against 10.1
     at 12, 11.7 against 11.5 at 16; AVX-512: see benchmarks/results/README.md)."""
     return int(ops.skinny_max_rows())
+
+
+@functools.cache
+def amx_rows(ops: ModuleType) -> float:
+    """From this many rows on, bf16 panels multiply on AMX (kernels/csrc/amx_gemm.cpp: x split
+    in three bf16 pieces, fp32 sums, about twice the fp32 panels' speed on a prefill's rows);
+    infinity where the CPU, the build or PDSERVE_CPU_AMX=0 says no. Below it a step keeps the
+    panels, whose bits do not depend on the batch (a decode step's rows)."""
+    if not envs.cpu_amx() or not hasattr(ops, "amx_available") or not ops.amx_available():
+        return math.inf
+    return int(ops.amx_min_rows())
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -149,8 +161,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if x.dtype != torch.float32:
             return F.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])
-        y = cpu_kernels().panel_linear(rows if rows.stride(1) == 1 else rows.contiguous(),
-                                       packed, bias)
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        ops = cpu_kernels()
+        if packed.dtype == torch.bfloat16 and amx_rows(ops) <= rows.shape[0]:
+            y = ops.amx_panel_linear(rows, packed, bias)
+        else:
+            y = ops.panel_linear(rows, packed, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
     if x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
         ops = fused_fp32(x)

@@ -163,6 +163,39 @@ def test_bf16_checkpoint_in_float32_reads_bf16_panels(make_model_dir,
                                    zip(expected, seqs, strict=True)])
 
 
+def test_bf16_checkpoint_prefill_on_amx_matches_hf(make_model_dir,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill of more than amx_min_rows tokens of a bf16 checkpoint in float32 multiplies
+    on AMX (where the CPU has it): its logits match Hugging Face in float32 as tightly as the
+    fp32 path's do, and so do the decode steps after it (on the panels)."""
+    from pdserve.serve import parallel
+
+    ops = cpu_kernels()
+    if not ops.panel_width() or not ops.amx_available():
+        pytest.skip("no AMX on this CPU or build")
+    model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
+    calls: list[int] = []
+    real = ops.amx_panel_linear
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "amx_panel_linear":
+                return lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(parallel, "cpu_kernels", lambda: Spy())
+    with ModelRunner(ModelConfig(str(model_dir), dtype="float32"),
+                     CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+                     ParallelConfig(device="cpu")) as runner:
+        steps, seqs = run_walk(runner, 9, num_decodes=2, seed=2)
+    assert calls and min(calls) >= int(ops.amx_min_rows())  # the prefill step, not decodes
+    hf = load_hf(model_dir)
+    expected = [hf_logits(hf, seq) for seq in seqs]
+    for d, logits in enumerate(steps[1:]):
+        assert_rows_match(logits, [e[len(seq) - 2 + d] for e, seq in
+                                   zip(expected, seqs, strict=True)])
+
+
 @pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])
 def test_other_families_keep_the_module_path(architecture: str, make_model_dir) -> None:
     with make_runner(make_model_dir(architecture, seed=3)) as runner:

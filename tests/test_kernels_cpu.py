@@ -273,6 +273,79 @@ def test_panel_dtype_is_the_narrowest_that_holds_the_weight_exactly():
     assert panel_dtype(torch.full((4, 4), 1e6 + 1)) == torch.float32
 
 
+def _needs_amx():
+    _needs_panels()
+    if not _ops().amx_available():
+        pytest.skip("no AMX on this CPU or build")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 70, 300])  # tiles of 16, chunks of 128
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (112, 37), (40, 200), (7, 9)])
+def test_amx_product_of_bf16_panels_is_as_exact_as_fp32(rows, out_features, in_features):
+    """x in three bf16 pieces against bf16 panels on AMX: within fp32's own error of the
+    float64 product (no worse than the fp32 panels'), every panel width and K tail, bias."""
+    _needs_amx()
+    from pdserve.serve import parallel
+
+    torch.manual_seed(13)
+    weight = torch.randn(out_features, in_features).bfloat16().float()
+    panels = parallel.prepack(weight)
+    assert panels.dtype == torch.bfloat16
+    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features + 4)[:, 3:3 + in_features]
+    exact = x.double() @ weight.double().T + bias.double()
+    amx = _ops().amx_panel_linear(x, panels, bias).double()
+    fp32 = _ops().panel_linear(x, panels, bias).double()
+    scale = exact.abs().max()
+    assert (amx - exact).abs().max() <= max(2 * (fp32 - exact).abs().max(), 2e-6 * scale)
+
+
+def test_amx_rows_do_not_depend_on_their_batch():
+    _needs_amx()
+    from pdserve.serve import parallel
+
+    torch.manual_seed(14)
+    panels = parallel.prepack(torch.randn(200, 96).bfloat16().float())
+    x = torch.randn(300, 96)
+    alone = _ops().amx_panel_linear(x[131:132], panels, None)
+    assert torch.equal(_ops().amx_panel_linear(x[100:170], panels, None)[31:32], alone)
+    assert torch.equal(_ops().amx_panel_linear(x, panels, None)[131:132], alone)
+
+
+def test_linear_sends_many_rows_of_bf16_panels_to_amx(monkeypatch):
+    """parallel.linear: bf16 panels and at least amx_rows rows take AMX; fewer rows, fp32
+    panels, or PDSERVE_CPU_AMX=0 keep panel_linear."""
+    _needs_amx()
+    from pdserve.serve import parallel
+
+    ops = _ops()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            if name in ("panel_linear", "amx_panel_linear"):
+                calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(parallel, "cpu_kernels", lambda: Spy())
+    torch.manual_seed(15)
+    weight = torch.randn(40, 24).bfloat16().float()
+    half, full = parallel.prepack(weight), parallel.pack_panels(weight, int(ops.panel_width()))
+    many = int(ops.amx_min_rows())
+    for rows, packed in ((many, half), (many - 1, half), (many, full)):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(parallel.linear(x, weight, None, packed), x @ weight.T,
+                                   atol=1e-4, rtol=1e-4)
+    assert calls == ["amx_panel_linear", "panel_linear", "panel_linear"]
+    monkeypatch.setenv("PDSERVE_CPU_AMX", "0")
+    parallel.amx_rows.cache_clear()
+    try:
+        parallel.linear(torch.randn(many, 24), weight, None, half)
+        assert calls[-1] == "panel_linear"
+    finally:
+        parallel.amx_rows.cache_clear()
+
+
 def test_panel_linear_rows_do_not_depend_on_their_batch():
     """Each output is one FMA chain over k, whatever the tile a row lands in: a row's result is
     bit-identical alone, in a batch of 13, and in a prefill-sized batch of 300."""

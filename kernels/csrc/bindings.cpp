@@ -10,6 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_max_rows", &skinny_max_rows);
   m.def("panel_width", &panel_width);
   m.def("panel_linear", &panel_linear);
+  m.def("amx_available", &amx_available);
+  m.def("amx_min_rows", &amx_min_rows);
+  m.def("amx_panel_linear", &amx_panel_linear);
   m.def("llama_decode_layers", &llama_decode_layers);
   m.def("pin_openmp_threads", &pin_openmp_threads);
 }

@@ -23,6 +23,11 @@ int64_t skinny_max_rows();
 int64_t panel_width();
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
                            c10::optional<torch::Tensor> bias);
+// amx_gemm.cpp: x W^T on AMX for bf16 panels, steps of at least amx_min_rows() rows.
+bool amx_available();
+int64_t amx_min_rows();
+torch::Tensor amx_panel_linear(torch::Tensor x, torch::Tensor panels,
+                               c10::optional<torch::Tensor> bias);
 // decode_step.cpp
 std::vector<torch::Tensor> llama_decode_layers(
     torch::Tensor hidden, std::vector<torch::Tensor> weights,
