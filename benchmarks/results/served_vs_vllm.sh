@@ -6,7 +6,9 @@
 # one before).
 #   benchmarks/results/served_vs_vllm.sh [MODEL_DIR] [OUT_DIR]
 # Env: RATES ("1 2 4"), NUM_PROMPTS (40), INPUT_LEN (256), OUTPUT_LEN (64), GOODPUT
-# ("ttft:1000 tpot:100"), SERVERS ("vllm colocated disagg"), UP_ARGS (extra `pdserve up` flags).
+# ("ttft:1000 tpot:100"), SERVERS ("vllm colocated disagg"), UP_ARGS (extra `pdserve up` flags),
+# PEER_DTYPE (serve vLLM in that dtype, e.g. bfloat16 for a bf16 checkpoint, as vLLM's own
+# default would; the peer tool serves float32).
 # Needs the peer installed once: /work/shared/tools/vllm-peer install (venv /tmp/vllm-peer).
 # Then: python -m pdserve.benchmarks.served_table OUT_DIR  (table, plot, summary JSON).
 set -euo pipefail
@@ -27,7 +29,12 @@ wait_health() {  # URL LOG: up to 10 minutes (vLLM's CPU start takes 2-3)
 }
 
 for server in ${SERVERS:-vllm colocated disagg}; do
-  if [ "$server" = vllm ]; then
+  if [ "$server" = vllm ] && [ -n "${PEER_DTYPE:-}" ]; then
+    VLLM_CPU_KVCACHE_SPACE=2 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 setsid \
+      "${PEER_VENV:-/tmp/vllm-peer}/bin/vllm" serve "$model" --host 127.0.0.1 --port 18700 \
+      --served-model-name "$name" --dtype "$PEER_DTYPE" --max-model-len 2048 \
+      > "$out/serve-$server.log" 2>&1 & pid=$!
+  elif [ "$server" = vllm ]; then
     setsid "$peer" serve "$model" 18700 "$name" > "$out/serve-$server.log" 2>&1 & pid=$!
   else
     setsid .venv/bin/pdserve up --model "$model" --mode "$server" --port 18700 \
