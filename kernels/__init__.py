@@ -1,7 +1,8 @@
 """pdserve.kernels: attention over the paged KV cache, by backend.
 
     get_attention_backend("torch")   plain torch (kernels/reference.py): the reference
-    get_attention_backend("cpu")     the torch path, with decode attention and KV writes from
+    get_attention_backend("cpu")     the torch path, with decode attention (decode steps and
+                                     the decode rows of prefill steps) and KV writes from
                                      compiled C++ kernels that read and write the paged cache
                                      in place (kernels/cpu_attention.py): the CPU default
                                      where they build
@@ -105,6 +106,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
         return dataclasses.replace(
             get_attention_backend("torch"), name="cpu",
             write_kv_cache=cpu_attention.write_kv_cache,
+            prefill_attention=cpu_attention.prefill_attention,
             decode_attention=cpu_attention.decode_attention,
             mla_decode_attention=cpu_attention.mla_decode_attention)
     if name == "triton":

@@ -21,7 +21,7 @@ bounded memory); a prefill sequence of several rows gets one SDPA call.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -169,7 +169,8 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      max_query_len: int) -> torch.Tensor:
+                      max_query_len: int,
+                      last_token: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention for a ragged batch whose K/V (cached prefix + new) sit in kv_cache.
 
     Query i of sequence s is at position seq_lens[s] - q_len_s + i and sees keys at
@@ -181,15 +182,16 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
         query 2   x x x x x x x        position 6
 
     Sequences with one query row (decodes riding along with prefills) go through the batched
-    last-token path; the others get one SDPA call each.
+    last-token path (`last_token`, decode_attention's arguments: a backend's own decode
+    kernel; default the torch one here); the others get one SDPA call each.
     """
     check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     out = torch.empty_like(query)
     index, rows = _single_row_sequences(cu_seqlens_q)
     if index.numel():
-        out[rows] = _last_token_attention(query[rows], kv_cache, seq_lens[index],
-                                          block_tables[index], scale)
+        out[rows] = (last_token or _last_token_attention)(query[rows], kv_cache, seq_lens[index],
+                                                          block_tables[index], scale)
     for s, q_start, q_end, seq_len in _multi_row_sequences(cu_seqlens_q, seq_lens):
         blocks = _context_blocks(block_tables, s, seq_len, block_size)
         # [seq_len, Hkv, D] -> [Hkv, seq_len, D]

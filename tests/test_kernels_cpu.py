@@ -128,7 +128,33 @@ def test_cpu_backend_is_the_torch_backend_with_in_place_decode():
     assert cpu.decode_attention is cpu_attention.decode_attention
     assert cpu.mla_decode_attention is cpu_attention.mla_decode_attention
     assert cpu.write_kv_cache is cpu_attention.write_kv_cache
-    assert cpu.prefill_attention is plain.prefill_attention
+    assert cpu.prefill_attention is cpu_attention.prefill_attention
+    assert cpu.mla_prefill_attention is plain.mla_prefill_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_step_decode_rows_read_the_cache_in_place(dtype):
+    """A prefill step's ragged batch: decode rows (one query row) beside prompts with and
+    without a cached prefix. The whole matches the torch path; each decode row is the very
+    bits the decode kernel gives that row on its own (a decode step's)."""
+    torch.manual_seed(3)
+    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 16, 64, 8, 4, 32
+    q_lens = [1, 20, 1, 7, 1]
+    seq_lens = torch.tensor([33, 20, 100, 40, 1], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    tables = _tables(len(q_lens), 8, num_blocks, seed=4)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    query = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
+    out = cpu_attention.prefill_attention(query, kv_cache, cu, seq_lens, tables, 0.3,
+                                          max(q_lens))
+    expected = ref.prefill_attention(query, kv_cache, cu, seq_lens, tables, 0.3, max(q_lens))
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    for s in (0, 2, 4):
+        row = cu[s].item()
+        alone = cpu_attention.decode_attention(query[row:row + 1], kv_cache, seq_lens[s:s + 1],
+                                               tables[s:s + 1], 0.3)
+        assert torch.equal(out[row:row + 1], alone)
 
 
 # ---- the fused per-layer ops, against the torch arithmetic they replace --------------------
