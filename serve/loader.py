@@ -131,10 +131,12 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device_type: str | None
       machines with the llama-mid-like model): decode 11.5 against 15.1 ms a step at batch
       1 and 23 against 58 at batch 8, a 256-token prefill 0.30 against 1.50 s;
     - where the kernels read half-precision panels (AVX-512): the products read the
-      checkpoint's own 2-byte weights and multiply in fp32 (serve/parallel.panel_dtype). On
-      an AVX-512 + AMX host, llama-mid-like in bf16: decode 1.7 against 5.7 ms a step at
-      batch 1 and 3.7 against 8.2 at batch 8; a 256-token prefill takes 53 against 27 ms
-      (AMX's bf16 matmuls), so `--dtype bfloat16` stays the choice for prefill-only work."""
+      checkpoint's own 2-byte weights and multiply in fp32 (serve/parallel.panel_dtype), a
+      prefill's on AMX where the CPU has it (kernels/csrc/amx_gemm.cpp). On an AVX-512 + AMX
+      host, llama-mid-like in bf16: decode 1.7 against 5.7 ms a step at batch 1 and 3.7
+      against 8.2 at batch 8; a 256-token prefill 36 against 27 ms, 1024 tokens 169 against
+      115 (bf16 attention is the rest), so `--dtype bfloat16` stays the choice for
+      prefill-only work."""
     if requested != "auto":
         return requested
     if device_type == "cpu" and checkpoint_dtype in ("bfloat16", "float16"):
