@@ -51,4 +51,13 @@ def test_large_pool_gets_huge_pages() -> None:
     (cache,) = pool.kv_caches
     assert cache.numel() * 4 >= 4 * HUGE_PAGE_BYTES
     assert int(cache.count_nonzero()) == 0
+    if _huge_kib(cache) == 0:
+        # Under memory pressure (a busy CI host) the kernel may have no free 2 MiB page to
+        # give at that moment: then a tensor advised by hand gets none either, and the pool
+        # is not at fault. Where the host gives the control one, the pool must have had one.
+        control = torch.empty_like(cache)
+        assert advise_huge_pages(control)
+        control.zero_()
+        if _huge_kib(control) == 0:
+            pytest.skip("the host granted no huge page just now (memory pressure)")
     assert _huge_kib(cache) >= HUGE_PAGE_BYTES // 1024
