@@ -85,6 +85,12 @@ class Cluster:
         return self.process.returncode
 
 
+# A hand-off lease's life on the test clusters: short, so a lease whose decode never came
+# expires within a leak check's 30 s wait; long enough that a loaded CI host still sees one
+# before it expires (at 5 s a hand-off's lease once expired before a test could look).
+LEASE_TTL_S = 10
+
+
 def wait_until(predicate, timeout_s: float = 30.0) -> bool:
     """Poll `predicate` every 0.25 s; whether it held within timeout_s."""
     deadline = time.monotonic() + timeout_s
@@ -213,7 +219,7 @@ class Roles:
                    "--num-kv-blocks", str(NUM_BLOCKS), "--worker-id", name,
                    "--store", f"tcp://127.0.0.1:{self.data_port}",
                    "--store-master", f"tcp://127.0.0.1:{self.master_port}",
-                   "--store-timeout-s", "2", "--kv-lease-ttl-s", "5")
+                   "--store-timeout-s", "2", "--kv-lease-ttl-s", str(LEASE_TTL_S))
 
     def start_all(self) -> None:
         self.start("store", "store", "--role", "all", "--master-port", str(self.master_port),

@@ -63,7 +63,7 @@ def test_request_moves_off_a_hung_decode_worker(roles):
     finally:
         os.kill(roles.processes[hung].pid, signal.SIGCONT)
     # The hung worker was only stopped: resumed, it must come back alive and idle like the
-    # other, and whatever lease it held be released or expire (--kv-lease-ttl-s 5).
+    # other, and whatever lease it held be released or expire (--kv-lease-ttl-s).
     roles.assert_nothing_leaked()
 
 

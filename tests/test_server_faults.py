@@ -65,7 +65,7 @@ def test_concurrent_streams_with_disconnects_leak_nothing(roles):
     assert all(n == 24 for n in results if n != -1)  # one chunk per token, all delivered
     # Hand-offs are pinned under leases: decode releases each once loaded; one whose client
     # left between prefill and decode is released by the prefill worker or, at the latest,
-    # expires (--kv-lease-ttl-s 5), well within the check's 30 s.
+    # expires (--kv-lease-ttl-s, cluster_util.LEASE_TTL_S), well within the check's 30 s.
     roles.assert_nothing_leaked()
 
 
@@ -214,7 +214,9 @@ def test_handoff_blocks_are_leased_until_decode_loads_them(roles):
         source = StoreClient(first.handoff.source_address, transport="zmq", timeout_s=5)
         # the hand-off's lease stays until decode reads; the write-back to the fleet store,
         # off the critical path, may hold one of its own for a moment
-        assert wait_until(lambda: source.stats()["num_leases"] == 1, 5)
+        seen: list[int] = []
+        assert wait_until(lambda: seen.append(source.stats()["num_leases"]) or seen[-1] == 1,
+                          5), f"the node's lease counts: {seen}"
         outputs = _collect(sockets["decode"], GenerateRequest(
             "lease-1", prompt, request.sampling, handoff=first.handoff))
         assert sum(len(o.token_ids) for o in outputs) == 3
@@ -331,7 +333,7 @@ def test_decode_killed_mid_stream_errors_fast_then_recovers(roles):
     r = httpx.post(url, json={"prompt": "x", "max_tokens": 4}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["message"]
     # The new decode worker is checked like any other; the leases the killed one held expire
-    # after --kv-lease-ttl-s (5 s), within the leak check's wait.
+    # after --kv-lease-ttl-s (cluster_util.LEASE_TTL_S), within the leak check's wait.
     roles.start_worker("decode")
     assert wait_until(lambda: httpx.get(f"{roles.base_url}/health").status_code == 200, 120)
     r = httpx.post(url, json={"prompt": "x", "max_tokens": 4}, timeout=60)
