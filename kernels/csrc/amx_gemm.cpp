@@ -174,11 +174,7 @@ torch::Tensor amx_panel_linear(torch::Tensor x, torch::Tensor panels,
     }
     _tile_release();
   });
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat,
-                "amx_panel_linear: bias [N] fp32");
-    y.add_(*bias);
-  }
+  add_bias(y, bias, "amx_panel_linear");
   return y;
 #else
   TORCH_CHECK(false, "amx_panel_linear: this build has no AMX (amx_available() is false)");

@@ -16,6 +16,9 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
 // skinny_gemm.cpp
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight,
                             c10::optional<torch::Tensor> bias);
+// y [M, N] += bias [N] fp32 where given (the products' shared epilogue); `op` names the
+// caller in the error.
+void add_bias(torch::Tensor& y, const c10::optional<torch::Tensor>& bias, const char* op);
 // Up to how many rows skinny_linear beats the matmul library's packed weights, for this build.
 int64_t skinny_max_rows();
 // W packed in panels of panel_width() columns (0: this build has no panel kernel), stored in

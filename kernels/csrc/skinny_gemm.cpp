@@ -274,6 +274,14 @@ void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t
 
 }  // namespace
 
+void add_bias(torch::Tensor& y, const c10::optional<torch::Tensor>& bias, const char* op) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == y.size(1) &&
+                  bias->scalar_type() == torch::kFloat,
+              op, ": bias [N] fp32");
+  y.add_(*bias);
+}
+
 int64_t skinny_max_rows() {
 #if defined(__AVX512F__)
   return 32;
@@ -309,11 +317,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight,
       }
     }
   });
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat,
-                "skinny_linear: bias [N] fp32");
-    y.add_(*bias);
-  }
+  add_bias(y, bias, "skinny_linear");
   return y;
 }
 
@@ -349,11 +353,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
     panel_product(xp, x.stride(0), panels.data_ptr<at::BFloat16>(), M, N, K, yp);
   else
     panel_product(xp, x.stride(0), panels.data_ptr<at::Half>(), M, N, K, yp);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat,
-                "panel_linear: bias [N] fp32");
-    y.add_(*bias);
-  }
+  add_bias(y, bias, "panel_linear");
   return y;
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (panel_width() == 0)");
