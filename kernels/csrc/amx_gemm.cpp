@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -60,16 +61,17 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// Split rows [m0, m1) of x [M, K] into pieces [3][Mp][Kp] bf16 (K..Kp already zero).
+// Split rows [m0, m1) of x [M, K] into pieces [3][Mp][Kp] bf16, columns K..Kp zero.
 void split_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t Mp,
                 int64_t Kp, uint16_t* pieces) {
   for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = static_cast<__mmask16>(K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1);
+    for (int64_t k = 0; k < Kp; k += 16) {  // past K the masked load reads zeros
+      const __mmask16 mask = static_cast<__mmask16>(
+          K - k >= 16 ? 0xFFFF : K > k ? (1u << (K - k)) - 1 : 0);
       __m512 rest = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
       for (int64_t p = 0; p < kPieces; ++p) {
         const __m256i piece = (__m256i)_mm512_cvtneps_pbh(rest);
-        _mm256_mask_storeu_epi16(pieces + (p * Mp + m) * Kp + k, mask, piece);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pieces + (p * Mp + m) * Kp + k), piece);
         rest = _mm512_sub_ps(
             rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(piece), 16)));
       }
@@ -128,10 +130,13 @@ torch::Tensor amx_panel_linear(torch::Tensor x, torch::Tensor panels,
               " values do not hold rows of K = ", K);
   const int64_t N = panels.numel() / K;
   const int64_t Kp = (K + 31) / 32 * 32, Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
-  std::vector<uint16_t> pieces(kPieces * Mp * Kp, 0);
+  // Every value is written once: rows [0, M) by split_rows, the padding rows [M, Mp) here.
+  std::unique_ptr<uint16_t[]> pieces(new uint16_t[kPieces * Mp * Kp]);
+  for (int64_t p = 0; p < kPieces; ++p)
+    std::memset(pieces.get() + (p * Mp + M) * Kp, 0, (Mp - M) * Kp * sizeof(uint16_t));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    split_rows(xp, x.stride(0), m0, m1, K, Mp, Kp, pieces.data());
+    split_rows(xp, x.stride(0), m0, m1, K, Mp, Kp, pieces.get());
   });
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
@@ -159,7 +164,7 @@ torch::Tensor amx_panel_linear(torch::Tensor x, torch::Tensor panels,
           _tile_loadd(4, b + (1 * (Kp / 2) + kk * 16) * 32, 64);
           _tile_loadd(5, b + (2 * (Kp / 2) + kk * 16) * 32, 64);
           for (int64_t piece = 0; piece < kPieces; ++piece) {
-            _tile_loadd(6, pieces.data() + (piece * Mp + m0) * Kp + kk * 32, Kp * 2);
+            _tile_loadd(6, pieces.get() + (piece * Mp + m0) * Kp + kk * 32, Kp * 2);
             _tile_dpbf16ps(0, 6, 3);
             _tile_dpbf16ps(1, 6, 4);
             _tile_dpbf16ps(2, 6, 5);
