@@ -26,8 +26,8 @@ NUM_BLOCKS = 256  # 33 sequences of up to 5 blocks (the AVX-512 edge is 32)
 BLOCK_SIZE = 4
 
 
-def make_runner(model_dir: Path) -> ModelRunner:
-    return ModelRunner(ModelConfig(str(model_dir)),
+def make_runner(model_dir: Path, dtype: str = "auto") -> ModelRunner:
+    return ModelRunner(ModelConfig(str(model_dir), dtype=dtype),
                        CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
                        ParallelConfig(device="cpu"))
 
@@ -140,18 +140,12 @@ def test_bf16_checkpoint_in_float32_reads_bf16_panels(make_model_dir,
     if not cpu_kernels().panel_width():
         pytest.skip("the kernels compiled without AVX-512: no panel kernel")
     model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
-
-    def runner() -> ModelRunner:
-        return ModelRunner(ModelConfig(str(model_dir), dtype="float32"),
-                           CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-                           ParallelConfig(device="cpu"))
-
-    with runner() as half:
+    with make_runner(model_dir, "float32") as half:
         assert half._rank.model.model.layers[0].mlp.down_proj.packed.dtype == torch.bfloat16
         assert decoder(half).fused_decode() is not None
         half_steps, seqs = run_walk(half, 3, num_decodes=3)
     monkeypatch.setattr(parallel, "panel_dtype", lambda weight: weight.dtype)
-    with runner() as full:
+    with make_runner(model_dir, "float32") as full:
         assert full._rank.model.model.layers[0].mlp.down_proj.packed.dtype == torch.float32
         full_steps, _ = run_walk(full, 3, num_decodes=3)
     for got, want in zip(half_steps, full_steps, strict=True):
@@ -184,9 +178,7 @@ def test_bf16_checkpoint_prefill_on_amx_matches_hf(make_model_dir,
             return getattr(ops, name)
 
     monkeypatch.setattr(parallel, "cpu_kernels", lambda: Spy())
-    with ModelRunner(ModelConfig(str(model_dir), dtype="float32"),
-                     CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-                     ParallelConfig(device="cpu")) as runner:
+    with make_runner(model_dir, "float32") as runner:
         steps, seqs = run_walk(runner, 9, num_decodes=2, seed=2)
     assert calls and min(calls) >= int(ops.amx_min_rows())  # the prefill step, not decodes
     hf = load_hf(model_dir)
