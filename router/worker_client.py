@@ -61,6 +61,8 @@ class WorkerClient:
         self.address = address
         self.role = role  # what the router expects it to be: prefill | decode | colocated
         self.status: WorkerStatus | None = None
+        self.status_received_s = 0.0
+        """When `status` came (time.monotonic())."""
         self.last_seen_s = 0.0
         self.draining = False
         """Set while the controller moves this worker to the other role: no new requests."""
@@ -157,6 +159,7 @@ class WorkerClient:
         if status.step_samples and status.step_samples[-1].seq < self._last_sample_seq:
             self._last_sample_seq = 0  # a restarted worker numbers its samples afresh
         self.status = status
+        self.status_received_s = time.monotonic()
         for sample in status.step_samples:
             if sample.seq > self._last_sample_seq:
                 self._step_samples.append(sample)

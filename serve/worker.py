@@ -329,6 +329,7 @@ class Worker:
             tensor_parallel_size=engine.runner.tensor_parallel_size,
             num_cached_blocks=stats.num_cached_blocks,
             max_num_used_blocks=engine.block_manager.max_num_used_blocks,
+            is_idle=self.is_idle,
             **_moe_load(engine),
         )
 

@@ -107,16 +107,20 @@ def workers_idle(base_url: str) -> bool:
     return surviving_workers_idle(base_url, killed_addresses=())
 
 
-def surviving_workers_idle(base_url: str, killed_addresses: Collection[str]) -> bool:
+def surviving_workers_idle(base_url: str, killed_addresses: Collection[str],
+                           since_s: float | None = None) -> bool:
     """Every worker but those a test killed on purpose (by address: a worker's id is known only
-    from its status) is alive, holds no request, has all its KV blocks free and no hand-off
-    lease on its node. A killed
-    worker is left out: the router keeps its last status, or none once the connection
-    dropped, so it reads neither idle nor busy."""
+    from its status) is alive and idle as it last reported (no request owned, running, saving
+    or loading; all its KV blocks free; no hand-off lease on its node), and nothing of it is
+    in flight at the router. `since_s` (time.monotonic()): only a status that came after it
+    counts, so a heartbeat answered before the test's last request reached the worker does not
+    pass for idle. A killed worker is left out: the router keeps its last status, or none once
+    the connection dropped, so it reads neither idle nor busy."""
     workers = httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
-    return all(w["is_alive"] and w["num_free_blocks"] == w["num_total_blocks"]
-               and w["num_inflight"] == 0
-               and w.get("kv_transfer", {}).get("num_handoff_leases", 0) == 0
+    fresh_s = None if since_s is None else time.monotonic() - since_s
+    return all(w["is_alive"] and w.get("is_idle", False) and w["num_inflight"] == 0
+               and w["num_free_blocks"] == w["num_total_blocks"]
+               and (fresh_s is None or w["status_age_s"] < fresh_s)
                for w in workers if w["address"] not in killed_addresses)
 
 
@@ -127,7 +131,9 @@ def assert_nothing_leaked(base_url: str, store: StoreClient | None = None,
     and idle with all its blocks free, and the store (when given) holding no lease and no
     pinned block. Waits up to timeout_s, since a finished request's last release may still be
     on its way, and a killed worker's leases only go when their TTL runs out."""
-    assert wait_until(lambda: surviving_workers_idle(base_url, killed_addresses), timeout_s), \
+    since_s = time.monotonic()
+    assert wait_until(lambda: surviving_workers_idle(base_url, killed_addresses, since_s),
+                      timeout_s), \
         httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
     if store is None:
         return

@@ -263,3 +263,6 @@ class WorkerStatus:
     summed over rank 0's MoE layers (empty for a dense model)."""
     moe_dropped_tokens: int = 0
     """MoE models: assignments dropped past the expert capacity since start."""
+    is_idle: bool = False
+    """Holds nothing: no request owned, running, held for a save or loading, and no hand-off
+    lease on its node (what a drain and a leak check wait for)."""
