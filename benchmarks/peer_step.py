@@ -8,7 +8,8 @@ it imports nothing of pdserve. Prints one JSON object on its last line:
 Every timed prompt is fresh (random tokens from a new seed; prefix caching off), so nothing
 is served from a cache. The decode step is timed as step_roofline times pdserve's: the batch's
 prompts are added to vLLM's engine, stepped through their prefill untimed, then N decode
-steps are timed one by one and the median is the step. (It used to be (time to generate N
+steps are timed one by one and the median is the step; with --rounds the sweep runs that many
+times and a point's step is the median of its rounds'. (It used to be (time to generate N
 tokens - time to generate 1) / (N - 1), the best of two: at batch 8 and 32 the prefill both
 runs share is most of either, its noise divided by N came out as +-60% of a step, and the
 best of two leaned low: vLLM's batch-8 step read 6-17 ms run to run on one box.)
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--decode-tokens", type=int, default=12, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="decode sweeps; a point's step is the median of its rounds'")
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--dtype", default="float32",
                         help="float32, or the checkpoint's own bfloat16/float16")
@@ -80,13 +83,17 @@ def main() -> None:
         times.sort()
         return times[len(times) // 2]
 
-    decode = []
-    for context in args.contexts:
-        for batch in args.batch_sizes:
-            step_s = decode_step_s([fresh(context) for _ in range(batch)], args.decode_tokens)
-            decode.append({"batch": batch, "context": context, "step_s": step_s})
-            print(f"vllm decode batch {batch} context {context}: {step_s * 1e3:.2f} ms",
-                  flush=True)
+    rounds: dict[tuple[int, int], list[float]] = {}
+    for _ in range(args.rounds):  # whole sweeps, so a noisy minute spreads over every point
+        for context in args.contexts:
+            for batch in args.batch_sizes:
+                step_s = decode_step_s([fresh(context) for _ in range(batch)],
+                                       args.decode_tokens)
+                rounds.setdefault((batch, context), []).append(step_s)
+                print(f"vllm decode batch {batch} context {context}: {step_s * 1e3:.2f} ms",
+                      flush=True)
+    decode = [{"batch": batch, "context": context, "step_s": sorted(values)[len(values) // 2],
+               "rounds_s": values} for (batch, context), values in rounds.items()]
     prefill = []
     for length in args.prefill_lengths:
         seconds = min(timed([fresh(length)], 1) for _ in range(args.repeats))

@@ -16,7 +16,10 @@ held to the cache's speed, not the memory's (on a host with a 480 MB L3 the llam
 model's 97 MB of weights read at ~54 GB/s on 2 threads, against 26 GB/s over 512 MiB). A
 prefill must do 2 * params FLOPs per token plus the causal attention's, so it cannot beat
 FLOPs / the fp32 matmul peak measured here on the same threads (a large square matmul).
-Every timed prompt is fresh (random tokens from a new seed, prefix caching off).
+Every timed prompt is fresh (random tokens from a new seed, prefix caching off). A decode
+point's step is the median of `--decode-steps` timed steps; the whole sweep runs `--rounds`
+times (3), and the point keeps the median of its rounds' (each round's is in the JSON): on a
+host shared with other tenants one noisy minute then moves one round, not the table.
 
 Without --model it builds (and caches in PDSERVE_CACHE_DIR) a llama-mid-like random Llama:
 hidden 512, 8 layers, 8 heads of 64, 4 KV heads, intermediate 1408, fp32 (about 24M
@@ -56,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=[256, 512, 1024, 2048])
     parser.add_argument("--decode-steps", type=int, default=12,
                         help="timed decode steps per point (the median is kept)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="decode sweeps (pdserve's and vLLM's alike): a point's step is the "
+                             "median of its rounds' medians, so a noisy minute on a shared host "
+                             "moves one round, not the result")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--with-vllm", action="store_true",
                         help=f"also measure vLLM offline (its python: {PEER_PYTHON})")
@@ -161,7 +168,7 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, vocab: int) -> di
     def fresh(length: int) -> list[int]:
         return torch.randint(10, vocab, (length,), generator=generator).tolist()
 
-    decode, prefill = [], []
+    prefill = []
     with LLM(str(model_dir), block_size=args.block_size, num_kv_blocks=num_blocks,
              max_num_seqs=max(args.batch_sizes), max_model_len=longest,
              max_num_batched_tokens=max(2048, max(args.prefill_lengths)),
@@ -171,25 +178,29 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, vocab: int) -> di
         params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 4,
                                 ignore_eos=True)
         llm.generate([fresh(32)], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-        for context in args.contexts:
-            for batch in args.batch_sizes:
-                for _ in range(batch):
-                    engine.add_request(fresh(context), params)
-                while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
-                        engine.scheduler.waiting:
-                    engine.step()  # prefill (chunked by the token budget), untimed
-                times = []
-                for _ in range(args.decode_steps):
-                    start = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - start)
-                while engine.has_unfinished_requests():
-                    engine.step()
-                times.sort()
-                decode.append({"batch": batch, "context": context,
-                               "step_s": times[len(times) // 2]})
-                print(f"pdserve decode batch {batch} context {context}: "
-                      f"{decode[-1]['step_s'] * 1e3:.2f} ms", flush=True)
+        rounds: dict[tuple[int, int], list[float]] = {}
+        for _ in range(args.rounds):
+            for context in args.contexts:
+                for batch in args.batch_sizes:
+                    for _ in range(batch):
+                        engine.add_request(fresh(context), params)
+                    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
+                            engine.scheduler.waiting:
+                        engine.step()  # prefill (chunked by the token budget), untimed
+                    times = []
+                    for _ in range(args.decode_steps):
+                        start = time.perf_counter()
+                        engine.step()
+                        times.append(time.perf_counter() - start)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    times.sort()
+                    rounds.setdefault((batch, context), []).append(times[len(times) // 2])
+                    print(f"pdserve decode batch {batch} context {context}: "
+                          f"{times[len(times) // 2] * 1e3:.2f} ms", flush=True)
+        decode = [{"batch": batch, "context": context,
+                   "step_s": sorted(values)[len(values) // 2], "rounds_s": values}
+                  for (batch, context), values in rounds.items()]
         one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for length in args.prefill_lengths:
             best = float("inf")
@@ -213,7 +224,7 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
                "--batch-sizes", *map(str, args.batch_sizes),
                "--contexts", *map(str, args.contexts),
                "--prefill-lengths", *map(str, args.prefill_lengths),
-               "--decode-tokens", str(args.decode_steps),
+               "--decode-tokens", str(args.decode_steps), "--rounds", str(args.rounds),
                "--dtype", model_facts(model_dir)["dtype"]]  # vLLM's own precision for it
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
