@@ -3,19 +3,24 @@
 For each block size, a sender process streams blocks to a receiver process, which lands each
 in a preallocated buffer (as a decode worker would into its pool); after the last block the
 receiver acknowledges over ZeroMQ, and GB/s = bytes / (first send -> ack). In-process memcpy
-into an existing buffer is the ceiling. UCX runs twice in fresh processes (UCX_TLS is read once
+into an existing buffer is the ceiling. `cma` is the kernel's cross-process copy on its own
+(process_vm_readv from another process's buffer into the same landing pool): the single copy
+UCX's shared-memory transport makes for messages past its eager size (`UCX_PROTO_INFO=y`:
+"rendezvous zero-copy read from remote, cma"), so the ceiling UCX can reach here without
+xpmem or knem. UCX runs twice in fresh processes (UCX_TLS is read once
 at import): `sm,self` (shared memory / CMA, endpoints from worker addresses exchanged over
 ZeroMQ) and `tcp,self`. ZeroMQ is PUSH/PULL over tcp://127.0.0.1.
 
     python -m pdserve.benchmarks.kv_transfer [--sizes-kib 64,256,1024,4096,16384]
 
 The last line printed is one JSON object: {"results": [{"block_bytes", "ucx_shm_gbps",
-"ucx_tcp_gbps", "zmq_gbps", "memcpy_gbps"}, ...], ...}.
+"ucx_tcp_gbps", "zmq_gbps", "memcpy_gbps", "cma_gbps"}, ...], ...}.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -61,6 +66,55 @@ def memcpy_gbps(block_bytes: int, warmup: int = 3) -> float:
     for i in range(n):
         np.copyto(pool[i], src)
     return n * block_bytes / (time.perf_counter() - start) / 1e9
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def cma_gbps(block_bytes: int, warmup: int = 3) -> float | None:
+    """process_vm_readv of one block at a time from a child process's buffer into a landing
+    pool: the kernel's single cross-process copy (None where it is not allowed here)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    n = num_iters(block_bytes)
+    address_r, address_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds the source until the parent is done with it
+        try:
+            source = pattern(block_bytes)
+            os.write(address_w, source.ctypes.data.to_bytes(8, "little"))
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    os.close(address_w)
+    os.close(done_r)
+    try:
+        # after the fork: pages the child shared would be copied on the first write to them
+        pool = landing_pool(block_bytes, n + warmup)
+        address = int.from_bytes(os.read(address_r, 8), "little")
+        remote = _IoVec(address, block_bytes)
+
+        def read_into(buffer: np.ndarray) -> bool:
+            local = _IoVec(buffer.ctypes.data, block_bytes)
+            return libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1,
+                                         0) == block_bytes
+
+        if not all(read_into(pool[n + i]) for i in range(warmup)):
+            logger.warning("cma: process_vm_readv failed (errno %d)", ctypes.get_errno())
+            return None
+        start = time.perf_counter()
+        for i in range(n):
+            read_into(pool[i])
+        seconds = time.perf_counter() - start
+        if not np.array_equal(pool[n - 1][::997], pattern(block_bytes)[::997]):
+            raise AssertionError("cma: the bytes read differ from the source's")
+        return n * block_bytes / seconds / 1e9
+    finally:
+        os.close(address_r)
+        os.write(done_w, b"x")
+        os.close(done_w)
+        os.waitpid(pid, 0)
 
 
 # ---- the two ends (run as separate processes) ------------------------------------------------
@@ -253,13 +307,19 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{transport}_gbps"] = _best(gbps[size])
         row["memcpy_gbps"] = _best([memcpy_gbps(size, args.warmup)
                                     for _ in range(args.repeats)])
+        row["cma_gbps"] = _best([v for v in (cma_gbps(size, args.warmup)
+                                             for _ in range(args.repeats)) if v is not None])
         if row["ucx_shm_gbps"] is not None:
             row["ucx_shm_vs_memcpy"] = round(row["ucx_shm_gbps"] / row["memcpy_gbps"], 3)
+            if row["cma_gbps"] is not None:
+                row["ucx_shm_vs_cma"] = round(row["ucx_shm_gbps"] / row["cma_gbps"], 3)
+        if row["cma_gbps"] is not None:
+            row["cma_vs_memcpy"] = round(row["cma_gbps"] / row["memcpy_gbps"], 3)
         row["all_repeats_gbps"] = {t: [round(v, 3) for v in g[size]]
                                    for t, g in by_transport.items()}
         results.append(row)
         print(f"{size // 1024:>6} KiB  " + "  ".join(
-            f"{k}={v}" for k, v in row.items() if k.endswith(("_gbps", "_memcpy"))
+            f"{k}={v}" for k, v in row.items() if k.endswith(("_gbps", "_memcpy", "_cma"))
             and k != "all_repeats_gbps"), flush=True)
     summary = {"benchmark": "kv_transfer", "results": results, "ucx_tls": tls,
                "ucx_progress": args.progress, "window": args.window,
