@@ -5,7 +5,8 @@ argument checks): about 0.3 ms a layer on this project's 2-core machines, 2.5 ms
 step, which on a small model is more than its matmuls. On CUDA a captured graph removes that;
 on CPU, kernels/csrc/decode_step.cpp runs the loop in C++, calling the very kernels the module
 path calls (add_rms_norm, panel_linear or skinny_linear, rotary_neox_, write_kv_cache, the
-paged decode attention, silu_and_mul), in the same order on the same tensors: its hidden
+paged decode attention, silu_and_mul; a bf16 checkpoint's panels on AMX from as many rows as
+serve/parallel.linear sends there), in the same order on the same tensors: its hidden
 states are bit-identical to the module path's (tests/test_fused_decode.py compares them),
 which stays the reference and the path for everything else.
 
@@ -22,6 +23,7 @@ It applies to a step when all of these hold, else the module path runs:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -31,7 +33,7 @@ from torch import nn
 from pdserve import envs
 from pdserve.serve.attention import AttentionMetadata
 from pdserve.serve.layers import RMSNorm, cpu_kernels
-from pdserve.serve.parallel import skinny_max_rows
+from pdserve.serve.parallel import amx_rows, skinny_max_rows
 
 _NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
 _HALF = (torch.bfloat16, torch.float16)
@@ -42,11 +44,14 @@ class FusedDecode:
 
     def __init__(self, ops: ModuleType, weights: list[torch.Tensor], panels: bool, eps: float,
                  num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-                 scale: float) -> None:
+                 scale: float, amx_rows: int = 0) -> None:
+        """amx_rows: from this many rows on, bf16 panels multiply on AMX, as
+        serve/parallel.linear sends them (0: never)."""
         self._ops = ops
         self._weights = weights
         self._eps = eps
         self._shape = (num_heads, num_kv_heads, head_dim, rotary_dim, scale)
+        self._amx_rows = amx_rows
         # plain weights go to the skinny product, which has an edge; panels take any batch
         self.max_rows = None if panels else skinny_max_rows(ops)
 
@@ -63,7 +68,8 @@ class FusedDecode:
         num_heads, num_kv_heads, head_dim, rotary_dim, scale = self._shape
         out, residual = self._ops.llama_decode_layers(
             hidden, self._weights, kv_caches, cos, sin, meta.slot_mapping, meta.seq_lens,
-            meta.block_tables, self._eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale)
+            meta.block_tables, self._eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale,
+            self._amx_rows)
         return out, residual
 
 
@@ -115,4 +121,6 @@ def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
                     attn.attn.scale))
     if not layers or len(eps) != 1 or len(shapes) != 1 or len(kinds) != 1:
         return None
-    return FusedDecode(ops, weights, kinds == {1}, eps.pop(), *shapes.pop())
+    amx_from = amx_rows(ops)
+    return FusedDecode(ops, weights, kinds == {1}, eps.pop(), *shapes.pop(),
+                       amx_rows=0 if math.isinf(amx_from) else int(amx_from))

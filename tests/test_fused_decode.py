@@ -205,3 +205,52 @@ def test_bad_switch_value_is_refused(llama_dir: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "yes")
     with make_runner(llama_dir) as runner, pytest.raises(ValueError, match="FUSED_DECODE"):
         decoder(runner).fused_decode()
+
+
+def test_bf16_decode_of_many_sequences_takes_amx_in_the_fused_loop_too(
+        make_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 checkpoint's decode step of at least amx_min_rows sequences: serve/parallel.linear
+    multiplies it on AMX, and so does the fused loop, bit for bit with the module path; with
+    PDSERVE_CPU_AMX=0 the loop keeps the panels, whose bits differ."""
+    from pdserve.serve import parallel
+
+    ops = cpu_kernels()
+    if not ops.panel_width() or not ops.amx_available():
+        pytest.skip("no AMX on this CPU or build")
+    num_seqs = int(ops.amx_min_rows()) + 1  # 33: NUM_BLOCKS holds them
+    model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
+    num_layers = 0
+
+    def walk(fused: bool) -> list[torch.Tensor]:
+        nonlocal num_layers
+        monkeypatch.setenv("PDSERVE_FUSED_DECODE", "1" if fused else "0")
+        with make_runner(model_dir, "float32") as runner:
+            assert (decoder(runner).fused_decode() is not None) == fused
+            num_layers = len(decoder(runner).layers)
+            return run_walk(runner, num_seqs, num_decodes=2, seed=3)[0]
+
+    fused_steps = walk(fused=True)
+    calls: list[int] = []
+    real = ops.amx_panel_linear
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "amx_panel_linear":
+                return lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+            return getattr(ops, name)
+
+    with monkeypatch.context() as spying:
+        spying.setattr(parallel, "cpu_kernels", lambda: Spy())
+        module_steps = walk(fused=False)
+    # the 2 decode steps' 4 products a layer, and lm_head on the 33 rows sampled after the
+    # prefill and after each decode step
+    assert calls.count(num_seqs) == 2 * 4 * num_layers + 3
+    for got, want in zip(fused_steps, module_steps, strict=True):
+        assert torch.equal(got, want)
+    monkeypatch.setenv("PDSERVE_CPU_AMX", "0")
+    parallel.amx_rows.cache_clear()
+    try:
+        panel_steps = walk(fused=True)
+    finally:
+        parallel.amx_rows.cache_clear()
+    assert not torch.equal(panel_steps[-1], fused_steps[-1])

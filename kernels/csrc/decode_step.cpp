@@ -14,8 +14,8 @@
 //   x, r   = add_rms_norm(h, r, ln2)
 //   h      = silu_and_mul(x W_gu^T (+ b)) W_down^T (+ b)
 // Weights come 10 per layer: ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down; an
-// empty tensor stands for an absent bias; a W is plain [N, K] or packed in panels (1-D). fp32,
-// one tensor-parallel rank.
+// empty tensor stands for an absent bias; a W is plain [N, K] or packed in panels (1-D). fp32
+// math (panels may hold a half-precision checkpoint's weights), one tensor-parallel rank.
 #include "cpu_ops.h"
 
 namespace {
@@ -32,10 +32,13 @@ c10::optional<torch::Tensor> optional_bias(const torch::Tensor& bias) {
 }
 
 // x W^T (+ b) as serve/parallel.py linear computes it: W packed in panels (a flat tensor) or
-// plain [N, K].
+// plain [N, K]; bf16 panels on AMX from amx_rows rows on (0: never), as linear sends them.
 torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w,
-                      c10::optional<torch::Tensor> bias) {
-  return w.dim() == 1 ? panel_linear(x, w, bias) : skinny_linear(x, w, bias);
+                      c10::optional<torch::Tensor> bias, int64_t amx_rows) {
+  if (w.dim() != 1) return skinny_linear(x, w, bias);
+  if (amx_rows > 0 && x.size(0) >= amx_rows && w.scalar_type() == torch::kBFloat16)
+    return amx_panel_linear(x, w, bias);
+  return panel_linear(x, w, bias);
 }
 
 }  // namespace
@@ -45,7 +48,7 @@ std::vector<torch::Tensor> llama_decode_layers(
     std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-    double scale) {
+    double scale, int64_t amx_rows) {
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer,
               "llama_decode_layers: ", kWeightsPerLayer, " weights per layer");
   TORCH_CHECK(hidden.dim() == 2, "llama_decode_layers: hidden [T, hidden]");
@@ -59,7 +62,7 @@ std::vector<torch::Tensor> llama_decode_layers(
     const torch::Tensor& cache = kv_caches[layer];
     auto normed = add_rms_norm(hidden, residual, w[0], eps);
     residual = normed[1];
-    auto qkv = project(normed[0], w[1], optional_bias(w[2]));
+    auto qkv = project(normed[0], w[1], optional_bias(w[2]), amx_rows);
     auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -67,11 +70,11 @@ std::vector<torch::Tensor> llama_decode_layers(
     rotary_neox_(k, cos, sin, rotary_dim);
     write_kv_cache(k, v.contiguous(), cache, slot_mapping);
     auto attn = paged_last_token_attention(q, cache[0], cache[1], lens, tables, scale);
-    hidden = with_bias(project(attn.reshape({T, q_size}), w[3], c10::nullopt), w[4]);
+    hidden = with_bias(project(attn.reshape({T, q_size}), w[3], c10::nullopt, amx_rows), w[4]);
     normed = add_rms_norm(hidden, residual, w[5], eps);
     residual = normed[1];
-    auto gate_up = project(normed[0], w[6], optional_bias(w[7]));
-    hidden = with_bias(project(silu_and_mul(gate_up), w[8], c10::nullopt), w[9]);
+    auto gate_up = project(normed[0], w[6], optional_bias(w[7]), amx_rows);
+    hidden = with_bias(project(silu_and_mul(gate_up), w[8], c10::nullopt, amx_rows), w[9]);
   }
   return {hidden, residual.has_value() ? *residual : hidden};
 }
