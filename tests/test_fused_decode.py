@@ -68,6 +68,19 @@ def model_dir(request, llama_dir: Path, make_model_dir, tmp_path: Path) -> Path:
     return out
 
 
+class AmxSpy:
+    """The CPU ops, but amx_panel_linear notes each call's row count in `calls`."""
+
+    def __init__(self, ops, calls: list[int]) -> None:
+        self._ops, self._calls = ops, calls
+
+    def __getattr__(self, name: str):
+        if name == "amx_panel_linear":
+            real = self._ops.amx_panel_linear
+            return lambda x, *a: self._calls.append(x.shape[0]) or real(x, *a)
+        return getattr(self._ops, name)
+
+
 def _max_rows() -> int:
     """The skinny product's edge for this build (12 with AVX2, 32 with AVX-512)."""
     ops = cpu_kernels()
@@ -169,15 +182,7 @@ def test_bf16_checkpoint_prefill_on_amx_matches_hf(make_model_dir,
         pytest.skip("no AMX on this CPU or build")
     model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
     calls: list[int] = []
-    real = ops.amx_panel_linear
-
-    class Spy:
-        def __getattr__(self, name):
-            if name == "amx_panel_linear":
-                return lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
-            return getattr(ops, name)
-
-    monkeypatch.setattr(parallel, "cpu_kernels", lambda: Spy())
+    monkeypatch.setattr(parallel, "cpu_kernels", lambda: AmxSpy(ops, calls))
     with make_runner(model_dir, "float32") as runner:
         steps, seqs = run_walk(runner, 9, num_decodes=2, seed=2)
     assert calls and min(calls) >= int(ops.amx_min_rows())  # the prefill step, not decodes
@@ -231,16 +236,8 @@ def test_bf16_decode_of_many_sequences_takes_amx_in_the_fused_loop_too(
 
     fused_steps = walk(fused=True)
     calls: list[int] = []
-    real = ops.amx_panel_linear
-
-    class Spy:
-        def __getattr__(self, name):
-            if name == "amx_panel_linear":
-                return lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
-            return getattr(ops, name)
-
     with monkeypatch.context() as spying:
-        spying.setattr(parallel, "cpu_kernels", lambda: Spy())
+        spying.setattr(parallel, "cpu_kernels", lambda: AmxSpy(ops, calls))
         module_steps = walk(fused=False)
     # the 2 decode steps' 4 products a layer, and lm_head on the 33 rows sampled after the
     # prefill and after each decode step
