@@ -41,9 +41,9 @@ def cpu_prepack() -> bool:
 
 
 def cpu_amx() -> bool:
-    """PDSERVE_CPU_AMX=0 keeps a prefill's products on the fp32 panels (default 1: where the
-    CPU has AMX and the panels store a half-precision checkpoint's bf16 weights, steps of many
-    rows run on AMX, kernels/csrc/amx_gemm.cpp)."""
+    """PDSERVE_CPU_AMX=0 keeps every product on the panels (default 1: where the CPU has AMX and
+    the panels store a half-precision checkpoint's bf16 weights, steps of many rows, a
+    prefill's or a decode step's of many sequences, run on AMX, kernels/csrc/amx_gemm.cpp)."""
     value = os.environ.get("PDSERVE_CPU_AMX", "1")
     if value not in ("0", "1"):
         raise ValueError(f"PDSERVE_CPU_AMX must be 0 or 1, got {value!r}")

@@ -79,7 +79,8 @@ def amx_rows(ops: ModuleType) -> float:
     """From this many rows on, bf16 panels multiply on AMX (kernels/csrc/amx_gemm.cpp: x split
     in three bf16 pieces, fp32 sums, about twice the fp32 panels' speed on a prefill's rows);
     infinity where the CPU, the build or PDSERVE_CPU_AMX=0 says no. Below it a step keeps the
-    panels, whose bits do not depend on the batch (a decode step's rows)."""
+    panels (the fused decode loop decides alike, serve/fused_decode.py), so a row's bits
+    change only where its step crosses this many rows."""
     if not envs.cpu_amx() or not hasattr(ops, "amx_available") or not ops.amx_available():
         return math.inf
     return int(ops.amx_min_rows())
