@@ -1,26 +1,35 @@
-"""KV block transfer bandwidth between two processes: UCX (shared memory, TCP), ZeroMQ, memcpy.
+"""KV block transfer bandwidth between two processes: UCX (shared memory, TCP), ZeroMQ, a
+shared memory segment, memcpy.
 
 For each block size, a sender process streams blocks to a receiver process, which lands each
 in a preallocated buffer (as a decode worker would into its pool); after the last block the
 receiver acknowledges over ZeroMQ, and GB/s = bytes / (first send -> ack). In-process memcpy
 into an existing buffer is the ceiling. `cma` is the kernel's cross-process copy on its own
 (process_vm_readv from another process's buffer into the same landing pool): the single copy
-UCX's shared-memory transport makes for messages past its eager size (`UCX_PROTO_INFO=y`:
-"rendezvous zero-copy read from remote, cma"), so the ceiling UCX can reach here without
-xpmem or knem. UCX runs twice in fresh processes (UCX_TLS is read once
-at import): `sm,self` (shared memory / CMA, endpoints from worker addresses exchanged over
-ZeroMQ) and `tcp,self`. ZeroMQ is PUSH/PULL over tcp://127.0.0.1.
+UCX's shared-memory transport (`ucx_shm`) makes for messages past its eager size
+(`UCX_PROTO_INFO=y`: "rendezvous zero-copy read from remote, cma"), so the ceiling UCX can
+reach here without xpmem or knem. `shm` is pdserve's same-host hand-off path on its own
+(kvstore/shm_segment.py): a copy out of another process's memfd segment, mapped read-only,
+into the landing pool. UCX runs twice in fresh processes (UCX_TLS is read once at import):
+`sm,self` (shared memory / CMA, endpoints from worker addresses exchanged over ZeroMQ) and
+`tcp,self`. ZeroMQ is PUSH/PULL over tcp://127.0.0.1.
+
+The hand-off read as a decode worker makes it, request round trip included: `get_shm` and
+`get_ucx` are StoreClient.get_many of one block from a hand-off node (kvstore/handoff_node.py)
+in another process, through its segment and over UCX.
 
     python -m pdserve.benchmarks.kv_transfer [--sizes-kib 64,256,1024,4096,16384]
 
 The last line printed is one JSON object: {"results": [{"block_bytes", "ucx_shm_gbps",
-"ucx_tcp_gbps", "zmq_gbps", "memcpy_gbps", "cma_gbps"}, ...], ...}.
+"ucx_tcp_gbps", "zmq_gbps", "get_shm_gbps", "get_ucx_gbps", "memcpy_gbps", "cma_gbps",
+"shm_gbps", and each path's ratio to memcpy}, ...], ...}.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -115,6 +124,111 @@ def cma_gbps(block_bytes: int, warmup: int = 3) -> float | None:
         os.write(done_w, b"x")
         os.close(done_w)
         os.waitpid(pid, 0)
+
+
+def shm_gbps(block_bytes: int, warmup: int = 3) -> float:
+    """One block at a time copied out of a child process's shared memory segment into a
+    landing pool (kvstore/shm_segment.py: the one user-space copy a decode worker on the
+    prefill worker's host makes of a hand-off), its serial checked after each copy."""
+    from pdserve.kvstore.shm_segment import ShmArena, ShmReader
+    from pdserve.protocol.store import ShmSegment, ShmSpan
+
+    n = num_iters(block_bytes)
+    reply_r, reply_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds the segment until the parent is done with it
+        try:
+            arena = ShmArena(block_bytes + 2 * 4096)
+            block = arena.allocate(block_bytes)
+            assert block is not None
+            block[:] = pattern(block_bytes)
+            span = arena.locate(block.ctypes.data, block_bytes)
+            os.write(reply_w, json.dumps([dataclasses.asdict(arena.segment),
+                                          dataclasses.asdict(span)]).encode())
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    os.close(reply_w)
+    os.close(done_r)
+    try:
+        segment, span = json.loads(os.read(reply_r, 1 << 16))
+        reader = ShmReader(ShmSegment(**segment))
+        pool = landing_pool(block_bytes, n + warmup)
+        spans, sizes = [ShmSpan(**span)], [block_bytes]
+        for i in range(warmup):
+            reader.copy(spans, sizes, pool[n + i])
+        start = time.perf_counter()
+        intact = [reader.copy(spans, sizes, pool[i])[0] for i in range(n)]
+        seconds = time.perf_counter() - start
+        if not all(intact) or not np.array_equal(pool[n - 1][::997],
+                                                 pattern(block_bytes)[::997]):
+            raise AssertionError("shm: the bytes read differ from the source's")
+        reader.close()
+        return n * block_bytes / seconds / 1e9
+    finally:
+        os.close(reply_r)
+        os.write(done_w, b"x")
+        os.close(done_w)
+        os.waitpid(pid, 0)
+
+
+def run_node(sizes: list[int]) -> None:
+    """The `--role node` process: a hand-off node (kvstore/handoff_node.py) with a shared
+    memory segment, holding one staged block of each size under key `size`; prints its
+    address, and lives until its stdin closes."""
+    from pdserve.kvstore.handoff_node import HandoffNode
+
+    node = HandoffNode("kv-transfer", "127.0.0.1", len(sizes), 600.0, _TIMEOUT_MS / 1000,
+                       shm_bytes=sum(sizes) + 2 * 4096 * len(sizes))
+    for size in sizes:
+        staging = node.allocate_staging(size)
+        assert staging is not None
+        staging.numpy()[:] = pattern(size)
+        node.put_many([str(size).encode()], [staging])
+    print(json.dumps({"address": node.address}), flush=True)
+    sys.stdin.read()
+    node.close()
+
+
+def handoff_get_gbps(sizes: list[int], repeats: int, warmup: int) -> dict[str, dict]:
+    """What a decode worker's read of a hand-off moves per second, request round trip
+    included: StoreClient.get_many of one block from a hand-off node in another process,
+    through the node's shared memory segment (`get_shm`) and over UCX (`get_ucx`)."""
+    from pdserve.kvstore.client import StoreClient
+
+    node = subprocess.Popen([sys.executable, "-m", "pdserve.benchmarks.kv_transfer",
+                             "--role", "node", "--sizes-bytes", ",".join(map(str, sizes))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    out: dict[str, dict] = {"get_shm": {s: [] for s in sizes}, "get_ucx": {s: [] for s in sizes}}
+    try:
+        assert node.stdout is not None
+        address = json.loads(node.stdout.readline())["address"]
+        clients = {"get_shm": StoreClient(address, shm=True),
+                   "get_ucx": StoreClient(address, shm=False)}
+        if clients["get_shm"].transport != "shm+ucx":
+            logger.warning("get_shm: the client could not map the node's segment (%s)",
+                           clients["get_shm"].transport)
+        for _ in range(repeats):
+            for size in sizes:
+                key = [str(size).encode()]
+                for name, client in clients.items():
+                    n = max(5, num_iters(size) // 4)
+                    for _ in range(warmup):
+                        client.get_many(key)
+                    start = time.perf_counter()
+                    for _ in range(n):
+                        block = client.get_many(key)[0]
+                    out[name][size].append(n * size / (time.perf_counter() - start) / 1e9)
+                    if block is None or not np.array_equal(block[::997], pattern(size)[::997]):
+                        raise AssertionError(f"{name}: the bytes read differ from the node's")
+        for client in clients.values():
+            client.close()
+    finally:
+        if node.stdin is not None:
+            node.stdin.close()
+        node.wait(timeout=30)
+    return out
 
 
 # ---- the two ends (run as separate processes) ------------------------------------------------
@@ -278,13 +392,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="UCX transfers in flight per direction")
     parser.add_argument("--out", default="benchmarks/results/kv_transfer.json")
     # internal: one end of a pair
-    parser.add_argument("--role", choices=("send", "recv"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("send", "recv", "node"), help=argparse.SUPPRESS)
     parser.add_argument("--transport", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sizes-bytes", help=argparse.SUPPRESS)
     parser.add_argument("--tls", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.role == "node":
+        run_node([int(s) for s in args.sizes_bytes.split(",")])
+        return 0
     if args.role is not None:
         sizes = [int(s) for s in args.sizes_bytes.split(",")]
         if args.transport == "zmq":
@@ -300,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     tls = {"ucx_shm": args.shm_tls, "ucx_tcp": args.tcp_tls, "zmq": None}
     by_transport = {t: run_pair(t, sizes, args.repeats, args.warmup, tls[t], args.progress,
                                 args.window) for t in tls}
+    by_transport.update(handoff_get_gbps(sizes, args.repeats, args.warmup))
     results = []
     for size in sizes:
         row: dict = {"block_bytes": size}
@@ -309,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
                                     for _ in range(args.repeats)])
         row["cma_gbps"] = _best([v for v in (cma_gbps(size, args.warmup)
                                              for _ in range(args.repeats)) if v is not None])
+        row["shm_gbps"] = _best([shm_gbps(size, args.warmup) for _ in range(args.repeats)])
+        for name in ("shm", "get_shm", "get_ucx"):
+            if row[f"{name}_gbps"] is not None:
+                row[f"{name}_vs_memcpy"] = round(row[f"{name}_gbps"] / row["memcpy_gbps"], 3)
         if row["ucx_shm_gbps"] is not None:
             row["ucx_shm_vs_memcpy"] = round(row["ucx_shm_gbps"] / row["memcpy_gbps"], 3)
             if row["cma_gbps"] is not None:

@@ -4,8 +4,10 @@ Each verb sends one typed request of pdserve/protocol/store.py and reads its typ
 refusal raises StoreRequestError). KV bytes move over UCX when both sides have it (tags
 `client_no << 32 | seq`, so concurrent clients of one server never match each other's
 messages), else as ZeroMQ frames; a client that asked for UCX and could not get it logs a
-WARNING naming the fallback. Every call waits at most `timeout_s` and raises StoreUnavailable
-past it.
+WARNING naming the fallback. A client on the data server's host reads the blocks that lie in
+the server's shared memory segment (a hand-off node's staged prompts) straight out of it, in
+one copy (kvstore/shm_segment.py), when the server offers it at hello. Every call waits at
+most `timeout_s` and raises StoreUnavailable past it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import zmq
 from pdserve.kvstore.channel import ControlChannel, StoreRequestError
 from pdserve.kvstore.master import PrefixLookup
 from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
+from pdserve.kvstore.shm_segment import ShmReader, host_identity
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
 from pdserve.protocol.store import (
     ByeReply,
@@ -63,7 +66,7 @@ class StoreClient:
     def __init__(self, data_address: str | None, master_address: str | None = None,
                  transport: str = "ucx", ucx_tls: str = "sm,cma,tcp,self",
                  timeout_s: float = 10.0, holder: str | None = None,
-                 max_keys_per_request: int = 1024):
+                 max_keys_per_request: int = 1024, shm: bool = True):
         if data_address is None and master_address is None:
             raise ValueError("a StoreClient needs a data or a master address")
         self._ctx = zmq.Context()
@@ -79,23 +82,43 @@ class StoreClient:
         self._endpoint = 0  # handle of our UCX endpoint to the server, once connected
         self._client_no = 0
         self._seq = 0
-        if transport == "ucx" and self._data is not None:
-            self._start_ucx(ucx_tls)
-        self.transport = "ucx" if self._ucx is not None else "zmq"
+        self._shm: ShmReader | None = None
+        if self._data is not None and (transport == "ucx" or shm):
+            self._hello(transport == "ucx", ucx_tls, shm)
+        self.transport = ("shm+" if self._shm is not None else "") + (
+            "ucx" if self._ucx is not None else "zmq")
 
-    def _start_ucx(self, ucx_tls: str) -> None:
+    def _hello(self, use_ucx: bool, ucx_tls: str, shm: bool) -> None:
+        """Open the data paths the server and this client both have: UCX, and the server's
+        shared memory segment when it has one on this host."""
         assert self._data is not None
-        try:
-            ucx = UcxDataPlane(ucx_tls)
-        except UcxUnavailable as e:
-            logger.warning("store client: UCX cannot start (%s); KV bytes go over ZeroMQ/TCP", e)
+        ucx = None
+        if use_ucx:
+            try:
+                ucx = UcxDataPlane(ucx_tls)
+            except UcxUnavailable as e:
+                logger.warning("store client: UCX cannot start (%s); KV bytes go over "
+                               "ZeroMQ/TCP", e)
+        shm_host = host_identity() if shm else ""
+        if ucx is None and not shm_host:
             return
         try:
-            reply = self._data.request(HelloRequest, HelloReply, ucx_address=ucx.address)
+            reply = self._data.request(HelloRequest, HelloReply, shm_host=shm_host,
+                                       ucx_address=None if ucx is None else ucx.address)
         except StoreRequestError as e:
-            logger.warning("store client: the server refused UCX (%s); KV bytes go over "
-                           "ZeroMQ/TCP", e)
-            ucx.close()
+            logger.warning("store client: the server refused the hello (%s); KV bytes go "
+                           "over ZeroMQ/TCP", e)
+            if ucx is not None:
+                ucx.close()
+            return
+        if reply.shm is not None:
+            try:
+                self._shm = ShmReader(reply.shm)
+            except OSError as e:
+                logger.info("store client: cannot map the shared memory of %s (%s); its "
+                            "blocks come over %s", self._data.address, e,
+                            "UCX" if ucx is not None else "ZeroMQ")
+        if ucx is None:
             return
         if reply.ucx_address is None:
             logger.warning("store client: the server at %s has no UCX; KV bytes go over "
@@ -153,26 +176,28 @@ class StoreClient:
             return [b for i in range(0, len(keys), step)
                     for b in self.get_many(keys[i:i + step])]
         channel = self._data_channel()
+        shm = self._shm is not None
         with channel.lock:
             if self._ucx is None:
                 reply, frames = channel.request_locked(GetRequest, GetReply, keys=list(keys),
-                                                       ucx_tag=None)
+                                                       ucx_tag=None, shm=shm)
                 found = _one_per_key(reply.found, "found", len(keys))
                 payloads = [np.frombuffer(f.buffer, dtype=np.uint8) for f in frames]
             else:
                 tag = self._next_tag(len(keys))
                 reply, _ = channel.request_locked(GetRequest, GetReply, keys=list(keys),
-                                                  ucx_tag=tag)
+                                                  ucx_tag=tag, shm=shm)
                 found = _one_per_key(reply.found, "found", len(keys))
+            if reply.shm_spans:
+                return self._copy_shm(reply, found)
+            if self._ucx is not None:
                 # One buffer for every found block (GetReply bounds each size, so a server
                 # cannot make us allocate wildly), each message landing in its run's slice:
                 # the blocks come back to back, as a decode worker stacks them anyway.
-                sizes = [size for size, ok in zip(reply.sizes, found, strict=True) if ok]
-                received = np.empty(sum(sizes), np.uint8)
-                offsets = np.cumsum([0, *sizes]).tolist()
-                payloads = [received[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
-                runs = reply.runs or [1] * len(sizes)
+                received, payloads = _landing(reply.sizes, found)
+                runs = reply.runs or [1] * len(payloads)
                 bounds = np.cumsum([0, *runs]).tolist()
+                offsets = np.cumsum([0, *(p.nbytes for p in payloads)]).tolist()
                 self._ucx.wait([self._ucx.recv(received[offsets[bounds[j]]:
                                                         offsets[bounds[j + 1]]], tag + j)
                                 for j in range(len(runs))], self.timeout_s)
@@ -180,6 +205,20 @@ class StoreClient:
             raise ValueError("get: the server sent a different number of blocks than found")
         it = iter(payloads)
         return [next(it) if ok else None for ok in found]
+
+    def _copy_shm(self, reply: GetReply, found: list[bool]) -> list[np.ndarray | None]:
+        """The found blocks, copied out of the server's segment where its reply says they
+        lie; a block freed before the copy ended is None (not found)."""
+        if self._shm is None:
+            raise ValueError("get: shm spans in the reply of a client that maps no segment")
+        received, payloads = _landing(reply.sizes, found)
+        intact = self._shm.copy(reply.shm_spans, [p.nbytes for p in payloads], received)
+        blocks = iter(zip(payloads, intact, strict=True))
+        result: list[np.ndarray | None] = []
+        for ok in found:
+            block, whole = next(blocks) if ok else (None, False)
+            result.append(block if whole else None)
+        return result
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         reply = self._data_channel().request(ExistsRequest, ExistsReply, keys=list(keys))
@@ -239,6 +278,9 @@ class StoreClient:
         return dict(self._master.request(NodesRequest, NodesReply).nodes)
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self._ucx is not None and self._data is not None:
             # a live server answers in milliseconds; a gone one must not hold up a shutdown
             self._data.timeout_s = min(self._data.timeout_s, BYE_TIMEOUT_S)
@@ -252,6 +294,14 @@ class StoreClient:
             if channel is not None:
                 channel.close()
         self._ctx.term()
+
+
+def _landing(sizes: list[int], found: list[bool]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One buffer for a get's found blocks, back to back, and each block's slice of it."""
+    sizes = [size for size, ok in zip(sizes, found, strict=True) if ok]
+    received = np.empty(sum(sizes), np.uint8)
+    offsets = np.cumsum([0, *sizes]).tolist()
+    return received, [received[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
 
 
 def _one_per_key(values: list[bool], name: str, num_keys: int) -> list[bool]:

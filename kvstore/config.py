@@ -54,6 +54,10 @@ class StoreConfig:
     """Largest batch one control message may carry; larger ones are rejected."""
     max_block_bytes: int = 256 * 1024 * 1024
     """Largest single block accepted."""
+    shm_bytes: int = 0
+    """Bytes of a shared memory segment (kvstore/shm_segment.py) that blocks put in process
+    may live in, for clients on this host to copy them out in one user-space copy (a
+    prefill worker's hand-off node stages prompts there); 0: none."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -80,3 +84,5 @@ class StoreConfig:
             raise ValueError(f"num_data_threads must be positive, got {self.num_data_threads}")
         if self.max_keys_per_message <= 0 or self.max_block_bytes <= 0:
             raise ValueError("max_keys_per_message and max_block_bytes must be positive")
+        if self.shm_bytes < 0:
+            raise ValueError(f"shm_bytes must be >= 0, got {self.shm_bytes}")

@@ -342,8 +342,7 @@ class KVConnector:
         with self._lock:
             save = self._saves.get(request_id)
             if save is None:
-                staging = torch.empty((len(keys), *self.block_shape), dtype=self.dtype,
-                                      pin_memory=kv_cache.is_cuda)
+                staging = self._staging(len(keys), kv_cache.is_cuda)
                 save = self._saves[request_id] = _Save(list(keys), staging)
         if list(keys) != save.keys or layer in save.layers_saved:
             raise ValueError(f"save_layer: keys changed or layer {layer} saved twice")
@@ -362,6 +361,17 @@ class KVConnector:
             with self._lock:
                 del self._saves[request_id]
             self._jobs.put(lambda: self._put(request_id, save))
+
+    def _staging(self, num_blocks: int, pinned: bool) -> torch.Tensor:
+        """Host memory for a save's blocks [n, num_layers, P, block_size, H, D]: in the node's
+        shared memory segment where it has room (a decode worker on this host copies them
+        out of it), else plain (pinned for a CUDA pool's asynchronous copies)."""
+        node = self.handoff_node
+        if node is not None and not pinned:
+            data = node.allocate_staging(num_blocks * self.block_bytes)
+            if data is not None:
+                return data.view(self.dtype).view(num_blocks, *self.block_shape)
+        return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, pin_memory=pinned)
 
     def _put(self, request_id: str, save: _Save) -> None:
         """Store the staged blocks where decode reads them (this worker's node, else the

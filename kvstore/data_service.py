@@ -1,7 +1,9 @@
 """The data service: a TieredStore, its leases and its UCX clients behind the data socket.
 
     hello bye                        open / close a client's UCX data path
-    put get exists evict prefetch    blocks (bytes as ZeroMQ frames, or over UCX by tag)
+    put get exists evict prefetch    blocks (bytes as ZeroMQ frames, over UCX by tag, or,
+                                     for a client on this host, where they lie in the
+                                     node's shared memory segment: kvstore/shm_segment.py)
     pin renew release                pins held by leases with deadlines
     lookup_prefix                    how much of a prefix this node holds
     node_info                        its name and its master (a client pointed at a data
@@ -40,6 +42,7 @@ from pdserve.kvstore.lease import Lease, LeaseTable
 from pdserve.kvstore.master import Usage
 from pdserve.kvstore.memory_tier import back_to_back_runs, run_view
 from pdserve.kvstore.service import Answer, Peer, answer_check
+from pdserve.kvstore.shm_segment import ShmArena
 from pdserve.kvstore.tiered_store import ChangeListener, TieredStore
 from pdserve.kvstore.ucx_prober import UcxAddressProber
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
@@ -107,6 +110,14 @@ class DataService:
                                "ZeroMQ over TCP", e)
             else:
                 self._prober = UcxAddressProber(self._ucx.tls, config.request_timeout_s)
+        self.shm: ShmArena | None = None
+        """Where blocks put in process may live, for clients on this host (hand-offs)."""
+        if config.shm_bytes:
+            try:
+                self.shm = ShmArena(config.shm_bytes, f"pdserve-{config.node_id}")
+            except OSError as e:
+                logger.warning("store: no shared memory segment (%s); clients on this host "
+                               "read over UCX", e)
         self._ucx_clients: dict[bytes, tuple[int, int]] = {}  # zmq identity -> (client_no, ep)
         self._next_client_no = 1
         self.handlers = {
@@ -141,6 +152,8 @@ class DataService:
     def check_integrity(self) -> None:
         """Store invariants hold and every pin is held by exactly one live lease."""
         self.store.check_integrity()
+        if self.shm is not None:
+            self.shm.check_integrity()
         with self._lease_lock:
             held, pins = self.leases.num_leased_keys, self.store.num_pins
         if held != pins:
@@ -152,6 +165,8 @@ class DataService:
             for lease in self.leases.release_all():
                 self._unpin(lease)
         self.store.close()
+        if self.shm is not None:
+            self.shm.close()
         if self._prober is not None:
             self._prober.close()
         if self._ucx is not None:
@@ -164,8 +179,10 @@ class DataService:
 
     # ---- session ----------------------------------------------------------------------------
     def hello(self, request: HelloRequest, peer: Peer) -> Answer:
+        shm = (self.shm.segment if self.shm is not None and request.shm_host
+               and request.shm_host == self.shm.segment.host else None)
         if self._ucx is None or request.ucx_address is None:
-            return Answer(HelloReply(request.request_id, ucx_address=None, client_no=0))
+            return Answer(HelloReply(request.request_id, ucx_address=None, client_no=0, shm=shm))
         assert self._prober is not None
         # UCX aborts the process on a malformed worker address: a child parses it first.
         if not self._prober.is_connectable(request.ucx_address):
@@ -176,7 +193,7 @@ class DataService:
             client_no = self._next_client_no
             self._next_client_no += 1
             self._ucx_clients[peer.identity] = (client_no, self._ucx.connect(request.ucx_address))
-        return Answer(HelloReply(request.request_id, self._ucx.address, client_no))
+        return Answer(HelloReply(request.request_id, self._ucx.address, client_no, shm))
 
     def bye(self, request: ByeRequest, peer: Peer) -> Answer:
         with self._ucx_lock:
@@ -222,6 +239,12 @@ class DataService:
         present = [b for b in blocks if b is not None]
         found = [b is not None for b in blocks]
         sizes = [b.nbytes if b is not None else 0 for b in blocks]
+        if request.shm and self.shm is not None and present:
+            # where each block lies in the segment, if they all do (a hand-off's do): the
+            # client copies them out itself, once, and checks they were not freed meanwhile
+            spans = [self.shm.locate(b.data_ptr(), b.nbytes) for b in present]
+            if all(span is not None for span in spans):
+                return Answer(GetReply(request.request_id, found, sizes, shm_spans=spans))
         if request.ucx_tag is None:
             return Answer(GetReply(request.request_id, found, sizes),
                           [b.numpy() for b in present])

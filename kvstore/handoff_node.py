@@ -13,6 +13,11 @@ decode worker has read them (or the lease expires), and its DRAM tier evicts the
 unpinned blocks when full. The worker's connector calls it in process: a put adopts the
 staged blocks (no copy) and a pin goes through the data service's own handler and locks.
 
+With `shm_bytes` the node stages prompts in a shared memory segment (kvstore/shm_segment.py,
+`allocate_staging`), and a decode worker on the same host copies them straight out of it: one
+user-space copy, no UCX rendezvous, no kernel copy. A staging that does not fit there (or a
+decode worker on another host) goes over UCX as before.
+
 It is not registered with the fleet's master: the fleet store gets a write-back copy of every
 saved prompt instead (kvstore/connector.py), which later requests find there.
 """
@@ -49,12 +54,14 @@ def advertised(bound: str) -> str:
 
 class HandoffNode:
     def __init__(self, name: str, host: str, capacity_blocks: int, lease_ttl_s: float,
-                 timeout_s: float, transport: str = "ucx", port: int = 0) -> None:
-        """`capacity_blocks` blocks of host DRAM; served on `host`:`port` (0: any free)."""
+                 timeout_s: float, transport: str = "ucx", port: int = 0,
+                 shm_bytes: int = 0) -> None:
+        """`capacity_blocks` blocks of host DRAM, staged in a shared memory segment of
+        `shm_bytes` (0: none) while it has room; served on `host`:`port` (0: any free)."""
         config = StoreConfig(role="data", host=host, data_port=port, node_id=name,
                              dram_capacity_blocks=capacity_blocks, transport=transport,
                              lease_ttl_s=lease_ttl_s, request_timeout_s=timeout_s,
-                             num_data_threads=2)
+                             num_data_threads=2, shm_bytes=shm_bytes)
         self.name = name
         self._server = StoreServer(config).start()
         assert self._server.data_service is not None and self._server.data_address
@@ -63,6 +70,14 @@ class HandoffNode:
         """Where decode workers reach it: a wildcard bind is named by this host's address."""
         logger.info("hand-off node %s: %d blocks of DRAM at %s", name, capacity_blocks,
                     self.address)
+
+    def allocate_staging(self, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` (uint8) in the node's shared memory segment, for a save to stage a prompt
+        in; None without a segment or room in it. Freed once the tensor and its views are
+        gone (the tiers keep views of the blocks put)."""
+        shm = self._service.shm
+        data = None if shm is None else shm.allocate(nbytes)
+        return None if data is None else torch.from_numpy(data)
 
     # ---- the connector's backend verbs, in process ------------------------------------------
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[BytesLike]) -> list[bool]:
@@ -90,6 +105,12 @@ class HandoffNode:
     @property
     def num_leases(self) -> int:
         return self._service.leases.num_leases
+
+    @property
+    def num_shm_allocations(self) -> int:
+        """Live allocations in the shared memory segment (0 without one)."""
+        shm = self._service.shm
+        return 0 if shm is None else shm.num_allocations
 
     def check_integrity(self) -> None:
         self._server.check_integrity()

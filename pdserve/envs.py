@@ -9,6 +9,13 @@ from __future__ import annotations
 import os
 
 
+def _flag(name: str, default: str = "1") -> bool:
+    value = os.environ.get(name, default)
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def attention_backend() -> str | None:
     """PDSERVE_ATTENTION_BACKEND=triton|cpu|torch overrides the attention dispatch."""
     value = os.environ.get("PDSERVE_ATTENTION_BACKEND")
@@ -34,40 +41,35 @@ def cpu_prepack() -> bool:
     """PDSERVE_CPU_PREPACK=0 keeps linear weights in torch's plain layout on CPU (default 1:
     a packed copy too, pdserve's panels on AVX-512 and oneDNN's layout elsewhere; see
     serve/parallel.py prepack)."""
-    value = os.environ.get("PDSERVE_CPU_PREPACK", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"PDSERVE_CPU_PREPACK must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _flag("PDSERVE_CPU_PREPACK")
+
+
+def handoff_shm() -> bool:
+    """PDSERVE_HANDOFF_SHM=0 sends every hand-off over UCX (default 1: a prefill worker's
+    hand-off node stages prompts in a shared memory segment, and a decode worker on the same
+    host copies them straight out of it, kvstore/shm_segment.py)."""
+    return _flag("PDSERVE_HANDOFF_SHM")
 
 
 def cpu_amx() -> bool:
     """PDSERVE_CPU_AMX=0 keeps every product on the panels (default 1: where the CPU has AMX and
     the panels store a half-precision checkpoint's bf16 weights, steps of many rows, a
     prefill's or a decode step's of many sequences, run on AMX, kernels/csrc/amx_gemm.cpp)."""
-    value = os.environ.get("PDSERVE_CPU_AMX", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"PDSERVE_CPU_AMX must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _flag("PDSERVE_CPU_AMX")
 
 
 def fused_decode() -> bool:
     """PDSERVE_FUSED_DECODE=0 runs decode steps through the model's modules layer by layer
     (default 1: a Llama-family decode step's layer loop runs as one compiled call on CPU,
     serve/fused_decode.py)."""
-    value = os.environ.get("PDSERVE_FUSED_DECODE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"PDSERVE_FUSED_DECODE must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _flag("PDSERVE_FUSED_DECODE")
 
 
 def cpu_kernels() -> bool:
     """PDSERVE_CPU_KERNELS=0 turns pdserve's compiled CPU ops off (fused norm, rotary, SiLU,
     KV writes, in-place decode attention): the plain-torch paths run, as on a
     machine without a compiler. Default 1."""
-    value = os.environ.get("PDSERVE_CPU_KERNELS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"PDSERVE_CPU_KERNELS must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _flag("PDSERVE_CPU_KERNELS")
 
 
 def take_launcher_pid() -> int | None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import envs
 from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, TransferResult
 from pdserve.serve.request import Request
@@ -105,7 +106,8 @@ class KVTransfer:
 
         def connect(address: str) -> StoreClient:
             # a prefill worker answers in milliseconds or is gone: fall back to the store soon
-            peer = StoreClient(address, timeout_s=min(timeout_s, PEER_TIMEOUT_S), holder=holder)
+            peer = StoreClient(address, timeout_s=min(timeout_s, PEER_TIMEOUT_S), holder=holder,
+                               shm=envs.handoff_shm())
             logger.info("hand-off source %s (KV bytes over %s)", address, peer.transport)
             return peer
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import zmq
 
-from pdserve import discovery, security
+from pdserve import discovery, envs, security
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -541,10 +541,11 @@ def make_kv_transfer(config: WorkerConfig, engine):
     try:
         if config.handoff_dram_gb > 0:
             layout = engine.runner.spec.kv_layout(engine.runner.block_size)
+            nbytes = int(config.handoff_dram_gb * (1 << 30))
             node = HandoffNode(config.name, config.host,
-                               max(1, int(config.handoff_dram_gb * (1 << 30))
-                                   // block_nbytes(layout)),
-                               config.kv_lease_ttl_s, config.store_timeout_s)
+                               max(1, nbytes // block_nbytes(layout)),
+                               config.kv_lease_ttl_s, config.store_timeout_s,
+                               shm_bytes=nbytes if envs.handoff_shm() else 0)
         return KVTransfer.connect(
             engine.runner, engine.block_manager, config.store_address,
             config.store_master_address, timeout_s=config.store_timeout_s,

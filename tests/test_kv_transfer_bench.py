@@ -24,3 +24,8 @@ def test_cma_copy_reads_another_process_s_bytes():
         pytest.skip("this host forbids process_vm_readv between processes (ptrace scope)")
     assert gbps > 0
     assert kv_transfer.memcpy_gbps(64 * 1024, warmup=1) > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux's")
+def test_shm_copy_reads_another_process_s_segment():
+    assert kv_transfer.shm_gbps(64 * 1024, warmup=1) > 0  # checks the bytes itself

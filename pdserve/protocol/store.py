@@ -185,16 +185,53 @@ class NodeLease:
 
 
 # ---- data server: session ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShmSegment:
+    """A data node's shared memory segment (kvstore/shm_segment.py), as a client on the same
+    host opens it: /proc/<pid>/fd/<fd>, which must be inode `inode` of `size` bytes."""
+
+    host: str
+    """The node's host identity (boot id and PID namespace): a client elsewhere cannot open
+    it."""
+    pid: int
+    fd: int
+    inode: int
+    size: int
+
+    def __post_init__(self) -> None:
+        _check_str("host", self.host)
+        for name in ("pid", "fd", "inode", "size"):
+            _check_uint(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class ShmSpan:
+    """Where a block lies in the node's segment: its bytes at `offset`, and the uint64 at
+    `header` that holds `serial` while the block's memory is not freed (the client copies,
+    then checks it)."""
+
+    offset: int
+    header: int
+    serial: int
+
+    def __post_init__(self) -> None:
+        for name in ("offset", "header", "serial"):
+            _check_uint(name, getattr(self, name))
+
+
 @STORE_PROTOCOL.message("hello")
 @dataclass(frozen=True)
 class HelloRequest(StoreRequest):
-    """Open a UCX data path: the client's UCX worker address (None: the client has no UCX)."""
+    """Open the client's data paths: its UCX worker address (None: the client has no UCX),
+    and its host identity when it can read a segment on this host ("": it cannot)."""
 
     ucx_address: bytes | None
+    shm_host: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_address(self.ucx_address)
+        _check_str("shm_host", self.shm_host)
 
 
 @STORE_PROTOCOL.message("hello_reply")
@@ -204,6 +241,8 @@ class HelloReply(StoreReply):
     """The server's UCX worker address; None: the server has no UCX (use the zmq path)."""
     client_no: int
     """The top 32 bits of every UCX tag this client uses (0 without UCX)."""
+    shm: ShmSegment | None = None
+    """The node's shared memory segment, when it has one and the client is on its host."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -266,12 +305,17 @@ class GetRequest(StoreRequest):
 
     keys: list[bytes]
     ucx_tag: int | None
+    shm: bool = False
+    """The client maps this node's segment: blocks that lie in it are answered with their
+    place there (GetReply.shm_spans) instead of being sent."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_keys(self.keys)
         if self.ucx_tag is not None:
             _check_uint("ucx_tag", self.ucx_tag)
+        if not isinstance(self.shm, bool):
+            raise TypeError("shm must be a bool")
 
 
 @STORE_PROTOCOL.message("get_reply")
@@ -283,6 +327,9 @@ class GetReply(StoreReply):
     runs: list[int] = field(default_factory=list)
     """Over UCX: found blocks per message, in order (blocks that lie back to back in the
     node's memory go as one message); empty over ZeroMQ (a frame per block)."""
+    shm_spans: list[ShmSpan] = field(default_factory=list)
+    """For a GetRequest with shm: one per found block, where it lies in the node's segment;
+    then nothing follows the reply (empty: the blocks come as frames or over UCX)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -294,6 +341,8 @@ class GetReply(StoreReply):
         _check_uints("runs", self.runs)
         if self.runs and (min(self.runs) == 0 or sum(self.runs) != sum(self.found)):
             raise ValueError("get: runs must be positive and cover the found blocks")
+        if self.shm_spans and (len(self.shm_spans) != sum(self.found) or self.runs):
+            raise ValueError("get: one shm span per found block, and no UCX runs with them")
 
 
 @STORE_PROTOCOL.message("exists")

@@ -1,0 +1,222 @@
+"""Same-host KV reads in one user-space copy: a data node's blocks in a shared memory segment
+that a reader on the same host maps read-only.
+
+UCX's shared-memory transport moves a message past its eager size with the kernel's
+cross-process copy (CMA: process_vm_readv), which reads 0.6-0.77x as fast as a memcpy on this
+project's machines (benchmarks/kv_transfer.py, `cma`); the one-copy transports (xpmem, knem)
+are not in PyPI's libucx. So a node whose blocks are read on its own host (a prefill worker's
+hand-off node) keeps them in a memfd segment (`ShmArena`), and a client on that host
+(`ShmReader`: same boot, same PID namespace) opens it as /proc/<pid>/fd/<fd>, checks that it
+is that file (inode, size), maps it read-only and copies a block straight out of it, where a
+get's reply says it lies (kvstore/data_service.py). Nothing is left behind when a process
+dies: a memfd has no name, and its memory goes with the last mapping.
+
+    segment   [alloc 0: header 64 B | data] [free ...] [alloc 1: header | data] ...
+    header    uint64 serial: unique and non-zero while the allocation lives, 0 once freed
+
+An allocation is freed when its data array and every view of it are gone (the tiers hold
+views, so an evicted block's memory comes back by itself). A reader copies the data, then
+reads the serial again: unchanged, the copy is the block the reply named. (A free zeroes the
+serial before the memory can be handed out again; on x86 the stores of the reuse cannot be
+seen before that store, nor the reader's serial load pass its copy's loads.)
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+import threading
+import weakref
+from functools import cache
+
+import numpy as np
+
+from pdserve.protocol.store import ShmSegment, ShmSpan
+
+logger = logging.getLogger(__name__)
+
+HEADER_BYTES = 64  # the serial, padded to a cache line: the data starts cache-line aligned
+ALIGN = 4096  # allocations start on pages
+
+
+@cache
+def host_identity() -> str:
+    """Who can open this process's /proc/<pid>/fd: the same boot of the same kernel, and the
+    same PID namespace (another container's PIDs name other processes)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot_id = f.read().strip()
+    return f"{boot_id}/{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class ShmArena:
+    """`capacity_bytes` of a memfd segment, handed out as uint8 arrays (first fit, freed when
+    the array and its views are gone)."""
+
+    def __init__(self, capacity_bytes: int, name: str = "pdserve-kv") -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        self.size = _round_up(capacity_bytes, ALIGN)
+        self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, self.size)  # sparse: pages are taken as they are written
+            self._map = mmap.mmap(self._fd, self.size)
+        except OSError:
+            os.close(self._fd)
+            raise
+        self._words = np.frombuffer(self._map, np.uint64)  # the headers' serials
+        self.segment = ShmSegment(host_identity(), os.getpid(), self._fd,
+                                  os.fstat(self._fd).st_ino, self.size)
+        self._lock = threading.RLock()  # a free may run inside allocate (a collected view)
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, bytes), by offset
+        self._live: dict[int, tuple[int, int, int]] = {}  # offset -> (bytes, serial, data bytes)
+        self._starts: list[int] = []  # sorted offsets of _live
+        self._serials = itertools.count(1)
+        self._closed = False
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> np.ndarray | None:
+        """A uint8 array of `nbytes` in the segment, or None when no free run is large enough."""
+        size = _round_up(nbytes + HEADER_BYTES, ALIGN)
+        with self._lock:
+            if self._closed:
+                return None
+            i = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
+            if i is None:
+                return None
+            offset, free = self._free[i]
+            if free == size:
+                del self._free[i]
+            else:
+                self._free[i] = (offset + size, free - size)
+            serial = next(self._serials)
+            self._live[offset] = (size, serial, nbytes)
+            bisect.insort(self._starts, offset)
+            self._words[offset // 8] = serial
+        data = (ctypes.c_uint8 * nbytes).from_buffer(self._map, offset + HEADER_BYTES)
+        finalizer = weakref.finalize(data, self._release, offset)
+        finalizer.atexit = False
+        return np.frombuffer(data, np.uint8)  # keeps `data` (and so the allocation) alive
+
+    def _release(self, offset: int) -> None:
+        with self._lock:
+            size = self._live.pop(offset)[0]
+            self._starts.pop(bisect.bisect_left(self._starts, offset))
+            self._words[offset // 8] = 0  # before the memory can be handed out again
+            i = bisect.bisect_left(self._free, (offset, 0))
+            self._free.insert(i, (offset, size))
+            # coalesce with the next free run, then with the previous one
+            if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+                self._free[i] = (offset, size + self._free.pop(i + 1)[1])
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+                start, before = self._free.pop(i - 1)
+                self._free[i - 1] = (start, before + self._free[i - 1][1])
+
+    def locate(self, address: int, nbytes: int) -> ShmSpan | None:
+        """Where `nbytes` at `address` (a block: a view of an allocation) lie in the segment,
+        for a reader; None when they are not all inside one live allocation."""
+        offset = address - self._words.ctypes.data
+        if not 0 <= offset < self.size:
+            return None
+        with self._lock:
+            i = bisect.bisect_right(self._starts, offset) - 1
+            if i < 0:
+                return None
+            start = self._starts[i]
+            _, serial, data_bytes = self._live[start]
+            if offset < start + HEADER_BYTES or offset + nbytes > start + HEADER_BYTES + data_bytes:
+                return None
+        return ShmSpan(offset, start, serial)
+
+    # ---- what tests and metrics look at -------------------------------------------------------
+    @property
+    def num_allocations(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def num_free_bytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._free)
+
+    def check_integrity(self) -> None:
+        """Free runs and live allocations tile the segment, without overlap."""
+        with self._lock:
+            runs = sorted([*self._free, *((o, live[0]) for o, live in self._live.items())])
+            position = 0
+            for offset, size in runs:
+                if offset != position or size <= 0:
+                    raise AssertionError(f"shm arena: run at {offset} (expected {position})")
+                position += size
+            if position != self.size or self._starts != sorted(self._live):
+                raise AssertionError("shm arena: runs do not cover the segment")
+
+    def close(self) -> None:
+        """Stop handing out memory. The mapping itself lives on while arrays into it do (the
+        segment goes with the process, or with the last reader's mapping)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.close(self._fd)
+
+
+class ShmReader:
+    """A read-only mapping of another process's segment on this host."""
+
+    def __init__(self, segment: ShmSegment) -> None:
+        if segment.host != host_identity():
+            raise OSError("the segment is on another host (or PID namespace)")
+        fd = os.open(f"/proc/{segment.pid}/fd/{segment.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stat = os.fstat(fd)
+            if stat.st_ino != segment.inode or stat.st_size != segment.size:
+                raise OSError(f"/proc/{segment.pid}/fd/{segment.fd} is not the segment named "
+                              "(the process or its descriptor was replaced)")
+            self._map = mmap.mmap(fd, segment.size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.segment = segment
+        self._bytes = np.frombuffer(self._map, np.uint8)
+        self._words = np.frombuffer(self._map, np.uint64)
+
+    def _serial(self, span: ShmSpan) -> int:
+        return int(self._words[span.header // 8])
+
+    def copy(self, spans: list[ShmSpan], sizes: list[int], out: np.ndarray) -> list[bool]:
+        """Copy block i (`sizes[i]` bytes at spans[i]) into `out`, back to back; per block,
+        whether it was still the one named when the copy ended (False: freed meanwhile, its
+        bytes in `out` are garbage). Blocks that lie back to back go in one copy."""
+        if len(spans) != len(sizes) or sum(sizes) > out.nbytes:
+            raise ValueError("shm copy: one size per span, and room for them all in out")
+        for span, size in zip(spans, sizes, strict=True):
+            if (span.header % 8 or span.header + HEADER_BYTES > span.offset
+                    or span.offset + size > self.segment.size):
+                raise ValueError("shm copy: a span outside the segment")
+        valid = [self._serial(span) == span.serial for span in spans]
+        position, i = 0, 0
+        while i < len(spans):
+            j, end = i + 1, spans[i].offset + sizes[i]
+            while j < len(spans) and spans[j].offset == end:  # a run of back-to-back blocks
+                end += sizes[j]
+                j += 1
+            length = end - spans[i].offset
+            out[position:position + length] = self._bytes[spans[i].offset:end]
+            position += length
+            i = j
+        return [ok and self._serial(span) == span.serial for ok, span in zip(valid, spans,
+                                                                             strict=True)]
+
+    def close(self) -> None:
+        del self._bytes, self._words
+        try:
+            self._map.close()
+        except BufferError:  # an array into it is still referenced somewhere: leave it
+            logger.debug("shm reader: mapping still in use at close")
