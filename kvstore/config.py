@@ -54,6 +54,10 @@ class StoreConfig:
     """Largest batch one control message may carry; larger ones are rejected."""
     max_block_bytes: int = 256 * 1024 * 1024
     """Largest single block accepted."""
+    drop_released: bool = False
+    """Drop a block as soon as no lease pins it any more, instead of keeping it until the LRU
+    evicts it: a hand-off node's blocks are read once, by the decode worker holding the
+    lease (the fleet store keeps the prefix), and their memory is best reused at once."""
     shm_bytes: int = 0
     """Bytes of a shared memory segment (kvstore/shm_segment.py) that blocks put in process
     may live in, for clients on this host to copy them out in one user-space copy (a

@@ -42,6 +42,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +59,9 @@ from pdserve.kvstore.memory_tier import (
     fp8_as_bytes,
     run_view,
 )
+from pdserve.kvstore.shm_segment import ShmReader
 from pdserve.kvstore.tiered_store import TieredStore
+from pdserve.protocol.store import ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,10 @@ class TransferResult:
     layers: list[torch.Tensor] | None = None
     """Load started without a pool: the placed blocks per layer, [P, num_blocks, block_size,
     this rank's heads, head_dim], views into one buffer (the caller installs them)."""
+    shm_segment: ShmSegment | None = None
+    """Save: the node's shared memory segment, when the saved blocks lie in it..."""
+    shm_spans: list[ShmSpan] | None = None
+    """...and where each of them does (a decode worker on this host maps them in place)."""
 
 
 @dataclass
@@ -149,6 +156,8 @@ class KVConnector:
         # failed address is not asked again (its hand-offs load from the fleet store, its
         # leases died with it) instead of costing every later load and release a timeout.
         self._failed_peers: OrderedDict[str, float] = OrderedDict()
+        # segments of prefill workers on this host, mapped (None: cannot be), main thread only
+        self._segments: OrderedDict[tuple[int, int, int], ShmReader | None] = OrderedDict()
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
@@ -284,16 +293,8 @@ class KVConnector:
                 error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
             load.num_blocks = len(usable)  # before any layer is signalled as done
             if usable:
-                # blocks received back to back (a remote read lands them in one buffer; a
-                # local one returns views of the save's staging) need no stacking copy
-                stacked = (run_view(usable) if len(back_to_back_runs(usable)) == 1
-                           else torch.stack([as_uint8_tensor(block) for block in usable]))
-                if kv_caches is not None:
-                    stacked = stacked.to(kv_caches[0].device)
-                # [n, num_layers, P, block_size, H, D] -> per layer [P, n, block_size, h, D]
-                stacked = stacked.view(self.dtype).view(len(usable), *self.block_shape)
-                layers = [stacked[:, layer, :, :, self._heads].transpose(0, 1)
-                          for layer in range(self.layout.num_layers)]
+                layers = self._per_layer(usable, None if kv_caches is None
+                                         else kv_caches[0].device)
                 if kv_caches is None:  # the caller installs them
                     load.layers = layers
                 else:
@@ -316,6 +317,68 @@ class KVConnector:
                 self._results.append(TransferResult(request_id, "load", load.num_blocks, error,
                                                     layers=load.layers))
             self._wake()
+
+    def _per_layer(self, blocks: Sequence[BytesLike],
+                   device: torch.device | None = None) -> list[torch.Tensor]:
+        """Whole stored blocks -> this rank's part of each layer, [P, n, block_size, h, D]:
+        views, where the blocks lie back to back (a remote read lands them in one buffer; a
+        local one, or a mapped segment, returns views of the save's staging), else stacked."""
+        with warnings.catch_warnings():
+            # a mapped segment is read-only; its views are only ever read (copied from)
+            warnings.simplefilter("ignore", UserWarning)
+            stacked = (run_view(list(blocks)) if len(back_to_back_runs(list(blocks))) == 1
+                       else torch.stack([as_uint8_tensor(block) for block in blocks]))
+        if device is not None:
+            stacked = stacked.to(device)
+        # [n, num_layers, P, block_size, H, D] -> per layer [P, n, block_size, h, D]
+        stacked = stacked.view(self.dtype).view(len(blocks), *self.block_shape)
+        return [stacked[:, layer, :, :, self._heads].transpose(0, 1)
+                for layer in range(self.layout.num_layers)]
+
+    def map_blocks(self, segment: ShmSegment, spans: list[ShmSpan]
+                   ) -> tuple[list[torch.Tensor], Callable[[], bool]] | None:
+        """Blocks that lie in another process's segment on this host (a prefill worker's
+        hand-off), in place: per layer as `_per_layer` gives them, and a check to call once
+        they were copied (False: one was freed meanwhile, the copy is not the blocks). None
+        where the segment cannot be mapped here or a block is gone already."""
+        key = (segment.pid, segment.fd, segment.inode)
+        if key not in self._segments:
+            self._drop_gone_segments()
+            try:
+                self._segments[key] = ShmReader(segment)
+            except OSError as e:  # another host or container, or not allowed: load instead
+                logger.info("kv connector: cannot map the segment of process %d (%s); "
+                            "hand-offs from it load over the network", segment.pid, e)
+                self._segments[key] = None
+            while len(self._segments) > MAX_FAILED_PEERS:
+                _, old = self._segments.popitem(last=False)
+                if old is not None:
+                    old.close()
+        reader = self._segments[key]
+        if reader is None:
+            return None
+        try:
+            blocks = reader.views(spans, self.block_bytes)
+        except ValueError as e:
+            logger.warning("kv connector: a hand-off names blocks outside its segment (%s)", e)
+            return None
+        if blocks is None:
+            return None
+        return self._per_layer(blocks), lambda: all(reader.intact(spans))
+
+    def _drop_gone_segments(self) -> None:
+        """Unmap the segments of prefill workers that are gone (a mapping would keep their
+        memory alive)."""
+        for key, reader in list(self._segments.items()):
+            pid, fd, inode = key
+            try:
+                alive = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode
+            except OSError:
+                alive = False
+            if not alive:
+                del self._segments[key]
+                if reader is not None:
+                    reader.close()
 
     def wait_for_layer_load(self, request_id: str, layer: int,
                             timeout_s: float | None = None) -> int:
@@ -379,7 +442,7 @@ class KVConnector:
         the result is out (off the hand-off's critical path)."""
         node = self.handoff_node
         target = node if node is not None else self.backend
-        num_stored, error, lease_id = 0, None, None
+        num_stored, error, lease_id, spans = 0, None, None, None
         blocks: list[torch.Tensor] = []
         try:
             if target is None:
@@ -391,13 +454,16 @@ class KVConnector:
             num_stored = next((i for i, ok in enumerate(stored) if not ok), len(stored))
             if self.lease_ttl_s is not None and num_stored:
                 lease_id, _ = target.pin(save.keys[:num_stored], self.lease_ttl_s)
+            if node is not None and num_stored == len(blocks):
+                spans = node.locate(blocks)
         except Exception as e:  # a lost save only costs a future recompute
             logger.warning("kv connector: save of %s failed (%s)", request_id, e)
             error = repr(e)
         with self._lock:
             self._results.append(TransferResult(
                 request_id, "save", num_stored, error, lease_id,
-                node.address if node is not None else ""))
+                node.address if node is not None else "",
+                shm_segment=node.shm_segment if spans else None, shm_spans=spans))
         self._wake()
         if node is not None and self.backend is not None and num_stored:
             backend, keys = self.backend, save.keys[:num_stored]
@@ -477,6 +543,10 @@ class KVConnector:
         self._worker.join(timeout=CLOSE_DRAIN_S)
         for source in list(self._peers):
             self._drop_peer(source)
+        for reader in self._segments.values():
+            if reader is not None:
+                reader.close()
+        self._segments.clear()
         if not self._worker.is_alive() and self._wake_write >= 0:  # (a running job may write)
             os.close(self._wake_read)
             os.close(self._wake_write)
@@ -488,6 +558,7 @@ class KVConnector:
             if job is None:
                 return
             job()
+            del job  # not held while waiting: a save's job holds its staging memory
 
 
 def make_in_process_connector(layout: KVLayout, dram_capacity_blocks: int,

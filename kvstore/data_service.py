@@ -176,6 +176,8 @@ class DataService:
     def _unpin(self, lease: Lease) -> None:
         if lease.keys:
             self.store.release(list(lease.keys))
+            if self.config.drop_released:
+                self.store.evict(list(lease.keys))  # those no other lease pins
 
     # ---- session ----------------------------------------------------------------------------
     def hello(self, request: HelloRequest, peer: Peer) -> Answer:

@@ -9,9 +9,10 @@ Mooncake's transfer engine reads KV from the memory of the node that computed it
 does the same with pdserve's own store parts: the node is a `pdserve store --role data`
 server (kvstore/server.py) running inside the worker, so decode workers reach it with the
 ordinary StoreClient (UCX when both sides have it), leases pin a hand-off's blocks until the
-decode worker has read them (or the lease expires), and its DRAM tier evicts the oldest
-unpinned blocks when full. The worker's connector calls it in process: a put adopts the
-staged blocks (no copy) and a pin goes through the data service's own handler and locks.
+decode worker has read them (or the lease expires), and then the node drops them (nothing
+reads them again: the fleet store keeps the prefix), so their memory is reused warm. The
+worker's connector calls it in process: a put adopts the staged blocks (no copy) and a pin
+goes through the data service's own handler and locks.
 
 With `shm_bytes` the node stages prompts in a shared memory segment (kvstore/shm_segment.py,
 `allocate_staging`), and a decode worker on the same host copies them straight out of it: one
@@ -35,7 +36,7 @@ from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.memory_tier import BytesLike
 from pdserve.kvstore.server import StoreServer
 from pdserve.kvstore.service import Peer
-from pdserve.protocol.store import PinRequest, ReleaseRequest
+from pdserve.protocol.store import PinRequest, ReleaseRequest, ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class HandoffNode:
         config = StoreConfig(role="data", host=host, data_port=port, node_id=name,
                              dram_capacity_blocks=capacity_blocks, transport=transport,
                              lease_ttl_s=lease_ttl_s, request_timeout_s=timeout_s,
-                             num_data_threads=2, shm_bytes=shm_bytes)
+                             num_data_threads=2, shm_bytes=shm_bytes, drop_released=True)
         self.name = name
         self._server = StoreServer(config).start()
         assert self._server.data_service is not None and self._server.data_address
@@ -78,6 +79,19 @@ class HandoffNode:
         shm = self._service.shm
         data = None if shm is None else shm.allocate(nbytes)
         return None if data is None else torch.from_numpy(data)
+
+    @property
+    def shm_segment(self) -> ShmSegment | None:
+        shm = self._service.shm
+        return None if shm is None else shm.segment
+
+    def locate(self, blocks: Sequence[torch.Tensor]) -> list[ShmSpan] | None:
+        """Where each block lies in the segment, for a hand-off to name; None unless all do."""
+        shm = self._service.shm
+        if shm is None:
+            return None
+        spans = [shm.locate(block.data_ptr(), block.nbytes) for block in blocks]
+        return None if None in spans else spans
 
     # ---- the connector's backend verbs, in process ------------------------------------------
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[BytesLike]) -> list[bool]:

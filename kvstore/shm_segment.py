@@ -187,8 +187,23 @@ class ShmReader:
         self._bytes = np.frombuffer(self._map, np.uint8)
         self._words = np.frombuffer(self._map, np.uint64)
 
-    def _serial(self, span: ShmSpan) -> int:
-        return int(self._words[span.header // 8])
+    def views(self, spans: list[ShmSpan], nbytes: int) -> list[np.ndarray] | None:
+        """Read-only views of blocks of `nbytes` at `spans` (no copy); None if one of them is
+        freed already. Whoever copies out of them checks `intact(spans)` afterwards."""
+        for span in spans:
+            self._check(span, nbytes)
+        if not all(self.intact(spans)):
+            return None
+        return [self._bytes[span.offset:span.offset + nbytes] for span in spans]
+
+    def _check(self, span: ShmSpan, nbytes: int) -> None:
+        if (span.header % 8 or span.header + HEADER_BYTES > span.offset
+                or span.offset + nbytes > self.segment.size):
+            raise ValueError("shm: a span outside the segment")
+
+    def intact(self, spans: list[ShmSpan]) -> list[bool]:
+        """Per span: is its allocation still the one it names (not freed since)?"""
+        return [int(self._words[span.header // 8]) == span.serial for span in spans]
 
     def copy(self, spans: list[ShmSpan], sizes: list[int], out: np.ndarray) -> list[bool]:
         """Copy block i (`sizes[i]` bytes at spans[i]) into `out`, back to back; per block,
@@ -197,10 +212,8 @@ class ShmReader:
         if len(spans) != len(sizes) or sum(sizes) > out.nbytes:
             raise ValueError("shm copy: one size per span, and room for them all in out")
         for span, size in zip(spans, sizes, strict=True):
-            if (span.header % 8 or span.header + HEADER_BYTES > span.offset
-                    or span.offset + size > self.segment.size):
-                raise ValueError("shm copy: a span outside the segment")
-        valid = [self._serial(span) == span.serial for span in spans]
+            self._check(span, size)
+        valid = self.intact(spans)
         position, i = 0, 0
         while i < len(spans):
             j, end = i + 1, spans[i].offset + sizes[i]
@@ -211,8 +224,8 @@ class ShmReader:
             out[position:position + length] = self._bytes[spans[i].offset:end]
             position += length
             i = j
-        return [ok and self._serial(span) == span.serial for ok, span in zip(valid, spans,
-                                                                             strict=True)]
+        return [before and after for before, after in zip(valid, self.intact(spans),
+                                                          strict=True)]
 
     def close(self) -> None:
         del self._bytes, self._words

@@ -63,6 +63,11 @@ class HandOff:
         # and those loaded while no blocks were free.
         self._loading: dict[str, GenerateRequest] = {}
         self._waiting_for_blocks: deque[tuple[GenerateRequest, TransferDone]] = deque()
+        # leases of hand-offs admitted in place (their blocks copied from a mapped segment),
+        # given back one loop later, after the step that admitted them: at admission, the
+        # release's round trip would compete with that step for the core
+        self._releases: list[tuple[int, str]] = []
+        self._releases_due: list[tuple[int, str]] = []
         # request id -> (time.monotonic() it arrived here, whether it was handed off to this
         # worker), until its first Output reports its phases
         self._arrivals: dict[str, tuple[float, bool]] = {}
@@ -85,14 +90,16 @@ class HandOff:
     @property
     def is_busy(self) -> bool:
         """Something is held, loading or waiting for blocks."""
-        return bool(self._held or self._loading or self._waiting_for_blocks)
+        return bool(self._held or self._loading or self._waiting_for_blocks or self._releases
+                    or self._releases_due)
 
     @property
     def must_poll(self) -> bool:
         """poll() has work now, without a transfer finishing: a loaded request waits for blocks
-        (engine steps free them), or a save failed in this thread. The loop must not sleep;
+        (engine steps free them), a lease waits to be given back, or a save failed in this
+        thread. The loop must not sleep;
         for transfers in flight it sleeps on `wakeup_fd`."""
-        return bool(self._waiting_for_blocks) or (
+        return bool(self._waiting_for_blocks or self._releases or self._releases_due) or (
             self.kv_transfer is not None and self.kv_transfer.has_failed)
 
     @property
@@ -134,6 +141,8 @@ class HandOff:
         check_kv_cache_dtype(handoff, self._kv_cache_dtype)
         if self.kv_transfer is not None and handoff.block_keys:
             self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
+            if self._admit_in_place(message):
+                return
             self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
                                         handoff.lease_id, handoff.source_address)
             self._loading[message.request_id] = message
@@ -144,6 +153,34 @@ class HandOff:
             return
         self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
                                           message.sampling, [handoff.first_token_id])
+
+    def _admit_in_place(self, message: GenerateRequest) -> bool:
+        """A hand-off whose blocks lie in the prefill worker's shared memory segment on this
+        host joins the batch now: its blocks are copied from there straight into fresh pool
+        blocks (one copy, no load job, no request to the prefill worker). False where that
+        cannot be (another host, no segment, no free blocks now): load it as usual."""
+        handoff = message.handoff
+        assert handoff is not None and self.kv_transfer is not None
+        start_s = time.monotonic()
+        mapped = self.kv_transfer.map_handoff(handoff)
+        if mapped is None:
+            return False
+        layers, intact = mapped
+        done = TransferDone(message.request_id, "load", True, list(handoff.block_keys), layers)
+        try:
+            self._admit_loaded(message, done, can_wait=True)
+        except NoFreeBlocksError:
+            return False  # the load path waits for blocks
+        finally:
+            del layers, done
+        if not intact():  # freed while copied (its lease expired): the copy is not the KV
+            logger.warning("hand-off blocks of %s were freed while read; recomputing",
+                           message.request_id)
+            self.engine.abort_request(message.request_id)  # before any step: no key published
+            self._admit_loaded(message, TransferDone(message.request_id, "load", False, []))
+        self._releases.append((handoff.lease_id, handoff.source_address))
+        self.kv_transfer.note_in_place(time.monotonic() - start_s)
+        return True
 
     def abort(self, request_id: str) -> None:
         self._held.pop(request_id, None)
@@ -163,13 +200,16 @@ class HandOff:
         requests whose KV arrived (into the engine; an error Output if that fails)."""
         if self.kv_transfer is None:
             return []
+        for lease_id, source in self._releases_due:
+            self.kv_transfer.release(lease_id, source)
+        self._releases_due, self._releases = self._releases, []
         outputs = self._admit_waiting()
         for done in self.kv_transfer.poll():
             if done.kind == "save":
                 output = self._held.pop(done.request_id, None)
                 if output is not None and done.ok:
                     outputs.append(self._wire_output(output, done.keys, done.lease_id,
-                                                     done.source))
+                                                     done.source, done))
                 else:  # finished at its first token, aborted, or the save failed
                     self.kv_transfer.release(done.lease_id, done.source)
                     if output is not None:
@@ -269,9 +309,11 @@ class HandOff:
         return self._wire_output(output, [], None)
 
     def _wire_output(self, output: RequestOutput, saved_keys: list[bytes],
-                     lease_id: int | None, source: str = "") -> Output:
+                     lease_id: int | None, source: str = "",
+                     saved: TransferDone | None = None) -> Output:
         """`saved_keys`: what decode loads (empty: the save failed or there is no store, and
-        decode recomputes the prompt)."""
+        decode recomputes the prompt); `saved`: the save, which may say where the blocks lie
+        in this worker's shared memory segment."""
         completion = output.outputs[0]
         logprobs = None
         if completion.logprobs is not None:
@@ -283,9 +325,12 @@ class HandOff:
             ]
         handoff: KVHandoff | None = None
         if output.kv_handoff is not None:
+            spans = saved.shm_spans if saved is not None else None
             handoff = replace(output.kv_handoff, block_keys=saved_keys,
                               prefill_worker_id=self.worker_id, lease_id=lease_id or 0,
-                              source_address=source, kv_cache_dtype=self._kv_cache_dtype)
+                              source_address=source, kv_cache_dtype=self._kv_cache_dtype,
+                              shm_segment=saved.shm_segment if spans else None,
+                              shm_spans=spans or [])
         return Output(output.request_id, list(completion.token_ids), completion.text,
                       completion.finish_reason, logprobs, len(output.prompt_token_ids),
                       output.num_cached_tokens, handoff,

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvstore.connector import block_runs
 from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.serve.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, CacheConfig
 
@@ -266,9 +267,13 @@ class KVCachePool:
         if len(blocks) != len(self.kv_caches):
             raise ValueError(f"expected {len(self.kv_caches)} layers, got {len(blocks)}")
         index = self._index(block_ids)
+        runs = block_runs(block_ids)
         for cache, layer_blocks in zip(self.kv_caches, blocks, strict=True):
             expected = (cache.shape[0], index.numel(), *cache.shape[2:])
             if tuple(layer_blocks.shape) != expected:
                 raise ValueError(f"blocks must be {expected}, got {tuple(layer_blocks.shape)}")
-            layer_blocks = layer_blocks.to(device=cache.device, dtype=cache.dtype)
-            fp8_as_bytes(cache).index_copy_(1, index, fp8_as_bytes(layer_blocks))
+            layer_blocks = fp8_as_bytes(layer_blocks.to(device=cache.device, dtype=cache.dtype))
+            if len(runs) == 1:  # consecutive ids (fresh blocks mostly are): one slice copy
+                fp8_as_bytes(cache).narrow(1, runs[0][2], index.numel()).copy_(layer_blocks)
+            else:
+                fp8_as_bytes(cache).index_copy_(1, index, layer_blocks)

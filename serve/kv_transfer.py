@@ -36,6 +36,8 @@ import torch
 from pdserve import envs
 from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, TransferResult
+from pdserve.protocol.store import ShmSegment, ShmSpan
+from pdserve.protocol.worker import KVHandoff
 from pdserve.serve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,10 @@ class TransferDone:
     """Save: the store lease pinning the blocks until the decode worker loaded them."""
     source: str = ""
     """Save: the data node holding the blocks and the lease ("": the fleet store)."""
+    shm_segment: ShmSegment | None = None
+    """Save: the node's shared memory segment, when the blocks lie in it..."""
+    shm_spans: list[ShmSpan] | None = None
+    """...and where each of them does (the hand-off names them)."""
 
 
 class KVTransfer:
@@ -82,7 +88,7 @@ class KVTransfer:
         self._layer_save_s: dict[str, float] = {}  # request id -> seconds in layer_done
         self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
                         "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
-                        "layerwise_save_count": 0.0}
+                        "layerwise_save_count": 0.0, "in_place_count": 0.0}
 
     @classmethod
     def connect(cls, runner, block_manager, data_address: str | None,
@@ -226,6 +232,22 @@ class KVTransfer:
         self._started_s["load", request_id] = time.monotonic()
         self.connector.start_load(request_id, keys, list(range(len(keys))), None, source)
 
+    def map_handoff(self, handoff: KVHandoff
+                    ) -> tuple[list[torch.Tensor], Callable[[], bool]] | None:
+        """A hand-off's blocks where they lie, in the prefill worker's shared memory segment
+        on this host: per layer, for `install` (straight into the pool, no load job and no
+        request to the prefill worker), and the check to make once installed (False: freed
+        meanwhile, the lease having expired). None: load them (another host, no segment)."""
+        if handoff.shm_segment is None or not handoff.shm_spans:
+            return None
+        return self.connector.map_blocks(handoff.shm_segment, handoff.shm_spans)
+
+    def note_in_place(self, seconds: float) -> None:
+        """A hand-off was admitted from its mapped blocks (map_handoff): a load, in place."""
+        self._totals["load_seconds"] += seconds
+        self._totals["load_count"] += 1
+        self._totals["in_place_count"] += 1
+
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank)."""
         self.runner.write_kv_blocks(block_ids, staging)
@@ -263,7 +285,8 @@ class KVTransfer:
                 return None
             ok = result.error is None and result.num_blocks == len(keys)
             return TransferDone(result.request_id, "save", ok, keys, lease_id=result.lease_id,
-                                source=result.source)
+                                source=result.source, shm_segment=result.shm_segment,
+                                shm_spans=result.shm_spans)
         entry = self._loads.pop(result.request_id, None)
         if entry is None:
             return None

@@ -8,7 +8,9 @@
 
 The prefill -> decode hand-off travels through the router inside these messages: it names the
 prompt's KV blocks (by block key), the data node holding them (the prefill worker's own, or
-the fleet store) and the sampling state, never the bytes.
+the fleet store) and the sampling state, never the bytes. (Where the blocks lie in the prefill
+worker's shared memory segment, it also says where: a decode worker on that host copies them
+into its pool as the hand-off arrives.)
 This module imports neither torch nor model code: the router and the workers both use it and
 neither owns it.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pdserve.protocol.codec import Protocol
 from pdserve.protocol.sampling import MAX_NUM_SEQS_PER_REQUEST, SamplingParams
+from pdserve.protocol.store import ShmSegment, ShmSpan
 
 WORKER_PROTOCOL = Protocol("worker")
 _DATA_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
@@ -51,8 +54,16 @@ class KVHandoff:
     """The dtype of the handed-off KV blocks (the prefill worker's KV layout: e.g. bfloat16,
     or float8_e4m3fn with --kv-cache-dtype fp8). A decode worker whose cache holds another
     dtype refuses the hand-off with a clear error. "": not stated."""
+    shm_segment: ShmSegment | None = None
+    """The prefill worker's shared memory segment (kvstore/shm_segment.py) when the blocks lie
+    in it: a decode worker on that host copies them straight into its pool on arrival."""
+    shm_spans: list[ShmSpan] = field(default_factory=list)
+    """Where each of block_keys lies in shm_segment (empty: read them from source_address)."""
 
     def __post_init__(self) -> None:
+        if self.shm_spans and (self.shm_segment is None
+                               or len(self.shm_spans) != len(self.block_keys)):
+            raise ValueError("shm_spans needs shm_segment and one span per block key")
         if self.source_address and not _DATA_ADDRESS.fullmatch(self.source_address):
             raise ValueError(f"source_address must be tcp://host:port, got "
                              f"{self.source_address[:80]!r}")
