@@ -28,6 +28,7 @@ The last line printed is one JSON object: {"results": [{"block_bytes", "ucx_shm_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -81,96 +83,96 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
+@contextlib.contextmanager
+def _child_holding(offer: Callable[[], tuple[bytes, object]]) -> Iterator[tuple[int, bytes]]:
+    """(pid, message) of a forked child that ran offer() -> (message, what it holds) and keeps
+    holding that (a buffer, a segment) until the block ends."""
+    message_r, message_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            message, held = offer()
+            os.write(message_w, message)
+            os.read(done_r, 1)
+            del held
+        finally:
+            os._exit(0)
+    os.close(message_w)
+    os.close(done_r)
+    try:
+        yield pid, os.read(message_r, 1 << 16)
+    finally:
+        os.close(message_r)
+        os.write(done_w, b"x")
+        os.close(done_w)
+        os.waitpid(pid, 0)
+
+
+def _copies_gbps(copy_into: Callable[[np.ndarray], bool], block_bytes: int, warmup: int,
+                 what: str) -> float | None:
+    """GB/s of copy_into(buffer) (-> whether it worked) over a landing pool, one block at a
+    time; None if the warm-up copies fail; the bytes checked against the pattern."""
+    n = num_iters(block_bytes)
+    pool = landing_pool(block_bytes, n + warmup)  # after a fork: no copy-on-write pages
+    if not all(copy_into(pool[n + i]) for i in range(warmup)):
+        return None
+    start = time.perf_counter()
+    worked = [copy_into(pool[i]) for i in range(n)]
+    seconds = time.perf_counter() - start
+    if not all(worked) or not np.array_equal(pool[n - 1][::997],
+                                             pattern(block_bytes)[::997]):
+        raise AssertionError(f"{what}: the bytes read differ from the source's")
+    return n * block_bytes / seconds / 1e9
+
+
 def cma_gbps(block_bytes: int, warmup: int = 3) -> float | None:
     """process_vm_readv of one block at a time from a child process's buffer into a landing
     pool: the kernel's single cross-process copy (None where it is not allowed here)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    n = num_iters(block_bytes)
-    address_r, address_w = os.pipe()
-    done_r, done_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: holds the source until the parent is done with it
-        try:
-            source = pattern(block_bytes)
-            os.write(address_w, source.ctypes.data.to_bytes(8, "little"))
-            os.read(done_r, 1)
-        finally:
-            os._exit(0)
-    os.close(address_w)
-    os.close(done_r)
-    try:
-        # after the fork: pages the child shared would be copied on the first write to them
-        pool = landing_pool(block_bytes, n + warmup)
-        address = int.from_bytes(os.read(address_r, 8), "little")
-        remote = _IoVec(address, block_bytes)
+
+    def offer() -> tuple[bytes, object]:
+        source = pattern(block_bytes)
+        return source.ctypes.data.to_bytes(8, "little"), source
+
+    with _child_holding(offer) as (pid, message):
+        remote = _IoVec(int.from_bytes(message, "little"), block_bytes)
 
         def read_into(buffer: np.ndarray) -> bool:
             local = _IoVec(buffer.ctypes.data, block_bytes)
             return libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1,
                                          0) == block_bytes
 
-        if not all(read_into(pool[n + i]) for i in range(warmup)):
+        gbps = _copies_gbps(read_into, block_bytes, warmup, "cma")
+        if gbps is None:
             logger.warning("cma: process_vm_readv failed (errno %d)", ctypes.get_errno())
-            return None
-        start = time.perf_counter()
-        for i in range(n):
-            read_into(pool[i])
-        seconds = time.perf_counter() - start
-        if not np.array_equal(pool[n - 1][::997], pattern(block_bytes)[::997]):
-            raise AssertionError("cma: the bytes read differ from the source's")
-        return n * block_bytes / seconds / 1e9
-    finally:
-        os.close(address_r)
-        os.write(done_w, b"x")
-        os.close(done_w)
-        os.waitpid(pid, 0)
+        return gbps
 
 
-def shm_gbps(block_bytes: int, warmup: int = 3) -> float:
+def shm_gbps(block_bytes: int, warmup: int = 3) -> float | None:
     """One block at a time copied out of a child process's shared memory segment into a
     landing pool (kvstore/shm_segment.py: the one user-space copy a decode worker on the
     prefill worker's host makes of a hand-off), its serial checked after each copy."""
     from pdserve.kvstore.shm_segment import ShmArena, ShmReader
     from pdserve.protocol.store import ShmSegment, ShmSpan
 
-    n = num_iters(block_bytes)
-    reply_r, reply_w = os.pipe()
-    done_r, done_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: holds the segment until the parent is done with it
-        try:
-            arena = ShmArena(block_bytes + 2 * 4096)
-            block = arena.allocate(block_bytes)
-            assert block is not None
-            block[:] = pattern(block_bytes)
-            span = arena.locate(block.ctypes.data, block_bytes)
-            os.write(reply_w, json.dumps([dataclasses.asdict(arena.segment),
-                                          dataclasses.asdict(span)]).encode())
-            os.read(done_r, 1)
-        finally:
-            os._exit(0)
-    os.close(reply_w)
-    os.close(done_r)
-    try:
-        segment, span = json.loads(os.read(reply_r, 1 << 16))
+    def offer() -> tuple[bytes, object]:
+        arena = ShmArena(block_bytes + 2 * 4096)
+        block = arena.allocate(block_bytes)
+        assert block is not None
+        block[:] = pattern(block_bytes)
+        span = arena.locate(block.ctypes.data, block_bytes)
+        return json.dumps([dataclasses.asdict(arena.segment),
+                           dataclasses.asdict(span)]).encode(), (arena, block)
+
+    with _child_holding(offer) as (_, message):
+        segment, span = json.loads(message)
         reader = ShmReader(ShmSegment(**segment))
-        pool = landing_pool(block_bytes, n + warmup)
-        spans, sizes = [ShmSpan(**span)], [block_bytes]
-        for i in range(warmup):
-            reader.copy(spans, sizes, pool[n + i])
-        start = time.perf_counter()
-        intact = [reader.copy(spans, sizes, pool[i])[0] for i in range(n)]
-        seconds = time.perf_counter() - start
-        if not all(intact) or not np.array_equal(pool[n - 1][::997],
-                                                 pattern(block_bytes)[::997]):
-            raise AssertionError("shm: the bytes read differ from the source's")
+        spans = [ShmSpan(**span)]
+        gbps = _copies_gbps(lambda buffer: reader.copy(spans, [block_bytes], buffer)[0],
+                            block_bytes, warmup, "shm")
         reader.close()
-        return n * block_bytes / seconds / 1e9
-    finally:
-        os.close(reply_r)
-        os.write(done_w, b"x")
-        os.close(done_w)
-        os.waitpid(pid, 0)
+        return gbps
 
 
 def run_node(sizes: list[int]) -> None:
@@ -427,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                                     for _ in range(args.repeats)])
         row["cma_gbps"] = _best([v for v in (cma_gbps(size, args.warmup)
                                              for _ in range(args.repeats)) if v is not None])
-        row["shm_gbps"] = _best([shm_gbps(size, args.warmup) for _ in range(args.repeats)])
+        row["shm_gbps"] = _best([v for v in (shm_gbps(size, args.warmup)
+                                             for _ in range(args.repeats)) if v is not None])
         for name in ("shm", "get_shm", "get_ucx"):
             if row[f"{name}_gbps"] is not None:
                 row[f"{name}_vs_memcpy"] = round(row[f"{name}_gbps"] / row["memcpy_gbps"], 3)

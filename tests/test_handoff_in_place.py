@@ -8,6 +8,7 @@ real HandoffNode served over ZeroMQ), driven step by step in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
@@ -62,25 +63,30 @@ def expected(llama_dir) -> list[int]:
         reference.shutdown()
 
 
-@pytest.fixture
-def pair(llama_dir):
-    """(prefill HandOff, decode HandOff, the prefill worker's node)."""
+@contextlib.contextmanager
+def _pair(llama_dir, shm_bytes: int):
+    """(prefill HandOff, decode HandOff, the prefill worker's node with a segment of
+    `shm_bytes`, 0: none)."""
     engines = [_engine(llama_dir), _engine(llama_dir)]
-    layout = engines[0].spec.kv_layout(BLOCK)
-    node = HandoffNode("prefill-p", "127.0.0.1", 32, 30.0, 5.0, shm_bytes=8 << 20)
-    assert node.shm_segment is not None and layout.dtype == "float32"
+    node = HandoffNode("prefill-p", "127.0.0.1", 32, 30.0, 5.0, shm_bytes=shm_bytes)
     transfers = [KVTransfer.connect(engines[0].runner, engines[0].block_manager, None,
                                     handoff_node=node),
                  KVTransfer.connect(engines[1].runner, engines[1].block_manager, None)]
-    prefill = HandOff(engines[0], "prefill", "p", transfers[0])
-    decode = HandOff(engines[1], "decode", "d", transfers[1])
     try:
-        yield prefill, decode, node
+        yield (HandOff(engines[0], "prefill", "p", transfers[0]),
+               HandOff(engines[1], "decode", "d", transfers[1]), node)
     finally:
         for transfer in transfers:
             transfer.close()
         for engine in engines:
             engine.shutdown()
+
+
+@pytest.fixture
+def pair(llama_dir):
+    with _pair(llama_dir, 8 << 20) as handoffs:
+        assert handoffs[2].shm_segment is not None
+        yield handoffs
 
 
 def _prefill(prefill: HandOff) -> Output:
@@ -156,15 +162,8 @@ def test_handoff_freed_while_it_is_copied_is_recomputed(pair, expected, monkeypa
 
 
 def test_handoff_without_a_segment_loads_over_the_network(llama_dir, expected, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")
-    engines = [_engine(llama_dir), _engine(llama_dir)]
-    node = HandoffNode("prefill-q", "127.0.0.1", 32, 30.0, 5.0)  # no shm_bytes
-    transfers = [KVTransfer.connect(engines[0].runner, engines[0].block_manager, None,
-                                    handoff_node=node),
-                 KVTransfer.connect(engines[1].runner, engines[1].block_manager, None)]
-    prefill = HandOff(engines[0], "prefill", "p", transfers[0])
-    decode = HandOff(engines[1], "decode", "d", transfers[1])
-    try:
+    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")  # nor would the decode side map one
+    with _pair(llama_dir, 0) as (prefill, decode, node):
         first = _prefill(prefill)
         assert first.handoff.shm_segment is None and first.handoff.shm_spans == []
         assert _decode(prefill, decode, first) == expected
@@ -172,8 +171,3 @@ def test_handoff_without_a_segment_loads_over_the_network(llama_dir, expected, m
         assert totals["load_count"] == 1 and totals["in_place_count"] == 0
         assert totals["loaded_bytes"] > 0
         _assert_all_free(prefill, decode, node)
-    finally:
-        for transfer in transfers:
-            transfer.close()
-        for engine in engines:
-            engine.shutdown()
