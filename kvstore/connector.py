@@ -323,15 +323,14 @@ class KVConnector:
         """Whole stored blocks -> this rank's part of each layer, [P, n, block_size, h, D]:
         views, where the blocks lie back to back (a remote read lands them in one buffer; a
         local one, or a mapped segment, returns views of the save's staging), else stacked."""
-        with warnings.catch_warnings():
-            # a mapped segment is read-only; its views are only ever read (copied from)
-            warnings.simplefilter("ignore", UserWarning)
-            stacked = (run_view(list(blocks)) if len(back_to_back_runs(list(blocks))) == 1
-                       else torch.stack([as_uint8_tensor(block) for block in blocks]))
-        if device is not None:
-            stacked = stacked.to(device)
-        # [n, num_layers, P, block_size, H, D] -> per layer [P, n, block_size, h, D]
-        stacked = stacked.view(self.dtype).view(len(blocks), *self.block_shape)
+        stacked = (run_view(list(blocks)) if len(back_to_back_runs(list(blocks))) == 1
+                   else torch.stack([as_uint8_tensor(block) for block in blocks]))
+        return self._layers(stacked if device is None else stacked.to(device), len(blocks))
+
+    def _layers(self, stacked: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+        """[n, num_layers, P, block_size, H, D] (flat bytes) -> per layer [P, n, block_size,
+        this rank's h, D], views."""
+        stacked = stacked.view(self.dtype).view(num_blocks, *self.block_shape)
         return [stacked[:, layer, :, :, self._heads].transpose(0, 1)
                 for layer in range(self.layout.num_layers)]
 
@@ -358,13 +357,21 @@ class KVConnector:
         if reader is None:
             return None
         try:
-            blocks = reader.views(spans, self.block_bytes)
+            run = reader.run(spans, self.block_bytes)  # a save's blocks: one run
+            blocks = None if run is not None else reader.views(spans, self.block_bytes)
         except ValueError as e:
             logger.warning("kv connector: a hand-off names blocks outside its segment (%s)", e)
             return None
-        if blocks is None:
-            return None
-        return self._per_layer(blocks), lambda: all(reader.intact(spans))
+        with warnings.catch_warnings():
+            # the mapping is read-only, and its views are only ever read (copied from)
+            warnings.simplefilter("ignore", UserWarning)
+            if run is not None:
+                layers = self._layers(torch.from_numpy(run), len(spans))
+            elif blocks is not None:
+                layers = self._per_layer(blocks)
+            else:  # freed already
+                return None
+        return layers, lambda: all(reader.intact(spans))
 
     def _drop_gone_segments(self) -> None:
         """Unmap the segments of prefill workers that are gone (a mapping would keep their

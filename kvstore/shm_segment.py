@@ -201,9 +201,23 @@ class ShmReader:
                 or span.offset + nbytes > self.segment.size):
             raise ValueError("shm: a span outside the segment")
 
+    def run(self, spans: list[ShmSpan], nbytes: int) -> np.ndarray | None:
+        """One read-only view over blocks of `nbytes` at `spans` when they lie back to back
+        (a save's staged blocks do), else None; None too if one of them is freed already."""
+        if not spans or any(span.offset != spans[0].offset + i * nbytes
+                            for i, span in enumerate(spans)):
+            return None
+        for span in (spans[0], spans[-1]):
+            self._check(span, nbytes)
+        if not all(self.intact(spans)):
+            return None
+        return self._bytes[spans[0].offset:spans[0].offset + len(spans) * nbytes]
+
     def intact(self, spans: list[ShmSpan]) -> list[bool]:
         """Per span: is its allocation still the one it names (not freed since)?"""
-        return [int(self._words[span.header // 8]) == span.serial for span in spans]
+        serials = {header: int(self._words[header // 8])
+                   for header in {span.header for span in spans}}  # a save's share one
+        return [serials[span.header] == span.serial for span in spans]
 
     def copy(self, spans: list[ShmSpan], sizes: list[int], out: np.ndarray) -> list[bool]:
         """Copy block i (`sizes[i]` bytes at spans[i]) into `out`, back to back; per block,
