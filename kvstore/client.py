@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from pdserve.kvstore.channel import ControlChannel, StoreRequestError
+from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
 from pdserve.kvstore.master import PrefixLookup
 from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
 from pdserve.kvstore.shm_segment import ShmReader, host_identity
@@ -83,8 +83,14 @@ class StoreClient:
         self._client_no = 0
         self._seq = 0
         self._shm: ShmReader | None = None
-        if self._data is not None and (transport == "ucx" or shm):
-            self._hello(transport == "ucx", ucx_tls, shm)
+        # over ZeroMQ nothing is sent before the first verb: the hello that may open the
+        # shared memory path then waits for the first get
+        self._hello_pending = transport != "ucx" and shm and self._data is not None
+        if transport == "ucx" and self._data is not None:
+            self._hello(True, ucx_tls, shm)
+        self._name_transport()
+
+    def _name_transport(self) -> None:
         self.transport = ("shm+" if self._shm is not None else "") + (
             "ucx" if self._ucx is not None else "zmq")
 
@@ -176,6 +182,13 @@ class StoreClient:
             return [b for i in range(0, len(keys), step)
                     for b in self.get_many(keys[i:i + step])]
         channel = self._data_channel()
+        if self._hello_pending:
+            self._hello_pending = False
+            try:
+                self._hello(False, "", True)
+            except StoreUnavailable:  # the get below says so
+                pass
+            self._name_transport()
         shm = self._shm is not None
         with channel.lock:
             if self._ucx is None:
