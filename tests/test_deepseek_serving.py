@@ -71,6 +71,8 @@ def test_disaggregated_server_moves_mla_blocks_through_the_store(make_model_dir,
                           and totals("decode").get("load_count") == n), cluster.status()
         assert totals("prefill")["layerwise_save_count"] == n
         assert totals("prefill")["saved_bytes"] == totals("decode")["loaded_bytes"] > 0
+        # one host: every hand-off was copied straight out of the prefill worker's segment
+        assert totals("decode")["in_place_count"] == n
         metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
         saved = [line for line in metrics.splitlines() if line.startswith(
             "pdserve:kv_transfer_bytes_total{") and 'direction="save"' in line]

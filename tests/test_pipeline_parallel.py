@@ -368,6 +368,7 @@ def test_served_pp2_prefill_hands_off_to_tp1_decode(llama3_dir, tmp_path_factory
                           and totals("decode").get("load_count") == n), cluster.status()
         assert totals("prefill")["layerwise_save_count"] == 0
         assert totals("prefill")["saved_bytes"] == totals("decode")["loaded_bytes"] > 0
+        assert totals("decode")["in_place_count"] == n  # one host: out of the segment
         assert_nothing_leaked(cluster.base_url)
     finally:
         cluster.stop()
