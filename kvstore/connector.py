@@ -346,6 +346,8 @@ class KVConnector:
             self._drop_gone_segments()
             try:
                 self._segments[key] = ShmReader(segment)
+                logger.info("kv connector: hand-offs from process %d are copied in place, out "
+                            "of its shared memory segment", segment.pid)
             except OSError as e:  # another host or container, or not allowed: load instead
                 logger.info("kv connector: cannot map the segment of process %d (%s); "
                             "hand-offs from it load over the network", segment.pid, e)

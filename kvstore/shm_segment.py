@@ -46,10 +46,14 @@ ALIGN = 4096  # allocations start on pages
 @cache
 def host_identity() -> str:
     """Who can open this process's /proc/<pid>/fd: the same boot of the same kernel, and the
-    same PID namespace (another container's PIDs name other processes)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot_id = f.read().strip()
-    return f"{boot_id}/{os.stat('/proc/self/ns/pid').st_ino}"
+    same PID namespace (another container's PIDs name other processes). "" where there is no
+    such thing (not Linux): no segment is shared then."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+        return f"{boot_id}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
 
 
 def _round_up(n: int, to: int) -> int:
@@ -63,6 +67,8 @@ class ShmArena:
     def __init__(self, capacity_bytes: int, name: str = "pdserve-kv") -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
+        if not hasattr(os, "memfd_create") or not host_identity():
+            raise OSError("no memfd or /proc here: segments need Linux")
         self.size = _round_up(capacity_bytes, ALIGN)
         self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
@@ -172,7 +178,7 @@ class ShmReader:
     """A read-only mapping of another process's segment on this host."""
 
     def __init__(self, segment: ShmSegment) -> None:
-        if segment.host != host_identity():
+        if not segment.host or segment.host != host_identity():
             raise OSError("the segment is on another host (or PID namespace)")
         fd = os.open(f"/proc/{segment.pid}/fd/{segment.fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
