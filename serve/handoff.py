@@ -167,18 +167,20 @@ class HandOff:
             return False
         layers, intact = mapped
         done = TransferDone(message.request_id, "load", True, list(handoff.block_keys), layers)
+        lease = (handoff.lease_id, handoff.source_address)
         try:
             self._admit_loaded(message, done, can_wait=True)
         except NoFreeBlocksError:
             return False  # the load path waits for blocks
-        finally:
-            del layers, done
+        except Exception:  # the request's error (add reports it); the lease goes back all the same
+            self._releases.append(lease)
+            raise
         if not intact():  # freed while copied (its lease expired): the copy is not the KV
             logger.warning("hand-off blocks of %s were freed while read; recomputing",
                            message.request_id)
             self.engine.abort_request(message.request_id)  # before any step: no key published
             self._admit_loaded(message, TransferDone(message.request_id, "load", False, []))
-        self._releases.append((handoff.lease_id, handoff.source_address))
+        self._releases.append(lease)
         self.kv_transfer.note_in_place(time.monotonic() - start_s)
         return True
 

@@ -171,3 +171,17 @@ def test_handoff_without_a_segment_loads_over_the_network(llama_dir, expected, m
         assert totals["load_count"] == 1 and totals["in_place_count"] == 0
         assert totals["loaded_bytes"] > 0
         _assert_all_free(prefill, decode, node)
+
+
+def test_handoff_that_cannot_be_admitted_still_gives_its_lease_back(pair, monkeypatch):
+    prefill, decode, node = pair
+    first = _prefill(prefill)
+
+    def refuse(*args, **kwargs):
+        raise ValueError("no room for this prompt")
+
+    monkeypatch.setattr(decode.engine, "add_prefilled_request", refuse)
+    with pytest.raises(ValueError, match="no room"):
+        decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    _drive([prefill, decode], lambda outs: not decode.is_busy and not prefill.is_busy)
+    _assert_all_free(prefill, decode, node)
