@@ -213,9 +213,7 @@ class ShmReader:
         if not spans or any(span.offset != spans[0].offset + i * nbytes
                             for i, span in enumerate(spans)):
             return None
-        for span in (spans[0], spans[-1]):
-            self._check(span, nbytes)
-        if not all(self.intact(spans)):
+        if self.views(spans, nbytes) is None:  # (checks every span)
             return None
         return self._bytes[spans[0].offset:spans[0].offset + len(spans) * nbytes]
 
@@ -228,22 +226,16 @@ class ShmReader:
     def copy(self, spans: list[ShmSpan], sizes: list[int], out: np.ndarray) -> list[bool]:
         """Copy block i (`sizes[i]` bytes at spans[i]) into `out`, back to back; per block,
         whether it was still the one named when the copy ended (False: freed meanwhile, its
-        bytes in `out` are garbage). Blocks that lie back to back go in one copy."""
+        bytes in `out` are garbage)."""
         if len(spans) != len(sizes) or sum(sizes) > out.nbytes:
             raise ValueError("shm copy: one size per span, and room for them all in out")
         for span, size in zip(spans, sizes, strict=True):
             self._check(span, size)
         valid = self.intact(spans)
-        position, i = 0, 0
-        while i < len(spans):
-            j, end = i + 1, spans[i].offset + sizes[i]
-            while j < len(spans) and spans[j].offset == end:  # a run of back-to-back blocks
-                end += sizes[j]
-                j += 1
-            length = end - spans[i].offset
-            out[position:position + length] = self._bytes[spans[i].offset:end]
-            position += length
-            i = j
+        position = 0
+        for span, size in zip(spans, sizes, strict=True):
+            out[position:position + size] = self._bytes[span.offset:span.offset + size]
+            position += size
         return [before and after for before, after in zip(valid, self.intact(spans),
                                                           strict=True)]
 
