@@ -244,8 +244,8 @@ class DataService:
         if request.shm and self.shm is not None and present:
             # where each block lies in the segment, if they all do (a hand-off's do): the
             # client copies them out itself, once, and checks they were not freed meanwhile
-            spans = [self.shm.locate(b.data_ptr(), b.nbytes) for b in present]
-            if all(span is not None for span in spans):
+            spans = self.shm.locate_blocks(present)
+            if spans is not None:
                 return Answer(GetReply(request.request_id, found, sizes, shm_spans=spans))
         if request.ucx_tag is None:
             return Answer(GetReply(request.request_id, found, sizes),

@@ -88,10 +88,7 @@ class HandoffNode:
     def locate(self, blocks: Sequence[torch.Tensor]) -> list[ShmSpan] | None:
         """Where each block lies in the segment, for a hand-off to name; None unless all do."""
         shm = self._service.shm
-        if shm is None:
-            return None
-        spans = [shm.locate(block.data_ptr(), block.nbytes) for block in blocks]
-        return None if None in spans else spans
+        return None if shm is None else shm.locate_blocks(list(blocks))
 
     # ---- the connector's backend verbs, in process ------------------------------------------
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[BytesLike]) -> list[bool]:

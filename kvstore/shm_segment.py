@@ -34,6 +34,7 @@ import weakref
 from functools import cache
 
 import numpy as np
+import torch
 
 from pdserve.protocol.store import ShmSegment, ShmSpan
 
@@ -140,6 +141,11 @@ class ShmArena:
             if offset < start + HEADER_BYTES or offset + nbytes > start + HEADER_BYTES + data_bytes:
                 return None
         return ShmSpan(offset, start, serial)
+
+    def locate_blocks(self, blocks: list[torch.Tensor]) -> list[ShmSpan] | None:
+        """`locate` of each block (contiguous tensors), or None unless every one lies here."""
+        spans = [self.locate(block.data_ptr(), block.nbytes) for block in blocks]
+        return None if None in spans else spans
 
     # ---- what tests and metrics look at -------------------------------------------------------
     @property
