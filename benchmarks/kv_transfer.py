@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -205,6 +206,8 @@ def handoff_get_gbps(sizes: list[int], repeats: int, warmup: int) -> dict[str, d
     out: dict[str, dict] = {"get_shm": {s: [] for s in sizes}, "get_ucx": {s: [] for s in sizes}}
     try:
         assert node.stdout is not None
+        if not select.select([node.stdout], [], [], _TIMEOUT_MS / 1000)[0]:
+            raise TimeoutError(f"the hand-off node did not start within {_TIMEOUT_MS / 1000:g} s")
         address = json.loads(node.stdout.readline())["address"]
         clients = {"get_shm": StoreClient(address, shm=True),
                    "get_ucx": StoreClient(address, shm=False)}
@@ -229,7 +232,11 @@ def handoff_get_gbps(sizes: list[int], repeats: int, warmup: int) -> dict[str, d
     finally:
         if node.stdin is not None:
             node.stdin.close()
-        node.wait(timeout=30)
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
     return out
 
 
