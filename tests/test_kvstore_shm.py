@@ -5,6 +5,7 @@ that the block was not freed meanwhile."""
 import dataclasses
 import gc
 import json
+import select
 import subprocess
 import sys
 import textwrap
@@ -81,13 +82,19 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
+def _line(process: subprocess.Popen, timeout_s: float = 30.0) -> str:
+    """The child's next line, or a failure after timeout_s (never a hang)."""
+    assert select.select([process.stdout], [], [], timeout_s)[0], "the child said nothing"
+    return process.stdout.readline()
+
+
 @pytest.fixture
 def holder():
     """A process holding one block in its segment: (process, segment, span)."""
     process = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     try:
-        segment, span = json.loads(process.stdout.readline())
+        segment, span = json.loads(_line(process))
         yield process, ShmSegment(**segment), ShmSpan(**span)
     finally:
         process.stdin.close()
@@ -102,7 +109,7 @@ def test_reader_copies_another_process_s_block_and_sees_it_freed(holder):
     np.testing.assert_array_equal(out, _pattern(100_000, 7))
     process.stdin.write("free\n")
     process.stdin.flush()
-    assert process.stdout.readline().strip() == "reused"
+    assert _line(process).strip() == "reused"
     assert reader.copy([span], [100_000], out) == [False]  # freed: the bytes are not the block's
     with pytest.raises(ValueError, match="outside the segment"):
         reader.copy([dataclasses.replace(span, offset=segment.size - 10)], [100], out)
