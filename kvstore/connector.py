@@ -118,6 +118,7 @@ class _Save:
     staging: torch.Tensor  # [num_blocks, num_layers, 2, block_size, H, D] on the host
     layers_saved: set[int] = field(default_factory=set)
     copy_done: list[Any] = field(default_factory=list)  # CUDA events of the async copies
+    span: ShmSpan | None = None  # where the staging lies in the node's segment
 
 
 def block_nbytes(layout: KVLayout) -> int:
@@ -159,6 +160,10 @@ class KVConnector:
         self._failed_peers: OrderedDict[str, float] = OrderedDict()
         # segments of prefill workers on this host, mapped (None: cannot be), main thread only
         self._segments: OrderedDict[tuple[int, int, int], ShmReader | None] = OrderedDict()
+        self.on_staged: Callable[[str, ShmSegment, ShmSpan, int], None] | None = None
+        """Called (on the forward's thread) when a save starts staging in the node's segment:
+        (request id, segment, span of its first block, number of blocks). Its header then
+        counts the layers staged (ShmArena progress), for a decode worker to follow."""
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
@@ -376,6 +381,20 @@ class KVConnector:
                 return None
         return layers, lambda: all(reader.intact(spans))
 
+    def map_staging(self, segment: ShmSegment, span: ShmSpan, num_blocks: int
+                    ) -> tuple[list[torch.Tensor], Callable[[], int], Callable[[], bool]] | None:
+        """A save that another process on this host is staging now (on_staged there): per
+        layer as map_blocks gives them, how many layers are staged so far, and the check to
+        make once copied. None where it cannot be mapped or is gone already."""
+        spans = [ShmSpan(span.offset + i * self.block_bytes, span.header, span.serial)
+                 for i in range(num_blocks)]
+        mapped = self.map_blocks(segment, spans)
+        reader = self._segments.get((segment.pid, segment.fd, segment.inode))
+        if mapped is None or reader is None:
+            return None
+        layers, intact = mapped
+        return layers, lambda: reader.progress(span), intact
+
     def _drop_gone_segments(self) -> None:
         """Unmap the segments of prefill workers that are gone (a mapping would keep their
         memory alive)."""
@@ -417,6 +436,11 @@ class KVConnector:
             if save is None:
                 staging = self._staging(len(keys), kv_cache.is_cuda)
                 save = self._saves[request_id] = _Save(list(keys), staging)
+                started = True
+            else:
+                started = False
+        if started:
+            self._announce(request_id, save)
         if list(keys) != save.keys or layer in save.layers_saved:
             raise ValueError(f"save_layer: keys changed or layer {layer} saved twice")
         # pool [P, num_blocks, block_size, H, D] -> staging[:, layer] [n, P, block_size, H, D],
@@ -430,6 +454,8 @@ class KVConnector:
             event.record()
             save.copy_done.append(event)
         save.layers_saved.add(layer)
+        if save.span is not None and layer + 1 == len(save.layers_saved):  # in order so far
+            self.handoff_node.set_progress(save.span, layer + 1)  # after the data it counts
         if len(save.layers_saved) == self.layout.num_layers:
             with self._lock:
                 del self._saves[request_id]
@@ -439,6 +465,22 @@ class KVConnector:
                 self._put(request_id, save)
             else:
                 self._jobs.put(lambda: self._put(request_id, save))
+
+    def _announce(self, request_id: str, save: _Save) -> None:
+        """A save staging in the node's segment: say where (on_staged), so that a decode
+        worker on this host can copy each layer as its progress counts it."""
+        node = self.handoff_node
+        if node is None or self.on_staged is None or node.shm_segment is None:
+            return
+        spans = node.locate([save.staging.view(-1)])
+        if spans is None:  # staged outside the segment (it was full)
+            return
+        save.span = spans[0]
+        try:
+            self.on_staged(request_id, node.shm_segment, save.span, len(save.keys))
+        except Exception as e:  # only an optimisation: the hand-off still says where
+            logger.warning("kv connector: announcing the staging of %s failed (%s)",
+                           request_id, e)
 
     def _staging(self, num_blocks: int, pinned: bool) -> torch.Tensor:
         """Host memory for a save's blocks [n, num_layers, P, block_size, H, D]: in the node's

@@ -90,6 +90,12 @@ class HandoffNode:
         shm = self._service.shm
         return None if shm is None else shm.locate_blocks(list(blocks))
 
+    def set_progress(self, span: ShmSpan, value: int) -> None:
+        """Publish how much of a staging in the segment is filled (ShmArena.set_progress)."""
+        shm = self._service.shm
+        if shm is not None:
+            shm.set_progress(span.header, value)
+
     # ---- the connector's backend verbs, in process ------------------------------------------
     def put_many(self, keys: Sequence[bytes], blocks: Sequence[BytesLike]) -> list[bool]:
         """Keep `blocks` (nobody writes them after a save: adopted, not copied)."""

@@ -12,13 +12,18 @@ get's reply says it lies (kvstore/data_service.py). Nothing is left behind when 
 dies: a memfd has no name, and its memory goes with the last mapping.
 
     segment   [alloc 0: header 64 B | data] [free ...] [alloc 1: header | data] ...
-    header    uint64 serial: unique and non-zero while the allocation lives, 0 once freed
+    header    uint64 serial: unique and non-zero while the allocation lives, 0 once freed;
+              uint64 progress: how much of the data its writer has filled (a save staging a
+              prompt counts its layers, so a reader can follow it layer by layer)
 
 An allocation is freed when its data array and every view of it are gone (the tiers hold
 views, so an evicted block's memory comes back by itself). A reader copies the data, then
 reads the serial again: unchanged, the copy is the block the reply named. (A free zeroes the
 serial before the memory can be handed out again; on x86 the stores of the reuse cannot be
-seen before that store, nor the reader's serial load pass its copy's loads.)
+seen before that store, nor the reader's serial load pass its copy's loads.) The progress
+word works the same way: the writer stores it after the data it counts, so a reader on x86
+that loads it first sees that data (`TOTAL_STORE_ORDER`; elsewhere a reader waits for the
+message that says the writer is done).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import itertools
 import logging
 import mmap
 import os
+import platform
 import threading
 import weakref
 from functools import cache
@@ -40,7 +46,8 @@ from pdserve.protocol.store import ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
 
-HEADER_BYTES = 64  # the serial, padded to a cache line: the data starts cache-line aligned
+HEADER_BYTES = 64  # serial and progress, padded to a cache line: the data starts aligned
+TOTAL_STORE_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 ALIGN = 4096  # allocations start on pages
 
 
@@ -107,6 +114,7 @@ class ShmArena:
             self._live[offset] = (size, serial, nbytes)
             bisect.insort(self._starts, offset)
             self._words[offset // 8] = serial
+            self._words[offset // 8 + 1] = 0  # progress
         data = (ctypes.c_uint8 * nbytes).from_buffer(self._map, offset + HEADER_BYTES)
         finalizer = weakref.finalize(data, self._release, offset)
         finalizer.atexit = False
@@ -141,6 +149,10 @@ class ShmArena:
             if offset < start + HEADER_BYTES or offset + nbytes > start + HEADER_BYTES + data_bytes:
                 return None
         return ShmSpan(offset, start, serial)
+
+    def set_progress(self, header: int, value: int) -> None:
+        """Publish how much of the allocation at `header` is filled (after filling it)."""
+        self._words[header // 8 + 1] = value
 
     def locate_blocks(self, blocks: list[torch.Tensor]) -> list[ShmSpan] | None:
         """`locate` of each block (contiguous tensors), or None unless every one lies here."""
@@ -228,6 +240,12 @@ class ShmReader:
         serials = {header: int(self._words[header // 8])
                    for header in {span.header for span in spans}}  # a save's share one
         return [serials[span.header] == span.serial for span in spans]
+
+    def progress(self, span: ShmSpan) -> int:
+        """The progress its writer published for the allocation `span` names (0 once freed:
+        check `intact` too)."""
+        self._check(span, 0)
+        return int(self._words[span.header // 8 + 1])
 
     def copy(self, spans: list[ShmSpan], sizes: list[int], out: np.ndarray) -> list[bool]:
         """Copy block i (`sizes[i]` bytes at spans[i]) into `out`, back to back; per block,

@@ -3,6 +3,9 @@
     colocated:  router -> colocated worker -> deltas
     disagg:     router -> prefill worker -> first token + KVHandoff
                        -> decode worker (loads the blocks from the store) -> deltas
+                (on one host the prefill worker says where it stages the prompt as its
+                 forward starts, and the decode worker picked then follows it layer by layer:
+                 FollowPrefill, serve/follow.py; the hand-off goes to that worker)
 
 `Dispatcher.run` yields the worker outputs of one request as they come. Whatever way the
 request ends (finish, error, timeout, client disconnect: the generator is closed), every
@@ -37,7 +40,7 @@ from contextlib import aclosing
 import zmq.asyncio
 
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.protocol.worker import GenerateRequest, Output
+from pdserve.protocol.worker import FollowPrefill, GenerateRequest, KVStaging, Output
 from pdserve.router.config import RouterConfig
 from pdserve.router.fleet_watch import FleetWatch
 from pdserve.router.phases import Migration, RequestPhases, WorkerLeg
@@ -238,29 +241,58 @@ class Dispatcher:
         # Prefill hands off each continuing choice (n > 1: several); one carries the KVHandoff.
         handed_off: list[Output] = []
         pool = self.prefill if self.is_disaggregated else self.colocated
-        async with aclosing(self._migrating(pool, first_worker, request, [],
-                                            phases.first)) as stream:
-            async for output in stream:
-                if output.finish_reason == HANDOFF:
-                    handed_off.append(output)  # prefill is done with this choice
-                else:
-                    yield output  # colocated, or prefill finished by itself (stop, length)
-        carrier = next((o for o in handed_off if o.handoff is not None), None)
-        if carrier is None:
+        follower: WorkerClient | None = None  # the decode worker following the prefill
+        try:
+            async with aclosing(self._migrating(pool, first_worker, request, [],
+                                                phases.first)) as stream:
+                async for output in stream:
+                    if output.staging is not None:
+                        follower = await self._follow(request, output.staging, follower)
+                    elif output.finish_reason == HANDOFF:
+                        handed_off.append(output)  # prefill is done with this choice
+                    else:
+                        yield output  # colocated, or prefill finished by itself (stop, length)
+            carrier = next((o for o in handed_off if o.handoff is not None), None)
+            if carrier is None:
+                for output in handed_off:
+                    yield output
+                return
             for output in handed_off:
-                yield output
-            return
-        for output in handed_off:
-            yield dataclasses.replace(output, finish_reason=None, handoff=None)
-        # (the prompt's logprobs came from prefill: decode never computes them again)
-        decode_request = dataclasses.replace(
-            request, handoff=carrier.handoff,
-            sampling=dataclasses.replace(request.sampling, prompt_logprobs=None))
-        first_tokens = [t for output in handed_off for t in output.token_ids]
-        async with aclosing(self._migrating(self.decode, None, decode_request,
-                                            first_tokens, phases.decode)) as stream:
-            async for output in stream:
-                yield output
+                yield dataclasses.replace(output, finish_reason=None, handoff=None)
+            # (the prompt's logprobs came from prefill: decode never computes them again)
+            decode_request = dataclasses.replace(
+                request, handoff=carrier.handoff,
+                sampling=dataclasses.replace(request.sampling, prompt_logprobs=None))
+            first_tokens = [t for output in handed_off for t in output.token_ids]
+            # the follower (if any) gets the hand-off; from here the decode leg owns it
+            decode_worker, follower = follower, None
+            if decode_worker is not None and not decode_worker.accepting:
+                await decode_worker.abort(request_id)  # draining or gone since: pick anew
+                decode_worker = None
+            async with aclosing(self._migrating(self.decode, decode_worker, decode_request,
+                                                first_tokens, phases.decode)) as stream:
+                async for output in stream:
+                    yield output
+        finally:
+            if follower is not None:  # no hand-off came for it: its reservation goes back
+                await follower.abort(request_id)
+
+    async def _follow(self, request: GenerateRequest, staging: KVStaging,
+                      follower: WorkerClient | None) -> WorkerClient | None:
+        """A prefill worker stages the prompt in shared memory: pick the decode worker now,
+        and let it copy the layers as they land (one that cannot map the segment, on another
+        host, ignores it). A migrated prefill stages anew: the old follower lets go."""
+        if follower is not None:
+            await follower.abort(request.request_id)
+        if request.sampling.num_seqs > 1 or not self.decode:
+            return None  # (several choices fork on decode: they load as usual)
+        try:
+            follower = self._pick(self.decode, set(), request)
+        except NoWorkerAvailable:
+            return None
+        await follower.follow(FollowPrefill(request.request_id, len(request.prompt_token_ids),
+                                            staging))
+        return follower
 
     async def _migrating(self, pool: list[WorkerClient], worker: WorkerClient | None,
                          request: GenerateRequest, streamed: list[int], leg: WorkerLeg
@@ -346,6 +378,9 @@ class Dispatcher:
                     finished = True  # the worker is gone; nothing left to abort there
                     raise RequestFailed(str(item)) from item
                 item, received_s = item
+                if item.staging is not None:  # a note for the router, not an output
+                    yield item
+                    continue
                 leg.on_output(item, received_s)
                 if item.error is not None:
                     finished = True

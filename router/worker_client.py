@@ -24,6 +24,7 @@ from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
     AbortRequest,
+    FollowPrefill,
     GenerateRequest,
     Output,
     SetRole,
@@ -133,6 +134,12 @@ class WorkerClient:
         self._reservations.pop(request.request_id, None)
         await self._socket.send(WORKER_PROTOCOL.encode(request))
         return queue
+
+    async def follow(self, message: FollowPrefill) -> None:
+        """Tell a decode worker to follow a prefill on its host (no reply: the hand-off or an
+        abort for the same request id comes next)."""
+        with contextlib.suppress(zmq.ZMQError):
+            await self._socket.send(WORKER_PROTOCOL.encode(message))
 
     def finish(self, request_id: str) -> None:
         """Forget a request (after its last output, an abort or an error)."""

@@ -70,6 +70,7 @@ class BlockManager:
         self._key_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}  # leading blocks of a table that have keys
+        self._reserved: dict[str, list[int]] = {}  # blocks held for a request not yet in
         self._roots: dict[str | None, bytes] = {}
         self.max_num_used_blocks = 0
         """High-water mark of num_used_blocks (a shared block counts once)."""
@@ -199,11 +200,41 @@ class BlockManager:
         self._release(tail)
         return len(tail)
 
+    def reserve(self, request_id: str, num_blocks: int) -> list[int]:
+        """Take `num_blocks` fresh blocks for a request that is not here yet (decode role: its
+        KV is copied in while its prefill runs elsewhere); claim() gives them to it, and
+        unreserve() back."""
+        if request_id in self._reserved or request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already has blocks")
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(f"cannot reserve {num_blocks} blocks for {request_id!r}")
+        self._reserved[request_id] = [self._take_block() for _ in range(num_blocks)]
+        self._note_used()
+        return list(self._reserved[request_id])
+
+    def unreserve(self, request_id: str) -> None:
+        """Free a reservation (idempotent)."""
+        self._release(self._reserved.pop(request_id, []))
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(ids) for ids in self._reserved.values())
+
     def claim(self, request: Request, block_ids: list[int]) -> None:
         """Give a request exactly these blocks (decode role: the KV was loaded into them).
-        Each must be free or cached (a cached one loses its key: its content is replaced)."""
+        Each must be free or cached (a cached one loses its key: its content is replaced),
+        or be the request's own reservation, all of it."""
         if request.request_id in self._tables:
             raise ValueError(f"request {request.request_id!r} already has blocks")
+        reserved = self._reserved.get(request.request_id)
+        if reserved is not None:
+            if list(block_ids) != reserved:
+                raise ValueError(f"request {request.request_id!r} must claim its reservation "
+                                 "as it is")
+            del self._reserved[request.request_id]
+            self._tables[request.request_id] = list(block_ids)
+            self._num_committed[request.request_id] = 0
+            return
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("block_ids has duplicates")
         for block_id in block_ids:
@@ -330,7 +361,7 @@ class BlockManager:
         if free & cached:
             fail(f"blocks both free and cached: {sorted(free & cached)}")
         refs = [0] * self.num_blocks
-        for request_id, table in self._tables.items():
+        for request_id, table in [*self._tables.items(), *self._reserved.items()]:
             for block_id in table:
                 if not 0 <= block_id < self.num_blocks:
                     fail(f"request {request_id!r} holds unknown block {block_id}")

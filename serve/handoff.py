@@ -22,6 +22,11 @@ phase_seconds, see protocol/worker.py), from its arrival here and the engine's s
                                          (layer_save: the part of the prefill interval spent
                                           in the per-layer KV save hook, taken out of prefill)
     arrived ─ kv_load ─► first scheduled ─ first_decode ─► first token sampled   (decode)
+
+On one host the decode side can start before the hand-off: a prefill worker announces each
+save that stages in its shared memory segment (Output.staging, sent as the forward stages its
+first layer), the router forwards it (FollowPrefill), and the decode worker reserves blocks
+and copies the layers as they land (serve/follow.py); the hand-off then only finishes it.
 """
 
 from __future__ import annotations
@@ -29,11 +34,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
-from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output, TokenLogprob
+from pdserve.protocol.store import ShmSegment, ShmSpan
+from pdserve.protocol.worker import (
+    FollowPrefill,
+    GenerateRequest,
+    KVHandoff,
+    KVStaging,
+    Output,
+    TokenLogprob,
+)
 from pdserve.serve.block_manager import NoFreeBlocksError
 from pdserve.serve.engine import Engine
+from pdserve.serve.follow import Followers
 from pdserve.serve.kv_transfer import KVTransfer, TransferDone
 from pdserve.serve.prompt_logprobs import wants_prompt_logits, wire_prompt_logprobs
 from pdserve.serve.request import RequestOutput
@@ -54,10 +69,17 @@ def check_kv_cache_dtype(handoff: KVHandoff, mine: str) -> None:
 
 class HandOff:
     def __init__(self, engine: Engine, role: str, worker_id: str,
-                 kv_transfer: KVTransfer | None = None) -> None:
+                 kv_transfer: KVTransfer | None = None,
+                 send: Callable[[Output], None] | None = None) -> None:
+        """`send`: sends an Output at once (the worker's); a prefill worker announces its
+        stagings with it, in the middle of a forward."""
         self.engine = engine
         self.worker_id = worker_id
         self.kv_transfer = kv_transfer
+        self.send = send
+        self._followers = Followers(engine, kv_transfer) if kv_transfer is not None else None
+        if kv_transfer is not None:
+            kv_transfer.connector.on_staged = self._on_staged
         self._held: dict[str, RequestOutput] = {}  # prefill: hand-offs waiting for the save
         # Requests whose KV (decode: the whole prompt; prefill: a stored prefix) is loading,
         # and those loaded while no blocks were free.
@@ -91,7 +113,22 @@ class HandOff:
     def is_busy(self) -> bool:
         """Something is held, loading or waiting for blocks."""
         return bool(self._held or self._loading or self._waiting_for_blocks or self._releases
-                    or self._releases_due)
+                    or self._releases_due or self._followers)
+
+    @property
+    def copy_early(self) -> bool:
+        """Whether a followed prefill's layers are copied as they land (serve/follow.py)."""
+        return self._followers is None or self._followers.copy_early
+
+    @copy_early.setter
+    def copy_early(self, value: bool) -> None:
+        if self._followers is not None:
+            self._followers.copy_early = value
+
+    @property
+    def is_following(self) -> bool:
+        """A followed prefill has layers still to come: the loop should look again soon."""
+        return self._followers is not None and self._followers.has_layers_to_copy
 
     @property
     def must_poll(self) -> bool:
@@ -118,6 +155,22 @@ class HandOff:
             self._add_new(message)
         self._arrivals[message.request_id] = (arrived_s, message.handoff is not None)
 
+    def follow(self, message: FollowPrefill) -> None:
+        """Start copying a prompt that a prefill worker on this host is staging now
+        (serve/follow.py); where that cannot be, its hand-off takes the usual path."""
+        if self._followers is None or self.role != "decode":
+            return
+        if not self._followers.start(message, self._kv_cache_dtype):
+            logger.debug("not following %s (cannot map, reserve, or not this layout)",
+                         message.request_id)
+
+    def _on_staged(self, request_id: str, segment: ShmSegment, span: ShmSpan,
+                   num_blocks: int) -> None:
+        """Prefill: a save started staging in the segment; say where, now (mid-forward)."""
+        if self.send is not None and self.role == "prefill":
+            self.send(Output(request_id, [], "", staging=KVStaging(
+                segment, span, num_blocks, self._kv_cache_dtype)))
+
     def _add_new(self, message: GenerateRequest) -> None:
         """From the prompt; or, migrated from a worker that died (resume_output_ids), from
         the prompt and the outputs it streamed, recomputed after the prompt's stored prefix."""
@@ -141,7 +194,7 @@ class HandOff:
         check_kv_cache_dtype(handoff, self._kv_cache_dtype)
         if self.kv_transfer is not None and handoff.block_keys:
             self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
-            if self._admit_in_place(message):
+            if self._admit_followed(message) or self._admit_in_place(message):
                 return
             self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
                                         handoff.lease_id, handoff.source_address)
@@ -153,6 +206,34 @@ class HandOff:
             return
         self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
                                           message.sampling, [handoff.first_token_id])
+
+    def _admit_followed(self, message: GenerateRequest) -> bool:
+        """A hand-off whose prompt was copied while its prefill ran (follow): the blocks
+        reserved then join the batch now. False where it was not followed."""
+        handoff = message.handoff
+        assert handoff is not None and self._followers is not None
+        start_s = time.monotonic()
+        followed = self._followers.finish(message.request_id, handoff)
+        if followed is None:
+            return False
+        block_ids, intact = followed
+        lease = (handoff.lease_id, handoff.source_address)
+        self._releases.append(lease)  # read or not, the lease goes back
+        try:
+            self.engine.add_prefilled_request(message.request_id, message.prompt_token_ids,
+                                              message.sampling, [handoff.first_token_id],
+                                              block_ids)
+        except Exception:  # the request's error (add reports it)
+            self.engine.block_manager.unreserve(message.request_id)
+            raise
+        if not intact():  # freed while copied (its lease expired): the copy is not the KV
+            logger.warning("followed blocks of %s were freed while read; recomputing",
+                           message.request_id)
+            self.engine.abort_request(message.request_id)  # before any step: no key published
+            self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
+                                              message.sampling, [handoff.first_token_id])
+        self.kv_transfer.note_in_place(time.monotonic() - start_s, followed=True)
+        return True
 
     def _admit_in_place(self, message: GenerateRequest) -> bool:
         """A hand-off whose blocks lie in the prefill worker's shared memory segment on this
@@ -185,6 +266,8 @@ class HandOff:
         return True
 
     def abort(self, request_id: str) -> None:
+        if self._followers is not None:
+            self._followers.drop(request_id)
         self._held.pop(request_id, None)
         self._arrivals.pop(request_id, None)
         self._take_layer_save_s(request_id)
@@ -202,6 +285,8 @@ class HandOff:
         requests whose KV arrived (into the engine; an error Output if that fails)."""
         if self.kv_transfer is None:
             return []
+        if self._followers:
+            self._followers.copy_ready()
         for lease_id, source in self._releases_due:
             self.kv_transfer.release(lease_id, source)
         self._releases_due, self._releases = self._releases, []

@@ -268,12 +268,22 @@ class KVCachePool:
             raise ValueError(f"expected {len(self.kv_caches)} layers, got {len(blocks)}")
         index = self._index(block_ids)
         runs = block_runs(block_ids)
-        for cache, layer_blocks in zip(self.kv_caches, blocks, strict=True):
-            expected = (cache.shape[0], index.numel(), *cache.shape[2:])
-            if tuple(layer_blocks.shape) != expected:
-                raise ValueError(f"blocks must be {expected}, got {tuple(layer_blocks.shape)}")
-            layer_blocks = fp8_as_bytes(layer_blocks.to(device=cache.device, dtype=cache.dtype))
-            if len(runs) == 1:  # consecutive ids (fresh blocks mostly are): one slice copy
-                fp8_as_bytes(cache).narrow(1, runs[0][2], index.numel()).copy_(layer_blocks)
-            else:
-                fp8_as_bytes(cache).index_copy_(1, index, layer_blocks)
+        for layer, layer_blocks in enumerate(blocks):
+            self._write_layer(layer, index, runs, layer_blocks)
+
+    def write_layer_blocks(self, layer: int, block_ids: Sequence[int],
+                           blocks: torch.Tensor) -> None:
+        """write_blocks for one layer: [P, len(block_ids), block_size, Hkv, D]."""
+        self._write_layer(layer, self._index(block_ids), block_runs(block_ids), blocks)
+
+    def _write_layer(self, layer: int, index: torch.Tensor, runs: list[tuple[int, int, int]],
+                     layer_blocks: torch.Tensor) -> None:
+        cache = self.kv_caches[layer]
+        expected = (cache.shape[0], index.numel(), *cache.shape[2:])
+        if tuple(layer_blocks.shape) != expected:
+            raise ValueError(f"blocks must be {expected}, got {tuple(layer_blocks.shape)}")
+        layer_blocks = fp8_as_bytes(layer_blocks.to(device=cache.device, dtype=cache.dtype))
+        if len(runs) == 1:  # consecutive ids (fresh blocks mostly are): one slice copy
+            fp8_as_bytes(cache).narrow(1, runs[0][2], index.numel()).copy_(layer_blocks)
+        else:
+            fp8_as_bytes(cache).index_copy_(1, index, layer_blocks)

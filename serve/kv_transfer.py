@@ -37,7 +37,7 @@ from pdserve import envs
 from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, TransferResult
 from pdserve.protocol.store import ShmSegment, ShmSpan
-from pdserve.protocol.worker import KVHandoff
+from pdserve.protocol.worker import KVHandoff, KVStaging
 from pdserve.serve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ class KVTransfer:
         self._layer_save_s: dict[str, float] = {}  # request id -> seconds in layer_done
         self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
                         "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
-                        "layerwise_save_count": 0.0, "in_place_count": 0.0}
+                        "layerwise_save_count": 0.0, "in_place_count": 0.0,
+                        "followed_count": 0.0}
 
     @classmethod
     def connect(cls, runner, block_manager, data_address: str | None,
@@ -242,11 +243,30 @@ class KVTransfer:
             return None
         return self.connector.map_blocks(handoff.shm_segment, handoff.shm_spans)
 
-    def note_in_place(self, seconds: float) -> None:
-        """A hand-off was admitted from its mapped blocks (map_handoff): a load, in place."""
+    def map_staging(self, staging: KVStaging
+                    ) -> tuple[list[torch.Tensor], Callable[[], int], Callable[[], bool]] | None:
+        """A prompt that a prefill worker on this host is staging now (serve/follow.py): per
+        layer, the number of layers staged so far, and the check to make once copied; None
+        where it cannot be mapped."""
+        return self.connector.map_staging(staging.segment, staging.span, staging.num_blocks)
+
+    @property
+    def can_write_layers(self) -> bool:
+        """The pool takes a layer at a time (install_layer): one rank holds all of it."""
+        return bool(getattr(self.runner, "can_write_kv_layers", False))
+
+    def install_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """`install` of one layer [P, n, block_size, heads, head_dim] (can_write_layers)."""
+        self.runner.write_kv_layer(layer, block_ids, blocks)
+        self._totals["loaded_bytes"] += blocks.nbytes
+
+    def note_in_place(self, seconds: float, followed: bool = False) -> None:
+        """A hand-off was admitted from its mapped blocks (map_handoff): a load, in place;
+        `followed`: copied layer by layer while its prefill ran (serve/follow.py)."""
         self._totals["load_seconds"] += seconds
         self._totals["load_count"] += 1
         self._totals["in_place_count"] += 1
+        self._totals["followed_count"] += followed
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank)."""

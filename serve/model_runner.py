@@ -777,6 +777,18 @@ class ModelRunner:
             dist.broadcast(fp8_as_bytes(full), src=0, group=procs.control)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
+    @property
+    def can_write_kv_layers(self) -> bool:
+        """One rank holds every layer and head: a layer's blocks go straight into its pool."""
+        return self._world_size == 1
+
+    def write_kv_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """write_kv_blocks of one layer, [P, n, block_size, num_kv_heads, head_dim]; only
+        where can_write_kv_layers."""
+        if not self.can_write_kv_layers:
+            raise RuntimeError("a layer at a time needs one rank holding the whole pool")
+        self._rank.pool.write_layer_blocks(layer, list(block_ids), blocks)
+
     def _check_kv_split(self) -> None:
         if self._rank.layout.kind == "mha" and self.spec.num_kv_heads % self._tp_size:
             raise ValueError(f"moving KV blocks needs num_kv_heads ({self.spec.num_kv_heads}) "

@@ -30,6 +30,7 @@ from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
     AbortRequest,
+    FollowPrefill,
     GenerateRequest,
     Output,
     SetRole,
@@ -53,6 +54,7 @@ from pdserve.serve.spec_decode import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 20
+FOLLOW_POLL_MS = 1  # idle but following a prefill's layers (serve/follow.py)
 NUM_STEP_SAMPLES_PER_STATUS = 64  # 128 steps/s between two 0.5 s status polls
 NUM_STEP_TIMES_AVERAGED = 32
 
@@ -144,7 +146,7 @@ class Worker:
         if borrower is not None:
             engine.runner.call_before_each_layer(self.borrow_cores)
         self.worker_id = worker_id
-        self.handoff = HandOff(engine, role, worker_id, kv_transfer)
+        self.handoff = HandOff(engine, role, worker_id, kv_transfer, send=self._send)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -181,7 +183,8 @@ class Worker:
         while not self.stop_event.is_set():
             busy = self.engine.has_unfinished_requests() or self.handoff.must_poll
             self._share_cores()
-            if poller.poll(0 if busy else IDLE_POLL_MS):
+            idle_ms = FOLLOW_POLL_MS if self.handoff.is_following else IDLE_POLL_MS
+            if poller.poll(0 if busy else idle_ms):
                 self._drain()
                 self._share_cores()
             for output in self.handoff.poll():
@@ -195,8 +198,10 @@ class Worker:
     def _share_cores(self) -> None:
         """A lender says whether it holds a request; a borrower gives cores back once their
         lender is busy (it takes them before a layer: borrow_cores)."""
+        lending = self.idle_flag is not None and self.role == "decode" and not self._owners
         if self.idle_flag is not None:
-            self.idle_flag.set_idle(self.role == "decode" and not self._owners)
+            self.idle_flag.set_idle(lending)
+        self.handoff.copy_early = not lending  # (serve/follow.py)
         if self.borrower is not None and self.borrower.is_borrowing:
             self.borrow_cores()
 
@@ -235,6 +240,11 @@ class Worker:
                 continue
             if isinstance(message, GenerateRequest):
                 self._on_generate(identity, message)
+            elif isinstance(message, FollowPrefill):
+                try:
+                    self.handoff.follow(message)
+                except Exception as exc:  # only an optimisation: the hand-off still comes
+                    logger.warning("could not follow %s: %s", message.request_id, exc)
             elif isinstance(message, AbortRequest):
                 self._owners.pop(message.request_id, None)
                 self._open_choices.pop(message.request_id, None)

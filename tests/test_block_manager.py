@@ -205,3 +205,28 @@ def test_check_integrity_detects_corruption(corrupt: str) -> None:
         bm._free.popleft()
     with pytest.raises(BlockManagerIntegrityError):
         bm.check_integrity()
+
+
+def test_reserved_blocks_are_held_then_claimed_whole_or_given_back() -> None:
+    """Decode follows a prefill (serve/follow.py): blocks reserved before the request exists
+    count as used, go to the request that claims them as they are, or back on unreserve."""
+    bm = make_manager(num_blocks=8)
+    ids = bm.reserve("r", 3)
+    assert len(set(ids)) == 3 and bm.num_free_blocks == 5 and bm.num_reserved_blocks == 3
+    bm.check_integrity()
+    with pytest.raises(ValueError, match="already has blocks"):
+        bm.reserve("r", 1)
+    with pytest.raises(NoFreeBlocksError):
+        bm.reserve("s", 6)
+    request = make_request("r", list(range(10)))
+    with pytest.raises(ValueError, match="reservation as it is"):
+        bm.claim(request, ids[:2])
+    bm.claim(request, ids)
+    assert bm.block_table("r") == ids and bm.num_reserved_blocks == 0
+    bm.check_integrity()
+    bm.free(request)
+    bm.reserve("s", 2)
+    bm.unreserve("s")
+    bm.unreserve("s")  # idempotent
+    assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0
+    bm.check_integrity()

@@ -73,6 +73,9 @@ def test_disaggregated_server_moves_mla_blocks_through_the_store(make_model_dir,
         assert totals("prefill")["saved_bytes"] == totals("decode")["loaded_bytes"] > 0
         # one host: every hand-off was copied straight out of the prefill worker's segment
         assert totals("decode")["in_place_count"] == n
+        # ...and, the router telling it where the prefill staged each prompt as the forward
+        # began, layer by layer while the prefill ran (serve/follow.py)
+        assert totals("decode")["followed_count"] == n
         metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
         saved = [line for line in metrics.splitlines() if line.startswith(
             "pdserve:kv_transfer_bytes_total{") and 'direction="save"' in line]

@@ -62,6 +62,25 @@ def test_arena_locates_blocks_inside_live_allocations_only():
     assert arena.locate(again.ctypes.data, 10).serial != serial  # a new serial each time
 
 
+def test_an_allocation_s_progress_is_read_through_the_mapping_and_starts_at_zero():
+    arena = ShmArena(16 * ALIGN)
+    reader = ShmReader(arena.segment)  # this process's own segment, mapped as another would
+    data = arena.allocate(5000)
+    span = arena.locate(data.ctypes.data, 5000)
+    assert reader.progress(span) == 0
+    arena.set_progress(span.header, 3)
+    assert reader.progress(span) == 3 and reader.intact([span]) == [True]
+    del data
+    gc.collect()
+    again = arena.allocate(5000)  # the same memory, a new allocation
+    assert arena.locate(again.ctypes.data, 5000).header == span.header
+    assert reader.progress(span) == 0 and reader.intact([span]) == [False]
+    with pytest.raises(ValueError, match="outside"):
+        reader.progress(dataclasses.replace(span, header=arena.size))
+    del again
+    reader.close()
+
+
 # ---- a reader in another process --------------------------------------------------------------
 _HOLDER = textwrap.dedent("""
     import dataclasses, gc, json, sys

@@ -173,7 +173,7 @@ def _collect(socket, request) -> list:
     outputs = []
     while socket.poll(30_000):
         message = WORKER_PROTOCOL.decode(socket.recv())
-        if isinstance(message, Output):
+        if isinstance(message, Output) and message.staging is None:  # (a note for the router)
             outputs.append(message)
             if message.finish_reason is not None:
                 return outputs

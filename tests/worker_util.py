@@ -28,13 +28,15 @@ def make_engine(model_dir, block_size: int = BLOCK, num_blocks: int = 64) -> Eng
 
 
 def collect(socket, request: GenerateRequest, timeout_s: float = 60.0) -> list[Output]:
-    """Send `request` on a DEALER socket and gather its Outputs until one finishes it."""
+    """Send `request` on a DEALER socket and gather its Outputs until one finishes it (not a
+    prefill worker's note of where it stages the prompt, Output.staging: the router's)."""
     socket.send(WORKER_PROTOCOL.encode(request))
     outputs, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if socket.poll(100):
             message = WORKER_PROTOCOL.decode(socket.recv())
-            if isinstance(message, Output) and message.request_id == request.request_id:
+            if (isinstance(message, Output) and message.request_id == request.request_id
+                    and message.staging is None):
                 outputs.append(message)
                 if message.finish_reason is not None:
                     return outputs

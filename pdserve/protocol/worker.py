@@ -3,6 +3,10 @@
     router --GenerateRequest--> prefill worker --Output(first token, KVHandoff)--> router
     router --GenerateRequest(handoff)--> decode worker --Output(deltas)...--> router
     router --AbortRequest--> any worker holding the request
+    prefill worker --Output(staging)--> router --FollowPrefill--> decode worker   (same host:
+                                        decode copies the prompt's KV layer by layer while
+                                        the prefill forward stages it; the GenerateRequest
+                                        with the hand-off then completes it)
     router --StatusRequest--> worker --WorkerStatus--> router     (heartbeat, load, step times)
     router --SetRole--> drained prefill/decode worker --WorkerStatus--> router   (role it has)
 
@@ -73,6 +77,29 @@ class KVHandoff:
             raise ValueError(f"choice indices must be in [0, {MAX_NUM_SEQS_PER_REQUEST})")
 
 
+MAX_STAGED_BLOCKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class KVStaging:
+    """Where a prefill worker is staging a prompt's KV while its forward runs: the prompt's
+    `num_blocks` blocks back to back from span.offset in the worker's shared memory segment,
+    whose allocation header counts the layers staged so far (kvstore/shm_segment.py). A
+    decode worker on that host copies each layer into blocks it reserved as soon as it is
+    counted, so the hand-off that follows finds the prompt in place."""
+
+    segment: ShmSegment
+    span: ShmSpan
+    num_blocks: int
+    kv_cache_dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_blocks, bool) or not 0 < self.num_blocks <= MAX_STAGED_BLOCKS:
+            raise ValueError(f"num_blocks must be in [1, {MAX_STAGED_BLOCKS}]")
+        if len(self.kv_cache_dtype) > 32:
+            raise ValueError("kv_cache_dtype is a torch dtype name (at most 32 characters)")
+
+
 @WORKER_PROTOCOL.message("generate")
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -113,6 +140,24 @@ class GenerateRequest:
         if self.handoff is not None:
             return [0]
         return list(range(self.sampling.num_seqs))
+
+
+@WORKER_PROTOCOL.message("follow")
+@dataclass(frozen=True)
+class FollowPrefill:
+    """Router -> the decode worker picked for a request whose prefill is running on this
+    host: reserve blocks for its `num_prompt_tokens` and copy its KV out of `staging` as the
+    layers land. The GenerateRequest with its hand-off follows (it joins the batch then),
+    or an AbortRequest; a worker that gets neither drops the reservation after a while."""
+
+    request_id: str
+    num_prompt_tokens: int
+    staging: KVStaging
+
+    def __post_init__(self) -> None:
+        if not self.request_id or isinstance(self.num_prompt_tokens, bool) or not (
+                0 < self.num_prompt_tokens):
+            raise ValueError("request_id must not be empty and num_prompt_tokens positive")
 
 
 @WORKER_PROTOCOL.message("abort")
@@ -191,6 +236,9 @@ class Output:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """On the first Output of a request that asked for prompt_logprobs (from the worker that
     computed its prompt): one entry per prompt token, the first None (nothing precedes it)."""
+    staging: KVStaging | None = None
+    """A prefill worker's note, sent as its forward starts staging the prompt (no tokens, no
+    finish): where a decode worker on this host can follow it (FollowPrefill)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < MAX_NUM_SEQS_PER_REQUEST:
