@@ -51,6 +51,13 @@ def handoff_shm() -> bool:
     return _flag("PDSERVE_HANDOFF_SHM")
 
 
+def handoff_follow() -> bool:
+    """PDSERVE_HANDOFF_FOLLOW=0: a prefill worker does not announce its stagings, so no decode
+    worker follows one, and each hand-off's blocks are copied when it arrives (default 1: the
+    decode worker copies each layer as it lands, serve/follow.py)."""
+    return _flag("PDSERVE_HANDOFF_FOLLOW")
+
+
 def cpu_amx() -> bool:
     """PDSERVE_CPU_AMX=0 keeps every product on the panels (default 1: where the CPU has AMX and
     the panels store a half-precision checkpoint's bf16 weights, steps of many rows, a

@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
+from pdserve import envs
 from pdserve.protocol.store import ShmSegment, ShmSpan
 from pdserve.protocol.worker import (
     FollowPrefill,
@@ -77,6 +78,7 @@ class HandOff:
         self.worker_id = worker_id
         self.kv_transfer = kv_transfer
         self.send = send
+        self._announce = envs.handoff_follow()
         self._followers = Followers(engine, kv_transfer) if kv_transfer is not None else None
         if kv_transfer is not None:
             kv_transfer.connector.on_staged = self._on_staged
@@ -167,7 +169,7 @@ class HandOff:
     def _on_staged(self, request_id: str, segment: ShmSegment, span: ShmSpan,
                    num_blocks: int) -> None:
         """Prefill: a save started staging in the segment; say where, now (mid-forward)."""
-        if self.send is not None and self.role == "prefill":
+        if self.send is not None and self.role == "prefill" and self._announce:
             self.send(Output(request_id, [], "", staging=KVStaging(
                 segment, span, num_blocks, self._kv_cache_dtype)))
 

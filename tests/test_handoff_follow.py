@@ -169,3 +169,17 @@ def test_follow_messages_round_trip_and_bad_ones_are_refused():
             WORKER_PROTOCOL.decode(msgpack.packb({**fields, name: value}))
     with pytest.raises(ValueError, match="num_blocks"):
         KVStaging(segment, ShmSpan(4160, 4096, 3), 0)
+
+
+def test_no_staging_is_announced_with_follow_off(llama_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
+    with handoff_pair(llama_dir, 8 << 20) as (prefill, decode, node):
+        sent: list[Output] = []
+        prefill.send = sent.append
+        prefill.add(GenerateRequest("r", PROMPT, GREEDY))
+        outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
+        assert sent == [] and outputs[-1].handoff.shm_spans  # still staged in the segment
+        prefill.kv_transfer.release(outputs[-1].handoff.lease_id,
+                                    outputs[-1].handoff.source_address)
+        drive([prefill, decode], lambda outs: not prefill.is_busy)
+        assert_all_free(prefill, decode, node)
