@@ -212,6 +212,7 @@ class Worker:
             self.borrower.update()
         else:
             self.borrower.give_back()
+        self.handoff.borrowing_cores = self.borrower.is_borrowing
 
     def close(self) -> None:
         if self.borrower is not None:

@@ -171,11 +171,17 @@ def test_follow_messages_round_trip_and_bad_ones_are_refused():
         KVStaging(segment, ShmSpan(4160, 4096, 3), 0)
 
 
-def test_no_staging_is_announced_with_follow_off(llama_dir, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
+@pytest.mark.parametrize("why", ["follow-off", "borrowing-cores"])
+def test_no_staging_is_announced_with_follow_off_or_on_borrowed_cores(llama_dir, monkeypatch,
+                                                                        why):
+    """Nor while the prefill runs on an idle decode worker's cores: that worker would copy
+    nothing early, and the messages would take time from the forward's thread there."""
+    if why == "follow-off":
+        monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
     with handoff_pair(llama_dir, 8 << 20) as (prefill, decode, node):
         sent: list[Output] = []
         prefill.send = sent.append
+        prefill.borrowing_cores = why == "borrowing-cores"
         prefill.add(GenerateRequest("r", PROMPT, GREEDY))
         outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
         assert sent == [] and outputs[-1].handoff.shm_spans  # still staged in the segment

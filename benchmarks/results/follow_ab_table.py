@@ -48,7 +48,8 @@ def main(out_dir: Path) -> None:
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xticks(range(len(names)), names, rotation=15)
     ax.set_ylabel("kv_load, mean ms")
-    ax.set_title("kv_load (decode: hand-off in -> in the batch), follow off vs on\nllama-mid fp32, 256-token prompts, 2 cores")
+    ax.set_title("kv_load (decode: hand-off in -> in the batch), follow off vs on\n"
+                 "llama-mid fp32, 256-token prompts, 2 cores")
     ax.legend()
     plots.save_figure(fig, plt, out_dir / "follow_ab.png")
     print(f"wrote {out_dir / 'follow_ab.json'} and follow_ab.png")
