@@ -9,7 +9,8 @@
     master.py          metadata: block key -> (node, tier), lookup_prefix, node heartbeats
     channel.py         ZeroMQ request/reply of typed messages, with ids and timeouts
     ucx_transport.py   UCX data plane (ucxx core API, exchanged worker addresses)
-    shm_segment.py     same-host reads: blocks in a memfd segment a client maps and copies
+    shm_segment.py     same-host reads: blocks in a memfd segment a client maps and copies,
+                       each allocation's header with its serial and a writer's progress
     service.py         what the server's socket loop asks of a service (handlers by type)
     master_service.py  MasterService: the master's verbs (join, update, lookup_prefix, ...)
     data_service.py    DataService: tiered store, leases, UCX clients (put, get, pin, ...)
