@@ -76,6 +76,11 @@ def test_disaggregated_server_moves_mla_blocks_through_the_store(make_model_dir,
         # ...and, the router telling it where the prefill staged each prompt as the forward
         # began, layer by layer while the prefill ran (serve/follow.py)
         assert totals("decode")["followed_count"] == n
+        # a request that ends at its first token hands nothing off: the decode worker picked
+        # to follow its prefill gets an abort, and its reserved blocks go back (leak check)
+        r = httpx.post(f"{cluster.base_url}/v1/completions", timeout=60,
+                       json={"prompt": TEXT_PROMPTS[0] + " again", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
         metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
         saved = [line for line in metrics.splitlines() if line.startswith(
             "pdserve:kv_transfer_bytes_total{") and 'direction="save"' in line]
