@@ -119,6 +119,7 @@ class _Save:
     layers_saved: set[int] = field(default_factory=set)
     copy_done: list[Any] = field(default_factory=list)  # CUDA events of the async copies
     span: ShmSpan | None = None  # where the staging lies in the node's segment
+    announce_when_staged: bool = False  # on_staged declined at the start: ask once all are
 
 
 def block_nbytes(layout: KVLayout) -> int:
@@ -160,10 +161,12 @@ class KVConnector:
         self._failed_peers: OrderedDict[str, float] = OrderedDict()
         # segments of prefill workers on this host, mapped (None: cannot be), main thread only
         self._segments: OrderedDict[tuple[int, int, int], ShmReader | None] = OrderedDict()
-        self.on_staged: Callable[[str, ShmSegment, ShmSpan, int], None] | None = None
+        self.on_staged: Callable[[str, ShmSegment, ShmSpan, int, bool], bool] | None = None
         """Called (on the forward's thread) when a save starts staging in the node's segment:
-        (request id, segment, span of its first block, number of blocks). Its header then
-        counts the layers staged (ShmArena progress), for a decode worker to follow."""
+        (request id, segment, span of its first block, number of blocks, False). Its header
+        then counts the layers staged (ShmArena progress), for a decode worker to follow. If
+        it returns False (not announced now), it is called again, with True, once every
+        layer is staged."""
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
@@ -456,6 +459,8 @@ class KVConnector:
         save.layers_saved.add(layer)
         if save.span is not None and layer + 1 == len(save.layers_saved):  # in order so far
             self.handoff_node.set_progress(save.span, layer + 1)  # after the data it counts
+            if save.announce_when_staged and layer + 1 == self.layout.num_layers:
+                self._announce(request_id, save, staged=True)
         if len(save.layers_saved) == self.layout.num_layers:
             with self._lock:
                 del self._saves[request_id]
@@ -466,21 +471,26 @@ class KVConnector:
             else:
                 self._jobs.put(lambda: self._put(request_id, save))
 
-    def _announce(self, request_id: str, save: _Save) -> None:
+    def _announce(self, request_id: str, save: _Save, staged: bool = False) -> None:
         """A save staging in the node's segment: say where (on_staged), so that a decode
-        worker on this host can copy each layer as its progress counts it."""
+        worker on this host can copy each layer as its progress counts it (`staged`: the
+        second call, every layer is)."""
         node = self.handoff_node
         if node is None or self.on_staged is None or node.shm_segment is None:
             return
-        spans = node.locate([save.staging.view(-1)])
-        if spans is None:  # staged outside the segment (it was full)
-            return
-        save.span = spans[0]
+        if save.span is None:
+            spans = node.locate([save.staging.view(-1)])
+            if spans is None:  # staged outside the segment (it was full)
+                return
+            save.span = spans[0]
         try:
-            self.on_staged(request_id, node.shm_segment, save.span, len(save.keys))
+            announced = self.on_staged(request_id, node.shm_segment, save.span,
+                                       len(save.keys), staged)
         except Exception as e:  # only an optimisation: the hand-off still says where
             logger.warning("kv connector: announcing the staging of %s failed (%s)",
                            request_id, e)
+            return
+        save.announce_when_staged = not announced and not staged
 
     def _staging(self, num_blocks: int, pinned: bool) -> torch.Tensor:
         """Host memory for a save's blocks [n, num_layers, P, block_size, H, D]: in the node's

@@ -24,8 +24,11 @@ progress or hand-off (a router that died between the two messages).
 Early copies rely on the progress word being stored after the data it counts, which x86
 guarantees (kvstore/shm_segment.py, TOTAL_STORE_ORDER); elsewhere the reservation is made
 early and every layer is copied when the hand-off arrives. Nor does an idle decode worker
-that lends its cores to the prefill (serve/core_share.py) copy early: the copies would only
-stall the prefill's thread on its core (the worker says so: `copy_early`).
+that lends its cores to the prefill (serve/core_share.py) copy layers while they come: the
+copies would only stall the prefill's thread on its core (the worker says so:
+`copy_early`). It copies them all once every layer is staged (the prefill on borrowed cores
+announces its staging only then, serve/handoff.py), overlapping the forward's tail and the
+hand-off's trip instead.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class Followers:
         self.num_layers = kv_transfer.connector.layout.num_layers
         self.copy_early = True
         """Copy layers as they land (False: this worker lends its idle cores to the prefill
-        now, which the copies would stall; they wait for the hand-off then)."""
+        now, which the copies would stall; they wait until every layer is staged)."""
 
     def __len__(self) -> int:
         return len(self._follows)
@@ -111,8 +114,9 @@ class Followers:
         module docstring); drop follows idle for FOLLOW_IDLE_S."""
         now = time.monotonic()
         for request_id, follow in list(self._follows.items()):
-            if self.copy_early and TOTAL_STORE_ORDER and follow.num_copied < self.num_layers:
-                if self._copy(follow, min(follow.progress(), self.num_layers)):
+            if TOTAL_STORE_ORDER and follow.num_copied < self.num_layers:
+                staged = min(follow.progress(), self.num_layers)
+                if (self.copy_early or staged == self.num_layers) and self._copy(follow, staged):
                     follow.active_s = now
             if now - follow.active_s > FOLLOW_IDLE_S:
                 logger.warning("no hand-off for followed request %s in %.0f s; its blocks go "

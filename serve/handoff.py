@@ -81,9 +81,10 @@ class HandOff:
         self._announce = envs.handoff_follow()
         self.borrowing_cores = False
         """Prefill: this worker runs on an idle decode worker's cores now (serve/core_share.py).
-        Its stagings are not announced then: that decode worker would copy nothing before the
-        hand-off (serve/follow.py), and the messages would only take core time from this
-        forward's thread there (0.3-0.5 ms of layer_save, measured)."""
+        A staging that starts then is announced only once every layer is staged: during the
+        forward that decode worker would copy nothing (serve/follow.py), and the messages
+        would only take core time from this forward's thread there (0.3-0.5 ms of
+        layer_save, measured); after it, the copy overlaps the forward's tail instead."""
         self._followers = Followers(engine, kv_transfer) if kv_transfer is not None else None
         if kv_transfer is not None:
             kv_transfer.connector.on_staged = self._on_staged
@@ -172,12 +173,17 @@ class HandOff:
                          message.request_id)
 
     def _on_staged(self, request_id: str, segment: ShmSegment, span: ShmSpan,
-                   num_blocks: int) -> None:
-        """Prefill: a save started staging in the segment; say where, now (mid-forward)."""
-        if (self.send is not None and self.role == "prefill" and self._announce
-                and not self.borrowing_cores):
-            self.send(Output(request_id, [], "", staging=KVStaging(
-                segment, span, num_blocks, self._kv_cache_dtype)))
+                   num_blocks: int, staged: bool) -> bool:
+        """Prefill: a save started staging in the segment (`staged`: it is complete now); say
+        where, at once (mid-forward). Returns whether it was said (False: ask again when
+        every layer is staged; on borrowed cores, see borrowing_cores)."""
+        if self.send is None or self.role != "prefill" or not self._announce:
+            return True  # (nothing to say, ever)
+        if self.borrowing_cores and not staged:
+            return False
+        self.send(Output(request_id, [], "", staging=KVStaging(
+            segment, span, num_blocks, self._kv_cache_dtype)))
+        return True
 
     def _add_new(self, message: GenerateRequest) -> None:
         """From the prompt; or, migrated from a worker that died (resume_output_ids), from

@@ -83,7 +83,8 @@ def _follow_while_prefilling(prefill: HandOff, decode: HandOff, monkeypatch
 def test_decode_copies_each_layer_as_the_prefill_stages_it(pair, expected, monkeypatch,
                                                            copy_early):
     """A decode worker that lends its idle cores to the prefill (serve/core_share.py) copies
-    nothing until the hand-off: the copies would stall the prefill's thread there."""
+    nothing while the layers come (the copies would stall the prefill's thread there), and
+    all of them once every one is staged."""
     prefill, decode, node = pair
     decode.copy_early = copy_early
     first, copied = _follow_while_prefilling(prefill, decode, monkeypatch)
@@ -91,7 +92,7 @@ def test_decode_copies_each_layer_as_the_prefill_stages_it(pair, expected, monke
     if TOTAL_STORE_ORDER and copy_early:  # each turn found the layer just staged
         assert copied == list(range(1, num_layers + 1)) and not decode.is_following
     else:
-        assert copied == [0] * num_layers and not decode.is_following
+        assert copied == [0] * (num_layers - 1) + [num_layers] and not decode.is_following
     assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert decode.engine.block_manager.num_reserved_blocks == 0  # claimed by the request
@@ -171,17 +172,11 @@ def test_follow_messages_round_trip_and_bad_ones_are_refused():
         KVStaging(segment, ShmSpan(4160, 4096, 3), 0)
 
 
-@pytest.mark.parametrize("why", ["follow-off", "borrowing-cores"])
-def test_no_staging_is_announced_with_follow_off_or_on_borrowed_cores(llama_dir, monkeypatch,
-                                                                        why):
-    """Nor while the prefill runs on an idle decode worker's cores: that worker would copy
-    nothing early, and the messages would take time from the forward's thread there."""
-    if why == "follow-off":
-        monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
+def test_no_staging_is_announced_with_follow_off(llama_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
     with handoff_pair(llama_dir, 8 << 20) as (prefill, decode, node):
         sent: list[Output] = []
         prefill.send = sent.append
-        prefill.borrowing_cores = why == "borrowing-cores"
         prefill.add(GenerateRequest("r", PROMPT, GREEDY))
         outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
         assert sent == [] and outputs[-1].handoff.shm_spans  # still staged in the segment
@@ -189,3 +184,36 @@ def test_no_staging_is_announced_with_follow_off_or_on_borrowed_cores(llama_dir,
                                     outputs[-1].handoff.source_address)
         drive([prefill, decode], lambda outs: not prefill.is_busy)
         assert_all_free(prefill, decode, node)
+
+
+def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(pair, expected):
+    """On an idle decode worker's cores the prefill announces its staging only at the last
+    layer (during the forward that worker copies nothing, and the messages would take time
+    from the forward's thread there); the decode worker then copies it all before the
+    hand-off comes."""
+    prefill, decode, node = pair
+    prefill.borrowing_cores, decode.copy_early = True, False
+    num_layers = decode._followers.num_layers
+    progress_when_sent: list[int] = []
+
+    def send(output: Output) -> None:
+        follow = FollowPrefill(output.request_id, len(PROMPT), output.staging)
+        _, progress, _ = decode.kv_transfer.map_staging(output.staging)
+        progress_when_sent.append(progress())
+        decode.follow(follow)
+        decode.poll()  # the decode loop's turn: everything is staged, so all is copied
+
+    prefill.send = send
+    prefill.add(GenerateRequest("r", PROMPT, GREEDY))
+    outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
+    assert progress_when_sent == [num_layers]
+    if TOTAL_STORE_ORDER:  # (elsewhere the copy waits for the hand-off)
+        assert decode._followers._follows["r"].num_copied == num_layers
+    first = outputs[-1]
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
+                    and not prefill.is_busy)
+    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
+    assert tokens == expected
+    assert decode.kv_transfer.totals()["followed_count"] == 1
+    assert_all_free(prefill, decode, node)
