@@ -157,7 +157,3 @@ class Followers:
         """Give a follow's reserved blocks back (abort, a hand-off elsewhere); idempotent."""
         if self._follows.pop(request_id, None) is not None:
             self.engine.block_manager.unreserve(request_id)
-
-    def drop_all(self) -> None:
-        for request_id in list(self._follows):
-            self.drop(request_id)

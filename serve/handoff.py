@@ -158,7 +158,11 @@ class HandOff:
         served, which is that request's error, not the worker's."""
         arrived_s = time.monotonic()
         if message.handoff is not None:
-            self._add_handed_off(message)
+            try:
+                self._add_handed_off(message)
+            finally:  # a follow the hand-off did not take (no keys, refused, ...) lets go
+                if self._followers is not None:
+                    self._followers.drop(message.request_id)
         else:
             self._add_new(message)
         self._arrivals[message.request_id] = (arrived_s, message.handoff is not None)

@@ -8,6 +8,8 @@ layer followed by a turn of the decode loop, as two processes on two cores would
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 from handoff_util import (
@@ -216,4 +218,19 @@ def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(pair, 
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
     assert tokens == expected
     assert decode.kv_transfer.totals()["followed_count"] == 1
+    assert_all_free(prefill, decode, node)
+
+
+def test_a_hand_off_that_does_not_take_the_follow_frees_its_reservation(pair, monkeypatch):
+    """A refused hand-off (here: a dtype this cache does not hold) or one without blocks
+    still lets its follow's reservation go, at once."""
+    prefill, decode, node = pair
+    first, _ = _follow_while_prefilling(prefill, decode, monkeypatch)
+    assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
+    wrong = dataclasses.replace(first.handoff, kv_cache_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
+        decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=wrong))
+    assert decode.engine.block_manager.num_reserved_blocks == 0 and not decode._followers
+    prefill.kv_transfer.release(first.handoff.lease_id, first.handoff.source_address)
+    drive([prefill, decode], lambda outs: not decode.is_busy and not prefill.is_busy)
     assert_all_free(prefill, decode, node)
