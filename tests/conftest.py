@@ -75,3 +75,22 @@ def served_cluster(request, llama_dir, tmp_path_factory):
         cluster.assert_nothing_leaked(with_store=request.param == "disagg")
     finally:
         assert cluster.stop() == 0, cluster.log()
+
+
+@pytest.fixture(scope="session")
+def handoff_expected(llama_dir) -> list[int]:
+    """The tokens of tests/handoff_util.py's PROMPT from one engine, no hand-off."""
+    from handoff_util import colocated_tokens
+
+    return colocated_tokens(llama_dir)
+
+
+@pytest.fixture
+def shm_handoffs(llama_dir):
+    """(prefill HandOff, decode HandOff, the prefill's HandoffNode with an 8 MiB shared
+    memory segment): two workers' hand-off components on one host (tests/handoff_util.py)."""
+    from handoff_util import handoff_pair
+
+    with handoff_pair(llama_dir, 8 << 20) as handoffs:
+        assert handoffs[2].shm_segment is not None
+        yield handoffs

@@ -17,7 +17,6 @@ from handoff_util import (
     GREEDY,
     PROMPT,
     assert_all_free,
-    colocated_tokens,
     drive,
     finished,
     handoff_pair,
@@ -36,17 +35,6 @@ from pdserve.protocol.worker import (
 from pdserve.serve.handoff import HandOff
 
 NUM_BLOCKS = 4  # 25 tokens in blocks of 8
-
-
-@pytest.fixture(scope="module")
-def expected(llama_dir) -> list[int]:
-    return colocated_tokens(llama_dir)
-
-
-@pytest.fixture
-def pair(llama_dir):
-    with handoff_pair(llama_dir, 8 << 20) as handoffs:
-        yield handoffs
 
 
 def _follow_while_prefilling(prefill: HandOff, decode: HandOff, monkeypatch
@@ -82,12 +70,12 @@ def _follow_while_prefilling(prefill: HandOff, decode: HandOff, monkeypatch
 
 
 @pytest.mark.parametrize("copy_early", [True, False], ids=["own-cores", "lending-cores"])
-def test_decode_copies_each_layer_as_the_prefill_stages_it(pair, expected, monkeypatch,
-                                                           copy_early):
+def test_decode_copies_each_layer_as_the_prefill_stages_it(
+        shm_handoffs, handoff_expected, monkeypatch, copy_early):
     """A decode worker that lends its idle cores to the prefill (serve/core_share.py) copies
     nothing while the layers come (the copies would stall the prefill's thread there), and
     all of them once every one is staged."""
-    prefill, decode, node = pair
+    prefill, decode, node = shm_handoffs
     decode.copy_early = copy_early
     first, copied = _follow_while_prefilling(prefill, decode, monkeypatch)
     num_layers = decode._followers.num_layers
@@ -102,15 +90,15 @@ def test_decode_copies_each_layer_as_the_prefill_stages_it(pair, expected, monke
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == expected
+    assert tokens == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["followed_count"] == totals["in_place_count"] == totals["load_count"] == 1
     assert totals["loaded_bytes"] == prefill.kv_transfer.totals()["saved_bytes"] > 0
     assert_all_free(prefill, decode, node)
 
 
-def test_an_aborted_follow_gives_its_blocks_back(pair, monkeypatch):
-    prefill, decode, node = pair
+def test_an_aborted_follow_gives_its_blocks_back(shm_handoffs, monkeypatch):
+    prefill, decode, node = shm_handoffs
     first, _ = _follow_while_prefilling(prefill, decode, monkeypatch)
     assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS and decode.is_busy
     decode.abort("r")  # the router's: the client left, or the hand-off went elsewhere
@@ -120,8 +108,9 @@ def test_an_aborted_follow_gives_its_blocks_back(pair, monkeypatch):
     assert_all_free(prefill, decode, node)
 
 
-def test_a_staging_freed_under_the_follow_is_recomputed(pair, expected, monkeypatch):
-    prefill, decode, node = pair
+def test_a_staging_freed_under_the_follow_is_recomputed(
+        shm_handoffs, handoff_expected, monkeypatch):
+    prefill, decode, node = shm_handoffs
     first, _ = _follow_while_prefilling(prefill, decode, monkeypatch)
     node.release(first.handoff.lease_id)  # as an expired lease would: the node drops them
     drive([prefill], lambda outs: node.num_shm_allocations == 0)
@@ -129,15 +118,15 @@ def test_a_staging_freed_under_the_follow_is_recomputed(pair, expected, monkeypa
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == expected
+    assert tokens == handoff_expected
     # the copy published no block key: the decode cache holds only the recomputed prompt
     assert decode.engine.block_manager.num_cached_blocks == len(PROMPT) // BLOCK
     assert_all_free(prefill, decode, node)
 
 
 def test_a_follow_that_cannot_be_is_ignored_and_the_hand_off_takes_the_usual_path(
-        pair, expected, monkeypatch):
-    prefill, decode, node = pair
+        shm_handoffs, handoff_expected, monkeypatch):
+    prefill, decode, node = shm_handoffs
     first, _ = _follow_while_prefilling(prefill, decode, monkeypatch)
     staging = decode._followers._follows["r"].staging
     decode.abort("r")
@@ -153,7 +142,7 @@ def test_a_follow_that_cannot_be_is_ignored_and_the_hand_off_takes_the_usual_pat
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == expected
+    assert tokens == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["in_place_count"] == 1 and totals["followed_count"] == 0
     assert_all_free(prefill, decode, node)
@@ -188,12 +177,13 @@ def test_no_staging_is_announced_with_follow_off(llama_dir, monkeypatch):
         assert_all_free(prefill, decode, node)
 
 
-def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(pair, expected):
+def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(
+        shm_handoffs, handoff_expected):
     """On an idle decode worker's cores the prefill announces its staging only at the last
     layer (during the forward that worker copies nothing, and the messages would take time
     from the forward's thread there); the decode worker then copies it all before the
     hand-off comes."""
-    prefill, decode, node = pair
+    prefill, decode, node = shm_handoffs
     prefill.borrowing_cores, decode.copy_early = True, False
     num_layers = decode._followers.num_layers
     progress_when_sent: list[int] = []
@@ -216,15 +206,15 @@ def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(pair, 
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                     and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == expected
+    assert tokens == handoff_expected
     assert decode.kv_transfer.totals()["followed_count"] == 1
     assert_all_free(prefill, decode, node)
 
 
-def test_a_hand_off_that_does_not_take_the_follow_frees_its_reservation(pair, monkeypatch):
+def test_a_hand_off_that_does_not_take_the_follow_frees_its_reservation(shm_handoffs, monkeypatch):
     """A refused hand-off (here: a dtype this cache does not hold) or one without blocks
     still lets its follow's reservation go, at once."""
-    prefill, decode, node = pair
+    prefill, decode, node = shm_handoffs
     first, _ = _follow_while_prefilling(prefill, decode, monkeypatch)
     assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
     wrong = dataclasses.replace(first.handoff, kv_cache_dtype="float8_e4m3fn")

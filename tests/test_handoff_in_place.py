@@ -16,7 +16,6 @@ from handoff_util import (
     GREEDY,
     PROMPT,
     assert_all_free,
-    colocated_tokens,
     decode_handoff,
     drive,
     finished,
@@ -27,20 +26,9 @@ from handoff_util import (
 from pdserve.protocol.worker import GenerateRequest
 
 
-@pytest.fixture(scope="module")
-def expected(llama_dir) -> list[int]:
-    return colocated_tokens(llama_dir)
-
-
-@pytest.fixture
-def pair(llama_dir):
-    with handoff_pair(llama_dir, 8 << 20) as handoffs:
-        assert handoffs[2].shm_segment is not None
-        yield handoffs
-
-
-def test_handoff_on_one_host_joins_the_batch_at_once_from_the_segment(pair, expected):
-    prefill, decode, node = pair
+def test_handoff_on_one_host_joins_the_batch_at_once_from_the_segment(
+        shm_handoffs, handoff_expected):
+    prefill, decode, node = shm_handoffs
     first = prefill_prompt(prefill)
     spans = first.handoff.shm_spans
     assert first.handoff.shm_segment == node.shm_segment and len(spans) == 4
@@ -49,25 +37,26 @@ def test_handoff_on_one_host_joins_the_batch_at_once_from_the_segment(pair, expe
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == expected
+    assert tokens == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["in_place_count"] == totals["load_count"] == 1
     assert_all_free(prefill, decode, node)
 
 
-def test_handoff_freed_before_it_is_read_loads_or_recomputes(pair, expected):
-    prefill, decode, node = pair
+def test_handoff_freed_before_it_is_read_loads_or_recomputes(shm_handoffs, handoff_expected):
+    prefill, decode, node = shm_handoffs
     first = prefill_prompt(prefill)
     node.release(first.handoff.lease_id)  # as an expired lease would: the node drops them
     gc.collect()
     assert decode.kv_transfer.map_handoff(first.handoff) is None
-    assert decode_handoff(prefill, decode, first) == expected  # nothing to load: recomputed
+    assert decode_handoff(prefill, decode, first) == handoff_expected  # nothing to load: recomputed
     assert decode.kv_transfer.totals()["in_place_count"] == 0
     assert_all_free(prefill, decode, node)
 
 
-def test_handoff_freed_while_it_is_copied_is_recomputed(pair, expected, monkeypatch):
-    prefill, decode, node = pair
+def test_handoff_freed_while_it_is_copied_is_recomputed(
+        shm_handoffs, handoff_expected, monkeypatch):
+    prefill, decode, node = shm_handoffs
     first = prefill_prompt(prefill)
     mapped = decode.kv_transfer.map_handoff
 
@@ -76,26 +65,26 @@ def test_handoff_freed_while_it_is_copied_is_recomputed(pair, expected, monkeypa
         return layers, lambda: False  # the serial changed under the copy
 
     monkeypatch.setattr(decode.kv_transfer, "map_handoff", freed_meanwhile)
-    assert decode_handoff(prefill, decode, first) == expected
+    assert decode_handoff(prefill, decode, first) == handoff_expected
     # the aborted copy published no block key: nothing in the decode cache holds its bytes
     assert decode.engine.block_manager.num_cached_blocks == len(PROMPT) // BLOCK
     assert_all_free(prefill, decode, node)
 
 
-def test_handoff_without_a_segment_loads_over_the_network(llama_dir, expected, monkeypatch):
+def test_handoff_without_a_segment_loads_over_the_network(llama_dir, handoff_expected, monkeypatch):
     monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")  # nor would the decode side map one
     with handoff_pair(llama_dir, 0) as (prefill, decode, node):
         first = prefill_prompt(prefill)
         assert first.handoff.shm_segment is None and first.handoff.shm_spans == []
-        assert decode_handoff(prefill, decode, first) == expected
+        assert decode_handoff(prefill, decode, first) == handoff_expected
         totals = decode.kv_transfer.totals()
         assert totals["load_count"] == 1 and totals["in_place_count"] == 0
         assert totals["loaded_bytes"] > 0
         assert_all_free(prefill, decode, node)
 
 
-def test_handoff_that_cannot_be_admitted_still_gives_its_lease_back(pair, monkeypatch):
-    prefill, decode, node = pair
+def test_handoff_that_cannot_be_admitted_still_gives_its_lease_back(shm_handoffs, monkeypatch):
+    prefill, decode, node = shm_handoffs
     first = prefill_prompt(prefill)
 
     def refuse(*args, **kwargs):
