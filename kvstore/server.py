@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdserve import discovery, security
+from pdserve import discovery, lifecycle, security
 from pdserve.kvstore.config import ROLES, TRANSPORTS, StoreConfig
 from pdserve.kvstore.data_service import DataService
 from pdserve.kvstore.lease import LeaseTable
@@ -409,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, shut_down)
     signal.signal(signal.SIGTERM, shut_down)
+    lifecycle.freeze_startup_heap("store")
     try:
         server.wait()  # the serving loop itself: until SIGINT/SIGTERM asks it to stop
     finally:

@@ -10,11 +10,15 @@ Two mechanisms, since neither covers every case alone:
   itself SIGTERM, and if the role has not exited `grace_s` later, ends the process. It
   covers what the signal does not: a role whose SIGTERM handler does not return in time,
   and hosts without prctl.
+
+And once a role has started, `freeze_startup_heap` keeps Python's cyclic garbage collector
+off what startup built (modules, the model's and tokenizer's objects).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -76,3 +80,17 @@ def exit_with_launcher(
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def freeze_startup_heap(role: str) -> int:
+    """Collect once, then move every object alive now into the collector's permanent
+    generation (gc.freeze, as vLLM does after its engine starts), so the full collections
+    that serving objects trigger now and then no longer walk what startup built. In a worker
+    running llama-mid such a collection took 146-164 ms (2 in 25 s of serving at 8 req/s),
+    a stall of every running request's next token. Call it once startup is done; returns the
+    number of objects frozen."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info("%s: %d startup objects frozen out of garbage collection", role, frozen)
+    return frozen

@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import fields
 
-from pdserve import discovery, envs
+from pdserve import discovery, envs, lifecycle
 from pdserve.router.config import (
     CONTROLLER_MODES,
     ControllerConfig,
@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot start the router: %s", exc)
         return 2
     logger.info("router on http://%s:%d/v1", config.host, config.port)
+    lifecycle.freeze_startup_heap("router")  # (the app and its tokenizer are built)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
                 timeout_graceful_shutdown=5)
     return 0

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import zmq
 
-from pdserve import discovery, envs, security
+from pdserve import discovery, envs, lifecycle, security
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -694,6 +694,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_stop_signal)
     logger.info("%s worker %s ready on tcp://%s:%d", config.role, config.name, config.host,
                 config.port)
+    lifecycle.freeze_startup_heap(f"{config.role} worker")
     try:
         worker.serve_forever()
     except RuntimeError as exc:  # the engine's ranks failed: a lost rank (and node) is named
