@@ -384,14 +384,18 @@ class KVConnector:
                 return None
         return layers, lambda: all(reader.intact(spans))
 
+    def staging_spans(self, span: ShmSpan, num_blocks: int) -> list[ShmSpan]:
+        """Each block's span in a staging whose first block lies at `span` (back to back, one
+        allocation): what the save's hand-off will name."""
+        return [ShmSpan(span.offset + i * self.block_bytes, span.header, span.serial)
+                for i in range(num_blocks)]
+
     def map_staging(self, segment: ShmSegment, span: ShmSpan, num_blocks: int
                     ) -> tuple[list[torch.Tensor], Callable[[], int], Callable[[], bool]] | None:
         """A save that another process on this host is staging now (on_staged there): per
         layer as map_blocks gives them, how many layers are staged so far, and the check to
         make once copied. None where it cannot be mapped or is gone already."""
-        spans = [ShmSpan(span.offset + i * self.block_bytes, span.header, span.serial)
-                 for i in range(num_blocks)]
-        mapped = self.map_blocks(segment, spans)
+        mapped = self.map_blocks(segment, self.staging_spans(span, num_blocks))
         reader = self._segments.get((segment.pid, segment.fd, segment.inode))
         if mapped is None or reader is None:
             return None

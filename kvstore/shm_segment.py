@@ -214,11 +214,15 @@ class ShmReader:
     def views(self, spans: list[ShmSpan], nbytes: int) -> list[np.ndarray] | None:
         """Read-only views of blocks of `nbytes` at `spans` (no copy); None if one of them is
         freed already. Whoever copies out of them checks `intact(spans)` afterwards."""
-        for span in spans:
-            self._check(span, nbytes)
-        if not all(self.intact(spans)):
+        if not self._all_live(spans, nbytes):
             return None
         return [self._bytes[span.offset:span.offset + nbytes] for span in spans]
+
+    def _all_live(self, spans: list[ShmSpan], nbytes: int) -> bool:
+        """Every span lies inside the segment (else ValueError) and is not freed yet."""
+        for span in spans:
+            self._check(span, nbytes)
+        return all(self.intact(spans))
 
     def _check(self, span: ShmSpan, nbytes: int) -> None:
         if (span.header % 8 or span.header + HEADER_BYTES > span.offset
@@ -231,7 +235,7 @@ class ShmReader:
         if not spans or any(span.offset != spans[0].offset + i * nbytes
                             for i, span in enumerate(spans)):
             return None
-        if self.views(spans, nbytes) is None:  # (checks every span)
+        if not self._all_live(spans, nbytes):
             return None
         return self._bytes[spans[0].offset:spans[0].offset + len(spans) * nbytes]
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvstore.shm_segment import TOTAL_STORE_ORDER
-from pdserve.protocol.store import ShmSpan
 from pdserve.protocol.worker import FollowPrefill, KVHandoff, KVStaging
 from pdserve.serve.block_manager import NoFreeBlocksError
 
@@ -147,11 +146,8 @@ class Followers:
         return follow.block_ids, follow.intact
 
     def _names_staging(self, handoff: KVHandoff, staging: KVStaging) -> bool:
-        block_bytes = self.kv_transfer.connector.block_bytes
-        span = staging.span
-        return handoff.shm_segment == staging.segment and handoff.shm_spans == [
-            ShmSpan(span.offset + i * block_bytes, span.header, span.serial)
-            for i in range(staging.num_blocks)]
+        return (handoff.shm_segment == staging.segment and handoff.shm_spans
+                == self.kv_transfer.connector.staging_spans(staging.span, staging.num_blocks))
 
     def drop(self, request_id: str) -> None:
         """Give a follow's reserved blocks back (abort, a hand-off elsewhere); idempotent."""

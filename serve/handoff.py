@@ -244,12 +244,7 @@ class HandOff:
         except Exception:  # the request's error (add reports it)
             self.engine.block_manager.unreserve(message.request_id)
             raise
-        if not intact():  # freed while copied (its lease expired): the copy is not the KV
-            logger.warning("followed blocks of %s were freed while read; recomputing",
-                           message.request_id)
-            self.engine.abort_request(message.request_id)  # before any step: no key published
-            self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
-                                              message.sampling, [handoff.first_token_id])
+        self._recompute_unless(intact, message)
         self.kv_transfer.note_in_place(time.monotonic() - start_s, followed=True)
         return True
 
@@ -274,14 +269,21 @@ class HandOff:
         except Exception:  # the request's error (add reports it); the lease goes back all the same
             self._releases.append(lease)
             raise
-        if not intact():  # freed while copied (its lease expired): the copy is not the KV
-            logger.warning("hand-off blocks of %s were freed while read; recomputing",
-                           message.request_id)
-            self.engine.abort_request(message.request_id)  # before any step: no key published
-            self._admit_loaded(message, TransferDone(message.request_id, "load", False, []))
+        self._recompute_unless(intact, message)
         self._releases.append(lease)
         self.kv_transfer.note_in_place(time.monotonic() - start_s)
         return True
+
+    def _recompute_unless(self, intact: Callable[[], bool], message: GenerateRequest) -> None:
+        """After copying a hand-off's blocks out of the prefill worker's segment: if one was
+        freed meanwhile (its lease expired), the copy is not the KV, and the request, admitted
+        but not yet stepped (so no block key is published), recomputes instead."""
+        if intact():
+            return
+        logger.warning("hand-off blocks of %s were freed while read; recomputing",
+                       message.request_id)
+        self.engine.abort_request(message.request_id)
+        self._admit_loaded(message, TransferDone(message.request_id, "load", False, []))
 
     def abort(self, request_id: str) -> None:
         if self._followers is not None:
