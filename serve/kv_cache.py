@@ -38,12 +38,9 @@ longer than the whole pool could never run.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import os
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +48,7 @@ import torch
 from pdserve.kvstore.connector import block_runs
 from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.serve.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, CacheConfig
+from pdserve.serve.huge_pages import advise_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -199,35 +197,6 @@ def check_fits_host_memory(plan: KVCachePlan, num_ranks: int,
             f"the KV cache needs {needed / GIB:.2f} GiB ({plan.describe()}, x {num_ranks} "
             f"rank(s)) but the host has {available_bytes / GIB:.2f} GiB available; lower "
             "--kv-cache-memory-gb or --num-kv-blocks")
-
-
-MADV_HUGEPAGE = 14  # <linux/mman.h>
-HUGE_PAGE_BYTES = 2 << 20
-
-
-@functools.cache
-def _madvise() -> Callable[..., int] | None:
-    return ctypes.CDLL(None, use_errno=True).madvise if sys.platform.startswith("linux") else None
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask Linux to back a large CPU tensor with 2 MiB pages (transparent huge pages, which
-    most hosts grant only where asked: mode "madvise"). Call it before the memory is first
-    written; pages already touched stay small. Decode attention reads each sequence's blocks
-    from anywhere in the pool, a TLB miss per 4 KiB page otherwise: a batch-32 x 256-token
-    decode's attention, 8 layers, 2 threads, took 7.9 ms on small pages and 6.6 on huge ones
-    on this project's machines. Returns whether the advice was taken (False off Linux, for
-    tensors under a huge page, or when the kernel refuses)."""
-    madvise = _madvise()
-    if madvise is None or tensor.device.type != "cpu":
-        return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if last <= first:
-        return False
-    return madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE) == 0
 
 
 class KVCachePool:

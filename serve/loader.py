@@ -29,6 +29,7 @@ from pdserve.kvstore.block_key import KVLayout
 from pdserve.serve.config import ModelConfig
 from pdserve.serve.distributed import TPGroup
 from pdserve.serve.fp8 import Fp8WeightConfig, convert_linears, quantized_module_names
+from pdserve.serve.huge_pages import rehome_weights
 from pdserve.serve.models import get_model_class, is_supported
 from pdserve.serve.parallel import ShardSource
 from pdserve.serve.pipeline import PipelineStage, building
@@ -374,4 +375,5 @@ def load_model(spec: ModelSpec, tp: TPGroup, device: torch.device, backend_name:
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is not None:
             hook()
+    rehome_weights(model)  # onto huge pages, now that every layout is final
     return model.eval()
