@@ -82,13 +82,17 @@ def mid_model_dir() -> Path:
 
 # ---- the machine's ceilings, on the same threads ---------------------------------------------
 def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
-    """The faster of two readers over a warm buffer of nbytes, best of 5 each: torch's sum,
-    and pdserve's skinny product of one row (kernels/csrc/skinny_gemm.cpp: 2 FLOPs per 4
-    bytes, with software prefetch), which on some hosts reads half again as fast as the sum.
-    A floor measured with the slower reader alone would let a step beat it."""
+    """The faster of two readers over a warm buffer of nbytes on huge pages, best of 5 each:
+    torch's sum, and pdserve's skinny product of one row (kernels/csrc/skinny_gemm.cpp: 2
+    FLOPs per 4 bytes, with software prefetch), which on some hosts reads half again as fast
+    as the sum. A floor measured with the slower reader alone would let a step beat it."""
+    from pdserve.serve.huge_pages import huge_page_buffer
     from pdserve.serve.layers import cpu_kernels
 
-    data = torch.ones(nbytes // 4)
+    # on 2 MiB pages where the host gives them, as the engine's weights and KV pool are
+    # (serve/huge_pages.py): 37 against 31 GB/s at 231 MB on this project's machines
+    buffer = huge_page_buffer(nbytes // 4 * 4)
+    data = torch.ones(nbytes // 4) if buffer is None else buffer.view(torch.float32).fill_(1.0)
     readers = [data.sum]
     ops = cpu_kernels()
     if ops is not None:

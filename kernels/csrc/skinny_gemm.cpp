@@ -245,27 +245,34 @@ void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t
       const __mmask16 last = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
       const W* panel = wp + p * kPanel * K;  // every panel before it is full
       const bool masked = width % 16 != 0;
-      // The first tile of rows reads the panel from memory and asks for it kPanelAhead
-      // bytes ahead, a row's lines a step. The others find it in L2, and the first (up to
-      // 3) of them ask for this thread's next panel, its lines split between them over
-      // their K steps, so that memory streams while they compute.
+      // The tiles of rows after the first find the panel in L2. Up to 3 tiles ask for the
+      // next panel's lines, split evenly, a line or more a step, so that memory streams while
+      // they compute: from tile 0 where an earlier task fetched this panel (the task before,
+      // panel p - 1), else from tile 1, tile 0 then asking for its own panel kPanelAhead bytes
+      // ahead (a row's lines a step), as a panel of one tile always does. Tile 0 sharing the
+      // next panel's lines instead of asking again for its own: the llama-mid-like model's
+      // four products, 8 layers on huge pages, 2 cores, interleaved, at 12 / 16 / 24 / 32
+      // rows 3.49 -> 3.15, 3.85 -> 3.47, 4.68 -> 4.25, 5.75 -> 5.45 ms; 8 rows 2% faster.
       const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
-      const bool next = t + 1 < t1 && p + 1 < num_panels;
-      const int64_t fetching = std::min<int64_t>(3, tiles - 1);
-      const int64_t next_lines = (row_bytes + 63) / 64;  // per step, for all fetching tiles
-      const int lines = next && fetching > 0
-                            ? static_cast<int>((next_lines + fetching - 1) / fetching) : 0;
+      const bool fetched = t > t0 && p > 0 && tiles > 1;  // by the task before, panel p - 1
+      const bool next = t + 1 < t1 && p + 1 < num_panels && tiles > 1;
+      const int64_t first = fetched ? 0 : 1;  // the first tile that fetches the next panel
+      const int64_t fetchers = std::min<int64_t>(tiles - first, 3);  // a row is 3 lines
+      const int64_t share =  // lines of the next panel per fetching tile
+          next && fetchers > 0 ? (row_bytes * K / 64 + fetchers - 1) / fetchers : 0;
+      const int lines = static_cast<int>((share + K - 1) / K);  // per step
       const int own_lines = static_cast<int>((width * static_cast<int64_t>(sizeof(W)) + 63) / 64);
       const char* own = reinterpret_cast<const char*>(panel) + kPanelAhead;
       const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t m0 = b0 + i * kPanelRows;
         const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
+        const bool streams_own = i == 0 && !fetched;
         panel_tile_for<W>(mt, nv, masked)(
             xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
-            i == 0 ? own : next_panel + (i - 1) * K * lines * 64,
-            i == 0 ? width * static_cast<int64_t>(sizeof(W)) : lines * 64,
-            i == 0 ? own_lines : i <= fetching ? lines : 0);
+            streams_own ? own : next_panel + (i - first) * share * 64,
+            streams_own ? width * static_cast<int64_t>(sizeof(W)) : lines * 64,
+            streams_own ? own_lines : next && i < first + fetchers ? lines : 0);
       }
     }
   });
