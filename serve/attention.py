@@ -16,6 +16,7 @@ this module only picks the backend and calls it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,10 +87,13 @@ def build_attention_metadata(step: StepInput, block_size: int, device: torch.dev
 
 def padded_block_tables(chunks: list, dtype: type) -> np.ndarray:
     """[num_chunks, max(1, longest table)] of `dtype`, each row a chunk's table padded with 0."""
-    max_blocks = max((len(c.block_table) for c in chunks), default=0)
-    block_tables = np.zeros((len(chunks), max(1, max_blocks)), dtype=dtype)
-    for s, chunk in enumerate(chunks):
-        block_tables[s, : len(chunk.block_table)] = chunk.block_table
+    lengths = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64,
+                          count=len(chunks))
+    # every id in one pass (chain iterates in C), then scattered row by row in one assignment
+    ids = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), dtype=dtype,
+                      count=int(lengths.sum()))
+    block_tables = np.zeros((len(chunks), max(1, int(lengths.max(initial=0)))), dtype=dtype)
+    block_tables[np.arange(block_tables.shape[1]) < lengths[:, None]] = ids
     return block_tables
 
 

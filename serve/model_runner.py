@@ -83,7 +83,7 @@ from pdserve.serve.pipeline import (
     split_stages,
     stage_layer_range,
 )
-from pdserve.serve.prompt_logprobs import logit_rows
+from pdserve.serve.prompt_logprobs import logit_rows, samples_every_row
 from pdserve.serve.rank_processes import RankProcesses, wait_node_ranks
 
 logger = logging.getLogger(__name__)
@@ -275,6 +275,8 @@ class _Rank:
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor | None:
         """The step's logit rows from its final hidden states (None off the logits rank)."""
+        if samples_every_row(step):  # a decode step: every row, in order
+            return self.model.compute_logits(hidden)
         # The last row of each chunk that samples, then the rows of prompt logprobs
         logits_rows = torch.from_numpy(logit_rows(step)).to(self.device)
         if logits_rows.numel() == 0:

@@ -50,11 +50,21 @@ def num_prompt_logit_rows(request: Request, start: int, num_tokens: int) -> int:
     return max(0, min(start + num_tokens, request.num_prompt_tokens - 1) - start)
 
 
+def samples_every_row(step: StepInput) -> bool:
+    """A decode step's shape: one token per chunk, each sampled, none a prompt row. Then the
+    logit rows are all the step's rows, in order."""
+    chunks = step.chunks
+    return (len(chunks) > 0 and step.num_tokens == len(chunks)
+            and all(c.need_logits and not c.num_prompt_logits for c in chunks))
+
+
 def logit_rows(step: StepInput) -> np.ndarray:
     """Row indices of the step's hidden states [num_tokens] that get logits: each sampling
     chunk's last row (a verify chunk's last 1 + num_draft_tokens), then each chunk's prompt
     rows (see the module docstring)."""
     chunks = step.chunks
+    if samples_every_row(step):
+        return np.arange(len(chunks))
     lengths = [len(c.token_ids) for c in chunks]
     ends = np.cumsum(lengths) - 1
     rows = ends[np.array([c.need_logits for c in chunks], dtype=bool)]

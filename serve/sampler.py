@@ -118,9 +118,14 @@ class Sampler:
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._suppress_stops(logits.clone(), requests)
         params = [r.sampling_params for r in requests]
-        if any(p.has_logit_controls for p in params):
+        banned = self._banned_stops(requests)
+        controls = any(p.has_logit_controls for p in params)
+        if banned or controls:  # both write in place: the caller's logits stay as they were
+            logits = logits.clone()
+        for row, token_ids in banned:
+            logits[row, token_ids] = float("-inf")
+        if controls:
             logits = apply_logit_controls(logits, requests)
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
@@ -135,8 +140,8 @@ class Sampler:
             token_ids[sampled_rows] = self._draw(logits[sampled_rows],
                                                  [requests[i] for i in sampled_rows])
         results = []
-        for row, request in enumerate(requests):
-            token_id = int(token_ids[row])
+        for row, (request, token_id) in enumerate(zip(requests, token_ids.tolist(),
+                                                      strict=True)):
             num_logprobs = request.sampling_params.logprobs
             token_logprobs = None
             if num_logprobs is not None and raw_logprobs is not None:
@@ -144,17 +149,20 @@ class Sampler:
             results.append(SampleResult(token_id, token_logprobs))
         return results
 
-    def _suppress_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    @staticmethod
+    def _banned_stops(requests: list[Request]) -> list[tuple[int, list[int]]]:
+        """(row, token ids) that min_tokens holds back: eos and stop ids until then."""
+        banned = []
         for row, request in enumerate(requests):
             params = request.sampling_params
             if request.num_output_tokens >= params.min_tokens or request.grammar is not None:
                 continue  # a grammar holds its own end tokens back (serve/structured.py)
-            banned = list(params.stop_token_ids)
+            token_ids = list(params.stop_token_ids)
             if not params.ignore_eos:
-                banned += list(request.eos_token_ids)
-            if banned:
-                logits[row, banned] = float("-inf")
-        return logits
+                token_ids += list(request.eos_token_ids)
+            if token_ids:
+                banned.append((row, token_ids))
+        return banned
 
     def sampling_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution a sampled row draws from: temperature, min-p, top-k, top-p, then

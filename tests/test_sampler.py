@@ -97,8 +97,13 @@ def test_greedy_is_argmax_and_min_tokens_suppresses_eos() -> None:
     requests = [make_request("a", temperature=0),
                 make_request("b", temperature=0, min_tokens=2, stop_token_ids=[11]),
                 make_request("c", temperature=0, min_tokens=2, ignore_eos=True)]
+    before = logits.clone()
     tokens = [r.token_id for r in Sampler(0)(logits, requests)]
     assert tokens == [EOS, 9, EOS]  # ignore_eos means "do not stop", not "never sample"
+    assert torch.equal(logits, before)  # masked on a copy: the caller's rows stay as they were
+    biased = [make_request("d", temperature=0, logit_bias={9: 10.0})]
+    assert [r.token_id for r in Sampler(0)(logits[:1], biased)] == [9]
+    assert torch.equal(logits, before)
 
 
 def test_top_k_one_is_greedy_at_any_temperature() -> None:
