@@ -59,12 +59,14 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      max_query_len: int) -> torch.Tensor:
+                      max_query_len: int, key: torch.Tensor | None = None,
+                      value: torch.Tensor | None = None) -> torch.Tensor:
     """reference.prefill_attention's contract; the decode rows riding along in a prefill step
     read the cache in place here too, not through the torch path's gathered copy (served,
     they are most steps' rows: that copy and its SDPA were 9% of a loaded worker's time)."""
     return reference.prefill_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_tables,
-                                       scale, max_query_len, last_token=_rows_last_token)
+                                       scale, max_query_len, last_token=_rows_last_token,
+                                       key=key, value=value)
 
 
 def _rows_last_token(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,

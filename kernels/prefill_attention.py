@@ -162,10 +162,13 @@ def default_tiles(head_dim: int, dtype: torch.dtype, device: torch.device) -> Pr
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      max_query_len: int, tiles: PrefillTiles | None = None) -> torch.Tensor:
+                      max_query_len: int, tiles: PrefillTiles | None = None,
+                      key: torch.Tensor | None = None, value: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Triton version of reference.prefill_attention (same arguments and result).
 
-    tiles overrides the launch shape (tests and benchmarks)."""
+    tiles overrides the launch shape (tests and benchmarks). key and value (the step's rows)
+    are not needed: the kernel reads every row from the cache, on the device either way."""
     check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
     interpreted = check_launchable(query, kv_cache, cu_seqlens_q, seq_lens, block_tables)
     check_last_dim_contiguous(query=query, kv_cache=kv_cache, block_tables=block_tables)

@@ -21,7 +21,7 @@ bounded memory); a prefill sequence of several rows gets one SDPA call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -131,21 +131,23 @@ def _last_token_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens:
     return out
 
 
-def _single_row_sequences(cu_seqlens_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices, query rows) of the sequences with exactly one query row: decodes riding
-    along in a prefill batch, which the batched last-token paths take."""
-    starts = cu_seqlens_q.long()
-    index = torch.nonzero(starts[1:] - starts[:-1] == 1).flatten()
-    return index, starts[index]
-
-
-def _multi_row_sequences(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor
-                         ) -> Iterator[tuple[int, int, int, int]]:
-    """(s, q_start, q_end, seq_len) for every sequence with more than one query row."""
+def _split_by_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]:
+    """The sequences with exactly one query row, as (indices, query rows): decodes riding
+    along in a prefill batch, which the batched last-token paths take; and (s, q_start,
+    q_end, seq_len) for every sequence with more. From one pass over two short lists (every
+    layer of a step asks, and a few tensor ops per layer cost more than the lists)."""
     starts = cu_seqlens_q.tolist()
+    single, multi = [], []
     for s, seq_len in enumerate(seq_lens.tolist()):
-        if starts[s + 1] - starts[s] > 1:
-            yield s, starts[s], starts[s + 1], seq_len
+        if starts[s + 1] - starts[s] == 1:
+            single.append(s)
+        elif starts[s + 1] > starts[s]:
+            multi.append((s, starts[s], starts[s + 1], seq_len))
+    device = cu_seqlens_q.device
+    index = torch.tensor(single, dtype=torch.long, device=device)
+    rows = torch.tensor([starts[s] for s in single], dtype=torch.long, device=device)
+    return index, rows, multi
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -170,7 +172,9 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       max_query_len: int,
-                      last_token: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                      last_token: Callable[..., torch.Tensor] | None = None,
+                      key: torch.Tensor | None = None, value: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Causal attention for a ragged batch whose K/V (cached prefix + new) sit in kv_cache.
 
     Query i of sequence s is at position seq_lens[s] - q_len_s + i and sees keys at
@@ -184,19 +188,29 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     Sequences with one query row (decodes riding along with prefills) go through the batched
     last-token path (`last_token`, decode_attention's arguments: a backend's own decode
     kernel; default the torch one here); the others get one SDPA call each.
+
+    key, value: the step's own rows [T, Hkv, D], just written to the cache. A sequence with
+    nothing cached before this step (a fresh prompt) then attends over them in place of a
+    gathered copy of its blocks: the same values where the cache holds the model's dtype (an
+    FP8 cache holds rounded ones, so it is always read back).
     """
     check_prefill(query, kv_cache, cu_seqlens_q, seq_lens, block_tables, max_query_len)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     out = torch.empty_like(query)
-    index, rows = _single_row_sequences(cu_seqlens_q)
+    index, rows, multi = _split_by_rows(cu_seqlens_q, seq_lens)
     if index.numel():
         out[rows] = (last_token or _last_token_attention)(query[rows], kv_cache, seq_lens[index],
                                                           block_tables[index], scale)
-    for s, q_start, q_end, seq_len in _multi_row_sequences(cu_seqlens_q, seq_lens):
-        blocks = _context_blocks(block_tables, s, seq_len, block_size)
-        # [seq_len, Hkv, D] -> [Hkv, seq_len, D]
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    fresh = key is not None and value is not None and key.dtype == kv_cache.dtype
+    for s, q_start, q_end, seq_len in multi:
+        if fresh and seq_len == q_end - q_start:
+            k = key[q_start:q_end].transpose(0, 1)  # [Hkv, seq_len, D]
+            v = value[q_start:q_end].transpose(0, 1)
+        else:
+            blocks = _context_blocks(block_tables, s, seq_len, block_size)
+            # [seq_len, Hkv, D] -> [Hkv, seq_len, D]
+            k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+            v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
         o = _causal_sdpa(q.float(), k.float(), v.float(), scale, enable_gqa=True)
         out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
@@ -258,7 +272,7 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor,
     num_heads, nope_dim, rank = w_uk.shape
     v_dim = w_uv.shape[1]
     out = q_nope.new_empty(q_nope.shape[0], num_heads, v_dim)
-    index, rows = _single_row_sequences(cu_seqlens_q)
+    index, rows, multi = _split_by_rows(cu_seqlens_q, seq_lens)
     if index.numel():
         q_latent = torch.einsum("shn,hnr->shr", q_nope[rows].float(), w_uk.float())
         o_latent = mla_decode_attention(q_latent, q_rope[rows].float(),
@@ -269,7 +283,7 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor,
     up_k = w_uk.reshape(-1, rank).t().float()
     up_v = w_uv.reshape(-1, rank).t().float()
     block_size = latent_cache.shape[1]
-    for s, q_start, q_end, seq_len in _multi_row_sequences(cu_seqlens_q, seq_lens):
+    for s, q_start, q_end, seq_len in multi:
         blocks = _context_blocks(block_tables, s, seq_len, block_size)
         context = latent_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, R + P]
         c_kv, k_rope = context[:, :rank], context[:, rank:]

@@ -171,5 +171,5 @@ class Attention(nn.Module):
             )
         return self.backend.prefill_attention(
             query, kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale,
-            meta.max_query_len,
+            meta.max_query_len, key=key, value=value,
         )

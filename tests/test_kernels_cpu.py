@@ -157,6 +157,38 @@ def test_prefill_step_decode_rows_read_the_cache_in_place(dtype):
         assert torch.equal(out[row:row + 1], alone)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_fresh_prompts_attend_over_the_steps_own_rows(cache_dtype):
+    """Given the step's key and value rows, a prompt with nothing cached before the step
+    attends over them in place of its gathered blocks: the same result as reading the cache
+    back, beside a prompt with a cached prefix (read back) and a decode row. An FP8 cache
+    holds rounded rows, so it is read back even when the step's rows are given."""
+    torch.manual_seed(8)
+    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 16, 64, 8, 4, 32
+    q_lens, lens = [20, 1, 7, 33], [20, 50, 40, 33]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    tables = _tables(len(q_lens), 4, num_blocks, seed=9)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    key = torch.randn(sum(q_lens), num_kv_heads, head_dim)
+    value = torch.randn(sum(q_lens), num_kv_heads, head_dim)
+    slots = torch.cat([tables[s, (p := torch.arange(lens[s] - q, lens[s])) // block_size]
+                       * block_size + p % block_size for s, q in enumerate(q_lens)]).long()
+    ref.write_kv_cache(key, value, kv_cache, slots)
+    query = torch.randn(sum(q_lens), num_heads, head_dim)
+    args = (query, kv_cache, cu, seq_lens, tables, 0.3, max(q_lens))
+    read_back = ref.prefill_attention(*args)
+    for backend in (ref, cpu_attention):
+        given = backend.prefill_attention(*args, key=key, value=value)
+        torch.testing.assert_close(given, read_back, atol=2e-5, rtol=2e-5)
+        if cache_dtype == torch.float32:  # the values are the same; only the copy is gone
+            assert not torch.equal(backend.prefill_attention(*args, key=key * 2, value=value),
+                                   read_back)
+        else:  # a rounded cache is always read back: the step's rows are not used
+            assert torch.equal(backend.prefill_attention(*args, key=key * 2, value=value),
+                               given)
+
+
 # ---- the fused per-layer ops, against the torch arithmetic they replace --------------------
 def _ops():
     module = cpu_ops.load()
