@@ -7,9 +7,10 @@ only memory not yet touched: so the KV pool is advised before it is zeroed
 (serve/kv_cache.py), and the loader moves the weights, once loaded and packed, into one advised
 buffer (`rehome_weights`).
 
-Measured on the llama-mid-like model (fp32, 97 MB of weights, 2 AVX-512 cores, A/B in one
-process): a decode step 8.48 -> 6.94 ms at 8 x 256 tokens, 13.3 -> 12.1 at 8 x 1024, 3.05 ->
-2.86 at 1 x 256; 32 x 256, where the products are bound by compute, unchanged.
+Measured on the llama-mid-like model (fp32, 97 MB of weights, 2 AVX-512 cores), the same
+engine's decode step with its weights in either copy (benchmarks/weight_pages.py), over five
+runs: 5-18% faster at 8 x 256 tokens, 6-9% at 8 x 1024, 0-21% at 1 sequence; no change at 32
+sequences, where the products are bound by compute.
 """
 
 from __future__ import annotations
