@@ -3,9 +3,9 @@
 A decode step reads every weight and each running sequence's KV once. On 4 KiB pages that is
 a TLB miss, and a page walk, every 4 KiB, and the walk's own reads compete with the stream.
 Linux backs memory with transparent huge pages where asked (the usual mode is "madvise"), and
-only memory not yet touched: so the KV pool is advised before it is zeroed
-(serve/kv_cache.py), and the loader moves the weights, once loaded and packed, into one advised
-buffer (`rehome_weights`).
+only memory not yet touched: so the KV pool's layers are fresh mappings advised before they are
+zeroed (serve/kv_cache.py), and the loader moves the weights, once loaded and packed, into one
+advised buffer (`rehome_weights`).
 
 Measured on the llama-mid-like model (fp32, 97 MB of weights, 2 AVX-512 cores), the same
 engine's decode step with its weights in either copy (benchmarks/weight_pages.py), over five
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import sys
 from collections.abc import Callable
 
@@ -59,9 +60,17 @@ def _round_up(value: int, multiple: int) -> int:
 
 def huge_page_buffer(num_bytes: int) -> torch.Tensor | None:
     """An untouched byte buffer of num_bytes that starts on a 2 MiB boundary and is advised
-    huge to its last page (it owns the padding), or None where the advice is not taken."""
+    huge to its last page (it owns the padding), or None where the advice is not taken.
+
+    Its memory is a fresh anonymous mapping of its own, never the allocator's: malloc may hand
+    back memory a freed tensor already touched (glibc raises its mmap threshold as large
+    blocks are freed), whose small pages the advice no longer changes. The tensor keeps the
+    mapping alive; it is unmapped with the last view of it."""
+    if _madvise() is None:
+        return None
     span = _round_up(num_bytes, HUGE_PAGE_BYTES)
-    raw = torch.empty(span + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    region = mmap.mmap(-1, span + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
     buffer = raw[(-raw.data_ptr()) % HUGE_PAGE_BYTES:][:span]
     return buffer[:num_bytes] if advise_huge_pages(buffer) else None
 

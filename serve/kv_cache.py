@@ -39,6 +39,7 @@ longer than the whole pool could never run.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ import torch
 from pdserve.kvstore.connector import block_runs
 from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.serve.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, CacheConfig
-from pdserve.serve.huge_pages import advise_huge_pages
+from pdserve.serve.huge_pages import huge_page_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -206,13 +207,16 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Zeroed, not empty: a padded block-table entry may be read (and masked) by a kernel,
-        # and NaN garbage times a zero weight is still NaN. On CPU the pages are asked to be
-        # huge before the zeroing touches them (advise_huge_pages).
+        # and NaN garbage times a zero weight is still NaN. On CPU each layer is a fresh
+        # mapping asked to be huge before the zeroing touches it (serve/huge_pages.py).
+        shape = (num_planes, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches: list[torch.Tensor] = []
         for _ in range(num_layers):
-            cache = torch.empty(num_planes, num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
-            advise_huge_pages(cache)
+            buffer = None
+            if device.type == "cpu":
+                buffer = huge_page_buffer(math.prod(shape) * dtype.itemsize)
+            cache = (torch.empty(shape, dtype=dtype, device=device) if buffer is None
+                     else buffer.view(dtype).view(shape))
             self.kv_caches.append(cache.zero_())
 
     @property
