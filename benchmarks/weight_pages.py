@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pdserve.benchmarks.plots import save_json
 from pdserve.benchmarks.step_roofline import mid_model_dir, model_facts
 
 COPIES = ("4 KiB pages", "2 MiB pages")
@@ -123,10 +124,8 @@ def run(args: argparse.Namespace) -> int:
               f"{p['huge_pages_step_s'] * 1e3:8.2f} {100 * p['change']:6.1f}%")
     result = {"model": str(model_dir), "threads": args.threads, "rounds": args.rounds,
               "points": points}
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    result["plot"] = str(plot(result, output.with_suffix(".png")))
-    output.write_text(json.dumps(result, indent=1))
+    result["plot"] = str(plot(result, Path(args.output).with_suffix(".png")))
+    save_json(result, args.output)
     print(json.dumps(result))
     return 0
 

@@ -63,8 +63,6 @@ def logit_rows(step: StepInput) -> np.ndarray:
     chunk's last row (a verify chunk's last 1 + num_draft_tokens), then each chunk's prompt
     rows (see the module docstring)."""
     chunks = step.chunks
-    if samples_every_row(step):
-        return np.arange(len(chunks))
     lengths = [len(c.token_ids) for c in chunks]
     ends = np.cumsum(lengths) - 1
     rows = ends[np.array([c.need_logits for c in chunks], dtype=bool)]
