@@ -7,12 +7,13 @@ it imports nothing of pdserve. Prints one JSON object on its last line:
 
 Every timed prompt is fresh (random tokens from a new seed; prefix caching off), so nothing
 is served from a cache. The decode step is timed as step_roofline times pdserve's: the batch's
-prompts are added to vLLM's engine, stepped through their prefill untimed, then N decode
-steps are timed one by one and the median is the step; with --rounds the sweep runs that many
-times and a point's step is the median of its rounds'. (It used to be (time to generate N
-tokens - time to generate 1) / (N - 1), the best of two: at batch 8 and 32 the prefill both
-runs share is most of either, its noise divided by N came out as +-60% of a step, and the
-best of two leaned low: vLLM's batch-8 step read 6-17 ms run to run on one box.)
+prompts are added to vLLM's engine, stepped through their prefill and --warmup-steps decode
+steps untimed, then N decode steps are timed one by one and the median is the step; with
+--rounds the sweep runs that many times and a point's step is the median of its rounds'.
+(It used to be (time to generate N tokens - time to generate 1) / (N - 1), the best of two:
+at batch 8 and 32 the prefill both runs share is most of either, its noise divided by N came
+out as +-60% of a step, and the best of two leaned low: vLLM's batch-8 step read 6-17 ms run
+to run on one box.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--decode-tokens", type=int, default=12, help="decode steps timed")
+    parser.add_argument("--warmup-steps", type=int, default=24,
+                        help="untimed decode steps after the prefill, before the timed ones")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1,
                         help="decode sweeps; a point's step is the median of its rounds'")
@@ -41,7 +44,8 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    longest = max(args.contexts + args.prefill_lengths) + args.decode_tokens + 8
+    longest = max(args.contexts + args.prefill_lengths) + args.warmup_steps \
+        + args.decode_tokens + 8
     llm = LLM(args.model, dtype=args.dtype, max_model_len=longest, enable_prefix_caching=False,
               max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, longest),
               seed=0)
@@ -62,7 +66,8 @@ def main() -> None:
     request_ids = itertools.count()
 
     def decode_step_s(prompts: list[TokensPrompt], steps: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=args.warmup_steps + steps + 4,
+                                ignore_eos=True)
         pending = set()
         for prompt in prompts:
             request_id = f"decode-{next(request_ids)}"
@@ -73,6 +78,8 @@ def main() -> None:
             for out in engine.step():
                 if out.outputs and out.outputs[0].token_ids:
                     pending.discard(out.request_id)
+        for _ in range(args.warmup_steps):
+            engine.step()
         times = []
         for _ in range(steps):
             start = time.perf_counter()

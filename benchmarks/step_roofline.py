@@ -13,11 +13,22 @@ where both ceilings are measured here, on the same threads. The read bandwidth i
 of a torch sum and a one-row skinny product over a buffer of exactly the step's bytes, read
 again and again as the step reads its weights: a step whose bytes fit the last-level cache is
 held to the cache's speed, not the memory's (on a host with a 480 MB L3 the llama-mid-like
-model's 97 MB of weights read at ~54 GB/s on 2 threads, against 26 GB/s over 512 MiB). A
-prefill must do 2 * params FLOPs per token plus the causal attention's, so it cannot beat
-FLOPs / the fp32 matmul peak measured here on the same threads (a large square matmul).
+model's 97 MB of weights read at ~54 GB/s on 2 threads, against 26 GB/s over 512 MiB). It is
+read again in every round, right after that round's steps: on a host whose last-level cache
+is shared with other tenants, how much of it this process gets moves from minute to minute
+(the same 128 MB read at 37 and at 57 GB/s an hour apart on this project's machines), so a
+round's step is held to the floor of that same minute, and a point's "x floor" is the median
+of its rounds' ratios. A prefill must do 2 * params FLOPs per token plus the causal
+attention's, so it cannot beat FLOPs / the fp32 matmul peak measured here on the same threads
+(a large square matmul).
+
 Every timed prompt is fresh (random tokens from a new seed, prefix caching off). A decode
-point's step is the median of `--decode-steps` timed steps; the whole sweep runs `--rounds`
+point's prompts are prefilled, then run `--warmup-steps` decode steps untimed (24), for the
+engine and vLLM alike: a prefill's activations push the weights out of the last-level cache,
+and the decode steps after it run slow until they are back (on this project's machines a
+batch-8 step took 7.4 ms right after its prefill and settled at 4.4 ms some 20 steps later).
+The point's step is then the median of `--decode-steps` timed steps; the whole sweep runs
+`--rounds`
 times (3), and the point keeps the median of its rounds' (each round's is in the JSON): on a
 host shared with other tenants one noisy minute then moves one round, not the table.
 
@@ -59,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=[256, 512, 1024, 2048])
     parser.add_argument("--decode-steps", type=int, default=12,
                         help="timed decode steps per point (the median is kept)")
+    parser.add_argument("--warmup-steps", type=int, default=24,
+                        help="untimed decode steps after each point's prefill, before the timed "
+                             "ones (pdserve's and vLLM's alike): the steps right after a prefill "
+                             "run slow while the weights come back into the last-level cache")
     parser.add_argument("--rounds", type=int, default=3,
                         help="decode sweeps (pdserve's and vLLM's alike): a point's step is the "
                              "median of its rounds' medians, so a noisy minute on a shared host "
@@ -161,11 +176,18 @@ def prefill_flops(facts: dict[str, Any], tokens: int) -> float:
 
 
 # ---- pdserve ----------------------------------------------------------------------------------
-def measure_pdserve(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """Each decode point's step time per round, with the read bandwidth at its bytes measured
+    right after it in the same round (its floor of that minute); each prompt length's
+    prefill."""
     from pdserve.serve import LLM, SamplingParams
 
-    longest = max(args.contexts + args.prefill_lengths) + args.decode_steps + 16
-    num_blocks = max(args.batch_sizes) * (-(-(max(args.contexts) + args.decode_steps + 16)
+    vocab = facts["vocab"]
+
+    decode_tokens = args.warmup_steps + args.decode_steps
+    longest = max(args.contexts + args.prefill_lengths) + decode_tokens + 16
+    num_blocks = max(args.batch_sizes) * (-(-(max(args.contexts) + decode_tokens + 16)
                                           // args.block_size)) + 64
     generator = torch.Generator().manual_seed(1234)
 
@@ -179,10 +201,10 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, vocab: int) -> di
              enable_prefix_caching=False) as llm:
         torch.set_num_threads(args.threads)  # the engine set its share; use the asked number
         engine = llm.engine
-        params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 4,
-                                ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=decode_tokens + 4, ignore_eos=True)
         llm.generate([fresh(32)], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         rounds: dict[tuple[int, int], list[float]] = {}
+        reads: dict[tuple[int, int], list[float]] = {}
         for _ in range(args.rounds):
             for context in args.contexts:
                 for batch in args.batch_sizes:
@@ -191,6 +213,8 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, vocab: int) -> di
                     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
                             engine.scheduler.waiting:
                         engine.step()  # prefill (chunked by the token budget), untimed
+                    for _ in range(args.warmup_steps):
+                        engine.step()
                     times = []
                     for _ in range(args.decode_steps):
                         start = time.perf_counter()
@@ -199,11 +223,15 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, vocab: int) -> di
                     while engine.has_unfinished_requests():
                         engine.step()
                     times.sort()
+                    read = read_bandwidth_bytes_per_s(decode_bytes(facts, batch, context))
                     rounds.setdefault((batch, context), []).append(times[len(times) // 2])
+                    reads.setdefault((batch, context), []).append(read / 1e9)
                     print(f"pdserve decode batch {batch} context {context}: "
-                          f"{times[len(times) // 2] * 1e3:.2f} ms", flush=True)
+                          f"{times[len(times) // 2] * 1e3:.2f} ms (read {read / 1e9:.1f} GB/s "
+                          "at its bytes)", flush=True)
         decode = [{"batch": batch, "context": context,
-                   "step_s": sorted(values)[len(values) // 2], "rounds_s": values}
+                   "step_s": sorted(values)[len(values) // 2], "rounds_s": values,
+                   "rounds_read_gb_s": reads[batch, context]}
                   for (batch, context), values in rounds.items()]
         one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for length in args.prefill_lengths:
@@ -229,6 +257,7 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
                "--contexts", *map(str, args.contexts),
                "--prefill-lengths", *map(str, args.prefill_lengths),
                "--decode-tokens", str(args.decode_steps), "--rounds", str(args.rounds),
+               "--warmup-steps", str(args.warmup_steps),
                "--dtype", model_facts(model_dir)["dtype"]]  # vLLM's own precision for it
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
@@ -247,18 +276,29 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
 
 
 # ---- report -----------------------------------------------------------------------------------
-def analyse(facts: dict[str, Any], bandwidths: dict[int, float], peak: float,
-            runs: dict[str, Any]) -> dict[str, Any]:
-    """`bandwidths`: the read bandwidth (bytes/s) measured at each decode row's byte count."""
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def analyse(facts: dict[str, Any], peak: float, runs: dict[str, Any]) -> dict[str, Any]:
+    """Each decode row's rounds (`rounds_s`) against the read bandwidth measured at its bytes
+    in the same rounds (`rounds_read_gb_s`): floor and x floor are the medians of the
+    rounds'."""
     decode = []
     for row in runs["pdserve"]["decode"]:
         nbytes = decode_bytes(facts, row["batch"], row["context"])
         flops = decode_flops(facts, row["batch"], row["context"])
-        memory_s, compute_s = nbytes / bandwidths[nbytes], flops / peak
-        floor_s = max(memory_s, compute_s)
-        entry = {**row, "bytes": nbytes, "read_gb_s": bandwidths[nbytes] / 1e9,
-                 "memory_floor_s": memory_s, "flops": flops, "compute_floor_s": compute_s,
-                 "floor_s": floor_s, "x_floor": row["step_s"] / floor_s}
+        compute_s = flops / peak
+        memory = [nbytes / (gb_s * 1e9) for gb_s in row["rounds_read_gb_s"]]
+        floors = [max(memory_s, compute_s) for memory_s in memory]
+        floor_s = _median(floors)
+        entry = {**row, "bytes": nbytes, "read_gb_s": _median(row["rounds_read_gb_s"]),
+                 "memory_floor_s": _median(memory), "flops": flops,
+                 "compute_floor_s": compute_s, "floor_s": floor_s,
+                 "x_floor": _median([step_s / floor for step_s, floor in
+                                     zip(row["rounds_s"], floors, strict=True)])}
         peer = _match(runs.get("vllm"), "decode", row, ("batch", "context"))
         if peer is not None:
             entry.update(vllm_step_s=peer["step_s"], x_vllm=row["step_s"] / peer["step_s"],
@@ -341,23 +381,16 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else mid_model_dir()
     facts = model_facts(model_dir)
     bandwidth, peak = read_bandwidth_bytes_per_s(), matmul_peak_flops()
-    bandwidths = {}
-    for batch in args.batch_sizes:
-        for context in args.contexts:
-            nbytes = decode_bytes(facts, batch, context)
-            if nbytes not in bandwidths:  # e.g. 8 x 1024 and 32 x 256 read the same bytes
-                bandwidths[nbytes] = read_bandwidth_bytes_per_s(nbytes)
-    print(f"measured on {args.threads} threads: read {bandwidth / 1e9:.1f} GB/s over 512 MiB "
-          f"({', '.join(f'{b / 1e9:.1f} at {n / 1e6:.0f} MB' for n, b in bandwidths.items())})"
-          f", matmul {peak / 1e9:.0f} GFLOP/s", flush=True)
-    runs = {"pdserve": measure_pdserve(model_dir, args, facts["vocab"])}
+    print(f"measured on {args.threads} threads: read {bandwidth / 1e9:.1f} GB/s over 512 MiB, "
+          f"matmul {peak / 1e9:.0f} GFLOP/s", flush=True)
+    runs = {"pdserve": measure_pdserve(model_dir, args, facts)}
     if args.with_vllm:
         peer = measure_vllm(model_dir, args, facts["vocab"])
         if peer is not None:
             runs["vllm"] = peer
     result = {"model": {**facts, "dir": str(model_dir)}, "threads": args.threads,
               "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflops": peak / 1e9,
-              **analyse(facts, bandwidths, peak, runs)}
+              **analyse(facts, peak, runs)}
     print_table(result)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """The decode floor of benchmarks/step_roofline.py: bytes at the bandwidth measured for that
-many bytes, or FLOPs at the matmul peak, whichever is slower."""
+many bytes in the same round, or FLOPs at the matmul peak, whichever is slower."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ FACTS = {"layers": 2, "heads": 4, "head_dim": 8, "matmul_params": 1000, "weight_
          "kv_bytes_per_token": 4 * 2 * 2 * 2 * 8}
 
 
-def _run(batch: int, context: int, step_s: float) -> dict:
-    return {"pdserve": {"decode": [{"batch": batch, "context": context, "step_s": step_s}],
-                        "prefill": []}}
+def _run(batch: int, context: int, rounds_s: list[float], reads_gb_s: list[float]) -> dict:
+    row = {"batch": batch, "context": context, "step_s": sorted(rounds_s)[len(rounds_s) // 2],
+           "rounds_s": rounds_s, "rounds_read_gb_s": reads_gb_s}
+    return {"pdserve": {"decode": [row], "prefill": []}}
 
 
 def test_memory_bound_row_is_held_to_the_bandwidth_of_its_own_size() -> None:
@@ -21,7 +22,7 @@ def test_memory_bound_row_is_held_to_the_bandwidth_of_its_own_size() -> None:
     assert nbytes == 4000 + 2 * 10 * 256
     # 9120 bytes at 1e6 B/s: 9.12 ms; 2 rows x 2000 + attention 2*2*2*4*8*10*2 = 9120 FLOPs at
     # 1e9: 9.1 us
-    row = step_roofline.analyse(FACTS, {nbytes: 1e6}, 1e9, _run(2, 10, 0.018))["decode"][0]
+    row = step_roofline.analyse(FACTS, 1e9, _run(2, 10, [0.018], [1e-3]))["decode"][0]
     assert step_roofline.decode_flops(FACTS, 2, 10) == 2 * 1000 * 2 + 2 * 2 * 2 * 4 * 8 * 10 * 2
     assert row["memory_floor_s"] == pytest.approx(9120 / 1e6)
     assert row["floor_s"] == row["memory_floor_s"]
@@ -30,7 +31,17 @@ def test_memory_bound_row_is_held_to_the_bandwidth_of_its_own_size() -> None:
 
 
 def test_compute_bound_row_is_held_to_the_matmul_peak() -> None:
-    nbytes = step_roofline.decode_bytes(FACTS, 2, 10)
-    row = step_roofline.analyse(FACTS, {nbytes: 1e12}, 1e6, _run(2, 10, 0.05))["decode"][0]
+    row = step_roofline.analyse(FACTS, 1e6, _run(2, 10, [0.05], [1e3]))["decode"][0]
     assert row["floor_s"] == row["compute_floor_s"] == pytest.approx(9120 / 1e6)
     assert row["compute_floor_s"] > row["memory_floor_s"]
+
+
+def test_each_round_is_held_to_the_floor_read_in_that_round() -> None:
+    # 9120 bytes: a round read at 1 MB/s has a 9.12 ms floor, one at 2 MB/s 4.56 ms
+    rounds_s, reads = [0.0184, 0.0092, 0.010], [1e-3, 2e-3, 1e-3]
+    row = step_roofline.analyse(FACTS, 1e9, _run(2, 10, rounds_s, reads))["decode"][0]
+    ratios = sorted([0.0184 / 9.12e-3, 0.0092 / 4.56e-3, 0.010 / 9.12e-3])
+    assert row["x_floor"] == pytest.approx(ratios[1])  # the median of the rounds' ratios
+    assert row["floor_s"] == pytest.approx(9.12e-3)  # the median of the rounds' floors
+    assert row["read_gb_s"] == pytest.approx(1e-3)
+    assert row["step_s"] == 0.010
