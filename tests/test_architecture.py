@@ -57,6 +57,7 @@ OFFLINE_BENCHMARKS = {
     "pdserve.benchmarks.cp_prefill": ("pdserve.serve",),          # offline runner, CP 1 vs 2
     "pdserve.benchmarks.step_roofline": ("pdserve.serve",),       # offline engine step
     "pdserve.benchmarks.weight_pages": ("pdserve.serve",),        # offline engine step
+    "pdserve.benchmarks.decode_warmup": ("pdserve.serve",),       # offline engine steps
     "pdserve.benchmarks.structured_cost": ("pdserve.serve",),     # offline engine step
     "pdserve.benchmarks.store_replay": ("pdserve.kvstore",),      # the store's tiers
     "pdserve.benchmarks.store_sharded": ("pdserve.kvstore",),     # put/get over data nodes
