@@ -419,6 +419,33 @@ def test_panel_linear_rows_do_not_depend_on_their_batch():
     assert torch.equal(_ops().panel_linear(x, panels, None)[7:8], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 8, 9, 32])
+def test_panel_linear_splits_a_decode_steps_columns_between_threads_exactly(dtype, rows):
+    """A decode step's product splits its columns between the threads 16 at a time, so a panel
+    may be shared (33 vectors at N = 520: the threads split panel 5, and the last panel ends
+    in a masked vector): every output is the same bits on one thread as on two, and equals
+    torch's product."""
+    _needs_panels()
+    from pdserve.serve import parallel
+
+    torch.manual_seed(12)
+    weight = torch.randn(520, 512).to(dtype).float()
+    panels = parallel.prepack(weight)
+    assert panels.dtype == dtype
+    x = torch.randn(rows, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = _ops().panel_linear(x, panels, None)
+        torch.set_num_threads(1)
+        one = _ops().panel_linear(x, panels, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two, x @ weight.T, atol=1e-4, rtol=1e-4)
+
+
 def test_panel_linear_refuses_what_it_cannot_read():
     _needs_panels()
     with pytest.raises(RuntimeError, match="do not hold rows of K = 9"):

@@ -229,51 +229,79 @@ PanelTileFn<W> panel_tile_for(int mt, int nv, bool masked) {
 template <typename W>
 void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t N, int64_t K,
                    float* yp) {
-  // Tasks: (block of rows, panel) pairs, panels inner. A decode step's rows are one block,
-  // so threads split the panels and each streams its own stretch of W; a prefill's blocks
-  // split too, which keeps the threads level where the panels are few (11 at N = 512).
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
   const int64_t num_blocks = (M + kPanelBlockRows - 1) / kPanelBlockRows;
-  const int64_t row_bytes = kPanel * static_cast<int64_t>(sizeof(W));  // a full panel's row
+  const int64_t size = static_cast<int64_t>(sizeof(W));
+  const int64_t row_bytes = kPanel * size;  // a full panel's row
+  // Rows [b0, b1) times columns [16 va, 16 vb) of panel p (a panel's vectors of 16 columns:
+  // all of them, or a thread's share of a panel split between two threads). `fetched`: the
+  // task before, on this thread, asked for this panel's lines; `next`: this thread goes on to
+  // panel p + 1.
+  auto task = [&](int64_t b0, int64_t b1, int64_t p, int64_t va, int64_t vb, bool fetched,
+                  bool next) {
+    const int64_t width = std::min(kPanel, N - p * kPanel);
+    const int64_t panel_vectors = (width + 15) / 16;
+    const int nv = static_cast<int>(vb - va);
+    // the panel's last vector is partial where width is not a multiple of 16
+    const bool masked = width % 16 != 0 && vb == panel_vectors;
+    const __mmask16 last = masked ? static_cast<__mmask16>((1u << (width % 16)) - 1u) : 0xFFFF;
+    const W* panel = wp + p * kPanel * K;  // every panel before it is full
+    // The tiles of rows after the first find the panel in L2. Up to 3 tiles ask for the
+    // next panel's lines, split evenly, a line or more a step, so that memory streams while
+    // they compute: from tile 0 where an earlier task fetched this panel (the task before,
+    // panel p - 1), else from tile 1, tile 0 then asking for its own columns kPanelAhead
+    // bytes ahead (their lines of a row a step), as a panel of one tile always does. Tile 0
+    // sharing the next panel's lines instead of asking again for its own: the llama-mid-like
+    // model's four products, 8 layers on huge pages, 2 cores, interleaved, at 12 / 16 / 24 /
+    // 32 rows 3.49 -> 3.15, 3.85 -> 3.47, 4.68 -> 4.25, 5.75 -> 5.45 ms; 8 rows 2% faster.
+    const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
+    fetched = fetched && tiles > 1;
+    next = next && tiles > 1;
+    const int64_t first = fetched ? 0 : 1;  // the first tile that fetches the next panel
+    const int64_t fetchers = std::min<int64_t>(tiles - first, 3);  // a row is 3 lines
+    const int64_t share =  // lines of the next panel per fetching tile
+        next && fetchers > 0 ? (row_bytes * K / 64 + fetchers - 1) / fetchers : 0;
+    const int lines = static_cast<int>((share + K - 1) / K);  // per step
+    const int64_t own_begin = 16 * va * size / 64 * 64, own_end = 16 * vb * size;
+    const int own_lines = static_cast<int>((own_end - own_begin + 63) / 64);
+    const char* own = reinterpret_cast<const char*>(panel) + own_begin + kPanelAhead;
+    const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t m0 = b0 + i * kPanelRows;
+      const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
+      const bool streams_own = i == 0 && !fetched;
+      panel_tile_for<W>(mt, nv, masked)(
+          xp + m0 * ldx, ldx, panel + 16 * va, width, K, yp + m0 * N + p * kPanel + 16 * va,
+          N, last, streams_own ? own : next_panel + (i - first) * share * 64,
+          streams_own ? width * size : lines * 64,
+          streams_own ? own_lines : next && i < first + fetchers ? lines : 0);
+    }
+  };
+  if (num_blocks == 1) {
+    // A decode step's rows: threads split the columns 16 at a time, so each streams its own
+    // stretch of W and the two take equal shares where a split by panels could not (11
+    // panels at N = 512 went 6 and 5, and the fifth partial: a product 12% longer than its
+    // threads' mean). A column's sum is the same whichever thread computes it.
+    static_assert(kPanel == 3 * 16, "a panel is 3 vectors");
+    const int64_t num_vectors = (N + 15) / 16;  // the last panel's last may be partial
+    const int64_t grain = 3 * std::max<int64_t>(1, (64 << 10) / (row_bytes * K));  // ~64 KiB
+    at::parallel_for(0, num_vectors, grain, [&](int64_t v0, int64_t v1) {
+      const int64_t p0 = v0 / 3, p1 = (v1 - 1) / 3;
+      for (int64_t p = p0; p <= p1; ++p)
+        task(0, M, p, std::max(v0, 3 * p) - 3 * p, std::min(v1, 3 * p + 3) - 3 * p, p > p0,
+             p < p1);
+    });
+    return;
+  }
+  // A prefill's rows: tasks are (block of rows, panel) pairs, panels inner, and the blocks
+  // split too, which keeps the threads level where the panels are few (11 at N = 512).
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (row_bytes * K));  // ~64 KiB of W
   at::parallel_for(0, num_blocks * num_panels, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b0 = t / num_panels * kPanelBlockRows, p = t % num_panels;
-      const int64_t b1 = std::min(M, b0 + kPanelBlockRows);
       const int64_t width = std::min(kPanel, N - p * kPanel);
-      const int nv = static_cast<int>((width + 15) / 16);
-      const __mmask16 last = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
-      const W* panel = wp + p * kPanel * K;  // every panel before it is full
-      const bool masked = width % 16 != 0;
-      // The tiles of rows after the first find the panel in L2. Up to 3 tiles ask for the
-      // next panel's lines, split evenly, a line or more a step, so that memory streams while
-      // they compute: from tile 0 where an earlier task fetched this panel (the task before,
-      // panel p - 1), else from tile 1, tile 0 then asking for its own panel kPanelAhead bytes
-      // ahead (a row's lines a step), as a panel of one tile always does. Tile 0 sharing the
-      // next panel's lines instead of asking again for its own: the llama-mid-like model's
-      // four products, 8 layers on huge pages, 2 cores, interleaved, at 12 / 16 / 24 / 32
-      // rows 3.49 -> 3.15, 3.85 -> 3.47, 4.68 -> 4.25, 5.75 -> 5.45 ms; 8 rows 2% faster.
-      const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
-      const bool fetched = t > t0 && p > 0 && tiles > 1;  // by the task before, panel p - 1
-      const bool next = t + 1 < t1 && p + 1 < num_panels && tiles > 1;
-      const int64_t first = fetched ? 0 : 1;  // the first tile that fetches the next panel
-      const int64_t fetchers = std::min<int64_t>(tiles - first, 3);  // a row is 3 lines
-      const int64_t share =  // lines of the next panel per fetching tile
-          next && fetchers > 0 ? (row_bytes * K / 64 + fetchers - 1) / fetchers : 0;
-      const int lines = static_cast<int>((share + K - 1) / K);  // per step
-      const int own_lines = static_cast<int>((width * static_cast<int64_t>(sizeof(W)) + 63) / 64);
-      const char* own = reinterpret_cast<const char*>(panel) + kPanelAhead;
-      const char* next_panel = reinterpret_cast<const char*>(panel + kPanel * K);
-      for (int64_t i = 0; i < tiles; ++i) {
-        const int64_t m0 = b0 + i * kPanelRows;
-        const int mt = static_cast<int>(std::min<int64_t>(kPanelRows, b1 - m0));
-        const bool streams_own = i == 0 && !fetched;
-        panel_tile_for<W>(mt, nv, masked)(
-            xp + m0 * ldx, ldx, panel, width, K, yp + m0 * N + p * kPanel, N, last,
-            streams_own ? own : next_panel + (i - first) * share * 64,
-            streams_own ? width * static_cast<int64_t>(sizeof(W)) : lines * 64,
-            streams_own ? own_lines : next && i < first + fetchers ? lines : 0);
-      }
+      task(b0, std::min(M, b0 + kPanelBlockRows), p, 0, (width + 15) / 16,
+           t > t0 && p > 0, t + 1 < t1 && p + 1 < num_panels);
     }
   });
 }
