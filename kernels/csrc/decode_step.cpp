@@ -53,23 +53,30 @@ std::vector<torch::Tensor> llama_decode_layers(
               "llama_decode_layers: ", kWeightsPerLayer, " weights per layer");
   TORCH_CHECK(hidden.dim() == 2, "llama_decode_layers: hidden [T, hidden]");
   const int64_t T = hidden.size(0);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t q_size = num_heads * head_dim;
   auto tables = block_tables.to(torch::kInt32).contiguous();
   auto lens = seq_lens.to(torch::kInt32);
+  std::vector<torch::Tensor> k_caches, v_caches;  // each layer's planes, views of its pool
+  for (const auto& cache : kv_caches) {
+    auto planes = cache.unbind(0);
+    k_caches.push_back(planes[0]);
+    v_caches.push_back(planes[1]);
+  }
   c10::optional<torch::Tensor> residual;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     const torch::Tensor& cache = kv_caches[layer];
     auto normed = add_rms_norm(hidden, residual, w[0], eps);
     residual = normed[1];
-    auto qkv = project(normed[0], w[1], optional_bias(w[2]), amx_rows);
-    auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    rotary_neox_(q, cos, sin, rotary_dim);
-    rotary_neox_(k, cos, sin, rotary_dim);
-    write_kv_cache(k, v.contiguous(), cache, slot_mapping);
-    auto attn = paged_last_token_attention(q, cache[0], cache[1], lens, tables, scale);
+    // q, k, v: views of the product's heads (write_kv_cache takes them strided)
+    auto heads = project(normed[0], w[1], optional_bias(w[2]), amx_rows)
+                     .view({T, num_heads + 2 * num_kv_heads, head_dim})
+                     .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+    rotary_neox_(heads[0], cos, sin, rotary_dim);
+    rotary_neox_(heads[1], cos, sin, rotary_dim);
+    write_kv_cache(heads[1], heads[2], cache, slot_mapping);
+    auto attn = paged_last_token_attention(heads[0], k_caches[layer], v_caches[layer], lens,
+                                           tables, scale);
     hidden = with_bias(project(attn.reshape({T, q_size}), w[3], c10::nullopt, amx_rows), w[4]);
     normed = add_rms_norm(hidden, residual, w[5], eps);
     residual = normed[1];
