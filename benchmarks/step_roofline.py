@@ -28,9 +28,9 @@ engine and vLLM alike: a prefill's activations push the weights out of the last-
 and the decode steps after it run slow until they are back (on this project's machines a
 batch-8 step took 7.4 ms right after its prefill and settled at 4.4 ms some 20 steps later).
 The point's step is then the median of `--decode-steps` timed steps; the whole sweep runs
-`--rounds`
-times (3), and the point keeps the median of its rounds' (each round's is in the JSON): on a
-host shared with other tenants one noisy minute then moves one round, not the table.
+`--rounds` times (3), and the point keeps the median of its rounds' (each round's is in the
+JSON): on a host shared with other tenants one noisy minute then moves one round, not the
+table.
 
 Without --model it builds (and caches in PDSERVE_CACHE_DIR) a llama-mid-like random Llama:
 hidden 512, 8 layers, 8 heads of 64, 4 KV heads, intermediate 1408, fp32 (about 24M
@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -184,7 +185,6 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
     from pdserve.serve import LLM, SamplingParams
 
     vocab = facts["vocab"]
-
     decode_tokens = args.warmup_steps + args.decode_steps
     longest = max(args.contexts + args.prefill_lengths) + decode_tokens + 16
     num_blocks = max(args.batch_sizes) * (-(-(max(args.contexts) + decode_tokens + 16)
@@ -276,12 +276,6 @@ def measure_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
 
 
 # ---- report -----------------------------------------------------------------------------------
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def analyse(facts: dict[str, Any], peak: float, runs: dict[str, Any]) -> dict[str, Any]:
     """Each decode row's rounds (`rounds_s`) against the read bandwidth measured at its bytes
     in the same rounds (`rounds_read_gb_s`): floor and x floor are the medians of the
@@ -293,11 +287,11 @@ def analyse(facts: dict[str, Any], peak: float, runs: dict[str, Any]) -> dict[st
         compute_s = flops / peak
         memory = [nbytes / (gb_s * 1e9) for gb_s in row["rounds_read_gb_s"]]
         floors = [max(memory_s, compute_s) for memory_s in memory]
-        floor_s = _median(floors)
-        entry = {**row, "bytes": nbytes, "read_gb_s": _median(row["rounds_read_gb_s"]),
-                 "memory_floor_s": _median(memory), "flops": flops,
+        floor_s = statistics.median(floors)
+        entry = {**row, "bytes": nbytes, "read_gb_s": statistics.median(row["rounds_read_gb_s"]),
+                 "memory_floor_s": statistics.median(memory), "flops": flops,
                  "compute_floor_s": compute_s, "floor_s": floor_s,
-                 "x_floor": _median([step_s / floor for step_s, floor in
+                 "x_floor": statistics.median([step_s / floor for step_s, floor in
                                      zip(row["rounds_s"], floors, strict=True)])}
         peer = _match(runs.get("vllm"), "decode", row, ("batch", "context"))
         if peer is not None:
