@@ -10,6 +10,12 @@ torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_ca
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                         torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+// The two above on raw fp32 rows (outputs contiguous), as the fused decode loop calls them into
+// its own buffers: the same arithmetic, so the same bits. r may be null, or sum itself.
+void add_rms_norm_rows(const float* x, int64_t ldx, const float* r, int64_t ldr,
+                       const float* weight, float* out, float* sum, int64_t T, int64_t D,
+                       double eps);
+void silu_and_mul_rows(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
 void rotary_neox_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
                     torch::Tensor slot_mapping);
@@ -26,6 +32,8 @@ int64_t skinny_max_rows();
 int64_t panel_width();
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
                            c10::optional<torch::Tensor> bias);
+// panel_linear without a bias, into y [M, N] (fp32, rows contiguous).
+void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, torch::Tensor& y);
 // amx_gemm.cpp: x W^T on AMX for bf16 panels, steps of at least amx_min_rows() rows.
 bool amx_available();
 int64_t amx_min_rows();

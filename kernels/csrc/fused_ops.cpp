@@ -25,11 +25,15 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     rp = residual->data_ptr<float>();
     ldr = residual->stride(0);
   }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+  add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), rp, ldr, weight.data_ptr<float>(),
+                    out.data_ptr<float>(), sum.data_ptr<float>(), T, D, eps);
+  return {out, sum};
+}
+
+// add_rms_norm's arithmetic on rows: out and sum [T, D] contiguous; r may be null (no
+// residual) or sum itself (the residual updated in place: each element is read, then written).
+void add_rms_norm_rows(const float* xp, int64_t ldx, const float* rp, int64_t ldr,
+                       const float* wp, float* op, float* sp, int64_t T, int64_t D, double eps) {
   at::parallel_for(0, T, std::max<int64_t>(1, 4096 / D), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* s = sp + t * D;
@@ -49,7 +53,6 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
       for (int64_t d = 0; d < D; ++d) o[d] = wp[d] * (s[d] * inv);
     }
   });
-  return {out, sum};
 }
 
 // [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, silu(g) = g * sigmoid(g), with
@@ -58,10 +61,14 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
               x.size(1) % 2 == 0, "x");
-  const int64_t T = x.size(0), I = x.size(1) / 2, ldx = x.stride(0);
+  const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  silu_and_mul_rows(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), T, I);
+  return out;
+}
+
+// silu_and_mul's arithmetic on rows: x [T, 2I] (row stride ldx) -> out [T, I] contiguous.
+void silu_and_mul_rows(const float* xp, int64_t ldx, float* op, int64_t T, int64_t I) {
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* g = xp + t * ldx;
@@ -84,7 +91,6 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       }
     }
   });
-  return out;
 }
 
 // In place on x [T, H, D] (last dim contiguous; rows may be strided views into a fused QKV

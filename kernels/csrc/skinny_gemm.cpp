@@ -368,6 +368,16 @@ int64_t panel_width() {
 // values, fp32, bf16 or fp16; N read off the size), bias [N] or None -> [M, N].
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && panels.numel() % x.size(1) == 0,
+              "panel_linear: panels of ", panels.numel(), " values do not hold rows of K = ",
+              x.dim() == 2 ? x.size(1) : -1);
+  auto y = torch::empty({x.size(0), panels.numel() / x.size(1)}, x.options());
+  panel_linear_into(x, panels, y);
+  add_bias(y, bias, "panel_linear");
+  return y;
+}
+
+void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, torch::Tensor& y) {
 #if defined(__AVX512F__)
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat,
               "panel_linear: x [M, K] fp32 with contiguous rows");
@@ -379,7 +389,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
   TORCH_CHECK(K > 0 && panels.numel() % K == 0, "panel_linear: panels of ", panels.numel(),
               " values do not hold rows of K = ", K);
   const int64_t N = panels.numel() / K;
-  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK(y.scalar_type() == torch::kFloat && y.is_contiguous() && y.dim() == 2 &&
+              y.size(0) == M && y.size(1) == N, "panel_linear: y [M, N] fp32, contiguous");
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (type == torch::kFloat)
@@ -388,10 +399,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
     panel_product(xp, x.stride(0), panels.data_ptr<at::BFloat16>(), M, N, K, yp);
   else
     panel_product(xp, x.stride(0), panels.data_ptr<at::Half>(), M, N, K, yp);
-  add_bias(y, bias, "panel_linear");
-  return y;
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (panel_width() == 0)");
-  return x;
 #endif
 }
