@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pdserve.benchmarks.plots import save_json
-from pdserve.benchmarks.step_roofline import mid_model_dir, model_facts
+from pdserve.benchmarks.step_roofline import mid_model_dir, model_facts, prefill_added
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +61,7 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                 engine.add_request(torch.randint(10, vocab, (args.context,),
                                                  generator=generator).tolist(), params)
             start = time.perf_counter()
-            while engine.scheduler.waiting or any(r.num_output_tokens == 0
-                                                  for r in engine.scheduler.running):
-                engine.step()
+            prefill_added(engine)
             prefills.append(time.perf_counter() - start)
             times = []
             for _ in range(args.steps):

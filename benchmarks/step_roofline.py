@@ -177,6 +177,14 @@ def prefill_flops(facts: dict[str, Any], tokens: int) -> float:
 
 
 # ---- pdserve ----------------------------------------------------------------------------------
+def prefill_added(engine: Any) -> None:
+    """Step an engine until every request added to it has its first token: their prefill,
+    chunked by the token budget (the other benchmarks of one engine step share it)."""
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0
+                                          for r in engine.scheduler.running):
+        engine.step()
+
+
 def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, Any]
                     ) -> dict[str, Any]:
     """Each decode point's step time per round, with the read bandwidth at its bytes measured
@@ -210,9 +218,7 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
                 for batch in args.batch_sizes:
                     for _ in range(batch):
                         engine.add_request(fresh(context), params)
-                    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or \
-                            engine.scheduler.waiting:
-                        engine.step()  # prefill (chunked by the token budget), untimed
+                    prefill_added(engine)  # untimed
                     for _ in range(args.warmup_steps):
                         engine.step()
                     times = []

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pdserve.benchmarks.plots import save_json
-from pdserve.benchmarks.step_roofline import mid_model_dir, model_facts
+from pdserve.benchmarks.step_roofline import mid_model_dir, model_facts, prefill_added
 
 COPIES = ("4 KiB pages", "2 MiB pages")
 
@@ -65,9 +65,7 @@ def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace
             for _ in range(batch):
                 engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(),
                                    params)
-            while engine.scheduler.waiting or any(r.num_output_tokens == 0
-                                                  for r in engine.scheduler.running):
-                engine.step()
+            prefill_added(engine)
             engine.step()
             if not loops:
                 raise SystemExit("this model's decode steps do not take the fused loop "
