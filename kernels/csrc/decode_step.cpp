@@ -64,14 +64,16 @@ std::vector<torch::Tensor> llama_decode_layers(
   }
   // The step's activations, allocated once for every layer (fp32, rows contiguous): the
   // residual stream is updated in place, each layer's output goes to `out`.
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && hidden.stride(1) == 1,
-              "llama_decode_layers: hidden fp32 with contiguous rows");
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && hidden.size(1) > 0 &&
+              hidden.stride(1) == 1, "llama_decode_layers: hidden fp32 with contiguous rows");
   const int64_t D = hidden.size(1);
   const int64_t qkv_size = q_size + 2 * num_kv_heads * head_dim;
   auto options = hidden.options();
   auto residual = torch::empty({T, D}, options), normed = torch::empty({T, D}, options);
   auto out = torch::empty({T, D}, options), qkv = torch::empty({T, qkv_size}, options);
-  torch::Tensor gate_up, act;
+  // gate | up [T, 2I]: W_gu holds 2I x D values, plain or in panels
+  const int64_t inter = weights.empty() ? 0 : weights[6].numel() / D / 2;
+  auto gate_up = torch::empty({T, 2 * inter}, options), act = torch::empty({T, inter}, options);
   const float* x = hidden.data_ptr<float>();  // the layer's input: the embedding, then `out`
   int64_t ldx = hidden.stride(0);
   const float* r = nullptr;  // no residual before the first layer
@@ -80,7 +82,8 @@ std::vector<torch::Tensor> llama_decode_layers(
                    .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D, "llama_decode_layers: norm weights");
+    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[6].numel() == 2 * inter * D,
+                "llama_decode_layers: layers of one shape");
     add_rms_norm_rows(x, ldx, r, D, w[0].data_ptr<float>(), normed.data_ptr<float>(),
                       residual.data_ptr<float>(), T, D, eps);
     r = residual.data_ptr<float>();
@@ -93,12 +96,6 @@ std::vector<torch::Tensor> llama_decode_layers(
     project(attn.view({T, q_size}), w[3], w[4], amx_rows, out);
     add_rms_norm_rows(out.data_ptr<float>(), D, r, D, w[5].data_ptr<float>(),
                       normed.data_ptr<float>(), residual.data_ptr<float>(), T, D, eps);
-    const int64_t inter = (w[6].dim() == 1 ? w[6].numel() / D : w[6].size(0)) / 2;
-    if (!gate_up.defined()) {
-      gate_up = torch::empty({T, 2 * inter}, options);
-      act = torch::empty({T, inter}, options);
-    }
-    TORCH_CHECK(gate_up.size(1) == 2 * inter, "llama_decode_layers: layers of one shape");
     project(normed, w[6], w[7], amx_rows, gate_up);
     silu_and_mul_rows(gate_up.data_ptr<float>(), 2 * inter, act.data_ptr<float>(), T, inter);
     project(act, w[8], w[9], amx_rows, out);

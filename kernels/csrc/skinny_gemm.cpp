@@ -364,14 +364,19 @@ int64_t panel_width() {
 #endif
 }
 
+// N of the W [N, K] that `panels` packs, for x [M, K]: its values must hold whole rows of K.
+static int64_t panel_columns(const torch::Tensor& x, const torch::Tensor& panels) {
+  const int64_t K = x.dim() == 2 ? x.size(1) : -1;
+  TORCH_CHECK(K > 0 && panels.numel() % K == 0, "panel_linear: panels of ", panels.numel(),
+              " values do not hold rows of K = ", K);
+  return panels.numel() / K;
+}
+
 // x [M, K] (unit last stride), panels: W [N, K] packed by serve/parallel.py pack_panels (N * K
 // values, fp32, bf16 or fp16; N read off the size), bias [N] or None -> [M, N].
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && panels.numel() % x.size(1) == 0,
-              "panel_linear: panels of ", panels.numel(), " values do not hold rows of K = ",
-              x.dim() == 2 ? x.size(1) : -1);
-  auto y = torch::empty({x.size(0), panels.numel() / x.size(1)}, x.options());
+  auto y = torch::empty({x.dim() == 2 ? x.size(0) : 0, panel_columns(x, panels)}, x.options());
   panel_linear_into(x, panels, y);
   add_bias(y, bias, "panel_linear");
   return y;
@@ -385,10 +390,7 @@ void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, torc
   TORCH_CHECK(panels.is_contiguous() && (type == torch::kFloat || type == torch::kBFloat16 ||
                                          type == torch::kHalf),
               "panel_linear: contiguous fp32, bf16 or fp16 panels");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K > 0 && panels.numel() % K == 0, "panel_linear: panels of ", panels.numel(),
-              " values do not hold rows of K = ", K);
-  const int64_t N = panels.numel() / K;
+  const int64_t M = x.size(0), K = x.size(1), N = panel_columns(x, panels);
   TORCH_CHECK(y.scalar_type() == torch::kFloat && y.is_contiguous() && y.dim() == 2 &&
               y.size(0) == M && y.size(1) == N, "panel_linear: y [M, N] fp32, contiguous");
   const float* xp = x.data_ptr<float>();
