@@ -41,11 +41,12 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads):
                                rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("head_dim", [20, 40, 64])
+@pytest.mark.parametrize("head_dim", [20, 40, 64, 80])
 def test_paired_query_heads_match_reference(head_dim):
     """GQA groups of 2 take query heads two at a time (one K/V load for both): head dims
     with and without a vector tail (20: scalar dots; 40: a 32-wide pair step and an 8-wide
-    one), lengths that leave 1-3 rows after the 4-row steps."""
+    one on AVX2, 16-wide steps and an 8-wide tail on AVX-512; 80: AVX-512's 64-wide and
+    16-wide value steps), lengths that leave 1-7 rows after the 4- and 8-row steps."""
     torch.manual_seed(head_dim)
     kv_cache = torch.randn(2, 24, 8, 2, head_dim)
     query = torch.randn(5, 4, head_dim)
