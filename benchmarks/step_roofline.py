@@ -20,7 +20,7 @@ is shared with other tenants, how much of it this process gets moves from minute
 round's step is held to the floor of that same minute, and a point's "x floor" is the median
 of its rounds' ratios. A prefill must do 2 * params FLOPs per token plus the causal
 attention's, so it cannot beat FLOPs / the fp32 matmul peak measured here on the same threads
-(a large square matmul).
+(a large square product: the faster of torch's matmul and the engine's own panel product).
 
 Every timed prompt is fresh (random tokens from a new seed, prefix caching off). A decode
 point's prompts are prefilled, then run `--warmup-steps` decode steps untimed (24), for the
@@ -126,13 +126,27 @@ def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
 
 
 def matmul_peak_flops(n: int = 2048) -> float:
+    """The faster of two fp32 products of [n, n] by [n, n], best of 3 each: torch's matmul
+    (oneDNN), and pdserve's panel product (kernels/csrc/skinny_gemm.cpp, where the host has
+    AVX-512), which the engine's prefill runs on. On a Zen 5 host oneDNN reached 211 GFLOP/s
+    and the panel product 490, so a peak of oneDNN's alone let prefill read 165% of it."""
+    from pdserve.serve.layers import cpu_kernels
+    from pdserve.serve.parallel import pack_panels
+
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+    products = [lambda: a @ b]
+    ops = cpu_kernels()
+    width = int(ops.panel_width()) if ops is not None else 0
+    if width:
+        panels = pack_panels(b.t().contiguous(), width)
+        products.append(lambda: ops.panel_linear(a, panels, None))
     best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
+    for product in products:
+        product()
+        for _ in range(3):
+            start = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - start)
     return 2 * n ** 3 / best
 
 
