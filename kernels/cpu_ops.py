@@ -41,8 +41,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp",
-           "amx_gemm.cpp", "decode_step.cpp", "threads.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
+           "skinny_gemm.cpp", "amx_gemm.cpp", "decode_step.cpp", "threads.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0

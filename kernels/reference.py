@@ -173,8 +173,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       max_query_len: int,
                       last_token: Callable[..., torch.Tensor] | None = None,
-                      key: torch.Tensor | None = None, value: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+                      key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                      causal: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention for a ragged batch whose K/V (cached prefix + new) sit in kv_cache.
 
     Query i of sequence s is at position seq_lens[s] - q_len_s + i and sees keys at
@@ -187,7 +187,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
 
     Sequences with one query row (decodes riding along with prefills) go through the batched
     last-token path (`last_token`, decode_attention's arguments: a backend's own decode
-    kernel; default the torch one here); the others get one SDPA call each.
+    kernel; default the torch one here); the others get one causal call each (`causal`,
+    _causal_sdpa's arguments: a backend's own kernel; default SDPA).
 
     key, value: the step's own rows [T, Hkv, D], just written to the cache. A sequence with
     nothing cached before this step (a fresh prompt) then attends over them in place of a
@@ -212,7 +213,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
             k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
             v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
-        o = _causal_sdpa(q.float(), k.float(), v.float(), scale, enable_gqa=True)
+        o = (causal or _causal_sdpa)(q.float(), k.float(), v.float(), scale, enable_gqa=True)
         out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
     return out
 

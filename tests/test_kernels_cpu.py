@@ -133,6 +133,41 @@ def test_cpu_backend_is_the_torch_backend_with_in_place_decode():
     assert cpu.mla_prefill_attention is plain.mla_prefill_attention
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (8, 4, 64),
+                                                            (8, 2, 32), (6, 1, 80)])
+@pytest.mark.parametrize("q_len,k_len", [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100),
+                                         (7, 40), (33, 161), (1, 300)])
+def test_causal_prefill_kernel_matches_sdpa(num_heads, num_kv_heads, head_dim, q_len, k_len):
+    """The prompts' causal attention (kernels/csrc/prefill_attention.cpp, where the build has
+    AVX-512) against SDPA: every GQA group, tiles of 16 rows and keys left partial, queries
+    after a cached prefix (row i at position k_len - q_len + i), token-major operands seen
+    head-major (strided), as the prefill path passes them."""
+    if not cpu_ops.load().causal_attention_available():
+        pytest.skip("this build has no AVX-512")
+    g = torch.Generator().manual_seed(q_len * 1000 + k_len)
+    q = torch.randn(q_len, num_heads, head_dim, generator=g).transpose(0, 1)
+    k = torch.randn(k_len, num_kv_heads, head_dim, generator=g).transpose(0, 1)
+    v = (torch.randn(k_len, num_kv_heads, head_dim, generator=g) * 3).transpose(0, 1)
+    out = cpu_ops.load().causal_attention(q, k, v, 0.3)
+    expected = ref._causal_sdpa(q, k, v, 0.3, enable_gqa=True)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32],
+                               rtol=TOLERANCE[torch.float32])
+
+
+def test_causal_prefill_kernel_refuses_bad_shapes():
+    module = cpu_ops.load()
+    if not module.causal_attention_available():
+        pytest.skip("this build has no AVX-512")
+    q, k = torch.randn(4, 9, 16), torch.randn(2, 8, 16)
+    with pytest.raises(RuntimeError, match="Lq <= Lk"):
+        module.causal_attention(q, k, k, 1.0)  # more queries than keys
+    with pytest.raises(RuntimeError, match="shapes"):
+        module.causal_attention(torch.randn(3, 8, 16), k, k, 1.0)  # 3 heads over 2 KV heads
+    with pytest.raises(RuntimeError, match="fp32"):
+        module.causal_attention(q.double(), k, k, 1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_step_decode_rows_read_the_cache_in_place(dtype):
     """A prefill step's ragged batch: decode rows (one query row) beside prompts with and

@@ -2,6 +2,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_last_token_attention", &paged_last_token_attention);
+  m.def("causal_attention_available", &causal_attention_available);
+  m.def("causal_attention", &causal_attention);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_neox_", &rotary_neox_);

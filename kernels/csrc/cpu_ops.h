@@ -6,6 +6,10 @@
 torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_cache,
                                          torch::Tensor v_cache, torch::Tensor seq_lens,
                                          torch::Tensor block_tables, double scale);
+// prefill_attention.cpp: causal attention of a prefill's rows (q [H, Lq, D] over k / v
+// [Hkv, Lk, D], row i at position Lk - Lq + i), where the build has AVX-512.
+bool causal_attention_available();
+torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 // fused_ops.cpp
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                         torch::Tensor weight, double eps);
