@@ -181,9 +181,9 @@ inline void weighted_rows2(const float* p0, const float* p1, int64_t n, const fl
 // half the instructions of the AVX2 forms above for the same bytes. On a 2-core Zen 5 host,
 // where memory reads ~110 GB/s, the AVX2 attention was bound by its instructions more than by
 // memory: with every block table pointing into 128 KiB of KV (held in L2), 8 layers at batch
-// 8 x 1024 took 85-90% of their time from memory. These forms (with the max below and the
-// block prefetch as one range of lines) took 0.62-0.65 of the AVX2 time there, and 0.86-0.90
-// from memory, at batch 1-32 x 256-1024, the layers read between streams of weights.
+// 8 x 256 and 8 x 1024 took 80-90% of their time from memory. These forms (with the max below
+// and the block prefetch as one range of lines) took 0.62-0.65 of the AVX2 time there, and
+// 0.86-0.91 from memory, at batch 1-32 x 256-1024, the layers read between streams of weights.
 
 // Lane i of the result = the sum of v[i]'s 16 lanes, for 8 vectors: halves, then quarters,
 // of two vectors at a time are added, then the 4 lanes left of each.
