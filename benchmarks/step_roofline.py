@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,18 @@ def mid_model_dir() -> Path:
 
 
 # ---- the machine's ceilings, on the same threads ---------------------------------------------
+def fastest_s(runs: list[Callable[[], object]], repeats: int) -> float:
+    """The shortest time of any of `runs`, each warmed once and then timed `repeats` times."""
+    best = float("inf")
+    for run in runs:
+        run()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
     """The faster of two readers over a warm buffer of nbytes on huge pages, best of 5 each:
     torch's sum, and pdserve's skinny product of one row (kernels/csrc/skinny_gemm.cpp: 2
@@ -115,14 +128,7 @@ def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
         rows = data[: nbytes // 4 // 1024 * 1024].view(-1, 1024)
         row = torch.ones(1, 1024)
         readers.append(lambda: ops.skinny_linear(row, rows, None))
-    best = float("inf")
-    for read in readers:
-        read()
-        for _ in range(5):
-            start = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return nbytes / fastest_s(readers, 5)
 
 
 def matmul_peak_flops(n: int = 2048) -> float:
@@ -140,14 +146,7 @@ def matmul_peak_flops(n: int = 2048) -> float:
     if width:
         panels = pack_panels(b.t().contiguous(), width)
         products.append(lambda: ops.panel_linear(a, panels, None))
-    best = float("inf")
-    for product in products:
-        product()
-        for _ in range(3):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / fastest_s(products, 3)
 
 
 # ---- the model's byte and FLOP counts -------------------------------------------------------

@@ -15,6 +15,7 @@
 // needs). K is packed once per call, per KV head, dimension-major per tile, and every query
 // head of its group reads it. A row's sums run in a fixed order, whatever the threads.
 #include "cpu_ops.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -29,27 +30,6 @@ namespace {
 
 constexpr int64_t kRows = 16;  // query rows per item
 constexpr int64_t kKeys = 16;  // keys per tile: one vector of scores per row
-
-// e^x for x <= 0, 16 lanes (the same steps as simd.h's exp_nonpositive, so the same values);
-// -inf gives 0.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i pow2n = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
-}
 
 struct Heads {  // a [heads, length, dim] operand: element (h, t, d) at h * hs + t * ts + d
   const float* data;
