@@ -493,8 +493,8 @@ void last_token_attention(
     const T* q, int64_t q_s, int64_t q_h, const Plane<C>& keys, const Plane<C>& values,
     const int32_t* seq_lens, const int32_t* tables, int64_t table_stride,
     T* out, int64_t o_s, int64_t o_h, int64_t num_seqs, const Shape& sh, float scale) {
-  // Split the context into items: whole sequences, or chunks of whole blocks when there
-  // are fewer long sequences than threads can share.
+  // Split the context into items: whole sequences, or pieces of whole blocks (as even as the
+  // blocks allow) when there are fewer long sequences than threads can share.
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
   const int64_t want = kItemsPerThread * at::get_num_threads();
@@ -510,19 +510,41 @@ void last_token_attention(
       items.push_back({s, 0, len, -1});
       continue;
     }
-    for (int64_t b = 0; b < len; b += chunk) items.push_back({s, b, std::min(len, b + chunk),
-                                                              num_slots++});
+    const int64_t blocks = (len + sh.block_size - 1) / sh.block_size;
+    const int64_t pieces = (len + chunk - 1) / chunk;  // at most `blocks`
+    for (int64_t j = 0; j < pieces; ++j)
+      items.push_back({s, j * blocks / pieces * sh.block_size,
+                       std::min(len, (j + 1) * blocks / pieces * sh.block_size), num_slots++});
   }
   first_item[num_seqs] = static_cast<int64_t>(items.size());
+  // Each thread's items: a contiguous run of them (a thread then reads on from one sequence's
+  // blocks into the next's), cut where the runs' tokens come closest to even shares. Runs of
+  // equal item counts left a batch of unequal lengths unequal halves (a 1000- and a 900-token
+  // sequence beside six short ones: 1675 tokens against 585). Which thread computes an item
+  // does not change its result.
+  const int64_t num_threads =
+      std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  std::vector<int64_t> cut(num_threads + 1, static_cast<int64_t>(items.size()));
+  if (num_threads > 0) {
+    cut[0] = 0;
+    int64_t done = 0, t = 1;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const int64_t len = items[i].end - items[i].begin;
+      // cut before item i where that lands nearer the share's end than cutting after it
+      while (t < num_threads && 2 * done * num_threads + len * num_threads >= 2 * t * total)
+        cut[t++] = static_cast<int64_t>(i);
+      done += len;
+    }
+  }
   const int64_t H = sh.num_heads, dv = sh.dv;
   // Partial results of split sequences: unnormalised acc, running max and sum per head.
   std::vector<float> part_acc(num_slots * H * dv), part_top(num_slots * H),
       part_sum(num_slots * H);
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, num_threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(H * sh.dk), scores, rowbuf, acc(H * dv), top(H), sum(H);
     int64_t q_seq = -1;
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i = cut[t0]; i < cut[t1]; ++i) {
       const Item& item = items[i];
       if (item.seq != q_seq) {
         q_seq = item.seq;
