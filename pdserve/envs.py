@@ -79,6 +79,18 @@ def cpu_kernels() -> bool:
     return _flag("PDSERVE_CPU_KERNELS")
 
 
+def io_cores() -> list[int]:
+    """PDSERVE_IO_CORES=1,2: the cores a worker's ZeroMQ I/O thread runs on (empty: the
+    process's). `pdserve up` sets it for a worker whose first core it keeps for the main
+    thread (pdserve/launcher.py share_with_services)."""
+    value = os.environ.get("PDSERVE_IO_CORES", "")
+    try:
+        return [int(core) for core in value.split(",") if core.strip()]
+    except ValueError:
+        raise ValueError(f"PDSERVE_IO_CORES must be core numbers joined by commas, got "
+                         f"{value!r}") from None
+
+
 def take_launcher_pid() -> int | None:
     """PDSERVE_LAUNCHER_PID: set by `pdserve up` in each child's environment; the child exits
     once that process is no longer its parent (pdserve/lifecycle.py). Removed from the

@@ -280,8 +280,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on a CPU host, let every role float over all cores (default: "
                              "each worker rank gets cores of its own, and the router and "
                              "store get a core the workers do not use where there are more "
-                             "than 4, else share the decode workers' cores, never a "
-                             "prefill's)")
+                             "than 4, else share the cores of the decode or colocated "
+                             "workers, never a prefill's, and never the first core of a "
+                             "one-rank worker on several: its main thread's)")
     for role in ("prefill", "decode"):
         parser.add_argument(f"--{role}-cores", type=parse_core_list, default=None,
                             metavar="LIST",
@@ -381,6 +382,7 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     cores = sorted(os.sched_getaffinity(0))
     worker_cores: list[list[int] | None] = [None] * len(workers)
     service_cores = None
+    bound: dict[int, list[int]] = {}  # worker -> its cores, its main thread's first
     if device != "cuda" and not args.no_cpu_pinning:
         placed, service_cores = place_on_cores([tp * pp for _, _, tp, pp in workers], cores)
         worker_cores = list(placed) or worker_cores
@@ -395,15 +397,19 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
                                  f"than the {role} workers' {len(index)} worker(s) have ranks")
             for i, share in zip(index, shares, strict=True):
                 worker_cores[i] = share
-        if service_cores is None and args.mode == "disagg":
-            # No core to spare: the services share decode's cores. A prefill's TTFT is its
-            # compute, and on 2 cores the router and store floating onto the prefill core
-            # cost it (llama-mid-like, 8 req/s: benchmarks/results/README.md).
-            service_cores = sorted({core for (role, *_), cpus in zip(workers, worker_cores,
-                                                                       strict=True)
-                                    if role == "decode" and cpus for core in cpus}) or None
+        if service_cores is None:
+            # No core to spare: the services share the cores of the workers that stream
+            # tokens (decode's, or the colocated worker's), never a prefill's: a prefill's
+            # TTFT is its compute, and on 2 cores the router and store floating onto the
+            # prefill core cost it (llama-mid-like, 8 req/s: benchmarks/results/README.md).
+            hosts = [i for i, (role, *_) in enumerate(workers)
+                     if role in ("decode", "colocated") and worker_cores[i]]
+            service_cores, main_cores = share_with_services(
+                [worker_cores[i] or [] for i in hosts],
+                [workers[i][2] * workers[i][3] for i in hosts])
+            bound = {hosts[k]: cores for k, cores in main_cores.items()}
         if args.service_cores is not None:
-            service_cores = args.service_cores
+            service_cores, bound = args.service_cores, {}
     # Threads per rank: its cores where pinned, else a share of the host's.
     cpu_threads = [None if device == "cuda" else
                    max(1, len(cpus) // (tp * pp) if cpus else len(cores) // num_ranks)
@@ -452,6 +458,12 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
             argv += ["--cpu-threads", str(cpu_threads[index])]
         if index in overlapping:
             env["OMP_WAIT_POLICY"] = "PASSIVE"
+        if index in bound:
+            # OpenMP thread i on core i (libgomp): the main thread, which runs the engine's
+            # Python between a step's parallel regions, on the core the services leave it;
+            # the worker's ZeroMQ I/O thread on the others, beside the services
+            env["GOMP_CPU_AFFINITY"] = ",".join(map(str, bound[index]))
+            env["PDSERVE_IO_CORES"] = ",".join(map(str, bound[index][1:]))
         argv += lending.get(index, [])
         if args.device is not None:
             argv += ["--device", device]
@@ -513,6 +525,31 @@ def place_on_cores(tp_sizes: list[int], cores: list[int]
     usable = cores[:-1] if services else cores
     placement = split_cores(tp_sizes, usable)
     return (placement, services) if placement else ([], None)
+
+
+def share_with_services(host_cores: list[list[int]], ranks: list[int]
+                        ) -> tuple[list[int] | None, dict[int, list[int]]]:
+    """Where the router and store have no core of their own: the cores they share with the
+    workers that stream tokens (`host_cores`, each with `ranks` ranks), and which of those
+    workers keep their first core to their main thread ({index: its cores}).
+
+    A one-rank worker on several cores runs its engine's Python (scheduling, sampling,
+    detokenizing, sending each token) on its main thread between a step's parallel regions,
+    while its other threads wait. A router woken by a token then displaces the main thread
+    or a waiting one, as the scheduler happens to place it; the token's next step waits
+    for it only in the first case. So such a worker keeps its first core: the services
+    share its others (llama-mid-like, colocated on 2 cores, 2 req/s: mean TPOT 2.28-2.48 ->
+    2.06 ms, benchmarks/results/README.md). A worker of one core, or of several ranks,
+    shares all of its cores, as before. (None, {}) where there are no such cores."""
+    shared: set[int] = set()
+    main_cores: dict[int, list[int]] = {}
+    for k, (cores, num_ranks) in enumerate(zip(host_cores, ranks, strict=True)):
+        if num_ranks == 1 and len(cores) > 1:
+            main_cores[k] = list(cores)
+            shared.update(cores[1:])
+        else:
+            shared.update(cores)
+    return (sorted(shared) or None), main_cores
 
 
 def split_cores(tp_sizes: list[int], cores: list[int]) -> list[list[int]]:

@@ -148,6 +148,8 @@ class Worker:
         self.worker_id = worker_id
         self.handoff = HandOff(engine, role, worker_id, kv_transfer, send=self._send)
         self._context = zmq.Context()
+        for core in envs.io_cores():  # set before the first socket starts the I/O thread
+            self._context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted router takes over

@@ -81,7 +81,7 @@ def test_cpu_plan_is_unchanged() -> None:
     cluster = launcher.plan(_args("--device", "cpu", "--kv-cache-memory-gb", "2"), "/m",
                             gpus=["0", "1"])
     for child in _workers(cluster).values():
-        assert not child.env and _flag(child, "--device") == "cpu"
+        assert "CUDA_VISIBLE_DEVICES" not in child.env and _flag(child, "--device") == "cpu"
         assert _flag(child, "--kv-cache-memory-gb") == "2.0"
         assert "--no-prefix-caching" not in child.argv
     cluster = launcher.plan(_args("--no-prefix-caching"), "/m", gpus=[])
@@ -120,11 +120,24 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
     assert _flag(batched["prefill-0"], "--max-prefills-per-step") == "0"
     with pytest.raises(ValueError, match="--prefill-max-prefills-per-step must be >= 0"):
         launcher.plan(_args("--prefill-max-prefills-per-step", "-1"), "/m", gpus=[])
+    assert "GOMP_CPU_AFFINITY" not in workers["decode-0"].env  # one core: nothing to keep
+    # colocated: the worker keeps its first core to its main thread (OpenMP thread 0 bound
+    # there), the router and the worker's ZeroMQ I/O thread run on its other one
     colocated = launcher.plan(_args("--device", "cpu", "--mode", "colocated"), "/m")
     assert {c.role: c.cpus for c in colocated.children} == {"colocated-0": [0, 1],
-                                                            "router": None}
-    chosen = launcher.plan(_args("--device", "cpu", "--service-cores", "0"), "/m")
+                                                            "router": [1]}
+    env = _workers(colocated)["colocated-0"].env
+    assert (env["GOMP_CPU_AFFINITY"], env["PDSERVE_IO_CORES"]) == ("0,1", "1")
+    tp2 = launcher.plan(_args("--device", "cpu", "--mode", "colocated", "--prefill-tp", "2"),
+                        "/m")  # a core per rank: nothing to keep, the router shares both
+    assert {c.role: c.cpus for c in tp2.children}["router"] == [0, 1]
+    assert "GOMP_CPU_AFFINITY" not in _workers(tp2)["colocated-0"].env
+    assert launcher.share_with_services([[0, 1], [2]], [1, 1]) == ([1, 2], {0: [0, 1]})
+    assert launcher.share_with_services([], []) == (None, {})
+    chosen = launcher.plan(_args("--device", "cpu", "--mode", "colocated",
+                                 "--service-cores", "0"), "/m")
     assert {c.role: c.cpus for c in chosen.children}["router"] == [0]
+    assert "GOMP_CPU_AFFINITY" not in _workers(chosen)["colocated-0"].env  # as chosen
     # chosen cores: a prefill that borrows decode's core runs 2 threads and waits passively
     overlap = launcher.plan(_args("--device", "cpu", "--prefill-cores", "0-1",
                                   "--decode-cores", "1"), "/m")
@@ -152,3 +165,15 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
     unpinned = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE, "--device", "cpu",
                                    "--no-cpu-pinning"), "/m")
     assert all(c.cpus is None for c in unpinned.children)
+
+
+def test_io_cores_come_from_the_environment(monkeypatch) -> None:
+    from pdserve import envs
+
+    monkeypatch.delenv("PDSERVE_IO_CORES", raising=False)
+    assert envs.io_cores() == []
+    monkeypatch.setenv("PDSERVE_IO_CORES", "1,3")
+    assert envs.io_cores() == [1, 3]
+    monkeypatch.setenv("PDSERVE_IO_CORES", "1-3")
+    with pytest.raises(ValueError, match="PDSERVE_IO_CORES must be core numbers"):
+        envs.io_cores()
