@@ -74,6 +74,9 @@ class WorkerClient:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # The receive loop's bound: a recv with no message in this long raises zmq.Again
+        # (a timer per recv; a poll before each recv cost as much as the recv itself)
+        self._socket.setsockopt(zmq.RCVTIMEO, RECEIVE_POLL_MS)
         security.secure_client(self._socket)
         self._socket.connect(address)
         self._queues: dict[str, asyncio.Queue[Received | BaseException]] = {}
@@ -175,11 +178,9 @@ class WorkerClient:
     async def _receive_loop(self) -> None:
         while True:
             # A silent worker is caught by the heartbeat and disconnect monitors; this loop
-            # only wakes each second to stay cancellable without a pending recv.
-            if not await self._socket.poll(RECEIVE_POLL_MS):
-                continue
-            try:  # poll said a message is waiting: take it without blocking
-                raw = await self._socket.recv(zmq.NOBLOCK)
+            # only wakes each second (RCVTIMEO) to stay cancellable without a pending recv.
+            try:
+                raw = await self._socket.recv()
             except zmq.Again:
                 continue
             try:
