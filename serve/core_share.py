@@ -1,19 +1,21 @@
-"""An idle decode worker lends its cores to a prefill worker on the same host.
+"""An idle worker lends its cores to the worker of the other role on the same host.
 
 On a small CPU host `pdserve up` splits the cores between the roles (2 cores: prefill 1,
 decode 1), so a prompt that arrives while decode has nothing to do still prefills on half the
-machine. Here the decode worker publishes whether it holds any request, and the prefill worker
-checks before each layer of its forward: while the lender is idle it runs on its own cores and
-the lender's, with as many threads; once the lender holds a request again it goes back to its
-own at the next layer, so a decode step shares its core with a borrowed prefill thread for one
-layer at most.
+machine, and a decode step while no prompt is prefilling still runs on the other half. Here
+each worker publishes whether it holds any request, and its partner checks before each step
+(a prefill also before each layer of its forward): while the lender is idle the borrower runs
+on its own cores and the lender's, with as many threads; once the lender holds a request
+again the borrower goes back to its own at its next layer (prefill) or step (decode), so the
+lender shares its core with a borrowed thread for one layer, or one decode step, at most.
 
     decode worker ──IdleFlag (one byte in a shared file)──► prefill worker
+    prefill worker ─────────────── IdleFlag ───────────────► decode worker
       writes 1 while it holds a request,                     CoreBorrower.update() before
-      0 when it holds none                                   each layer: cores and threads
+      0 when it holds none                                   each step: cores and threads
 
-Only a one-rank prefill worker borrows (its one process owns every compute thread; a TP
-rank's threads live in other processes). Torch's OpenMP threads are pinned one per core on
+Only a one-rank worker borrows (its one process owns every compute thread; a TP rank's
+threads live in other processes). Torch's OpenMP threads are pinned one per core on
 each change (kernels/csrc/threads.cpp): left to the scheduler, the grown team shares a core
 for a while, and a 256-token prefill of a llama-mid-like model took 60-72 ms on two borrowed
 threads instead of 52-57 pinned.
@@ -91,7 +93,7 @@ class IdleFlag:
 
 @dataclass(frozen=True)
 class Lender:
-    """Cores a prefill worker may borrow, and the flag that says when."""
+    """Cores a worker may borrow, and the flag that says when."""
 
     cores: tuple[int, ...]
     flag_path: str
@@ -172,9 +174,9 @@ class CoreBorrower:
         if len(cores) > len(self.cores):
             self.num_borrows += 1
             if self.num_borrows == 1:  # then at debug level: it happens per idle spell
-                logger.info("borrowed cores %s while their decode worker is idle (it gets them "
-                            "back at the next layer once it holds a request; pdserve up "
-                            "--no-core-lending turns this off)",
+                logger.info("borrowed cores %s while the worker lending them is idle (it gets "
+                            "them back within a layer or a step once it holds a request; "
+                            "pdserve up --no-core-lending turns this off)",
                             ",".join(map(str, sorted(cores - self.own_cores))))
         own, borrowed = sorted(self.own_cores), sorted(cores - self.own_cores)
         torch.set_num_threads(self.own_threads + len(borrowed))

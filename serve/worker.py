@@ -99,10 +99,10 @@ class WorkerConfig:
     drain_timeout_s: float = 60.0
     """With discovery, SIGTERM: the longest wait for the requests held to finish."""
     lend_idle_flag: str | None = None
-    """Decode: publish in this file whether the worker holds no request, so that a prefill
-    worker on the same host borrows its cores meanwhile (serve/core_share.py)."""
+    """Publish in this file whether the worker holds no request, so that a worker of the
+    other role on the same host borrows its cores meanwhile (serve/core_share.py)."""
     borrow_idle_cores: tuple[Lender, ...] = ()
-    """Prefill, one rank: also run on each lender's cores while that lender is idle."""
+    """One rank: also run on each lender's cores while that lender is idle."""
     speculative: SpeculativeConfig | None = None
     """MTP speculative decoding (serve/spec_decode.py); None: off. A prefill worker loads
     the drafter but never drafts (its requests end at their first token)."""
@@ -121,12 +121,13 @@ class WorkerConfig:
             discovery.check_ttl(self.discovery_ttl_s)
         if self.discovery_store_wait_s < 0 or self.drain_timeout_s <= 0:
             raise ValueError("discovery_store_wait_s must be >= 0 and drain_timeout_s > 0")
-        if self.lend_idle_flag is not None and self.role != "decode":
-            raise ValueError("only a decode worker lends its cores (--lend-idle-flag)")
-        if self.borrow_idle_cores and (self.role != "prefill"
-                                       or self.parallel.world_size > 1):
-            raise ValueError("only a one-rank prefill worker borrows cores "
-                             "(--borrow-idle-cores): its threads are all in one process")
+        if (self.lend_idle_flag is not None or self.borrow_idle_cores) \
+                and self.role not in ("prefill", "decode"):
+            raise ValueError("only prefill and decode workers lend and borrow cores "
+                             "(--lend-idle-flag, --borrow-idle-cores)")
+        if self.borrow_idle_cores and self.parallel.world_size > 1:
+            raise ValueError("only a one-rank worker borrows cores (--borrow-idle-cores): "
+                             "its threads are all in one process")
 
     @property
     def name(self) -> str:
@@ -137,9 +138,9 @@ class Worker:
     def __init__(self, engine, role: str, address: str, worker_id: str,
                  kv_transfer=None, idle_flag: IdleFlag | None = None,
                  borrower: CoreBorrower | None = None) -> None:
-        """idle_flag: a decode worker publishes there whether it holds a request; borrower:
-        a prefill worker takes the idle lenders' cores before each layer (serve/core_share.py).
-        """
+        """idle_flag: the worker publishes there whether it holds a request; borrower: it
+        takes the idle lenders' cores before each step, and a prefill before each layer too
+        (serve/core_share.py)."""
         self.engine = engine
         self.idle_flag = idle_flag
         self.borrower = borrower
@@ -198,22 +199,18 @@ class Worker:
                         self._send(output)
 
     def _share_cores(self) -> None:
-        """A lender says whether it holds a request; a borrower gives cores back once their
-        lender is busy (it takes them before a layer: borrow_cores)."""
-        lending = self.idle_flag is not None and self.role == "decode" and not self._owners
+        """A lender says whether it holds a request; a borrower takes the cores of the idle
+        lenders and gives back those of the busy ones (a prefill also before each layer)."""
+        lending = self.idle_flag is not None and not self._owners
         if self.idle_flag is not None:
             self.idle_flag.set_idle(lending)
-        self.handoff.copy_early = not lending  # (serve/follow.py)
-        if self.borrower is not None and self.borrower.is_borrowing:
+        self.handoff.copy_early = not lending  # a decode worker's (serve/follow.py)
+        if self.borrower is not None:
             self.borrow_cores()
 
     def borrow_cores(self) -> None:
-        """The idle lenders' cores while this is a prefill worker (a flipped one gives them
-        back)."""
-        if self.role == "prefill":
-            self.borrower.update()
-        else:
-            self.borrower.give_back()
+        """The cores of the lenders that hold no request, and only those."""
+        self.borrower.update()
         self.handoff.borrowing_cores = self.borrower.is_borrowing
 
     def close(self) -> None:
@@ -443,14 +440,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill pins a hand-off's blocks in the store this long at most (the decode "
              "worker releases them once loaded)")
     add("--lend-idle-flag", default=None, metavar="PATH",
-        help="decode: publish in this file whether the worker holds a request, so that a "
-             "prefill worker on the same host (--borrow-idle-cores) runs on its cores too "
+        help="publish in this file whether the worker holds a request, so that a worker of "
+             "the other role on the same host (--borrow-idle-cores) runs on its cores too "
              "while it holds none")
     add("--borrow-idle-cores", type=Lender.parse, action="append", default=[],
         metavar="CORES@PATH",
-        help="prefill, one rank: also run on CORES (and with as many more threads) while "
-             "the decode worker publishing in PATH holds no request; checked before each "
-             "layer (repeatable)")
+        help="one rank: also run on CORES (and with as many more threads) while the worker "
+             "publishing in PATH holds no request; checked before each step, and by a "
+             "prefill before each layer (repeatable)")
     add("--handoff-dram-gb", type=float, default=1.0,
         help="host DRAM of this worker's own hand-off node: prefill saves a prompt's KV "
              "there and decode workers read it directly, one hop (0: hand off through the "

@@ -1,6 +1,6 @@
-"""Core lending (serve/core_share.py): the decode worker's idle flag, the prefill worker's
-borrower moving torch's threads onto the lent cores and back, the worker config's checks, and
-`pdserve up`'s plan of who lends to whom. (A prefill worker that borrowed, with the same
+"""Core lending (serve/core_share.py): a worker's idle flag, the borrower moving torch's
+threads onto the lent cores and back, the worker config's checks, and `pdserve up`'s plan of
+who lends to whom. (A prefill worker that borrowed, with the same
 greedy tokens: tests/test_server_e2e.py.)"""
 
 from __future__ import annotations
@@ -101,16 +101,16 @@ def test_borrower_runs_torch_threads_on_lent_cores_and_gives_them_back(tmp_path)
     assert result.returncode != 0 and "all of them lent" in result.stderr
 
 
-def test_only_decode_lends_and_only_a_one_rank_prefill_borrows() -> None:
+def test_prefill_and_decode_lend_and_one_rank_workers_borrow() -> None:
     model = ModelConfig("/m")
     lender = (Lender((1,), "/tmp/f"),)
-    WorkerConfig("decode", model, 1234, lend_idle_flag="/tmp/f")
-    WorkerConfig("prefill", model, 1234, borrow_idle_cores=lender)
-    with pytest.raises(ValueError, match="only a decode worker lends"):
-        WorkerConfig("prefill", model, 1234, lend_idle_flag="/tmp/f")
-    with pytest.raises(ValueError, match="only a one-rank prefill worker borrows"):
-        WorkerConfig("decode", model, 1234, borrow_idle_cores=lender)
-    with pytest.raises(ValueError, match="only a one-rank prefill worker borrows"):
+    for role in ("prefill", "decode"):
+        WorkerConfig(role, model, 1234, lend_idle_flag="/tmp/f", borrow_idle_cores=lender)
+    with pytest.raises(ValueError, match="only prefill and decode workers lend and borrow"):
+        WorkerConfig("colocated", model, 1234, lend_idle_flag="/tmp/f")
+    with pytest.raises(ValueError, match="only prefill and decode workers lend and borrow"):
+        WorkerConfig("colocated", model, 1234, borrow_idle_cores=lender)
+    with pytest.raises(ValueError, match="only a one-rank worker borrows"):
         WorkerConfig("prefill", model, 1234, borrow_idle_cores=lender,
                      parallel=ParallelConfig(tensor_parallel_size=2))
 
@@ -123,17 +123,25 @@ def _plan(tmp_path, *argv: str) -> dict[str, launcher.Child]:
     return {c.role: c for c in cluster.children}
 
 
-def test_pdserve_up_lends_each_decode_workers_cores_to_a_one_rank_prefill(tmp_path,
-                                                                           monkeypatch) -> None:
+def test_pdserve_up_pairs_decode_and_prefill_workers_to_lend_each_other_cores(
+        tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
     children = _plan(tmp_path)
     prefill, decode = children["prefill-0"], children["decode-0"]
     flag = str(tmp_path / "decode-0.idle")
     assert decode.argv[decode.argv.index("--lend-idle-flag") + 1] == flag
     assert prefill.argv[prefill.argv.index("--borrow-idle-cores") + 1] == f"1@{flag}"
-    # the prefill starts on both cores (OpenMP sizes its waits from them) and narrows itself
-    assert (prefill.cpus, decode.cpus) == ([0, 1], [1])
+    # and back: decode runs on the prefill's core while no prompt is there
+    flag = str(tmp_path / "prefill-0.idle")
+    assert prefill.argv[prefill.argv.index("--lend-idle-flag") + 1] == flag
+    assert decode.argv[decode.argv.index("--borrow-idle-cores") + 1] == f"0@{flag}"
+    # each starts on both cores (OpenMP sizes its waits from them) and narrows itself
+    assert (prefill.cpus, decode.cpus) == ([0, 1], [0, 1])
     assert prefill.argv[prefill.argv.index("--cpu-threads") + 1] == "1"
+    assert decode.argv[decode.argv.index("--cpu-threads") + 1] == "1"
+    assert children["router"].cpus == [1]  # the services stay on decode's own core
+    # a thread left on a core given back does not spin there long
+    assert prefill.env["GOMP_SPINCOUNT"] == decode.env["GOMP_SPINCOUNT"] == "20000"
     for off in (("--no-core-lending",), ("--mode", "colocated"), ("--no-cpu-pinning",),
                 ("--prefill-cores", "0-1", "--decode-cores", "1")):  # overlap: shared, not lent
         assert not any("--borrow-idle-cores" in c.argv or "--lend-idle-flag" in c.argv
@@ -148,6 +156,8 @@ def test_pdserve_up_lends_each_decode_workers_cores_to_a_one_rank_prefill(tmp_pa
                 if i and c.argv[i - 1] == "--borrow-idle-cores"]
     assert [b.split("@")[0] for b in borrowed] == ["2,3", "4,5"]
     assert children["prefill-0"].cpus == [0, 1, 2, 3, 4, 5]
+    # and lends to neither: the two would share its cores
+    assert "--lend-idle-flag" not in children["prefill-0"].argv
 
 
 def test_decode_worker_says_idle_only_while_it_holds_no_request(llama_dir, tmp_path) -> None:
