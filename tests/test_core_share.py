@@ -73,8 +73,8 @@ BORROWER_SCRIPT = textwrap.dedent("""
     assert borrower.is_borrowing and torch.get_num_threads() == 2
     x @ x
     pinned = affinities()
-    assert pinned[me] == [0], pinned
-    assert [1] in pinned.values(), pinned  # torch's second thread, on the lent core
+    assert pinned[me] == [1], pinned  # the main thread on the lent core
+    assert [0] in pinned.values(), pinned  # torch's second thread, on the own core
     lender.set_idle(False)
     borrower.update()
     assert not borrower.is_borrowing and torch.get_num_threads() == 1
