@@ -132,7 +132,10 @@ class CoreBorrower:
     wait), which made a borrowed prefill 20-30% slower than a colocated one. The borrower
     then narrows every thread to the own cores: the start cores less the lenders'."""
 
-    def __init__(self, lenders: Sequence[Lender]) -> None:
+    def __init__(self, lenders: Sequence[Lender], main_on_lent: bool = False) -> None:
+        """main_on_lent: while borrowing, this thread (OpenMP's thread 0) runs on a lent
+        core, not an own one: for a decode worker, whose own cores the router and store
+        share (pdserve/launcher.py), never a prefill's."""
         start = frozenset(os.sched_getaffinity(0))
         lent = frozenset().union(*(lender.cores for lender in lenders))
         self.own_cores = start - lent
@@ -141,6 +144,7 @@ class CoreBorrower:
                              f"({sorted(lent)}): start it on its own cores and the lent ones")
         self._lenders = [(frozenset(lender.cores) & start, IdleFlag(lender.flag_path))
                          for lender in lenders]
+        self._main_on_lent = main_on_lent
         self.own_threads: int | None = None
         """torch's threads on the own cores (read at the first borrow: the engine sets it)."""
         self.cores = self.own_cores
@@ -182,16 +186,17 @@ class CoreBorrower:
         torch.set_num_threads(self.own_threads + len(borrowed))
         library = cpu_ops.load()
         if library is not None:
-            # OpenMP thread i on one core: thread 0 (this one, which also runs the engine's
-            # Python between parallel regions) on the first borrowed core while there is one,
-            # the own threads on the own cores, one thread per other borrowed core; the other
-            # threads stay where they are. With thread 0 left on the own core while a decode
-            # worker borrowed, the router and store that share that core waited on it: at 11
-            # req/s (2 cores) the router's part of TTFT went 3.1 -> 7.0 ms, the queue before
-            # the prefill 31 -> 46 ms, the mean TTFT 117 -> 156-221 ms; with thread 0 on the
-            # lent core, 121 ms.
-            own_threads = [own[i % len(own)] for i in range(self.own_threads)]
-            library.pin_openmp_threads(borrowed[:1] + own_threads + borrowed[1:])
+            # OpenMP thread i on one core: the own threads on the own cores (thread 0 is this
+            # one, which also runs the engine's Python between parallel regions), then one
+            # thread per borrowed core; the other threads stay where they are. main_on_lent
+            # puts thread 0 on the first borrowed core instead: with it left on a decode
+            # worker's own core, the router and store that share that core waited on it (11
+            # req/s, 2 cores: the router's part of TTFT 3.1 -> 7.0 ms, the queue before the
+            # prefill 31 -> 46 ms, mean TTFT 117 -> 156-221 ms; on the lent core, 121 ms).
+            order = [own[i % len(own)] for i in range(self.own_threads)] + borrowed
+            if self._main_on_lent and borrowed:
+                order = borrowed[:1] + order[:-len(borrowed)] + borrowed[1:]
+            library.pin_openmp_threads(order)
         else:  # without the kernels: every thread may use every core
             _pin_all_threads(cores)
         logger.debug("now on cores %s", sorted(cores))

@@ -651,7 +651,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = discover_store(config_from_args(args))
         if config.borrow_idle_cores:  # before the engine starts threads (see CoreBorrower)
-            borrower = CoreBorrower(config.borrow_idle_cores)
+            borrower = CoreBorrower(config.borrow_idle_cores,
+                                    main_on_lent=config.role == "decode")
         tokenizer = AutoTokenizer.from_pretrained(config.model.model)
         engine = Engine(config.model, config.cache, config.parallel, config.scheduler,
                         tokenizer=tokenizer, speculative_config=config.speculative)

@@ -59,7 +59,8 @@ BORROWER_SCRIPT = textwrap.dedent("""
     from pdserve.serve.core_share import CoreBorrower, IdleFlag, Lender
     path = sys.argv[1]
     lender = IdleFlag(path, create=True)
-    borrower = CoreBorrower([Lender((1,), path)])  # started on {0, 1}: owns 0
+    main_on_lent = sys.argv[2] == "1"
+    borrower = CoreBorrower([Lender((1,), path)], main_on_lent)  # started on {0, 1}: owns 0
     me = threading.get_native_id()
     def affinities():
         return {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
@@ -73,8 +74,10 @@ BORROWER_SCRIPT = textwrap.dedent("""
     assert borrower.is_borrowing and torch.get_num_threads() == 2
     x @ x
     pinned = affinities()
-    assert pinned[me] == [1], pinned  # the main thread on the lent core
-    assert [0] in pinned.values(), pinned  # torch's second thread, on the own core
+    # the main thread on the own core (a decode worker's: on the lent one), torch's second
+    # thread on the other
+    main, other = ([1], [0]) if main_on_lent else ([0], [1])
+    assert pinned[me] == main and other in pinned.values(), pinned
     lender.set_idle(False)
     borrower.update()
     assert not borrower.is_borrowing and torch.get_num_threads() == 1
@@ -87,11 +90,13 @@ BORROWER_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0),
                     reason="needs cores 0 and 1")
 def test_borrower_runs_torch_threads_on_lent_cores_and_gives_them_back(tmp_path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", BORROWER_SCRIPT, str(tmp_path / "decode-0.idle")],
-        preexec_fn=lambda: os.sched_setaffinity(0, {0, 1}), capture_output=True, text=True,
-        timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    for main_on_lent in ("0", "1"):
+        result = subprocess.run(
+            [sys.executable, "-c", BORROWER_SCRIPT, str(tmp_path / f"lender-{main_on_lent}"),
+             main_on_lent],
+            preexec_fn=lambda: os.sched_setaffinity(0, {0, 1}), capture_output=True,
+            text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
     # started on the lent cores only: nothing of its own to narrow to
     result = subprocess.run(
         [sys.executable, "-c", "from pdserve.serve.core_share import CoreBorrower, Lender; "
