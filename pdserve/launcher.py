@@ -521,15 +521,14 @@ def lend_idle_cores(workers: list[tuple[str, int, int, int]],
     # the other way: a prefill lends to the one decode worker it borrows from (two decode
     # workers borrowing one prefill's cores would share them)
     partners = Counter(borrower for _, borrower in pairs)
-    pairs += [(prefill, decoder) for decoder, prefill in list(pairs)
+    pairs += [(prefill, decoder) for decoder, prefill in pairs
               if partners[prefill] == 1 and workers[decoder][2] * workers[decoder][3] == 1]
     flags: dict[int, list[str]] = {}
     start_cores: dict[int, list[int]] = {}
     for lender, borrower in pairs:
         cores, own = worker_cores[lender] or [], worker_cores[borrower] or []
         path = run_dir / f"{workers[lender][0]}-{workers[lender][1]}.idle"
-        if "--lend-idle-flag" not in flags.get(lender, []):
-            flags.setdefault(lender, []).extend(["--lend-idle-flag", str(path)])
+        flags.setdefault(lender, []).extend(["--lend-idle-flag", str(path)])
         flags.setdefault(borrower, []).extend(
             ["--borrow-idle-cores", f"{','.join(map(str, cores))}@{path}"])
         start_cores[borrower] = sorted({*start_cores.get(borrower, own), *cores})

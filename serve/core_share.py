@@ -193,10 +193,9 @@ class CoreBorrower:
             # worker's own core, the router and store that share that core waited on it (11
             # req/s, 2 cores: the router's part of TTFT 3.1 -> 7.0 ms, the queue before the
             # prefill 31 -> 46 ms, mean TTFT 117 -> 156-221 ms; on the lent core, 121 ms).
-            order = [own[i % len(own)] for i in range(self.own_threads)] + borrowed
-            if self._main_on_lent and borrowed:
-                order = borrowed[:1] + order[:-len(borrowed)] + borrowed[1:]
-            library.pin_openmp_threads(order)
+            own_threads = [own[i % len(own)] for i in range(self.own_threads)]
+            first = borrowed[:1] if self._main_on_lent else []
+            library.pin_openmp_threads(first + own_threads + borrowed[len(first):])
         else:  # without the kernels: every thread may use every core
             _pin_all_threads(cores)
         logger.debug("now on cores %s", sorted(cores))
