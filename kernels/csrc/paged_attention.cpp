@@ -445,14 +445,25 @@ void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
   // Query heads two at a time where a KV group holds an even number of them (GQA): a pair
   // always shares its KV head.
   const int64_t step = sh.group % 2 == 0 ? 2 : 1;
+  // The item reads one stream of blocks, its K blocks then its V blocks, and asks for each
+  // a block ahead, spread over the heads of the block before: the first K block now, the
+  // first V block while the last K block computes. (Asking only within a pass left each
+  // pass's first block to demand misses: batch 1-32 x 256-1024, 8 layers, the weights read
+  // between layers, A/B of the two builds interleaved in one process, 0.87-0.92x the time.
+  // Two blocks ahead: 0.88-0.97x; three 0.93-1.0x; eight 1.09-1.37x.)
+  const int64_t num_blocks = last_block - first_block + 1;
+  auto ask = [&](int64_t j, int64_t part, int64_t parts) {  // block j of the stream
+    if (j >= 2 * num_blocks) return;
+    const int64_t b = first_block + j % num_blocks;
+    (j < num_blocks ? keys : values).prefetch(table[b], rows_in(b), sh.num_kv_heads, part, parts);
+  };
+  ask(0, 0, 1);
   // pass 1: scores[h, t] = q_h . K_t, a block at a time
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t n = rows_in(b);
     const float* k = keys.block(table[b], n, sh.num_kv_heads, rowbuf, &ts, &hs);
     for (int64_t h = 0; h < sh.num_heads; h += step) {
-      if (b < last_block)
-        for (int64_t i = h; i < h + step; ++i)
-          keys.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, i, sh.num_heads);
+      for (int64_t i = h; i < h + step; ++i) ask(b - first_block + 1, i, sh.num_heads);
       const float* kh = k + (h / sh.group) * hs;
       float* s = scores.data() + h * len + (b * bs - item.begin);
       if (step == 2)
@@ -473,9 +484,7 @@ void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
     const int64_t n = rows_in(b);
     const float* v = values.block(table[b], n, sh.num_kv_heads, rowbuf, &ts, &hs);
     for (int64_t h = 0; h < sh.num_heads; h += step) {
-      if (b < last_block)
-        for (int64_t i = h; i < h + step; ++i)
-          values.prefetch(table[b + 1], rows_in(b + 1), sh.num_kv_heads, i, sh.num_heads);
+      for (int64_t i = h; i < h + step; ++i) ask(num_blocks + b - first_block + 1, i, sh.num_heads);
       const float* vh = v + (h / sh.group) * hs;
       const float* p = scores.data() + h * len + (b * bs - item.begin);
       if (step == 2)
