@@ -59,6 +59,7 @@ MID_CONFIG: dict[str, Any] = dict(hidden_size=512, intermediate_size=1408, num_h
                                   num_attention_heads=8, num_key_value_heads=4,
                                   max_position_embeddings=4096)
 PEER_PYTHON = os.environ.get("VLLM_PEER_PYTHON", "/tmp/vllm-peer/bin/python")
+PARTS = ("products", "attention", "other")  # the fused decode loop's clocks (decode_step.cpp)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +167,7 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "vocab": vocab, "dtype": dtype,
             "matmul_params": matmul_params, "weight_bytes": size * matmul_params,
+            "layer_params": layers * per_layer, "layer_weight_bytes": size * layers * per_layer,
             "kv_bytes_per_token": size * layers * 2 * kv_heads * head_dim}
 
 
@@ -226,6 +228,8 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
         llm.generate([fresh(32)], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         rounds: dict[tuple[int, int], list[float]] = {}
         reads: dict[tuple[int, int], list[float]] = {}
+        parts: dict[tuple[int, int], list[list[float]]] = {}
+        fused = engine.runner.fused_decode()  # its parts are timed where the model has one
         for _ in range(args.rounds):
             for context in args.contexts:
                 for batch in args.batch_sizes:
@@ -235,10 +239,16 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
                     for _ in range(args.warmup_steps):
                         engine.step()
                     times = []
+                    if fused is not None:
+                        fused.phase_seconds = torch.zeros(len(PARTS), dtype=torch.float64)
                     for _ in range(args.decode_steps):
                         start = time.perf_counter()
                         engine.step()
                         times.append(time.perf_counter() - start)
+                    if fused is not None:
+                        seconds, fused.phase_seconds = fused.phase_seconds, None
+                        parts.setdefault((batch, context), []).append(
+                            (seconds / args.decode_steps).tolist())
                     while engine.has_unfinished_requests():
                         engine.step()
                     times.sort()
@@ -250,7 +260,8 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
                           "at its bytes)", flush=True)
         decode = [{"batch": batch, "context": context,
                    "step_s": sorted(values)[len(values) // 2], "rounds_s": values,
-                   "rounds_read_gb_s": reads[batch, context]}
+                   "rounds_read_gb_s": reads[batch, context],
+                   **({"rounds_parts_s": parts[batch, context]} if parts else {})}
                   for (batch, context), values in rounds.items()]
         one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for length in args.prefill_lengths:
@@ -312,6 +323,8 @@ def analyse(facts: dict[str, Any], peak: float, runs: dict[str, Any]) -> dict[st
                  "compute_floor_s": compute_s, "floor_s": floor_s,
                  "x_floor": statistics.median([step_s / floor for step_s, floor in
                                      zip(row["rounds_s"], floors, strict=True)])}
+        if "rounds_parts_s" in row:
+            entry["parts"] = step_parts(facts, peak, row, entry)
         peer = _match(runs.get("vllm"), "decode", row, ("batch", "context"))
         if peer is not None:
             entry.update(vllm_step_s=peer["step_s"], x_vllm=row["step_s"] / peer["step_s"],
@@ -327,6 +340,24 @@ def analyse(facts: dict[str, Any], peak: float, runs: dict[str, Any]) -> dict[st
             entry.update(vllm_seconds=peer["seconds"], x_vllm=row["seconds"] / peer["seconds"])
         prefill.append(entry)
     return {"decode": decode, "prefill": prefill}
+
+
+def step_parts(facts: dict[str, Any], peak: float, row: dict[str, Any],
+               entry: dict[str, Any]) -> dict[str, Any]:
+    """Where a decode step goes (the fused loop's own clocks, each part the median of its
+    rounds' means): the layers' products against their own floor (their weights at the read
+    bandwidth, or their FLOPs at the matmul peak), the attention's KV read rate, the rest of
+    the loop (norms, rotary, SiLU), and the host: the step's time outside the loop (scheduling,
+    metadata, embedding, LM head, sampling, outputs)."""
+    medians = [statistics.median(r[i] for r in row["rounds_parts_s"]) for i in range(len(PARTS))]
+    products_s, attention_s, other_s = medians
+    batch, context = row["batch"], row["context"]
+    products_floor_s = max(facts["layer_weight_bytes"] / (entry["read_gb_s"] * 1e9),
+                           2.0 * facts["layer_params"] * batch / peak)
+    return {"products_s": products_s, "attention_s": attention_s, "other_s": other_s,
+            "host_s": max(0.0, row["step_s"] - sum(medians)),
+            "products_floor_s": products_floor_s,
+            "attention_gb_s": batch * context * facts["kv_bytes_per_token"] / attention_s / 1e9}
 
 
 def _match(run: dict[str, Any] | None, kind: str, row: dict[str, Any], keys: tuple[str, ...]
@@ -347,6 +378,16 @@ def print_table(result: dict[str, Any]) -> None:
                 else f"{'-':>8} {'-':>6}")
         print(f"{r['batch']:>5} {r['context']:>5} | {r['bytes'] / 1e6:6.0f} {r['read_gb_s']:5.1f} "
               f"| {r['step_s'] * 1e3:8.2f} {r['floor_s'] * 1e3:8.2f} {r['x_floor']:7.2f} | {peer}")
+    if any("parts" in r for r in result["decode"]):
+        print(f"{'batch':>5} {'ctx':>5} | {'products ms':>11} {'its floor':>9} | "
+              f"{'attention ms':>12} {'KV GB/s':>7} | {'other ms':>8} | {'host ms':>7}")
+        for r in result["decode"]:
+            if "parts" in r:
+                p = r["parts"]
+                print(f"{r['batch']:>5} {r['context']:>5} | {p['products_s'] * 1e3:11.2f} "
+                      f"{p['products_floor_s'] * 1e3:9.2f} | {p['attention_s'] * 1e3:12.2f} "
+                      f"{p['attention_gb_s']:7.1f} | {p['other_s'] * 1e3:8.2f} | "
+                      f"{p['host_s'] * 1e3:7.2f}")
     print(f"{'tokens':>6} | {'prefill ms':>10} {'GFLOP/s':>8} {'of peak':>7} | "
           f"{'vLLM ms':>8} {'x vLLM':>6}")
     for r in result["prefill"]:
@@ -365,7 +406,16 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     xs = range(len(labels))
     left.bar([x - 0.27 for x in xs], [r["floor_s"] * 1e3 for r in result["decode"]], 0.27,
              label="floor (bytes / bandwidth, or FLOPs / peak)", color="lightgrey")
-    left.bar(list(xs), [r["step_s"] * 1e3 for r in result["decode"]], 0.27, label="pdserve")
+    if all("parts" in r for r in result["decode"]):  # pdserve's bar split into its parts
+        bottom = [0.0] * len(labels)
+        for key, name in (("products_s", "pdserve: products"), ("attention_s", "attention"),
+                          ("other_s", "norms, rotary, SiLU"), ("host_s", "host (Python)")):
+            heights = [r["parts"][key] * 1e3 for r in result["decode"]]
+            left.bar(list(xs), heights, 0.27, bottom=bottom, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    else:
+        left.bar(list(xs), [r["step_s"] * 1e3 for r in result["decode"]], 0.27,
+                 label="pdserve")
     if any("vllm_step_s" in r for r in result["decode"]):
         left.bar([x + 0.27 for x in xs], [r.get("vllm_step_s", 0) * 1e3
                                           for r in result["decode"]], 0.27, label="vLLM")

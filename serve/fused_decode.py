@@ -54,6 +54,10 @@ class FusedDecode:
         self._amx_rows = amx_rows
         # plain weights go to the skinny product, which has an edge; panels take any batch
         self.max_rows = None if panels else skinny_max_rows(ops)
+        self.phase_seconds: torch.Tensor | None = None
+        """float64 [3], where set: each call adds its wall time in the products, the attention
+        (with its KV write) and the rest (benchmarks/step_roofline.py's breakdown; the engine
+        leaves it None)."""
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (meta.is_decode_only and hidden.dim() == 2 and hidden.dtype == torch.float32
@@ -69,7 +73,7 @@ class FusedDecode:
         out, residual = self._ops.llama_decode_layers(
             hidden, self._weights, kv_caches, cos, sin, meta.slot_mapping, meta.seq_lens,
             meta.block_tables, self._eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale,
-            self._amx_rows)
+            self._amx_rows, self.phase_seconds)
         return out, residual
 
 

@@ -61,6 +61,7 @@ from pdserve.serve.distributed import (
     init_tp_group,
 )
 from pdserve.serve.fp8 import kv_cache_dtype_name
+from pdserve.serve.fused_decode import FusedDecode
 from pdserve.serve.kv_cache import (
     KVCachePlan,
     KVCachePool,
@@ -732,6 +733,15 @@ class ModelRunner:
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32)
         return logits.float().cpu()
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The in-process rank's fused decode loop (serve/fused_decode.FusedDecode), or None
+        where its model has none or other processes hold ranks (benchmarks/step_roofline.py
+        times its parts)."""
+        if self._world_size > 1:
+            return None
+        build = getattr(getattr(self._rank.model, "model", None), "fused_decode", None)
+        return build() if build is not None else None
 
     def call_before_each_layer(self, hook: Callable[[], None]) -> None:
         """hook() runs before each decoder layer of every forward (serve/core_share.py moves

@@ -251,3 +251,27 @@ def test_bf16_decode_of_many_sequences_takes_amx_in_the_fused_loop_too(
     finally:
         parallel.amx_rows.cache_clear()
     assert not torch.equal(panel_steps[-1], fused_steps[-1])
+
+
+def test_phase_clocks_fill_every_part_and_leave_the_logits_alone(llama_dir: Path) -> None:
+    """step_roofline's breakdown: with phase_seconds set, each decode call adds to the
+    products, the attention and the rest, and the logits are the same bits as without."""
+    with make_runner(llama_dir) as runner:
+        loop = runner.fused_decode()
+        assert loop is not None and loop is decoder(runner).fused_decode()
+        plain, _ = run_walk(runner, 3, num_decodes=2)
+        loop.phase_seconds = torch.zeros(3, dtype=torch.float64)
+        clocked, _ = run_walk(runner, 3, num_decodes=2)
+        seconds, loop.phase_seconds = loop.phase_seconds, None
+    assert (seconds > 0).all()  # products, attention, other: 2 decode calls each
+    for got, want in zip(clocked, plain, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_phase_clocks_refuse_a_wrong_buffer(llama_dir: Path) -> None:
+    with make_runner(llama_dir) as runner:
+        loop = runner.fused_decode()
+        assert loop is not None
+        loop.phase_seconds = torch.zeros(3)  # float32, not float64
+        with pytest.raises(RuntimeError, match="phase_seconds float64"):
+            run_walk(runner, 2, num_decodes=1)

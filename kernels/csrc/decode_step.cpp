@@ -20,11 +20,38 @@
 // Weights come 10 per layer: ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down; an
 // empty tensor stands for an absent bias; a W is plain [N, K] or packed in panels (1-D). fp32
 // math (panels may hold a half-precision checkpoint's weights), one tensor-parallel rank.
+//
+// phase_seconds (float64 [3]), where given, gains the call's wall time in the products, the
+// attention (its KV write included) and the rest (norms, rotary, SiLU): what
+// benchmarks/step_roofline.py sets each part against its own ceiling with. The engine passes
+// none.
 #include "cpu_ops.h"
+
+#include <chrono>
 
 namespace {
 
 constexpr size_t kWeightsPerLayer = 10;
+
+// Adds the time since the last mark to one of phase_seconds' parts (nothing without them).
+class PhaseClock {
+ public:
+  explicit PhaseClock(const c10::optional<torch::Tensor>& seconds)
+      : parts_(seconds.has_value() ? seconds->data_ptr<double>() : nullptr) {
+    if (parts_) last_ = std::chrono::steady_clock::now();
+  }
+  void mark(int part) {
+    if (!parts_) return;
+    const auto now = std::chrono::steady_clock::now();
+    parts_[part] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  double* parts_;
+  std::chrono::steady_clock::time_point last_;
+};
+enum Phase { kProducts = 0, kAttention = 1, kOther = 2 };
 
 // y <- x W^T + b as serve/parallel.py linear computes it: W packed in panels (a flat tensor)
 // or plain [N, K]; bf16 panels on AMX from amx_rows rows on (0: never), as linear sends them.
@@ -48,7 +75,7 @@ std::vector<torch::Tensor> llama_decode_layers(
     std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-    double scale, int64_t amx_rows) {
+    double scale, int64_t amx_rows, c10::optional<torch::Tensor> phase_seconds) {
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer,
               "llama_decode_layers: ", kWeightsPerLayer, " weights per layer");
   TORCH_CHECK(hidden.dim() == 2, "llama_decode_layers: hidden [T, hidden]");
@@ -80,6 +107,11 @@ std::vector<torch::Tensor> llama_decode_layers(
   // q, k, v: views of qkv's heads (write_kv_cache takes them strided)
   auto heads = qkv.view({T, num_heads + 2 * num_kv_heads, head_dim})
                    .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+  TORCH_CHECK(!phase_seconds.has_value() ||
+                  (phase_seconds->scalar_type() == torch::kDouble &&
+                   phase_seconds->is_contiguous() && phase_seconds->numel() == 3),
+              "llama_decode_layers: phase_seconds float64 [3]");
+  PhaseClock clock(phase_seconds);
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[6].numel() == 2 * inter * D,
@@ -87,18 +119,27 @@ std::vector<torch::Tensor> llama_decode_layers(
     add_rms_norm_rows(x, ldx, r, D, w[0].data_ptr<float>(), normed.data_ptr<float>(),
                       residual.data_ptr<float>(), T, D, eps);
     r = residual.data_ptr<float>();
+    clock.mark(kOther);
     project(normed, w[1], w[2], amx_rows, qkv);
+    clock.mark(kProducts);
     rotary_neox_(heads[0], cos, sin, rotary_dim);
     rotary_neox_(heads[1], cos, sin, rotary_dim);
+    clock.mark(kOther);
     write_kv_cache(heads[1], heads[2], kv_caches[layer], slot_mapping);
     auto attn = paged_last_token_attention(heads[0], k_caches[layer], v_caches[layer], lens,
                                            tables, scale);
+    clock.mark(kAttention);
     project(attn.view({T, q_size}), w[3], w[4], amx_rows, out);
+    clock.mark(kProducts);
     add_rms_norm_rows(out.data_ptr<float>(), D, r, D, w[5].data_ptr<float>(),
                       normed.data_ptr<float>(), residual.data_ptr<float>(), T, D, eps);
+    clock.mark(kOther);
     project(normed, w[6], w[7], amx_rows, gate_up);
+    clock.mark(kProducts);
     silu_and_mul_rows(gate_up.data_ptr<float>(), 2 * inter, act.data_ptr<float>(), T, inter);
+    clock.mark(kOther);
     project(act, w[8], w[9], amx_rows, out);
+    clock.mark(kProducts);
     x = out.data_ptr<float>();
     ldx = D;
   }
