@@ -44,10 +44,14 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    budget = max(2048, max(args.prefill_lengths))  # tokens per step, as step_roofline's
+    # the batch's first prompts decode while the last still prefill (one token ahead per
+    # prefill step): they must not finish inside the timed steps
+    head_start = -(-max(args.batch_sizes) * max(args.contexts) // budget) + 1
     longest = max(args.contexts + args.prefill_lengths) + args.warmup_steps \
-        + args.decode_tokens + 8
+        + args.decode_tokens + head_start + 8
     llm = LLM(args.model, dtype=args.dtype, max_model_len=longest, enable_prefix_caching=False,
-              max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, longest),
+              max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(budget, longest),
               seed=0)
     rng = random.Random(1234)
 
@@ -66,13 +70,15 @@ def main() -> None:
     request_ids = itertools.count()
 
     def decode_step_s(prompts: list[TokensPrompt], steps: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=args.warmup_steps + steps + 4,
+        params = SamplingParams(temperature=0,
+                                max_tokens=args.warmup_steps + steps + head_start + 4,
                                 ignore_eos=True)
         pending = set()
         for prompt in prompts:
             request_id = f"decode-{next(request_ids)}"
             engine.add_request(request_id, prompt, params)
             pending.add(request_id)
+        request_ids_added = set(pending)
         deadline = time.monotonic() + 600
         while pending and time.monotonic() < deadline:  # prefill (chunked), untimed
             for out in engine.step():
@@ -82,9 +88,13 @@ def main() -> None:
             engine.step()
         times = []
         for _ in range(steps):
+            if engine.get_num_unfinished_requests() != len(prompts):
+                raise RuntimeError(f"{engine.get_num_unfinished_requests()} of {len(prompts)} "
+                                   "sequences left to time")
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
+        engine.abort_request(list(request_ids_added))  # the tokens left were only a margin
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             engine.step()
         times.sort()

@@ -32,6 +32,13 @@ The point's step is then the median of `--decode-steps` timed steps; the whole s
 JSON): on a host shared with other tenants one noisy minute then moves one round, not the
 table.
 
+Where the model runs the fused decode loop (serve/fused_decode.py), the loop's own clocks
+split each point's step (means over the timed steps, medians over the rounds): the layers'
+products against their own floor (their weights at the step's read bandwidth, or their FLOPs
+at the peak), the attention (its KV write included) with the rate it read its KV at, the rest
+of the loop (norms, rotary, SiLU), and the host: the step's time outside the loop (scheduling,
+metadata, embedding, the LM head, sampling, outputs).
+
 Without --model it builds (and caches in PDSERVE_CACHE_DIR) a llama-mid-like random Llama:
 hidden 512, 8 layers, 8 heads of 64, 4 KV heads, intermediate 1408, fp32 (about 24M
 parameters). With --with-vllm (and vLLM installed: ../shared/tools/vllm-peer install) the same
@@ -208,10 +215,15 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
     from pdserve.serve import LLM, SamplingParams
 
     vocab = facts["vocab"]
+    budget = max(2048, max(args.prefill_lengths))  # tokens per step
     decode_tokens = args.warmup_steps + args.decode_steps
-    longest = max(args.contexts + args.prefill_lengths) + decode_tokens + 16
-    num_blocks = max(args.batch_sizes) * (-(-(max(args.contexts) + decode_tokens + 16)
-                                          // args.block_size)) + 64
+    # A chunked prefill decodes the batch's first prompts while it still prefills the last:
+    # they start up to one token per prefill step ahead, and must not finish inside the timed
+    # steps (they did: 32 x 1024, 16 prefill steps, read as a batch of 20-odd).
+    head_start = -(-max(args.batch_sizes) * max(args.contexts) // budget) + 1
+    longest = max(args.contexts + args.prefill_lengths) + decode_tokens + head_start + 16
+    num_blocks = max(args.batch_sizes) * (-(-(max(args.contexts) + decode_tokens + head_start
+                                            + 16) // args.block_size)) + 64
     generator = torch.Generator().manual_seed(1234)
 
     def fresh(length: int) -> list[int]:
@@ -220,11 +232,12 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
     prefill = []
     with LLM(str(model_dir), block_size=args.block_size, num_kv_blocks=num_blocks,
              max_num_seqs=max(args.batch_sizes), max_model_len=longest,
-             max_num_batched_tokens=max(2048, max(args.prefill_lengths)),
+             max_num_batched_tokens=budget,
              enable_prefix_caching=False) as llm:
         torch.set_num_threads(args.threads)  # the engine set its share; use the asked number
         engine = llm.engine
-        params = SamplingParams(temperature=0, max_tokens=decode_tokens + 4, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=decode_tokens + head_start + 4,
+                                ignore_eos=True)
         llm.generate([fresh(32)], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         rounds: dict[tuple[int, int], list[float]] = {}
         reads: dict[tuple[int, int], list[float]] = {}
@@ -233,8 +246,8 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
         for _ in range(args.rounds):
             for context in args.contexts:
                 for batch in args.batch_sizes:
-                    for _ in range(batch):
-                        engine.add_request(fresh(context), params)
+                    requests = [engine.add_request(fresh(context), params)
+                                for _ in range(batch)]
                     prefill_added(engine)  # untimed
                     for _ in range(args.warmup_steps):
                         engine.step()
@@ -242,6 +255,10 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
                     if fused is not None:
                         fused.phase_seconds = torch.zeros(len(PARTS), dtype=torch.float64)
                     for _ in range(args.decode_steps):
+                        if len(engine.scheduler.running) != batch:
+                            raise RuntimeError(f"batch {batch} context {context}: "
+                                               f"{len(engine.scheduler.running)} sequences "
+                                               "left to time")
                         start = time.perf_counter()
                         engine.step()
                         times.append(time.perf_counter() - start)
@@ -249,8 +266,8 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
                         seconds, fused.phase_seconds = fused.phase_seconds, None
                         parts.setdefault((batch, context), []).append(
                             (seconds / args.decode_steps).tolist())
-                    while engine.has_unfinished_requests():
-                        engine.step()
+                    for request in requests:  # the tokens left were only a margin
+                        engine.abort_request(request.request_id)
                     times.sort()
                     read = read_bandwidth_bytes_per_s(decode_bytes(facts, batch, context))
                     rounds.setdefault((batch, context), []).append(times[len(times) // 2])
