@@ -36,11 +36,13 @@ def decoder(runner: ModelRunner):
     return runner._rank.model.model
 
 
-def run_walk(runner: ModelRunner, num_seqs: int, num_decodes: int, seed: int = 0
+def run_walk(runner: ModelRunner, num_seqs: int, num_decodes: int, seed: int = 0,
+             lengths: list[int] | None = None
              ) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prefill num_seqs ragged prompts in one step, then num_decodes decode-only steps of all
-    of them; returns every step's logits and the full token sequences used."""
-    lengths = [3 + (5 * s) % 11 for s in range(num_seqs)]
+    """Prefill num_seqs ragged prompts (of `lengths` where given) in one step, then
+    num_decodes decode-only steps of all of them; returns every step's logits and the full
+    token sequences used."""
+    lengths = lengths or [3 + (5 * s) % 11 for s in range(num_seqs)]
     full = random_prompts([n + num_decodes for n in lengths], runner.spec.vocab_size, seed)
     alloc = BlockAllocator(NUM_BLOCKS, seed)
     tables = [alloc.table(len(seq), BLOCK_SIZE) for seq in full]
@@ -113,6 +115,28 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
         assert decoder(modules).fused_decode() is None
         module_steps, _ = run_walk(modules, num_seqs, num_decodes=4)
     assert calls == [num_seqs] * 4
+    for got, want in zip(fused_steps, module_steps, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_fused_loop_splits_long_contexts_as_the_module_path_does(
+        model_dir: Path, num_threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contexts long enough that the attention splits them into pieces and merges those
+    (kernels/csrc/paged_attention.cpp), with teams of 1-3 threads: the loop's one parallel
+    region splits every op as the module path's regions do, so the bits are the same."""
+    lengths = [170, 61, 7]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with make_runner(model_dir) as fused:
+            assert decoder(fused).fused_decode() is not None
+            fused_steps, _ = run_walk(fused, 3, num_decodes=3, lengths=lengths)
+        monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
+        with make_runner(model_dir) as modules:
+            module_steps, _ = run_walk(modules, 3, num_decodes=3, lengths=lengths)
+    finally:
+        torch.set_num_threads(previous)
     for got, want in zip(fused_steps, module_steps, strict=True):
         assert torch.equal(got, want)
 

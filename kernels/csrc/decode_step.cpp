@@ -9,6 +9,15 @@
 // tiny shapes, decode steps of the llama-mid-like model 3.5-6% faster at batch 1 and 2-3.5% at
 // batch 8 (interleaved A/B of the two builds, same bits).
 //
+// Where every product has panels and the caches are fp32 (the usual case on an AVX-512 host),
+// the whole loop is one parallel region (the team loop): each op runs every thread's share of
+// the split its own region would have made, and the threads meet at a barrier where an op reads
+// what another wrote. The attention is planned once for all layers. A region per op had cost
+// each batch-1 product 3-4 us of its ~28 in forking and joining; decode steps of the
+// llama-mid-like model 0.96-0.97x the time at batch 1, 0.98-1.0x at batch 8 and 32 (A/B of
+// the two builds in one process, same bits). Elsewhere (plain weights, AMX products, other
+// cache dtypes) the loop calls each op's own region, op by op.
+//
 // Per layer, with T decode rows (one token per sequence):
 //   x, r   = add_rms_norm(h, r, ln1)                 r: the residual stream
 //   qkv    = x W_qkv^T (+ b)                         [T, (H + 2 Hkv) D]
@@ -26,6 +35,8 @@
 // benchmarks/step_roofline.py sets each part against its own ceiling with. The engine passes
 // none.
 #include "cpu_ops.h"
+
+#include <omp.h>
 
 #include <chrono>
 
@@ -68,6 +79,33 @@ void project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor
   if (bias.numel() != 0) add_bias(y, bias, "llama_decode_layers");
 }
 
+// The team loop applies where every product is a panel product on this build (no plain W, no
+// AMX at this many rows) and the caches are fp32: each of its ops has a form that runs one
+// thread's share (see Team in cpu_ops.h).
+bool team_loop_applies(const std::vector<torch::Tensor>& weights,
+                       const std::vector<torch::Tensor>& kv_caches, int64_t T,
+                       int64_t amx_rows) {
+  if (panel_width() == 0) return false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const size_t j = i % kWeightsPerLayer;
+    const bool matrix = j == 1 || j == 3 || j == 6 || j == 8;
+    if (matrix && (weights[i].dim() != 1 || (amx_rows > 0 && T >= amx_rows &&
+                                              weights[i].scalar_type() == torch::kBFloat16)))
+      return false;
+  }
+  for (const auto& cache : kv_caches)
+    if (cache.scalar_type() != torch::kFloat || cache.dim() != 5 || !cache.is_contiguous())
+      return false;
+  return true;
+}
+
+const float* bias_of(const torch::Tensor& bias, int64_t n) {
+  if (bias.numel() == 0) return nullptr;
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n && bias.scalar_type() == torch::kFloat &&
+                  bias.is_contiguous(), "llama_decode_layers: bias [N] fp32");
+  return bias.data_ptr<float>();
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> llama_decode_layers(
@@ -101,21 +139,118 @@ std::vector<torch::Tensor> llama_decode_layers(
   // gate | up [T, 2I]: W_gu holds 2I x D values, plain or in panels
   const int64_t inter = weights.empty() ? 0 : weights[6].numel() / D / 2;
   auto gate_up = torch::empty({T, 2 * inter}, options), act = torch::empty({T, inter}, options);
+  for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+    const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[6].numel() == 2 * inter * D &&
+                    w[1].numel() == qkv_size * D && w[3].numel() == D * q_size &&
+                    w[8].numel() == D * inter,
+                "llama_decode_layers: layers of one shape");
+  }
+  TORCH_CHECK(!phase_seconds.has_value() ||
+                  (phase_seconds->scalar_type() == torch::kDouble &&
+                   phase_seconds->is_contiguous() && phase_seconds->numel() == 3),
+              "llama_decode_layers: phase_seconds float64 [3]");
+  PhaseClock clock(phase_seconds);
+  if (kv_caches.empty()) return {hidden, hidden};
+
+  if (team_loop_applies(weights, kv_caches, T, amx_rows)) {
+    // One parallel region for the whole loop, a barrier wherever an op reads what another
+    // thread wrote: a region per op cost each product 3-4 us of a batch-1 step's ~28 in
+    // forking, joining and the late second thread (benchmarks/results/README.md, stop 40).
+    // Every op splits its work as its own region would, so the bits are the same.
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
+                    cos.size(1) == rotary_dim && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+                    cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                    rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+                "llama_decode_layers: cos/sin [T, rotary_dim] fp32");
+    TORCH_CHECK(kv_caches[0].size(3) == num_kv_heads && kv_caches[0].size(4) == head_dim,
+                "llama_decode_layers: caches of the model's KV heads");
+    const int64_t num_slots = kv_caches[0].size(1) * kv_caches[0].size(2);
+    auto slots = slot_mapping.to(torch::kLong).contiguous();
+    TORCH_CHECK_VALUE(slots.numel() == T, "llama_decode_layers: a slot per row");
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK_VALUE(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
+    std::vector<const float*> biases;
+    for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+      const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+      TORCH_CHECK(w[0].scalar_type() == torch::kFloat && w[5].scalar_type() == torch::kFloat,
+                  "llama_decode_layers: fp32 norms");
+      biases.insert(biases.end(), {bias_of(w[2], qkv_size), bias_of(w[4], D),
+                                   bias_of(w[7], 2 * inter), bias_of(w[9], D)});
+    }
+    const int threads = at::get_num_threads();
+    const DecodeAttention attention(k_caches, v_caches, lens, tables, num_heads, scale,
+                                    threads);
+    auto attn = torch::empty({T, q_size}, options);
+    float *pn = normed.data_ptr<float>(), *pr = residual.data_ptr<float>();
+    float *po = out.data_ptr<float>(), *pq = qkv.data_ptr<float>();
+    float *pg = gate_up.data_ptr<float>(), *pa = act.data_ptr<float>();
+    float* pt = attn.data_ptr<float>();
+    const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
+    const float* x0 = hidden.data_ptr<float>();
+    const int64_t ld0 = hidden.stride(0), kv_size = num_kv_heads * head_dim;
+#pragma omp parallel num_threads(threads)
+    {
+      const Team team{omp_get_thread_num(), omp_get_num_threads()};
+      auto sync = [&](int part) {  // every thread waits for all; thread 0 times the part
+#pragma omp barrier
+        if (team.rank == 0) clock.mark(part);
+      };
+      const float* x = x0;  // the layer's input: the embedding, then `out`
+      int64_t ldx = ld0;
+      const float* r = nullptr;  // no residual before the first layer
+      for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+        const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+        const float* const* b = biases.data() + layer * 4;
+        float* k_plane = kv_caches[layer].data_ptr<float>();
+        add_rms_norm_rows(x, ldx, r, D, w[0].data_ptr<float>(), pn, pr, T, D, eps, &team);
+        r = pr;
+        sync(kOther);
+        panel_linear_rows(pn, D, w[1], T, qkv_size, D, pq, b[0], &team);
+        sync(kProducts);
+        rotary_neox_rows(pq, qkv_size, head_dim, T, num_heads, pc, cos.stride(0), ps,
+                         sin.stride(0), rotary_dim, &team);
+        rotary_neox_rows(pq + q_size, qkv_size, head_dim, T, num_kv_heads, pc, cos.stride(0),
+                         ps, sin.stride(0), rotary_dim, &team);
+        sync(kOther);
+        write_kv_rows(pq + q_size, qkv_size, head_dim, pq + q_size + kv_size, qkv_size,
+                      head_dim, k_plane, k_plane + num_slots * kv_size, sl, T, num_kv_heads,
+                      head_dim, &team);
+#pragma omp barrier
+        attention.attend(team, layer, pq, qkv_size, head_dim, pt);
+        if (attention.needs_merge()) {
+#pragma omp barrier
+          attention.merge(team, pt);
+        }
+        sync(kAttention);
+        panel_linear_rows(pt, q_size, w[3], T, D, q_size, po, b[1], &team);
+        sync(kProducts);
+        add_rms_norm_rows(po, D, r, D, w[5].data_ptr<float>(), pn, pr, T, D, eps, &team);
+        sync(kOther);
+        panel_linear_rows(pn, D, w[6], T, 2 * inter, D, pg, b[2], &team);
+        sync(kProducts);
+        silu_and_mul_rows(pg, 2 * inter, pa, T, inter, &team);
+        sync(kOther);
+        panel_linear_rows(pa, inter, w[8], T, D, inter, po, b[3], &team);
+        sync(kProducts);
+        x = po;
+        ldx = D;
+      }
+    }
+    return {out, residual};
+  }
+
+  // Op by op: a parallel region per op, for plain weights (no AVX-512 panels), AMX products
+  // and caches of other dtypes.
   const float* x = hidden.data_ptr<float>();  // the layer's input: the embedding, then `out`
   int64_t ldx = hidden.stride(0);
   const float* r = nullptr;  // no residual before the first layer
   // q, k, v: views of qkv's heads (write_kv_cache takes them strided)
   auto heads = qkv.view({T, num_heads + 2 * num_kv_heads, head_dim})
                    .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
-  TORCH_CHECK(!phase_seconds.has_value() ||
-                  (phase_seconds->scalar_type() == torch::kDouble &&
-                   phase_seconds->is_contiguous() && phase_seconds->numel() == 3),
-              "llama_decode_layers: phase_seconds float64 [3]");
-  PhaseClock clock(phase_seconds);
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[6].numel() == 2 * inter * D,
-                "llama_decode_layers: layers of one shape");
     add_rms_norm_rows(x, ldx, r, D, w[0].data_ptr<float>(), normed.data_ptr<float>(),
                       residual.data_ptr<float>(), T, D, eps);
     r = residual.data_ptr<float>();
@@ -143,6 +278,5 @@ std::vector<torch::Tensor> llama_decode_layers(
     x = out.data_ptr<float>();
     ldx = D;
   }
-  if (kv_caches.empty()) return {hidden, hidden};
   return {out, residual};
 }

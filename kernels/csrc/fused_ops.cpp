@@ -33,8 +33,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 // add_rms_norm's arithmetic on rows: out and sum [T, D] contiguous; r may be null (no
 // residual) or sum itself (the residual updated in place: each element is read, then written).
 void add_rms_norm_rows(const float* xp, int64_t ldx, const float* rp, int64_t ldr,
-                       const float* wp, float* op, float* sp, int64_t T, int64_t D, double eps) {
-  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / D), [&](int64_t t0, int64_t t1) {
+                       const float* wp, float* op, float* sp, int64_t T, int64_t D, double eps,
+                       const Team* team) {
+  split_for(0, T, std::max<int64_t>(1, 4096 / D), team, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* s = sp + t * D;
       const float* xr = xp + t * ldx;
@@ -68,8 +69,9 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 // silu_and_mul's arithmetic on rows: x [T, 2I] (row stride ldx) -> out [T, I] contiguous.
-void silu_and_mul_rows(const float* xp, int64_t ldx, float* op, int64_t T, int64_t I) {
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t t0, int64_t t1) {
+void silu_and_mul_rows(const float* xp, int64_t ldx, float* op, int64_t T, int64_t I,
+                       const Team* team) {
+  split_for(0, T, std::max<int64_t>(1, 16384 / I), team, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* g = xp + t * ldx;
       const float* u = g + I;
@@ -103,12 +105,16 @@ void rotary_neox_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t
               cos.size(1) == rotary_dim && cos.stride(1) == 1 && sin.stride(1) == 1 &&
               cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
               rotary_dim % 2 == 0 && rotary_dim <= x.size(2), "cos/sin");
-  const int64_t T = x.size(0), H = x.size(1), half = rotary_dim / 2;
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1), lc = cos.stride(0), ls = sin.stride(0);
-  at::parallel_for(0, T * H, std::max<int64_t>(1, 4096 / rotary_dim), [&](int64_t i0, int64_t i1) {
+  rotary_neox_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), x.size(0), x.size(1),
+                   cos.data_ptr<float>(), cos.stride(0), sin.data_ptr<float>(), sin.stride(0),
+                   rotary_dim);
+}
+
+void rotary_neox_rows(float* xp, int64_t s0, int64_t s1, int64_t T, int64_t H, const float* cp,
+                      int64_t lc, const float* sp, int64_t ls, int64_t rotary_dim,
+                      const Team* team) {
+  const int64_t half = rotary_dim / 2;
+  split_for(0, T * H, std::max<int64_t>(1, 4096 / rotary_dim), team, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H, h = i % H;
       float* r = xp + t * s0 + h * s1;
@@ -141,6 +147,12 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK_VALUE(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
   const int64_t plane = num_slots * H * D, row = H * D;
+  if (kv_cache.scalar_type() == torch::kFloat) {
+    float* cache = kv_cache.data_ptr<float>();
+    write_kv_rows(key.data_ptr<float>(), key.stride(0), key.stride(1), value.data_ptr<float>(),
+                  value.stride(0), value.stride(1), cache, cache + plane, sl, T, H, D);
+    return;
+  }
   const int64_t elem = kv_cache.element_size();
   char* cache = static_cast<char*>(kv_cache.data_ptr());
   const char* kp = static_cast<const char*>(key.data_ptr());
@@ -153,4 +165,16 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
                   D * elem);
     }
   }
+}
+
+void write_kv_rows(const float* kp, int64_t k0, int64_t k1, const float* vp, int64_t v0,
+                   int64_t v1, float* kc, float* vc, const int64_t* sl, int64_t T, int64_t H,
+                   int64_t D, const Team* team) {
+  split_for(0, T, std::max<int64_t>(1, 65536 / (2 * H * D * 4)), team, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(kc + (sl[t] * H + h) * D, kp + t * k0 + h * k1, D * sizeof(float));
+        std::memcpy(vc + (sl[t] * H + h) * D, vp + t * v0 + h * v1, D * sizeof(float));
+      }
+  });
 }

@@ -498,113 +498,166 @@ void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
   }
 }
 
-// T: the query's and output's type; C: the cache's (T, or float8_e4m3fn for an FP8 cache,
-// whose rows Plane::block upcasts like any other non-fp32 type).
-template <typename T, typename C>
-void last_token_attention(
-    const T* q, int64_t q_s, int64_t q_h, const Plane<C>& keys, const Plane<C>& values,
-    const int32_t* seq_lens, const int32_t* tables, int64_t table_stride,
-    T* out, int64_t o_s, int64_t o_h, int64_t num_seqs, const Shape& sh, float scale) {
-  // Split the context into items: whole sequences, or pieces of whole blocks (as even as the
-  // blocks allow) when there are fewer long sequences than threads can share.
+// How a step's attention splits: its items (whole sequences, or pieces of whole blocks) and
+// each thread's contiguous run of them, [cut[t], cut[t + 1]). Partial results of split
+// sequences go to slots: unnormalised acc, running max and sum per head.
+struct Split {
+  std::vector<Item> items;
+  std::vector<int64_t> first_item;  // [num_seqs + 1]: each sequence's first item
+  std::vector<int64_t> cut;         // [num_threads + 1]
+  int64_t num_slots = 0, num_threads = 0;
+  std::vector<float> part_acc, part_top, part_sum;
+};
+
+Split split_items(const int32_t* seq_lens, int64_t num_seqs, const Shape& sh, int64_t threads) {
+  // Whole sequences, or pieces of whole blocks (as even as the blocks allow) when there are
+  // fewer long sequences than threads can share.
+  Split sp;
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
-  const int64_t want = kItemsPerThread * at::get_num_threads();
+  const int64_t want = kItemsPerThread * threads;
   int64_t chunk = std::max(kMinChunkTokens, (total + want - 1) / want);
   chunk = (chunk + sh.block_size - 1) / sh.block_size * sh.block_size;
-  std::vector<Item> items;
-  std::vector<int64_t> first_item(num_seqs + 1);
-  int64_t num_slots = 0;
+  sp.first_item.resize(num_seqs + 1);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    first_item[s] = static_cast<int64_t>(items.size());
+    sp.first_item[s] = static_cast<int64_t>(sp.items.size());
     const int64_t len = seq_lens[s];
     if (len <= chunk) {
-      items.push_back({s, 0, len, -1});
+      sp.items.push_back({s, 0, len, -1});
       continue;
     }
     const int64_t blocks = (len + sh.block_size - 1) / sh.block_size;
     const int64_t pieces = (len + chunk - 1) / chunk;  // at most `blocks`
     for (int64_t j = 0; j < pieces; ++j)
-      items.push_back({s, j * blocks / pieces * sh.block_size,
-                       std::min(len, (j + 1) * blocks / pieces * sh.block_size), num_slots++});
+      sp.items.push_back({s, j * blocks / pieces * sh.block_size,
+                          std::min(len, (j + 1) * blocks / pieces * sh.block_size),
+                          sp.num_slots++});
   }
-  first_item[num_seqs] = static_cast<int64_t>(items.size());
+  sp.first_item[num_seqs] = static_cast<int64_t>(sp.items.size());
   // Each thread's items: a contiguous run of them (a thread then reads on from one sequence's
   // blocks into the next's), cut where the runs' tokens come closest to even shares. Runs of
   // equal item counts left a batch of unequal lengths unequal halves (a 1000- and a 900-token
   // sequence beside six short ones: 1675 tokens against 585). Which thread computes an item
   // does not change its result.
-  const int64_t num_threads =
-      std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  std::vector<int64_t> cut(num_threads + 1, static_cast<int64_t>(items.size()));
-  if (num_threads > 0) {
-    cut[0] = 0;
+  const int64_t num_items = static_cast<int64_t>(sp.items.size());
+  sp.num_threads = std::min<int64_t>(threads, num_items);
+  sp.cut.assign(sp.num_threads + 1, num_items);
+  if (sp.num_threads > 0) {
+    sp.cut[0] = 0;
     int64_t done = 0, t = 1;
-    for (size_t i = 0; i < items.size(); ++i) {
-      const int64_t len = items[i].end - items[i].begin;
+    for (int64_t i = 0; i < num_items; ++i) {
+      const int64_t len = sp.items[i].end - sp.items[i].begin;
       // cut before item i where that lands nearer the share's end than cutting after it
-      while (t < num_threads && 2 * done * num_threads + len * num_threads >= 2 * t * total)
-        cut[t++] = static_cast<int64_t>(i);
+      while (t < sp.num_threads && 2 * done * sp.num_threads + len * sp.num_threads >= 2 * t * total)
+        sp.cut[t++] = i;
       done += len;
     }
   }
-  const int64_t H = sh.num_heads, dv = sh.dv;
-  // Partial results of split sequences: unnormalised acc, running max and sum per head.
-  std::vector<float> part_acc(num_slots * H * dv), part_top(num_slots * H),
-      part_sum(num_slots * H);
+  sp.part_acc.resize(sp.num_slots * sh.num_heads * sh.dv);
+  sp.part_top.resize(sp.num_slots * sh.num_heads);
+  sp.part_sum.resize(sp.num_slots * sh.num_heads);
+  return sp;
+}
 
-  at::parallel_for(0, num_threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(H * sh.dk), scores, rowbuf, acc(H * dv), top(H), sum(H);
-    int64_t q_seq = -1;
-    for (int64_t i = cut[t0]; i < cut[t1]; ++i) {
-      const Item& item = items[i];
-      if (item.seq != q_seq) {
-        q_seq = item.seq;
-        for (int64_t h = 0; h < H; ++h) {
-          const T* qr = q + item.seq * q_s + h * q_h;
-          for (int64_t d = 0; d < sh.dk; ++d) qf[h * sh.dk + d] = static_cast<float>(qr[d]) * scale;
-        }
-      }
-      const bool whole = item.slot < 0;
-      float* a = whole ? acc.data() : part_acc.data() + item.slot * H * dv;
-      float* m = whole ? top.data() : part_top.data() + item.slot * H;
-      float* l = whole ? sum.data() : part_sum.data() + item.slot * H;
-      attend_chunk(item, qf.data(), keys, values, tables + item.seq * table_stride, sh,
-                   scores, rowbuf, a, m, l);
-      if (whole) {
-        for (int64_t h = 0; h < H; ++h) {
-          T* orow = out + item.seq * o_s + h * o_h;
-          const float inv = 1.f / l[h];
-          for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(a[h * dv + d] * inv);
-        }
-      }
-    }
-  });
-  if (num_slots == 0) return;
-  // Merge each split sequence's chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<float> merged(dv);
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t c0 = first_item[s], c1 = first_item[s + 1];
-      if (items[c0].slot < 0) continue;
+// Threads [t0, t1)'s items of a split: whole sequences to out, pieces to their slots.
+// T: the query's and output's type; C: the cache's (T, or float8_e4m3fn for an FP8 cache,
+// whose rows Plane::block upcasts like any other non-fp32 type).
+template <typename T, typename C>
+void attend_items(Split& sp, int64_t t0, int64_t t1, const T* q, int64_t q_s, int64_t q_h,
+                  const Plane<C>& keys, const Plane<C>& values, const int32_t* tables,
+                  int64_t table_stride, T* out, int64_t o_s, int64_t o_h, const Shape& sh,
+                  float scale) {
+  const int64_t H = sh.num_heads, dv = sh.dv;
+  std::vector<float> qf(H * sh.dk), scores, rowbuf, acc(H * dv), top(H), sum(H);
+  int64_t q_seq = -1;
+  for (int64_t i = sp.cut[t0]; i < sp.cut[t1]; ++i) {
+    const Item& item = sp.items[i];
+    if (item.seq != q_seq) {
+      q_seq = item.seq;
       for (int64_t h = 0; h < H; ++h) {
-        float top_all = -std::numeric_limits<float>::infinity();
-        for (int64_t c = c0; c < c1; ++c)
-          top_all = std::max(top_all, part_top[items[c].slot * H + h]);
-        std::fill(merged.begin(), merged.end(), 0.f);
-        float total_sum = 0.f;
-        for (int64_t c = c0; c < c1; ++c) {
-          const int64_t slot = items[c].slot;
-          const float w = std::exp(part_top[slot * H + h] - top_all);
-          total_sum += w * part_sum[slot * H + h];
-          axpy(w, part_acc.data() + (slot * H + h) * dv, merged.data(), dv);
-        }
-        T* orow = out + s * o_s + h * o_h;
-        const float inv = 1.f / total_sum;
-        for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(merged[d] * inv);
+        const T* qr = q + item.seq * q_s + h * q_h;
+        for (int64_t d = 0; d < sh.dk; ++d) qf[h * sh.dk + d] = static_cast<float>(qr[d]) * scale;
       }
     }
+    const bool whole = item.slot < 0;
+    float* a = whole ? acc.data() : sp.part_acc.data() + item.slot * H * dv;
+    float* m = whole ? top.data() : sp.part_top.data() + item.slot * H;
+    float* l = whole ? sum.data() : sp.part_sum.data() + item.slot * H;
+    attend_chunk(item, qf.data(), keys, values, tables + item.seq * table_stride, sh, scores,
+                 rowbuf, a, m, l);
+    if (whole) {
+      for (int64_t h = 0; h < H; ++h) {
+        T* orow = out + item.seq * o_s + h * o_h;
+        const float inv = 1.f / l[h];
+        for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(a[h * dv + d] * inv);
+      }
+    }
+  }
+}
+
+// Sequences [s0, s1)'s pieces merged:
+// out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+template <typename T>
+void merge_items(const Split& sp, int64_t s0, int64_t s1, T* out, int64_t o_s, int64_t o_h,
+                 const Shape& sh) {
+  const int64_t H = sh.num_heads, dv = sh.dv;
+  std::vector<float> merged(dv);
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t c0 = sp.first_item[s], c1 = sp.first_item[s + 1];
+    if (sp.items[c0].slot < 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      float top_all = -std::numeric_limits<float>::infinity();
+      for (int64_t c = c0; c < c1; ++c)
+        top_all = std::max(top_all, sp.part_top[sp.items[c].slot * H + h]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float total_sum = 0.f;
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t slot = sp.items[c].slot;
+        const float w = std::exp(sp.part_top[slot * H + h] - top_all);
+        total_sum += w * sp.part_sum[slot * H + h];
+        axpy(w, sp.part_acc.data() + (slot * H + h) * dv, merged.data(), dv);
+      }
+      T* orow = out + s * o_s + h * o_h;
+      const float inv = 1.f / total_sum;
+      for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(merged[d] * inv);
+    }
+  }
+}
+
+template <typename T, typename C>
+void last_token_attention(
+    const T* q, int64_t q_s, int64_t q_h, const Plane<C>& keys, const Plane<C>& values,
+    const int32_t* seq_lens, const int32_t* tables, int64_t table_stride,
+    T* out, int64_t o_s, int64_t o_h, int64_t num_seqs, const Shape& sh, float scale) {
+  Split sp = split_items(seq_lens, num_seqs, sh, at::get_num_threads());
+  at::parallel_for(0, sp.num_threads, 1, [&](int64_t t0, int64_t t1) {
+    attend_items(sp, t0, t1, q, q_s, q_h, keys, values, tables, table_stride, out, o_s, o_h,
+                 sh, scale);
   });
+  if (sp.num_slots == 0) return;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
+    merge_items(sp, s0, s1, out, o_s, o_h, sh);
+  });
+}
+
+// A bad table must be an error, never a read outside the pool.
+void check_tables(const int32_t* lens, const torch::Tensor& block_tables, int64_t num_seqs,
+                  int64_t bs, int64_t num_blocks) {
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK_VALUE(lens[s] >= 1 && lens[s] <= max_blocks * bs, "sequence ", s,
+                      " has length ", lens[s], " beyond its block table");
+    for (int64_t b = 0; b < (lens[s] + bs - 1) / bs; ++b) {
+      const int32_t id = tables[s * block_tables.stride(0) + b];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block id ", id, " outside the pool");
+    }
+  }
+}
+
+Plane<float> plane_of(const torch::Tensor& cache) {
+  return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2),
+          cache.size(3)};
 }
 
 }  // namespace
@@ -628,22 +681,10 @@ torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_ca
   const int64_t num_kv_heads = k_cache.size(2), dv = v_cache.size(3);
   TORCH_CHECK(k_cache.size(3) == dk && num_heads % num_kv_heads == 0, "head shapes");
   auto seq_lens_c = seq_lens.contiguous();
-  {  // bounds: a bad table must be an error, never a read outside the pool
-    const int32_t* lens = seq_lens_c.data_ptr<int32_t>();
-    const int32_t* tables = block_tables.data_ptr<int32_t>();
-    const int64_t bs = k_cache.size(1), max_blocks = block_tables.size(1);
-    const int64_t num_blocks = std::min(k_cache.size(0), v_cache.size(0));
-    TORCH_CHECK_VALUE(seq_lens.numel() == num_seqs && block_tables.size(0) == num_seqs,
-                      "seq_lens and block_tables need one row per sequence");
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      TORCH_CHECK_VALUE(lens[s] >= 1 && lens[s] <= max_blocks * bs, "sequence ", s,
-                        " has length ", lens[s], " beyond its block table");
-      for (int64_t b = 0; b < (lens[s] + bs - 1) / bs; ++b) {
-        const int32_t id = tables[s * block_tables.stride(0) + b];
-        TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block id ", id, " outside the pool");
-      }
-    }
-  }
+  TORCH_CHECK_VALUE(seq_lens.numel() == num_seqs && block_tables.size(0) == num_seqs,
+                    "seq_lens and block_tables need one row per sequence");
+  check_tables(seq_lens_c.data_ptr<int32_t>(), block_tables, num_seqs, k_cache.size(1),
+               std::min(k_cache.size(0), v_cache.size(0)));
   auto out = torch::empty({num_seqs, num_heads, dv}, query.options());
   const Shape shape{num_heads, num_kv_heads, num_heads / num_kv_heads, dk, dv, k_cache.size(1)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged", [&] {
@@ -665,4 +706,71 @@ torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_ca
       run(scalar_t());
   });
   return out;
+}
+
+struct DecodeAttention::State {
+  std::vector<Plane<float>> keys, values;
+  torch::Tensor lens, tables;  // kept alive for the raw pointers below
+  const int32_t* table_rows;
+  int64_t table_stride, num_seqs;
+  Shape shape;
+  float scale;
+  mutable Split split;  // its partial-result buffers are written by attend()
+};
+
+DecodeAttention::DecodeAttention(const std::vector<torch::Tensor>& k_caches,
+                                 const std::vector<torch::Tensor>& v_caches,
+                                 const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
+                                 int64_t num_heads, double scale, int64_t num_threads)
+    : state_(std::make_unique<State>()) {
+  TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "DecodeAttention: layers");
+  State& st = *state_;
+  const auto& k0 = k_caches[0];
+  for (size_t l = 0; l < k_caches.size(); ++l) {
+    const auto &k = k_caches[l], &v = v_caches[l];
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == torch::kFloat &&
+                    v.scalar_type() == torch::kFloat && k.stride(3) == 1 && v.stride(3) == 1 &&
+                    k.sizes() == k0.sizes() && v.size(3) == v_caches[0].size(3) &&
+                    k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2),
+                "DecodeAttention: fp32 caches [blocks, bs, Hkv, D] of one shape");
+    st.keys.push_back(plane_of(k));
+    st.values.push_back(plane_of(v));
+  }
+  st.lens = seq_lens.to(torch::kInt32).contiguous();
+  st.tables = block_tables.to(torch::kInt32).contiguous();
+  st.num_seqs = st.lens.numel();
+  TORCH_CHECK_VALUE(st.tables.dim() == 2 && st.tables.size(0) == st.num_seqs,
+                    "seq_lens and block_tables need one row per sequence");
+  const int64_t num_kv_heads = k0.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "head shapes");
+  check_tables(st.lens.data_ptr<int32_t>(), st.tables, st.num_seqs, k0.size(1), k0.size(0));
+  st.table_rows = st.tables.data_ptr<int32_t>();
+  st.table_stride = st.tables.stride(0);
+  st.shape = {num_heads, num_kv_heads, num_heads / num_kv_heads, k0.size(3),
+              v_caches[0].size(3), k0.size(1)};
+  st.scale = static_cast<float>(scale);
+  st.split = split_items(st.lens.data_ptr<int32_t>(), st.num_seqs, st.shape, num_threads);
+}
+
+DecodeAttention::~DecodeAttention() = default;
+
+bool DecodeAttention::needs_merge() const { return state_->split.num_slots > 0; }
+
+void DecodeAttention::attend(const Team& team, size_t layer, const float* q, int64_t q_s,
+                             int64_t q_h, float* out) const {
+  const State& st = *state_;
+  const Shape& sh = st.shape;
+  split_for(0, st.split.num_threads, 1, &team, [&](int64_t t0, int64_t t1) {
+    attend_items(st.split, t0, t1, q, q_s, q_h, st.keys[layer], st.values[layer],
+                 st.table_rows, st.table_stride, out, sh.num_heads * sh.dv, sh.dv, sh,
+                 st.scale);
+  });
+}
+
+void DecodeAttention::merge(const Team& team, float* out) const {
+  const State& st = *state_;
+  const Shape& sh = st.shape;
+  split_for(0, st.num_seqs, 1, &team, [&](int64_t s0, int64_t s1) {
+    merge_items(st.split, s0, s1, out, sh.num_heads * sh.dv, sh.dv, sh);
+  });
 }

@@ -230,9 +230,11 @@ PanelTileFn<W> panel_tile_for(int mt, int nv, bool masked) {
 }
 
 // panel_linear's body for panels stored as W (float, at::BFloat16 or at::Half).
+// With a bias (else null), each task adds it to the columns it computed, as add_bias would
+// after the product; with a team, this thread's tasks only (see Team).
 template <typename W>
 void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t N, int64_t K,
-                   float* yp) {
+                   float* yp, const float* bias = nullptr, const Team* team = nullptr) {
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
   const int64_t num_blocks = (M + kPanelBlockRows - 1) / kPanelBlockRows;
   const int64_t size = static_cast<int64_t>(sizeof(W));
@@ -287,6 +289,10 @@ void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t
           streams_own ? width * size : lines * 64,
           streams_own ? own_lines : next && i < first + fetchers ? lines : 0, tiles == 1);
     }
+    if (bias == nullptr) return;
+    const int64_t c0 = p * kPanel + 16 * va, c1 = p * kPanel + std::min(width, 16 * vb);
+    for (int64_t m = b0; m < b1; ++m)
+      for (int64_t c = c0; c < c1; ++c) yp[m * N + c] += bias[c];
   };
   if (num_blocks == 1) {
     // A decode step's rows: threads split the columns 16 at a time, so each streams its own
@@ -296,7 +302,7 @@ void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t
     static_assert(kPanel == 3 * 16, "a panel is 3 vectors");
     const int64_t num_vectors = (N + 15) / 16;  // the last panel's last may be partial
     const int64_t grain = 3 * std::max<int64_t>(1, (64 << 10) / (row_bytes * K));  // ~64 KiB
-    at::parallel_for(0, num_vectors, grain, [&](int64_t v0, int64_t v1) {
+    split_for(0, num_vectors, grain, team, [&](int64_t v0, int64_t v1) {
       const int64_t p0 = v0 / 3, p1 = (v1 - 1) / 3;
       for (int64_t p = p0; p <= p1; ++p)
         task(0, M, p, std::max(v0, 3 * p) - 3 * p, std::min(v1, 3 * p + 3) - 3 * p, p > p0,
@@ -307,7 +313,7 @@ void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t
   // A prefill's rows: tasks are (block of rows, panel) pairs, panels inner, and the blocks
   // split too, which keeps the threads level where the panels are few (11 at N = 512).
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (row_bytes * K));  // ~64 KiB of W
-  at::parallel_for(0, num_blocks * num_panels, grain, [&](int64_t t0, int64_t t1) {
+  split_for(0, num_blocks * num_panels, grain, team, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b0 = t / num_panels * kPanelBlockRows, p = t % num_panels;
       const int64_t width = std::min(kPanel, N - p * kPanel);
@@ -414,5 +420,18 @@ void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, torc
     panel_product(xp, x.stride(0), panels.data_ptr<at::Half>(), M, N, K, yp);
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (panel_width() == 0)");
+#endif
+}
+
+void panel_linear_rows(const float* x, int64_t ldx, const torch::Tensor& panels, int64_t M,
+                       int64_t N, int64_t K, float* y, const float* bias, const Team* team) {
+#if defined(__AVX512F__)
+  const void* w = panels.data_ptr();
+  if (panels.scalar_type() == torch::kFloat)
+    panel_product(x, ldx, static_cast<const float*>(w), M, N, K, y, bias, team);
+  else if (panels.scalar_type() == torch::kBFloat16)
+    panel_product(x, ldx, static_cast<const at::BFloat16*>(w), M, N, K, y, bias, team);
+  else
+    panel_product(x, ldx, static_cast<const at::Half*>(w), M, N, K, y, bias, team);
 #endif
 }
