@@ -7,7 +7,9 @@ Every block is in exactly one of three states:
     cached  ref 0, has a key   content still valid; reusable by key, evictable by LRU
 
 Allocation takes free blocks first and only when the free list runs dry evicts the least
-recently freed cached block (dropping its key). A block gets its key only after its KV has
+recently freed cached block (dropping its key). Free blocks are taken in runs of neighbours
+(FreeBlocks): a table whose blocks follow each other in the pool is one stream in memory, which
+a CPU's prefetchers read faster than scattered blocks. A block gets its key only after its KV has
 been computed (`commit_computed`, called once a step has run), so a prefix hit never points
 at KV that a concurrent chunk in the same step is still writing.
 
@@ -25,7 +27,8 @@ the request's cache_salt, so the same keys name the same KV in the store and at 
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdserve.kvstore.block_key import KVLayout, block_keys, root_key
@@ -51,6 +54,77 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class FreeBlocks:
+    """The free blocks as a map of the pool, taken in runs of neighbours.
+
+    A request's table reads best when its blocks follow each other in the pool: the decode
+    attention on CPU then streams each sequence's KV as one range, 1.2x faster than the same
+    blocks in descending order and 1.45x faster than shuffled ones (benchmarks/results/
+    README.md, stop 40). So a new table takes a run of free blocks (next fit from where the
+    last run ended, with room behind it to grow where the pool has some), and a growing table
+    takes the block right after its last one while that is free.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._map = bytearray(b"\x01") * num_blocks  # 1: free
+        self._count = num_blocks
+        self._cursor = 0  # where the next search starts: the end of the last run taken
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, block_id: int) -> bool:
+        return 0 <= block_id < len(self._map) and self._map[block_id] == 1
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i, free in enumerate(self._map) if free)
+
+    def add(self, block_id: int) -> None:
+        if self._map[block_id]:
+            raise BlockManagerIntegrityError(f"block {block_id} freed twice")
+        self._map[block_id] = 1
+        self._count += 1
+
+    def remove(self, block_id: int) -> None:
+        if block_id not in self:
+            raise ValueError(f"block {block_id} is not free")
+        self._map[block_id] = 0
+        self._count -= 1
+
+    def take_after(self, block_id: int) -> int | None:
+        """The block right after `block_id`, if it is free."""
+        following = block_id + 1
+        if following not in self:
+            return None
+        self.remove(following)
+        return following
+
+    def take_run(self, num_blocks: int, room: int = 0) -> list[int]:
+        """The first num_blocks of a free stretch of num_blocks + room (room: free blocks
+        left behind them for the table to grow into), next fit; [] when none is that long."""
+        stretch = b"\x01" * (num_blocks + room)
+        start = self._map.find(stretch, self._cursor)
+        if start < 0:
+            start = self._map.find(stretch)
+        if start < 0:
+            return []
+        self._map[start:start + num_blocks] = bytes(num_blocks)
+        self._count -= num_blocks
+        self._cursor = start + num_blocks + room
+        return list(range(start, start + num_blocks))
+
+    def take_any(self) -> int | None:
+        """A free block (next fit), or None when there is none."""
+        block_id = self._map.find(1, self._cursor)
+        if block_id < 0:
+            block_id = self._map.find(1)
+        if block_id < 0:
+            return None
+        self.remove(block_id)
+        self._cursor = block_id + 1
+        return block_id
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, model_id: str, kv_layout: KVLayout,
                  enable_prefix_caching: bool = True) -> None:
@@ -65,7 +139,7 @@ class BlockManager:
         self.kv_layout = kv_layout
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free = FreeBlocks(num_blocks)
         self._cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._key_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
@@ -162,8 +236,11 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._cached[block_id]
             block.ref_count += 1
-        table = hits + [self._take_block() for _ in
-                        range(self.num_blocks_for(num_tokens) - len(hits))]
+        # Room to grow: the blocks its prompt and max_tokens may still need past these
+        num_new = self.num_blocks_for(num_tokens) - len(hits)
+        room = self.num_blocks_for(request.num_prompt_tokens + request.max_tokens) \
+            - self.num_blocks_for(num_tokens)
+        table = hits + self._take_blocks(num_new, hits[-1] if hits else None, max(0, room))
         self._tables[request.request_id] = table
         self._num_committed[request.request_id] = len(hits)
         self._note_used()
@@ -179,8 +256,9 @@ class BlockManager:
         if num_missing > self.num_free_blocks:
             raise NoFreeBlocksError(f"cannot append {num_new_tokens} tokens for "
                                     f"{request.request_id!r}")
-        new_blocks = [self._take_block() for _ in range(num_missing)]
-        self._tables[request.request_id].extend(new_blocks)
+        table = self._tables[request.request_id]
+        new_blocks = self._take_blocks(num_missing, table[-1] if table else None)
+        table.extend(new_blocks)
         self._note_used()
         return new_blocks
 
@@ -208,7 +286,7 @@ class BlockManager:
             raise ValueError(f"request {request_id!r} already has blocks")
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(f"cannot reserve {num_blocks} blocks for {request_id!r}")
-        self._reserved[request_id] = [self._take_block() for _ in range(num_blocks)]
+        self._reserved[request_id] = self._take_blocks(num_blocks, None)
         self._note_used()
         return list(self._reserved[request_id])
 
@@ -285,10 +363,37 @@ class BlockManager:
     def _note_used(self) -> None:
         self.max_num_used_blocks = max(self.max_num_used_blocks, self.num_used_blocks)
 
-    def _take_block(self) -> int:
-        if self._free:
-            block_id = self._free.popleft()
-        else:  # the free list ran dry: evict the least recently freed cached block
+    def _take_blocks(self, num_blocks: int, after: int | None, room: int = 0) -> list[int]:
+        """num_blocks blocks for a table whose last block is `after` (None: a new table):
+        the blocks following it while they are free, then a run (with `room` behind it where
+        the pool has a stretch that long), then one at a time, then evicted cached ones. The
+        caller has checked that there are enough free and cached blocks."""
+        taken: list[int] = []
+        while after is not None and len(taken) < num_blocks:
+            following = self._free.take_after(after)
+            if following is None:
+                break
+            self._blocks[following].ref_count = 1
+            taken.append(after := following)
+        rest = num_blocks - len(taken)
+        if rest > 1 or (rest == 1 and room > 0):
+            run = (room > 0 and self._free.take_run(rest, room)) or self._free.take_run(rest)
+            for block_id in run:
+                self._blocks[block_id].ref_count = 1
+            taken += run
+        while len(taken) < num_blocks and len(self._free):
+            taken.append(self._take_block(taken[-1] if taken else after))
+        # The rest evicts the least recently freed cached blocks, in the pool's order: a
+        # table freed tail first comes back as a run again, not reversed.
+        return taken + sorted(self._take_block() for _ in range(num_blocks - len(taken)))
+
+    def _take_block(self, after: int | None = None) -> int:
+        """A block: the one after `after` if free, else any free one, else the least
+        recently freed cached one."""
+        block_id = self._free.take_after(after) if after is not None else None
+        if block_id is None:
+            block_id = self._free.take_any()
+        if block_id is None:  # the free list ran dry: evict the least recently freed cached block
             block_id, _ = self._cached.popitem(last=False)
             self._drop_key(self._blocks[block_id])
         self._blocks[block_id].ref_count = 1
@@ -338,14 +443,14 @@ class BlockManager:
                 if block.block_key is not None:
                     self._cached[block_id] = None
                 else:
-                    self._free.append(block_id)
+                    self._free.add(block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (used blocks keep their keys)."""
         while self._cached:
             block_id, _ = self._cached.popitem(last=False)
             self._drop_key(self._blocks[block_id])
-            self._free.append(block_id)
+            self._free.add(block_id)
 
     # ---- invariants ---------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -357,7 +462,7 @@ class BlockManager:
 
         free, cached = set(self._free), set(self._cached)
         if len(free) != len(self._free):
-            fail("a block is twice in the free list")
+            fail(f"the free map holds {len(free)} blocks but counts {len(self._free)}")
         if free & cached:
             fail(f"blocks both free and cached: {sorted(free & cached)}")
         refs = [0] * self.num_blocks

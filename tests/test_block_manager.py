@@ -42,16 +42,57 @@ def test_allocate_exact_ids_and_free_order() -> None:
     assert bm.block_table("b") == [3, 4]
     assert (bm.num_free_blocks, bm.num_used_blocks) == (3, 5)
     bm.free(a)
-    # freed tail first, appended behind the untouched free blocks
+    # no run of 5 is free: from where b's run ended, each block after the one before while
+    # that one is free, then the next free one (wrapping round)
     b2 = make_request("c", range(200, 220))
     assert not bm.can_allocate(b2, 20 + 20)
     bm.allocate(b2, 20)
-    assert bm.block_table("c") == [5, 6, 7, 2, 1]
+    assert bm.block_table("c") == [5, 6, 7, 0, 1]
     bm.check_integrity()
     bm.free(b)
     bm.free(b2)
     bm.free(b2)  # idempotent
     assert bm.num_free_blocks == 8
+    bm.check_integrity()
+
+
+def test_tables_are_runs_of_neighbours_with_room_to_grow() -> None:
+    """Each prompt takes a run of free blocks with room behind it for its max_tokens, so
+    sequences that decode side by side keep one run each (the CPU decode attention reads a
+    run as one stream); a table that cannot continue in place starts a new run."""
+    bm = make_manager(num_blocks=30, prefix_caching=False)
+    requests = [make_request(f"r{i}", range(10)) for i in range(4)]  # 3 blocks, then 4 more
+    for r in requests:
+        bm.allocate(r, 10)
+        r.num_computed_tokens = 10
+    for _ in range(16):  # decode steps, the four interleaved
+        for r in requests:
+            bm.append_slots(r, 1)
+            r.num_computed_tokens += 1
+    tables = [bm.block_table(r.request_id) for r in requests]
+    assert all(t == list(range(t[0], t[0] + 7)) for t in tables)
+    assert sorted(t[0] for t in tables) == [0, 7, 14, 21]
+    late = make_request("late", range(10))
+    assert not bm.can_allocate(late, 10)  # 2 blocks are left
+    bm.free(requests[1])
+    bm.allocate(late, 10)
+    assert bm.block_table("late") == [7, 8, 9]  # the freed run, room behind it included
+    bm.check_integrity()
+
+
+def test_evicted_blocks_come_back_in_the_pools_order() -> None:
+    """A table freed tail first is cached in reverse (its tail is evicted first); a table
+    that evicts those blocks still gets them as a run, ascending, and exactly the least
+    recently freed ones."""
+    bm = make_manager(num_blocks=6)
+    old = make_request("old", range(16))  # 4 full blocks
+    run_prefill(bm, old)
+    bm.free(old)
+    assert list(bm._cached) == [3, 2, 1, 0] and len(bm._free) == 2
+    new = make_request("new", range(100, 120))  # 5 blocks: 4 and 5 free, then 3 evicted
+    bm.allocate(new, 20)
+    assert bm.block_table("new") == [4, 5, 1, 2, 3]  # evicted 3, 2, 1
+    assert list(bm._cached) == [0]
     bm.check_integrity()
 
 
@@ -88,11 +129,11 @@ def test_prefix_reuse_allocates_only_new_blocks_and_counts_refs() -> None:
     bm.check_integrity()
     bm.free(a)
     assert [bm._blocks[i].ref_count for i in range(3)] == [1, 1, 0]
-    assert list(bm._free)[-1] == 2  # a's partial tail has no key: plain free
+    assert 2 in bm._free  # a's partial tail has no key: plain free
     bm.free(b)
     # b's full blocks are cached, tail first (the tail is evicted first); 4 is partial
     assert list(bm._cached) == [3, 1, 0]
-    assert list(bm._free)[-1] == 4
+    assert 4 in bm._free and 3 not in bm._free
     bm.check_integrity()
 
 
@@ -136,10 +177,11 @@ def test_eviction_is_exact_lru() -> None:
     assert run_prefill(bm, r0_again) == 4
     bm.free(r0_again)
     assert list(bm._cached) == [2, 4, 0]
-    # the free list (1, 5, 3) goes first, then the LRU cached blocks: 2, then 4
+    # the free blocks (1, 3, 5: none follows another, so the next free one each time) go
+    # first, then the LRU cached blocks: 2, then 4
     big = make_request("big", range(1000, 1020))  # 5 blocks
     bm.allocate(big, 20)
-    assert bm.block_table("big") == [1, 5, 3, 2, 4]
+    assert bm.block_table("big") == [1, 3, 5, 2, 4]
     assert list(bm._cached) == [0]
     assert bm.num_cached_tokens(make_request("x", [10, 11, 12, 13, 14])) == 0  # evicted
     assert bm.num_cached_tokens(make_request("y", [0, 1, 2, 3, 14])) == 4  # still cached
@@ -197,12 +239,13 @@ def test_check_integrity_detects_corruption(corrupt: str) -> None:
     bm.check_integrity()
     if corrupt == "ref":
         bm._blocks[0].ref_count = 2
-    elif corrupt == "double_free":
-        bm._free.append(0)
+    elif corrupt == "double_free":  # a used block marked free as well
+        bm._free._map[0] = 1
+        bm._free._count += 1
     elif corrupt == "key_map":
         bm._key_to_block[b"x" * 16] = 1
-    else:
-        bm._free.popleft()
+    else:  # a free block gone from the map
+        bm._free.take_any()
     with pytest.raises(BlockManagerIntegrityError):
         bm.check_integrity()
 
