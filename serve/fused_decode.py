@@ -8,7 +8,9 @@ path calls (add_rms_norm, panel_linear or skinny_linear, rotary_neox_, write_kv_
 paged decode attention, silu_and_mul; a bf16 checkpoint's panels on AMX from as many rows as
 serve/parallel.linear sends there), in the same order on the same tensors: its hidden
 states are bit-identical to the module path's (tests/test_fused_decode.py compares them),
-which stays the reference and the path for everything else.
+which stays the reference and the path for everything else. Where every product has panels
+and the cache is fp32, the whole loop is one OpenMP region (a barrier between ops instead of a
+region per op).
 
 It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
