@@ -174,7 +174,6 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "vocab": vocab, "dtype": dtype,
             "matmul_params": matmul_params, "weight_bytes": size * matmul_params,
-            "layer_params": layers * per_layer, "layer_weight_bytes": size * layers * per_layer,
             "kv_bytes_per_token": size * layers * 2 * kv_heads * head_dim}
 
 
@@ -362,15 +361,16 @@ def analyse(facts: dict[str, Any], peak: float, runs: dict[str, Any]) -> dict[st
 def step_parts(facts: dict[str, Any], peak: float, row: dict[str, Any],
                entry: dict[str, Any]) -> dict[str, Any]:
     """Where a decode step goes (the fused loop's own clocks, each part the median of its
-    rounds' means): the layers' products against their own floor (their weights at the read
-    bandwidth, or their FLOPs at the matmul peak), the attention's KV read rate, the rest of
+    rounds' means): the products against their own floor (their weights at the read
+    bandwidth, or their FLOPs at the matmul peak; the layers' and the LM head's, which the loop
+    multiplies where every product has panels), the attention's KV read rate, the rest of
     the loop (norms, rotary, SiLU), and the host: the step's time outside the loop (scheduling,
-    metadata, embedding, LM head, sampling, outputs)."""
+    metadata, embedding, sampling, outputs)."""
     medians = [statistics.median(r[i] for r in row["rounds_parts_s"]) for i in range(len(PARTS))]
     products_s, attention_s, other_s = medians
     batch, context = row["batch"], row["context"]
-    products_floor_s = max(facts["layer_weight_bytes"] / (entry["read_gb_s"] * 1e9),
-                           2.0 * facts["layer_params"] * batch / peak)
+    products_floor_s = max(facts["weight_bytes"] / (entry["read_gb_s"] * 1e9),
+                           2.0 * facts["matmul_params"] * batch / peak)
     return {"products_s": products_s, "attention_s": attention_s, "other_s": other_s,
             "host_s": max(0.0, row["step_s"] - sum(medians)),
             "products_floor_s": products_floor_s,

@@ -10,7 +10,8 @@ serve/parallel.linear sends there), in the same order on the same tensors: its h
 states are bit-identical to the module path's (tests/test_fused_decode.py compares them),
 which stays the reference and the path for everything else. Where every product has panels
 and the cache is fp32, the whole loop is one OpenMP region (a barrier between ops instead of a
-region per op).
+region per op). The loop also applies the model's final norm and, in that region, the LM head:
+CausalLM.compute_logits then takes the logits it computed (DecoderModel.take_decode_logits).
 
 It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
@@ -46,12 +47,19 @@ class FusedDecode:
 
     def __init__(self, ops: ModuleType, weights: list[torch.Tensor], panels: bool, eps: float,
                  num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-                 scale: float, amx_rows: int = 0) -> None:
+                 scale: float, amx_rows: int = 0, final_norm: torch.Tensor | None = None,
+                 head: torch.Tensor | None = None) -> None:
         """amx_rows: from this many rows on, bf16 panels multiply on AMX, as
-        serve/parallel.linear sends them (0: never)."""
+        serve/parallel.linear sends them (0: never). final_norm: the model's last RMSNorm
+        weight (of the layers' eps), applied after the loop; head: the LM head's panels, whose
+        logits the loop then computes where it can (see __call__)."""
         self._ops = ops
         self._weights = weights
         self._eps = eps
+        self._final_norm = final_norm
+        self._head = head
+        self.ends_normed = final_norm is not None
+        """The loop applies the final norm (and returns the normed hidden states)."""
         self._shape = (num_heads, num_kv_heads, head_dim, rotary_dim, scale)
         self._amx_rows = amx_rows
         # plain weights go to the skinny product, which has an edge; panels take any batch
@@ -67,16 +75,20 @@ class FusedDecode:
 
     def __call__(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden] (embedded) -> (hidden, residual) after the last layer, as the
-        module path's loop returns them."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [T, hidden] (embedded) -> without a final norm, (hidden, residual) after
+        the last layer, as the module path's loop returns them; with one, (the normed hidden
+        states, their logits [T, vocab] or None where the loop left the LM head to the
+        caller: no head given, or a step the one-region loop does not take)."""
         cos, sin = (t.reshape(t.shape[0], t.shape[-1]) for t in cos_sin)
         num_heads, num_kv_heads, head_dim, rotary_dim, scale = self._shape
-        out, residual = self._ops.llama_decode_layers(
+        first, second = self._ops.llama_decode_layers(
             hidden, self._weights, kv_caches, cos, sin, meta.slot_mapping, meta.seq_lens,
             meta.block_tables, self._eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale,
-            self._amx_rows, self.phase_seconds)
-        return out, residual
+            self._amx_rows, self.phase_seconds, self._final_norm, self._head)
+        if self._final_norm is None:
+            return first, second
+        return first, second if second.numel() else None
 
 
 def _matrix(linear: nn.Module) -> torch.Tensor:
@@ -85,9 +97,12 @@ def _matrix(linear: nn.Module) -> torch.Tensor:
     return packed if packed is not None and not packed.is_mkldnn else linear.weight
 
 
-def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
+def build_llama_fused_decode(layers: Sequence[nn.Module], final_norm: nn.Module | None = None,
+                             lm_head: nn.Module | None = None) -> FusedDecode | None:
     """The fused loop for these Llama-family layers, or None where it does not apply (see the
-    module docstring); decided once, after the weights are loaded."""
+    module docstring); decided once, after the weights are loaded. With the model's final norm
+    (an RMSNorm of the layers' eps) the loop applies it too, and with the LM head's panels
+    (one rank, fp32 or half panels) it computes the logits."""
     from pdserve.serve.models.base import DecoderLayer, GatedMLP
     from pdserve.serve.models.llama import LlamaAttention
 
@@ -127,6 +142,18 @@ def build_llama_fused_decode(layers: Sequence[nn.Module]) -> FusedDecode | None:
                     attn.attn.scale))
     if not layers or len(eps) != 1 or len(shapes) != 1 or len(kinds) != 1:
         return None
+    layer_eps = eps.pop()
+    norm = final_norm.weight.detach() if (
+        type(final_norm) is RMSNorm and final_norm.eps == layer_eps
+        and final_norm.weight.dtype == torch.float32 and final_norm.weight.is_contiguous()
+    ) else None
+    packed = getattr(lm_head, "packed", None)
+    head = packed if (
+        norm is not None and packed is not None and not packed.is_mkldnn and packed.dim() == 1
+        and getattr(lm_head, "tp", None) is not None and lm_head.tp.size == 1
+        and lm_head.vocab_per_rank == lm_head.vocab_size and kinds == {1}
+    ) else None
     amx_from = amx_rows(ops)
-    return FusedDecode(ops, weights, kinds == {1}, eps.pop(), *shapes.pop(),
-                       amx_rows=0 if math.isinf(amx_from) else int(amx_from))
+    return FusedDecode(ops, weights, kinds == {1}, layer_eps, *shapes.pop(),
+                       amx_rows=0 if math.isinf(amx_from) else int(amx_from),
+                       final_norm=norm, head=head)

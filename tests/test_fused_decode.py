@@ -18,7 +18,7 @@ from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.fused_decode import FusedDecode
 from pdserve.serve.layers import cpu_kernels
 from pdserve.serve.model_runner import ModelRunner
-from pdserve.serve.parallel import skinny_max_rows
+from pdserve.serve.parallel import ParallelLMHead, skinny_max_rows
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="CPU kernels not built here")
 
@@ -103,6 +103,11 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
         return real_call(self, hidden, *args)
 
     monkeypatch.setattr(FusedDecode, "__call__", counting)
+    head_calls: list[int] = []
+    real_head = ParallelLMHead.forward
+    monkeypatch.setattr(ParallelLMHead, "forward",
+                        lambda self, hidden: head_calls.append(hidden.shape[0])
+                        or real_head(self, hidden))
     with make_runner(model_dir) as fused:
         loop = decoder(fused).fused_decode()
         assert loop is not None
@@ -110,6 +115,9 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
             pytest.skip("plain weights (no AVX-512 panels): the loop stops at the edge")
         fused_steps, _ = run_walk(fused, num_seqs, num_decodes=4)
     assert calls == [num_seqs] * 4  # every decode step, and no prefill, took the fused loop
+    # with AVX-512 panels the loop's one region also computes the logits: the LM head module
+    # ran for the prefill only
+    assert head_calls == ([num_seqs] if loop.max_rows is None else [num_seqs] * 5)
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
     with make_runner(model_dir) as modules:
         assert decoder(modules).fused_decode() is None

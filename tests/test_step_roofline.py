@@ -48,7 +48,7 @@ def test_each_round_is_held_to_the_floor_read_in_that_round() -> None:
 
 
 def test_step_parts_split_the_step_and_hold_products_to_their_own_floor() -> None:
-    facts = {**FACTS, "layer_params": 800, "layer_weight_bytes": 3200}
+    facts = {**FACTS, "matmul_params": 800, "weight_bytes": 3200}
     run = _run(2, 10, [0.018, 0.020, 0.019], [1e-3, 1e-3, 1e-3])
     run["pdserve"]["decode"][0]["rounds_parts_s"] = [
         [0.004, 0.002, 0.001], [0.005, 0.003, 0.001], [0.006, 0.002, 0.002]]
@@ -56,7 +56,7 @@ def test_step_parts_split_the_step_and_hold_products_to_their_own_floor() -> Non
     parts = row["parts"]
     assert (parts["products_s"], parts["attention_s"], parts["other_s"]) == (0.005, 0.002, 0.001)
     assert parts["host_s"] == pytest.approx(0.019 - 0.008)  # the step's median minus the loop
-    # 3200 bytes of layer weights at 1 MB/s (3.2 ms) > 2 x 800 x 2 FLOPs at 1 GFLOP/s
+    # 3200 bytes of weights at 1 MB/s (3.2 ms) > 2 x 800 x 2 FLOPs at 1 GFLOP/s
     assert parts["products_floor_s"] == pytest.approx(3.2e-3)
     assert parts["attention_gb_s"] == pytest.approx(2 * 10 * 256 / 0.002 / 1e9)
 

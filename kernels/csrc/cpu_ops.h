@@ -114,6 +114,7 @@ std::vector<torch::Tensor> llama_decode_layers(
     std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-    double scale, int64_t amx_rows, c10::optional<torch::Tensor> phase_seconds);
+    double scale, int64_t amx_rows, c10::optional<torch::Tensor> phase_seconds,
+    c10::optional<torch::Tensor> final_norm, c10::optional<torch::Tensor> head);
 // threads.cpp
 void pin_openmp_threads(std::vector<int64_t> cores);

@@ -30,6 +30,14 @@
 // empty tensor stands for an absent bias; a W is plain [N, K] or packed in panels (1-D). fp32
 // math (panels may hold a half-precision checkpoint's weights), one tensor-parallel rank.
 //
+// After the layers: with final_norm (the model's last RMSNorm, [hidden] fp32), it returns the
+// normed hidden states and, with head (the LM head's panels) on the one-region loop below, their
+// logits [T, vocab] from the same panel product serve/parallel.linear runs, so the LM head's
+// weights stream inside the region too (else the logits come back empty, for the caller to
+// compute). Without final_norm: the last layer's output and the residual stream. The LM head
+// in the region, against the module's call after it: decode steps of the llama-mid-like model
+// 0.963-0.975x the time at batch 1, 0.97-0.99x at batch 8, 1.0x at 32 (A/B in one process).
+//
 // phase_seconds (float64 [3]), where given, gains the call's wall time in the products, the
 // attention (its KV write included) and the rest (norms, rotary, SiLU): what
 // benchmarks/step_roofline.py sets each part against its own ceiling with. The engine passes
@@ -113,7 +121,8 @@ std::vector<torch::Tensor> llama_decode_layers(
     std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-    double scale, int64_t amx_rows, c10::optional<torch::Tensor> phase_seconds) {
+    double scale, int64_t amx_rows, c10::optional<torch::Tensor> phase_seconds,
+    c10::optional<torch::Tensor> final_norm, c10::optional<torch::Tensor> head) {
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer,
               "llama_decode_layers: ", kWeightsPerLayer, " weights per layer");
   TORCH_CHECK(hidden.dim() == 2, "llama_decode_layers: hidden [T, hidden]");
@@ -152,8 +161,26 @@ std::vector<torch::Tensor> llama_decode_layers(
               "llama_decode_layers: phase_seconds float64 [3]");
   PhaseClock clock(phase_seconds);
   if (kv_caches.empty()) return {hidden, hidden};
+  TORCH_CHECK(!final_norm.has_value() || (final_norm->scalar_type() == torch::kFloat &&
+                                          final_norm->is_contiguous() && final_norm->numel() == D),
+              "llama_decode_layers: final_norm [hidden] fp32");
+  TORCH_CHECK(!head.has_value() || final_norm.has_value(),
+              "llama_decode_layers: the LM head needs the final norm");
+  const float* pf = final_norm.has_value() ? final_norm->data_ptr<float>() : nullptr;
+  // The LM head multiplies here only on the one-region loop, as a panel product that
+  // serve/parallel.linear would also send to the panels (not to AMX).
+  const bool with_head = head.has_value() && head->dim() == 1 && head->is_contiguous() &&
+                         head->numel() % D == 0 &&
+                         (head->scalar_type() == torch::kFloat ||
+                          head->scalar_type() == torch::kBFloat16 ||
+                          head->scalar_type() == torch::kHalf) &&
+                         !(amx_rows > 0 && T >= amx_rows &&
+                           head->scalar_type() == torch::kBFloat16);
+  const int64_t vocab = with_head ? head->numel() / D : 0;
 
-  if (team_loop_applies(weights, kv_caches, T, amx_rows)) {
+  const bool team = team_loop_applies(weights, kv_caches, T, amx_rows);
+  auto logits = torch::empty({team && with_head ? T : 0, vocab}, options);
+  if (team) {
     // One parallel region for the whole loop, a barrier wherever an op reads what another
     // thread wrote: a region per op cost each product 3-4 us of a batch-1 step's ~28 in
     // forking, joining and the late second thread (benchmarks/results/README.md, stop 40).
@@ -237,7 +264,17 @@ std::vector<torch::Tensor> llama_decode_layers(
         x = po;
         ldx = D;
       }
+      if (pf != nullptr) {
+        add_rms_norm_rows(po, D, pr, D, pf, pn, pr, T, D, eps, &team);
+        sync(kOther);
+        if (logits.numel() != 0) {
+          panel_linear_rows(pn, D, *head, T, vocab, D, logits.data_ptr<float>(), nullptr,
+                            &team);
+          sync(kProducts);
+        }
+      }
     }
+    if (pf != nullptr) return {normed, logits};
     return {out, residual};
   }
 
@@ -278,5 +315,9 @@ std::vector<torch::Tensor> llama_decode_layers(
     x = out.data_ptr<float>();
     ldx = D;
   }
-  return {out, residual};
+  if (pf == nullptr) return {out, residual};
+  add_rms_norm_rows(out.data_ptr<float>(), D, residual.data_ptr<float>(), D, pf,
+                    normed.data_ptr<float>(), residual.data_ptr<float>(), T, D, eps);
+  clock.mark(kOther);
+  return {normed, logits};
 }

@@ -139,10 +139,16 @@ class DecoderModel(nn.Module):
             hidden, residual = carried
         cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
         fused = self.fused_decode() if layer_done is None and self.stage.is_whole else None
+        self.__dict__.pop("_decode_logits", None)
         # (the fused loop reads and writes a model-dtype cache: an FP8 one takes the layers)
         if (fused is not None and fused.applies(hidden, meta)
                 and kv_caches[0].dtype == hidden.dtype):
-            hidden, residual = fused(hidden, kv_caches, meta, cos_sin)
+            hidden, second = fused(hidden, kv_caches, meta, cos_sin)
+            if fused.ends_normed:  # the final norm ran too, and perhaps the LM head
+                if second is not None:
+                    self.__dict__["_decode_logits"] = (hidden, second)
+                return hidden
+            residual = second
         else:
             for i, kv_cache in zip(self.stage.layers, kv_caches, strict=True):
                 hidden, residual = self.layers[i](hidden, residual, kv_cache, meta, cos_sin)
@@ -152,6 +158,21 @@ class DecoderModel(nn.Module):
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @property
+    def decode_head(self) -> nn.Module | None:
+        """The LM head, which CausalLM owns: held here outside the module tree (no second
+        copy of its weight in the state dict) for the fused decode loop to multiply by."""
+        return self.__dict__.get("_decode_head")
+
+    def share_head(self, head: nn.Module | None) -> None:
+        self.__dict__["_decode_head"] = head
+
+    def take_decode_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits the fused loop computed for exactly these final hidden states (the
+        tensor its forward returned), once; None for any other tensor."""
+        computed = self.__dict__.pop("_decode_logits", None)
+        return computed[1] if computed is not None and computed[0] is hidden else None
 
     def fused_decode(self) -> FusedDecode | None:
         """The layer loop of a decode step as one compiled call (serve/fused_decode.py), built
@@ -180,6 +201,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf_config["vocab_size"], hf_config["hidden_size"], tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.share_head(self.lm_head)
 
     @property
     def pipeline_stage(self) -> PipelineStage:
@@ -195,5 +217,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, kv_caches, meta, layer_done, carried)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""
-        return self.lm_head(hidden)
+        """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks); a fused decode step's
+        final hidden states come with theirs already (serve/fused_decode.py)."""
+        logits = self.model.take_decode_logits(hidden)
+        return logits if logits is not None else self.lm_head(hidden)

@@ -102,7 +102,7 @@ class LlamaModel(DecoderModel):
             hf_config, rotary_emb, qkv_bias, tp, backend_name))
 
     def build_fused_decode(self) -> FusedDecode | None:
-        return build_llama_fused_decode(self.layers)
+        return build_llama_fused_decode(self.layers, self.norm, self.decode_head)
 
 
 class LlamaForCausalLM(CausalLM):
