@@ -376,7 +376,7 @@ class BlockManager:
             self._blocks[following].ref_count = 1
             taken.append(after := following)
         rest = num_blocks - len(taken)
-        if rest > 1 or (rest == 1 and room > 0):
+        if rest:
             run = (room > 0 and self._free.take_run(rest, room)) or self._free.take_run(rest)
             for block_id in run:
                 self._blocks[block_id].ref_count = 1

@@ -58,8 +58,6 @@ class FusedDecode:
         self._eps = eps
         self._final_norm = final_norm
         self._head = head
-        self.ends_normed = final_norm is not None
-        """The loop applies the final norm (and returns the normed hidden states)."""
         self._shape = (num_heads, num_kv_heads, head_dim, rotary_dim, scale)
         self._amx_rows = amx_rows
         # plain weights go to the skinny product, which has an edge; panels take any batch
@@ -68,6 +66,11 @@ class FusedDecode:
         """float64 [3], where set: each call adds its wall time in the products, the attention
         (with its KV write) and the rest (benchmarks/step_roofline.py's breakdown; the engine
         leaves it None)."""
+
+    @property
+    def ends_normed(self) -> bool:
+        """The loop applies the final norm (and returns the normed hidden states)."""
+        return self._final_norm is not None
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (meta.is_decode_only and hidden.dim() == 2 and hidden.dtype == torch.float32
@@ -86,7 +89,7 @@ class FusedDecode:
             hidden, self._weights, kv_caches, cos, sin, meta.slot_mapping, meta.seq_lens,
             meta.block_tables, self._eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale,
             self._amx_rows, self.phase_seconds, self._final_norm, self._head)
-        if self._final_norm is None:
+        if not self.ends_normed:
             return first, second
         return first, second if second.numel() else None
 
@@ -147,12 +150,12 @@ def build_llama_fused_decode(layers: Sequence[nn.Module], final_norm: nn.Module 
         type(final_norm) is RMSNorm and final_norm.eps == layer_eps
         and final_norm.weight.dtype == torch.float32 and final_norm.weight.is_contiguous()
     ) else None
-    packed = getattr(lm_head, "packed", None)
-    head = packed if (
-        norm is not None and packed is not None and not packed.is_mkldnn and packed.dim() == 1
-        and getattr(lm_head, "tp", None) is not None and lm_head.tp.size == 1
-        and lm_head.vocab_per_rank == lm_head.vocab_size and kinds == {1}
-    ) else None
+    # the LM head's panels, where the layers have theirs (the layers' checks above already
+    # hold the one tensor-parallel rank the head shares with them)
+    head = _matrix(lm_head) if lm_head is not None and norm is not None and kinds == {1} \
+        else None
+    if head is not None and head.dim() != 1:  # no panels: the module path's own product
+        head = None
     amx_from = amx_rows(ops)
     return FusedDecode(ops, weights, kinds == {1}, layer_eps, *shapes.pop(),
                        amx_rows=0 if math.isinf(amx_from) else int(amx_from),

@@ -72,6 +72,13 @@ class PhaseClock {
 };
 enum Phase { kProducts = 0, kAttention = 1, kOther = 2 };
 
+// Whether serve/parallel.py linear sends `rows` rows times W to AMX: bf16 panels, from amx_rows
+// rows on (0: never).
+bool takes_amx(const torch::Tensor& w, int64_t rows, int64_t amx_rows) {
+  return amx_rows > 0 && rows >= amx_rows && w.dim() == 1 &&
+         w.scalar_type() == torch::kBFloat16;
+}
+
 // y <- x W^T + b as serve/parallel.py linear computes it: W packed in panels (a flat tensor)
 // or plain [N, K]; bf16 panels on AMX from amx_rows rows on (0: never), as linear sends them.
 // Panels multiply straight into y; the other products return a tensor, copied in. The bias
@@ -80,7 +87,7 @@ void project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor
              int64_t amx_rows, torch::Tensor& y) {
   if (w.dim() != 1)
     y.copy_(skinny_linear(x, w, c10::nullopt));
-  else if (amx_rows > 0 && x.size(0) >= amx_rows && w.scalar_type() == torch::kBFloat16)
+  else if (takes_amx(w, x.size(0), amx_rows))
     y.copy_(amx_panel_linear(x, w, c10::nullopt));
   else
     panel_linear_into(x, w, y);
@@ -97,9 +104,7 @@ bool team_loop_applies(const std::vector<torch::Tensor>& weights,
   for (size_t i = 0; i < weights.size(); ++i) {
     const size_t j = i % kWeightsPerLayer;
     const bool matrix = j == 1 || j == 3 || j == 6 || j == 8;
-    if (matrix && (weights[i].dim() != 1 || (amx_rows > 0 && T >= amx_rows &&
-                                              weights[i].scalar_type() == torch::kBFloat16)))
-      return false;
+    if (matrix && (weights[i].dim() != 1 || takes_amx(weights[i], T, amx_rows))) return false;
   }
   for (const auto& cache : kv_caches)
     if (cache.scalar_type() != torch::kFloat || cache.dim() != 5 || !cache.is_contiguous())
@@ -174,8 +179,7 @@ std::vector<torch::Tensor> llama_decode_layers(
                          (head->scalar_type() == torch::kFloat ||
                           head->scalar_type() == torch::kBFloat16 ||
                           head->scalar_type() == torch::kHalf) &&
-                         !(amx_rows > 0 && T >= amx_rows &&
-                           head->scalar_type() == torch::kBFloat16);
+                         !takes_amx(*head, T, amx_rows);
   const int64_t vocab = with_head ? head->numel() / D : 0;
 
   const bool team = team_loop_applies(weights, kv_caches, T, amx_rows);
@@ -185,19 +189,12 @@ std::vector<torch::Tensor> llama_decode_layers(
     // thread wrote: a region per op cost each product 3-4 us of a batch-1 step's ~28 in
     // forking, joining and the late second thread (benchmarks/results/README.md, stop 40).
     // Every op splits its work as its own region would, so the bits are the same.
-    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
-                    cos.size(1) == rotary_dim && cos.stride(1) == 1 && sin.stride(1) == 1 &&
-                    cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
-                    rotary_dim % 2 == 0 && rotary_dim <= head_dim,
-                "llama_decode_layers: cos/sin [T, rotary_dim] fp32");
+    check_rotary_tables(cos, sin, T, rotary_dim, head_dim);
     TORCH_CHECK(kv_caches[0].size(3) == num_kv_heads && kv_caches[0].size(4) == head_dim,
                 "llama_decode_layers: caches of the model's KV heads");
     const int64_t num_slots = kv_caches[0].size(1) * kv_caches[0].size(2);
-    auto slots = slot_mapping.to(torch::kLong).contiguous();
-    TORCH_CHECK_VALUE(slots.numel() == T, "llama_decode_layers: a slot per row");
+    auto slots = checked_slots(slot_mapping, T, num_slots);
     const int64_t* sl = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK_VALUE(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
     std::vector<const float*> biases;
     for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
       const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;

@@ -410,14 +410,8 @@ void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, torc
   const int64_t M = x.size(0), K = x.size(1), N = panel_columns(x, panels);
   TORCH_CHECK(y.scalar_type() == torch::kFloat && y.is_contiguous() && y.dim() == 2 &&
               y.size(0) == M && y.size(1) == N, "panel_linear: y [M, N] fp32, contiguous");
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (type == torch::kFloat)
-    panel_product(xp, x.stride(0), panels.data_ptr<float>(), M, N, K, yp);
-  else if (type == torch::kBFloat16)
-    panel_product(xp, x.stride(0), panels.data_ptr<at::BFloat16>(), M, N, K, yp);
-  else
-    panel_product(xp, x.stride(0), panels.data_ptr<at::Half>(), M, N, K, yp);
+  panel_linear_rows(x.data_ptr<float>(), x.stride(0), panels, M, N, K, y.data_ptr<float>(),
+                    nullptr, nullptr);
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (panel_width() == 0)");
 #endif
