@@ -71,12 +71,12 @@ def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace
                 raise SystemExit("this model's decode steps do not take the fused loop "
                                  "(serve/fused_decode.py), whose weights this swaps")
             fused = loops[-1]
-            huge = list(fused._weights)
+            huge = list(fused.weights)
             small = [w.clone() if w.numel() * w.element_size() >= 1 << 20 else w for w in huge]
             rounds: dict[str, list[float]] = {name: [] for name in COPIES}
             for i in range(args.rounds):
                 for name, weights in zip(COPIES, (small, huge), strict=True):
-                    fused._weights = weights
+                    fused.weights = weights
                     engine.step()  # the first step after a swap pays for the swap
                     engine.step()
                     times = []
@@ -86,7 +86,7 @@ def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace
                         times.append(time.perf_counter() - start)
                     rounds[name].append(statistics.median(times))
                 print(f"  {batch} x {context}: round {i + 1}/{args.rounds}", flush=True)
-            fused._weights = huge
+            fused.weights = huge
     finally:
         FusedDecode.__call__ = call  # type: ignore[method-assign]
     small_s, huge_s = (statistics.median(rounds[name]) for name in COPIES)

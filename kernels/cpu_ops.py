@@ -8,7 +8,7 @@
                                  memory at close to its read speed (serve/parallel.py)
     panel_linear                 x W^T from W packed in panels (fp32, bf16 or fp16; AVX-512)
     amx_panel_linear             x W^T for many rows from bf16 panels on AMX (fp32 results)
-    llama_decode_layers          a Llama-family decode step's whole layer loop in one call,
+    DecodeLoop                   a Llama-family decode step's whole layer loop in one call,
                                  the ops above in the module path's order (serve/fused_decode.py),
                                  in one parallel region where every product has panels
     pin_openmp_threads           torch's OpenMP thread i on core i of a list (serve/core_share.py)

@@ -16,6 +16,7 @@ this module only picks the backend and calls it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ def build_attention_metadata(step: StepInput, block_size: int, device: torch.dev
     """
     chunks = step.chunks
     if chunks and all(len(c.token_ids) == 1 and not c.num_draft_tokens for c in chunks):
-        return _decode_metadata(chunks, block_size, device)
+        return DecodeMetadata(chunks, block_size, device)
     query_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64,
                              count=len(chunks))
     start_pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
@@ -97,23 +98,35 @@ def padded_block_tables(chunks: list, dtype: type) -> np.ndarray:
     return block_tables
 
 
-def _decode_metadata(chunks: list, block_size: int, device: torch.device
-                     ) -> AttentionMetadata:
-    """build_attention_metadata for a step of one token per chunk (a decode step): the same
-    tensors with less numpy work per step (a step of a small model is a few ms)."""
-    num_seqs = len(chunks)
-    positions = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=num_seqs)
-    block_tables = padded_block_tables(chunks, np.int32)
-    rows = np.arange(num_seqs)
-    slot_mapping = (block_tables[rows, positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
-    return AttentionMetadata(
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(block_tables).to(device),
-        max_query_len=1, is_decode_only=True)
+class DecodeMetadata(AttentionMetadata):
+    """build_attention_metadata for a step of one token per chunk (a decode step): each row's
+    position is its length - 1, and the positions and slot mapping are built on first read.
+    The fused decode loop (serve/fused_decode.py) reads neither: it derives both from the
+    lengths and tables, so a step it takes builds two tensors, not five."""
+
+    def __init__(self, chunks: list, block_size: int, device: torch.device) -> None:
+        self._last = np.fromiter((c.start_pos for c in chunks), dtype=np.int64,
+                                 count=len(chunks))
+        self._tables = padded_block_tables(chunks, np.int32)
+        self._block_size = block_size
+        self._device = device
+        self.cu_seqlens_q = torch.arange(len(chunks) + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.from_numpy((self._last + 1).astype(np.int32)).to(device)
+        self.block_tables = torch.from_numpy(self._tables).to(device)
+        self.max_query_len = 1
+        self.is_decode_only = True
+        self.token_seq_lens = self.token_block_tables = self.context_parallel = None
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.from_numpy(self._last).to(self._device)
+
+    @functools.cached_property
+    def slot_mapping(self) -> torch.Tensor:  # type: ignore[override]
+        last, size = self._last, self._block_size
+        slots = (self._tables[np.arange(len(last)), last // size].astype(np.int64) * size
+                 + last % size)
+        return torch.from_numpy(slots).to(self._device)
 
 
 def _verify_rows(chunks: list, query_lens: np.ndarray, positions: np.ndarray,

@@ -39,33 +39,47 @@ from pdserve.serve.layers import RMSNorm, cpu_kernels
 from pdserve.serve.parallel import amx_rows, skinny_max_rows
 
 _NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
+WEIGHTS_PER_LAYER = 10
 _HALF = (torch.bfloat16, torch.float16)
 
 
 class FusedDecode:
-    """The weights of every layer in the kernel's order, and the shapes it needs."""
+    """The kernel's loop (ops.DecodeLoop) over every layer's weights, in its order."""
 
     def __init__(self, ops: ModuleType, weights: list[torch.Tensor], panels: bool, eps: float,
                  num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-                 scale: float, amx_rows: int = 0, final_norm: torch.Tensor | None = None,
+                 scale: float, rotary_tables: tuple[torch.Tensor, torch.Tensor],
+                 amx_rows: int = 0, final_norm: torch.Tensor | None = None,
                  head: torch.Tensor | None = None) -> None:
-        """amx_rows: from this many rows on, bf16 panels multiply on AMX, as
-        serve/parallel.linear sends them (0: never). final_norm: the model's last RMSNorm
-        weight (of the layers' eps), applied after the loop; head: the LM head's panels, whose
-        logits the loop then computes where it can (see __call__)."""
+        """rotary_tables: the layers' cos and sin tables [positions, rotary_dim], from which
+        the loop takes each row's (at its sequence's last position). amx_rows: from this many
+        rows on, bf16 panels multiply on AMX, as serve/parallel.linear sends them (0: never).
+        final_norm: the model's last RMSNorm weight (of the layers' eps), applied after the
+        loop; head: the LM head's panels, whose logits the loop then computes where it can
+        (see __call__)."""
         self._ops = ops
-        self._weights = weights
-        self._eps = eps
         self._final_norm = final_norm
-        self._head = head
-        self._shape = (num_heads, num_kv_heads, head_dim, rotary_dim, scale)
-        self._amx_rows = amx_rows
+        self._rest = (*rotary_tables, eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale,
+                      amx_rows, final_norm, head)
+        self.weights = weights
         # plain weights go to the skinny product, which has an edge; panels take any batch
         self.max_rows = None if panels else skinny_max_rows(ops)
         self.phase_seconds: torch.Tensor | None = None
         """float64 [3], where set: each call adds its wall time in the products, the attention
         (with its KV write) and the rest (benchmarks/step_roofline.py's breakdown; the engine
         leaves it None)."""
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """Every layer's 10 weights (kernels/csrc/decode_step.cpp's order); setting them
+        builds the loop again (benchmarks/weight_pages.py swaps in copies)."""
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: list[torch.Tensor]) -> None:
+        self._weights = weights
+        self._loop = self._ops.DecodeLoop(weights, len(weights) // WEIGHTS_PER_LAYER,
+                                          *self._rest)
 
     @property
     def ends_normed(self) -> bool:
@@ -77,18 +91,15 @@ class FusedDecode:
                 and (self.max_rows is None or hidden.shape[0] <= self.max_rows))
 
     def __call__(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden [T, hidden] (embedded) -> without a final norm, (hidden, residual) after
         the last layer, as the module path's loop returns them; with one, (the normed hidden
         states, their logits [T, vocab] or None where the loop left the LM head to the
-        caller: no head given, or a step the one-region loop does not take)."""
-        cos, sin = (t.reshape(t.shape[0], t.shape[-1]) for t in cos_sin)
-        num_heads, num_kv_heads, head_dim, rotary_dim, scale = self._shape
-        first, second = self._ops.llama_decode_layers(
-            hidden, self._weights, kv_caches, cos, sin, meta.slot_mapping, meta.seq_lens,
-            meta.block_tables, self._eps, num_heads, num_kv_heads, head_dim, rotary_dim, scale,
-            self._amx_rows, self.phase_seconds, self._final_norm, self._head)
+        caller: no head given, or a step the one-region loop does not take). The loop reads
+        only the lengths and block tables of the metadata: each row's position, slot and
+        rotary rows follow from them."""
+        first, second = self._loop.run(hidden, kv_caches, meta.seq_lens, meta.block_tables,
+                                       self.phase_seconds)
         if not self.ends_normed:
             return first, second
         return first, second if second.numel() else None
@@ -110,12 +121,13 @@ def build_llama_fused_decode(layers: Sequence[nn.Module], final_norm: nn.Module 
     from pdserve.serve.models.llama import LlamaAttention
 
     ops = cpu_kernels()
-    if not envs.fused_decode() or ops is None or not hasattr(ops, "llama_decode_layers"):
+    if not envs.fused_decode() or ops is None or not hasattr(ops, "DecodeLoop"):
         return None
     weights: list[torch.Tensor] = []
     eps: set[float] = set()
     shapes: set[tuple[int, int, int, int, float]] = set()
     kinds: set[int] = set()
+    tables: set[tuple[int, int]] = set()  # the rotary tables: one pair for every layer
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         norms = (getattr(layer, "input_layernorm", None),
@@ -143,7 +155,10 @@ def build_llama_fused_decode(layers: Sequence[nn.Module], final_norm: nn.Module 
         eps.update(n.eps for n in norms)
         shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim,
                     attn.attn.scale))
-    if not layers or len(eps) != 1 or len(shapes) != 1 or len(kinds) != 1:
+        tables.add((id(rotary.cos_cache), id(rotary.sin_cache)))
+    if not layers or len(eps) != 1 or len(shapes) != 1 or len(kinds) != 1 or len(tables) != 1:
+        return None
+    if rotary.cos_cache.dtype != torch.float32 or rotary.cos_cache.device.type != "cpu":
         return None
     layer_eps = eps.pop()
     norm = final_norm.weight.detach() if (
@@ -158,5 +173,6 @@ def build_llama_fused_decode(layers: Sequence[nn.Module], final_norm: nn.Module 
         head = None
     amx_from = amx_rows(ops)
     return FusedDecode(ops, weights, kinds == {1}, layer_eps, *shapes.pop(),
+                       (rotary.cos_cache, rotary.sin_cache),
                        amx_rows=0 if math.isinf(amx_from) else int(amx_from),
                        final_norm=norm, head=head)

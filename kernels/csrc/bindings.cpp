@@ -15,6 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available);
   m.def("amx_min_rows", &amx_min_rows);
   m.def("amx_panel_linear", &amx_panel_linear);
-  m.def("llama_decode_layers", &llama_decode_layers);
+  pybind11::class_<DecodeLoop>(m, "DecodeLoop")
+      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, torch::Tensor,
+                          torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double,
+                          int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>())
+      .def("run", &DecodeLoop::run);
   m.def("pin_openmp_threads", &pin_openmp_threads);
 }

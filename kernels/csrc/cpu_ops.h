@@ -40,8 +40,7 @@ torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_ca
 // split into several items (where needs_merge()). out [S, H, dv] contiguous.
 class DecodeAttention {
  public:
-  DecodeAttention(const std::vector<torch::Tensor>& k_caches,
-                  const std::vector<torch::Tensor>& v_caches, const torch::Tensor& seq_lens,
+  DecodeAttention(const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& seq_lens,
                   const torch::Tensor& block_tables, int64_t num_heads, double scale,
                   int64_t num_threads);
   ~DecodeAttention();
@@ -113,13 +112,29 @@ bool amx_available();
 int64_t amx_min_rows();
 torch::Tensor amx_panel_linear(torch::Tensor x, torch::Tensor panels,
                                c10::optional<torch::Tensor> bias);
-// decode_step.cpp
-std::vector<torch::Tensor> llama_decode_layers(
-    torch::Tensor hidden, std::vector<torch::Tensor> weights,
-    std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-    double scale, int64_t amx_rows, c10::optional<torch::Tensor> phase_seconds,
-    c10::optional<torch::Tensor> final_norm, c10::optional<torch::Tensor> head);
+// decode_step.cpp: a Llama-family decode step's layer loop (see there). The weights, caches and
+// rotary tables are taken and checked once; run() takes a step's rows.
+class DecodeLoop {
+ public:
+  DecodeLoop(std::vector<torch::Tensor> weights, int64_t num_layers, torch::Tensor cos_cache,
+             torch::Tensor sin_cache, double eps, int64_t num_heads, int64_t num_kv_heads,
+             int64_t head_dim, int64_t rotary_dim, double scale, int64_t amx_rows, c10::optional<torch::Tensor> final_norm,
+             c10::optional<torch::Tensor> head);
+  std::vector<torch::Tensor> run(torch::Tensor hidden, std::vector<torch::Tensor> kv_caches,
+                                 torch::Tensor seq_lens, torch::Tensor block_tables,
+                                 c10::optional<torch::Tensor> phase_seconds) const;
+
+ private:
+  std::vector<torch::Tensor> weights_;
+  int64_t num_layers_;
+  torch::Tensor cos_cache_, sin_cache_;
+  double eps_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;
+  double scale_;
+  int64_t amx_rows_;
+  c10::optional<torch::Tensor> final_norm_, head_;
+  int64_t D_ = 0, q_size_ = 0, qkv_size_ = 0, inter_ = 0;
+  std::vector<const float*> biases_;  // 4 a layer, null where absent
+};
 // threads.cpp
 void pin_openmp_threads(std::vector<int64_t> cores);

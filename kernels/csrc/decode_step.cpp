@@ -18,11 +18,22 @@
 // the two builds in one process, same bits). Elsewhere (plain weights, AMX products, other
 // cache dtypes) the loop calls each op's own region, op by op.
 //
+// A DecodeLoop takes the model's side once: the weights, the rotary tables, the final norm
+// and the LM head, checked when it is made. run() takes a step's side: the embedded rows, the
+// pool's caches, and each row's sequence length and block table. Row t is its sequence's next
+// token, at position p = len - 1: its slot in the pool and its rows of the rotary tables
+// follow from that (the module path's metadata holds them as slot_mapping and positions, and
+// serve/attention.DecodeMetadata builds those only when read). Against a call that took the
+// weights as a list of 80 tensors, split each layer's cache into its K and V planes, and
+// received slots and cos / sin rows gathered in Python: decode steps of the llama-mid-like
+// model 0.94-0.96x the time at batch 1 x 256, 0.97-1.01x at 8 x 256 and 32 x 256 (processes
+// of the two trees alternating, same bits).
+//
 // Per layer, with T decode rows (one token per sequence):
 //   x, r   = add_rms_norm(h, r, ln1)                 r: the residual stream
 //   qkv    = x W_qkv^T (+ b)                         [T, (H + 2 Hkv) D]
-//   q, k   = rotary (NeoX) in place on qkv's views
-//   cache  <- k, v at slot_mapping; a = paged attention of q over the cache
+//   q, k   = rotary (NeoX) in place on qkv's views, at each row's position
+//   cache  <- k, v at each row's slot; a = paged attention of q over the cache
 //   h      = a W_o^T (+ b)
 //   x, r   = add_rms_norm(h, r, ln2)
 //   h      = silu_and_mul(x W_gu^T (+ b)) W_down^T (+ b)
@@ -30,7 +41,7 @@
 // empty tensor stands for an absent bias; a W is plain [N, K] or packed in panels (1-D). fp32
 // math (panels may hold a half-precision checkpoint's weights), one tensor-parallel rank.
 //
-// After the layers: with final_norm (the model's last RMSNorm, [hidden] fp32), it returns the
+// After the layers: with final_norm (the model's last RMSNorm, [hidden] fp32), run returns the
 // normed hidden states and, with head (the LM head's panels) on the one-region loop below, their
 // logits [T, vocab] from the same panel product serve/parallel.linear runs, so the LM head's
 // weights stream inside the region too (else the logits come back empty, for the caller to
@@ -47,6 +58,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <cstring>
 
 namespace {
 
@@ -91,7 +103,7 @@ void project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor
     y.copy_(amx_panel_linear(x, w, c10::nullopt));
   else
     panel_linear_into(x, w, y);
-  if (bias.numel() != 0) add_bias(y, bias, "llama_decode_layers");
+  if (bias.numel() != 0) add_bias(y, bias, "DecodeLoop");
 }
 
 // The team loop applies where every product is a panel product on this build (no plain W, no
@@ -115,65 +127,121 @@ bool team_loop_applies(const std::vector<torch::Tensor>& weights,
 const float* bias_of(const torch::Tensor& bias, int64_t n) {
   if (bias.numel() == 0) return nullptr;
   TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n && bias.scalar_type() == torch::kFloat &&
-                  bias.is_contiguous(), "llama_decode_layers: bias [N] fp32");
+                  bias.is_contiguous(), "DecodeLoop: bias [N] fp32");
   return bias.data_ptr<float>();
 }
 
 }  // namespace
 
-std::vector<torch::Tensor> llama_decode_layers(
-    torch::Tensor hidden, std::vector<torch::Tensor> weights,
-    std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor slot_mapping, torch::Tensor seq_lens, torch::Tensor block_tables, double eps,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-    double scale, int64_t amx_rows, c10::optional<torch::Tensor> phase_seconds,
-    c10::optional<torch::Tensor> final_norm, c10::optional<torch::Tensor> head) {
-  TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer,
-              "llama_decode_layers: ", kWeightsPerLayer, " weights per layer");
-  TORCH_CHECK(hidden.dim() == 2, "llama_decode_layers: hidden [T, hidden]");
-  const int64_t T = hidden.size(0);
-  const int64_t q_size = num_heads * head_dim;
-  auto tables = block_tables.to(torch::kInt32).contiguous();
-  auto lens = seq_lens.to(torch::kInt32);
-  std::vector<torch::Tensor> k_caches, v_caches;  // each layer's planes, views of its pool
-  for (const auto& cache : kv_caches) {
-    auto planes = cache.unbind(0);
-    k_caches.push_back(planes[0]);
-    v_caches.push_back(planes[1]);
+DecodeLoop::DecodeLoop(std::vector<torch::Tensor> weights, int64_t num_layers,
+                       torch::Tensor cos_cache, torch::Tensor sin_cache, double eps,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t rotary_dim, double scale, int64_t amx_rows,
+                       c10::optional<torch::Tensor> final_norm,
+                       c10::optional<torch::Tensor> head)
+    : weights_(std::move(weights)), num_layers_(num_layers),
+      cos_cache_(std::move(cos_cache)), sin_cache_(std::move(sin_cache)), eps_(eps),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+      rotary_dim_(rotary_dim), scale_(scale), amx_rows_(amx_rows),
+      final_norm_(std::move(final_norm)), head_(std::move(head)) {
+  TORCH_CHECK(num_layers > 0 &&
+                  weights_.size() == static_cast<size_t>(num_layers) * kWeightsPerLayer,
+              "DecodeLoop: ", kWeightsPerLayer, " weights per layer, one layer at least");
+  TORCH_CHECK(weights_[0].dim() == 1 && weights_[0].scalar_type() == torch::kFloat,
+              "DecodeLoop: fp32 norms");
+  D_ = weights_[0].numel();
+  q_size_ = num_heads * head_dim;
+  qkv_size_ = q_size_ + 2 * num_kv_heads * head_dim;
+  inter_ = weights_[6].numel() / D_ / 2;  // W_gu holds 2I x D values, plain or in panels
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const torch::Tensor* w = weights_.data() + layer * kWeightsPerLayer;
+    TORCH_CHECK(w[0].numel() == D_ && w[5].numel() == D_ && w[6].numel() == 2 * inter_ * D_ &&
+                    w[1].numel() == qkv_size_ * D_ && w[3].numel() == D_ * q_size_ &&
+                    w[8].numel() == D_ * inter_ && w[0].scalar_type() == torch::kFloat &&
+                    w[5].scalar_type() == torch::kFloat,
+                "DecodeLoop: layers of one shape, fp32 norms");
+    biases_.insert(biases_.end(), {bias_of(w[2], qkv_size_), bias_of(w[4], D_),
+                                   bias_of(w[7], 2 * inter_), bias_of(w[9], D_)});
   }
-  // The step's activations, allocated once for every layer (fp32, rows contiguous): the
-  // residual stream is updated in place, each layer's output goes to `out`.
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && hidden.size(1) > 0 &&
-              hidden.stride(1) == 1, "llama_decode_layers: hidden fp32 with contiguous rows");
-  const int64_t D = hidden.size(1);
-  const int64_t qkv_size = q_size + 2 * num_kv_heads * head_dim;
-  auto options = hidden.options();
-  auto residual = torch::empty({T, D}, options), normed = torch::empty({T, D}, options);
-  auto out = torch::empty({T, D}, options), qkv = torch::empty({T, qkv_size}, options);
-  // gate | up [T, 2I]: W_gu holds 2I x D values, plain or in panels
-  const int64_t inter = weights.empty() ? 0 : weights[6].numel() / D / 2;
-  auto gate_up = torch::empty({T, 2 * inter}, options), act = torch::empty({T, inter}, options);
-  for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
-    const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    TORCH_CHECK(w[0].numel() == D && w[5].numel() == D && w[6].numel() == 2 * inter * D &&
-                    w[1].numel() == qkv_size * D && w[3].numel() == D * q_size &&
-                    w[8].numel() == D * inter,
-                "llama_decode_layers: layers of one shape");
-  }
+  TORCH_CHECK(cos_cache_.dim() == 2 && cos_cache_.sizes() == sin_cache_.sizes() &&
+                  cos_cache_.size(1) == rotary_dim && cos_cache_.is_contiguous() &&
+                  sin_cache_.is_contiguous() && cos_cache_.scalar_type() == torch::kFloat &&
+                  sin_cache_.scalar_type() == torch::kFloat && rotary_dim % 2 == 0 &&
+                  rotary_dim <= head_dim,
+              "DecodeLoop: cos / sin tables [positions, rotary_dim] fp32");
+  TORCH_CHECK(!final_norm_.has_value() || (final_norm_->scalar_type() == torch::kFloat &&
+                                           final_norm_->is_contiguous() &&
+                                           final_norm_->numel() == D_),
+              "DecodeLoop: final_norm [hidden] fp32");
+  TORCH_CHECK(!head_.has_value() || final_norm_.has_value(),
+              "DecodeLoop: the LM head needs the final norm");
+}
+
+std::vector<torch::Tensor> DecodeLoop::run(torch::Tensor hidden,
+                                           std::vector<torch::Tensor> kv_caches,
+                                           torch::Tensor seq_lens, torch::Tensor block_tables,
+                                           c10::optional<torch::Tensor> phase_seconds) const {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat &&
+                  hidden.size(1) == D_ && hidden.stride(1) == 1,
+              "DecodeLoop: hidden [T, hidden] fp32 with contiguous rows");
   TORCH_CHECK(!phase_seconds.has_value() ||
                   (phase_seconds->scalar_type() == torch::kDouble &&
                    phase_seconds->is_contiguous() && phase_seconds->numel() == 3),
-              "llama_decode_layers: phase_seconds float64 [3]");
+              "DecodeLoop: phase_seconds float64 [3]");
+  TORCH_CHECK(kv_caches.size() == static_cast<size_t>(num_layers_),
+              "DecodeLoop: a cache per layer");
+  const auto& cache = kv_caches[0];
+  TORCH_CHECK(cache.dim() == 5 && cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_,
+              "DecodeLoop: caches [planes, blocks, block_size, num_kv_heads, head_dim]");
+  for (const auto& c : kv_caches)
+    TORCH_CHECK(c.sizes() == cache.sizes() && c.scalar_type() == cache.scalar_type(),
+                "DecodeLoop: caches of one shape and dtype");
+  const int64_t T = hidden.size(0), D = D_, inter = inter_;
+  const int64_t q_size = q_size_, qkv_size = qkv_size_, head_dim = head_dim_;
+  const int64_t num_heads = num_heads_, num_kv_heads = num_kv_heads_;
+  const int64_t rotary_dim = rotary_dim_, amx_rows = amx_rows_;
+  const double eps = eps_;
+  auto tables = block_tables.to(torch::kInt32).contiguous();
+  auto lens = seq_lens.to(torch::kInt32).contiguous();
+  // Each row is one sequence's next token, at position len - 1: its slot in the pool and its
+  // rows of the rotary tables follow from the lengths and the tables (what the module path's
+  // metadata holds as slot_mapping and positions).
+  TORCH_CHECK_VALUE(lens.dim() == 1 && lens.numel() == T && tables.dim() == 2 &&
+                        tables.size(0) == T,
+                    "DecodeLoop: a length and a block table per row");
+  const int64_t bs = cache.size(2), num_blocks = cache.size(1);
+  const int64_t num_slots = num_blocks * bs;
+  auto options = hidden.options();
+  auto slot_mapping = torch::empty({T}, options.dtype(torch::kLong));
+  auto cos = torch::empty({T, rotary_dim}, options), sin = torch::empty({T, rotary_dim}, options);
+  {
+    const int32_t* len = lens.data_ptr<int32_t>();
+    const int32_t* table = tables.data_ptr<int32_t>();
+    int64_t* slot = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = static_cast<int64_t>(len[t]) - 1;
+      TORCH_CHECK_VALUE(pos >= 0 && pos < cos_cache_.size(0) && pos / bs < tables.size(1),
+                        "DecodeLoop: row ", t, " at position ", pos,
+                        " outside its block table or the rotary tables");
+      const int64_t id = table[t * tables.stride(0) + pos / bs];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block id ", id, " outside the pool");
+      slot[t] = id * bs + pos % bs;
+      std::memcpy(cos.data_ptr<float>() + t * rotary_dim,
+                  cos_cache_.data_ptr<float>() + pos * rotary_dim, rotary_dim * sizeof(float));
+      std::memcpy(sin.data_ptr<float>() + t * rotary_dim,
+                  sin_cache_.data_ptr<float>() + pos * rotary_dim, rotary_dim * sizeof(float));
+    }
+  }
+  // The step's activations, allocated once for every layer (fp32, rows contiguous): the
+  // residual stream is updated in place, each layer's output goes to `out`.
+  auto residual = torch::empty({T, D}, options), normed = torch::empty({T, D}, options);
+  auto out = torch::empty({T, D}, options), qkv = torch::empty({T, qkv_size}, options);
+  auto gate_up = torch::empty({T, 2 * inter}, options), act = torch::empty({T, inter}, options);
   PhaseClock clock(phase_seconds);
-  if (kv_caches.empty()) return {hidden, hidden};
-  TORCH_CHECK(!final_norm.has_value() || (final_norm->scalar_type() == torch::kFloat &&
-                                          final_norm->is_contiguous() && final_norm->numel() == D),
-              "llama_decode_layers: final_norm [hidden] fp32");
-  TORCH_CHECK(!head.has_value() || final_norm.has_value(),
-              "llama_decode_layers: the LM head needs the final norm");
-  const float* pf = final_norm.has_value() ? final_norm->data_ptr<float>() : nullptr;
+  const float* pf = final_norm_.has_value() ? final_norm_->data_ptr<float>() : nullptr;
   // The LM head multiplies here only on the one-region loop, as a panel product that
   // serve/parallel.linear would also send to the panels (not to AMX).
+  const c10::optional<torch::Tensor>& head = head_;
   const bool with_head = head.has_value() && head->dim() == 1 && head->is_contiguous() &&
                          head->numel() % D == 0 &&
                          (head->scalar_type() == torch::kFloat ||
@@ -181,6 +249,7 @@ std::vector<torch::Tensor> llama_decode_layers(
                           head->scalar_type() == torch::kHalf) &&
                          !takes_amx(*head, T, amx_rows);
   const int64_t vocab = with_head ? head->numel() / D : 0;
+  const auto& weights = weights_;
 
   const bool team = team_loop_applies(weights, kv_caches, T, amx_rows);
   auto logits = torch::empty({team && with_head ? T : 0, vocab}, options);
@@ -189,23 +258,9 @@ std::vector<torch::Tensor> llama_decode_layers(
     // thread wrote: a region per op cost each product 3-4 us of a batch-1 step's ~28 in
     // forking, joining and the late second thread (benchmarks/results/README.md, stop 40).
     // Every op splits its work as its own region would, so the bits are the same.
-    check_rotary_tables(cos, sin, T, rotary_dim, head_dim);
-    TORCH_CHECK(kv_caches[0].size(3) == num_kv_heads && kv_caches[0].size(4) == head_dim,
-                "llama_decode_layers: caches of the model's KV heads");
-    const int64_t num_slots = kv_caches[0].size(1) * kv_caches[0].size(2);
-    auto slots = checked_slots(slot_mapping, T, num_slots);
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    std::vector<const float*> biases;
-    for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
-      const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-      TORCH_CHECK(w[0].scalar_type() == torch::kFloat && w[5].scalar_type() == torch::kFloat,
-                  "llama_decode_layers: fp32 norms");
-      biases.insert(biases.end(), {bias_of(w[2], qkv_size), bias_of(w[4], D),
-                                   bias_of(w[7], 2 * inter), bias_of(w[9], D)});
-    }
+    const int64_t* sl = slot_mapping.data_ptr<int64_t>();
     const int threads = at::get_num_threads();
-    const DecodeAttention attention(k_caches, v_caches, lens, tables, num_heads, scale,
-                                    threads);
+    const DecodeAttention attention(kv_caches, lens, tables, num_heads, scale_, threads);
     auto attn = torch::empty({T, q_size}, options);
     float *pn = normed.data_ptr<float>(), *pr = residual.data_ptr<float>();
     float *po = out.data_ptr<float>(), *pq = qkv.data_ptr<float>();
@@ -226,17 +281,17 @@ std::vector<torch::Tensor> llama_decode_layers(
       const float* r = nullptr;  // no residual before the first layer
       for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
         const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-        const float* const* b = biases.data() + layer * 4;
+        const float* const* b = biases_.data() + layer * 4;
         float* k_plane = kv_caches[layer].data_ptr<float>();
         add_rms_norm_rows(x, ldx, r, D, w[0].data_ptr<float>(), pn, pr, T, D, eps, &team);
         r = pr;
         sync(kOther);
         panel_linear_rows(pn, D, w[1], T, qkv_size, D, pq, b[0], &team);
         sync(kProducts);
-        rotary_neox_rows(pq, qkv_size, head_dim, T, num_heads, pc, cos.stride(0), ps,
-                         sin.stride(0), rotary_dim, &team);
-        rotary_neox_rows(pq + q_size, qkv_size, head_dim, T, num_kv_heads, pc, cos.stride(0),
-                         ps, sin.stride(0), rotary_dim, &team);
+        rotary_neox_rows(pq, qkv_size, head_dim, T, num_heads, pc, rotary_dim, ps, rotary_dim,
+                         rotary_dim, &team);
+        rotary_neox_rows(pq + q_size, qkv_size, head_dim, T, num_kv_heads, pc, rotary_dim, ps,
+                         rotary_dim, rotary_dim, &team);
         sync(kOther);
         write_kv_rows(pq + q_size, qkv_size, head_dim, pq + q_size + kv_size, qkv_size,
                       head_dim, k_plane, k_plane + num_slots * kv_size, sl, T, num_kv_heads,
@@ -295,8 +350,8 @@ std::vector<torch::Tensor> llama_decode_layers(
     rotary_neox_(heads[1], cos, sin, rotary_dim);
     clock.mark(kOther);
     write_kv_cache(heads[1], heads[2], kv_caches[layer], slot_mapping);
-    auto attn = paged_last_token_attention(heads[0], k_caches[layer], v_caches[layer], lens,
-                                           tables, scale);
+    auto attn = paged_last_token_attention(heads[0], kv_caches[layer][0], kv_caches[layer][1],
+                                           lens, tables, scale_);
     clock.mark(kAttention);
     project(attn.view({T, q_size}), w[3], w[4], amx_rows, out);
     clock.mark(kProducts);

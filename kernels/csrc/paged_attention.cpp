@@ -655,11 +655,6 @@ void check_tables(const int32_t* lens, const torch::Tensor& block_tables, int64_
   }
 }
 
-Plane<float> plane_of(const torch::Tensor& cache) {
-  return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2),
-          cache.size(3)};
-}
-
 }  // namespace
 
 // Paged decode attention reading the cache in place (see kernels/cpu_attention.py).
@@ -718,36 +713,34 @@ struct DecodeAttention::State {
   mutable Split split;  // its partial-result buffers are written by attend()
 };
 
-DecodeAttention::DecodeAttention(const std::vector<torch::Tensor>& k_caches,
-                                 const std::vector<torch::Tensor>& v_caches,
+DecodeAttention::DecodeAttention(const std::vector<torch::Tensor>& kv_caches,
                                  const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
                                  int64_t num_heads, double scale, int64_t num_threads)
     : state_(std::make_unique<State>()) {
-  TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "DecodeAttention: layers");
+  TORCH_CHECK(!kv_caches.empty(), "DecodeAttention: layers");
   State& st = *state_;
-  const auto& k0 = k_caches[0];
-  for (size_t l = 0; l < k_caches.size(); ++l) {
-    const auto &k = k_caches[l], &v = v_caches[l];
-    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == torch::kFloat &&
-                    v.scalar_type() == torch::kFloat && k.stride(3) == 1 && v.stride(3) == 1 &&
-                    k.sizes() == k0.sizes() && v.size(3) == v_caches[0].size(3) &&
-                    k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2),
-                "DecodeAttention: fp32 caches [blocks, bs, Hkv, D] of one shape");
-    st.keys.push_back(plane_of(k));
-    st.values.push_back(plane_of(v));
+  const auto& c0 = kv_caches[0];
+  for (const auto& c : kv_caches) {
+    TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.scalar_type() == torch::kFloat &&
+                    c.stride(4) == 1 && c.sizes() == c0.sizes(),
+                "DecodeAttention: fp32 caches [2, blocks, bs, Hkv, D] of one shape");
+    // the K and V planes, without a tensor for each
+    const float* k = c.data_ptr<float>();
+    st.keys.push_back({k, c.stride(1), c.stride(2), c.stride(3), c.size(4)});
+    st.values.push_back({k + c.stride(0), c.stride(1), c.stride(2), c.stride(3), c.size(4)});
   }
   st.lens = seq_lens.to(torch::kInt32).contiguous();
   st.tables = block_tables.to(torch::kInt32).contiguous();
   st.num_seqs = st.lens.numel();
   TORCH_CHECK_VALUE(st.tables.dim() == 2 && st.tables.size(0) == st.num_seqs,
                     "seq_lens and block_tables need one row per sequence");
-  const int64_t num_kv_heads = k0.size(2);
+  const int64_t num_kv_heads = c0.size(3);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "head shapes");
-  check_tables(st.lens.data_ptr<int32_t>(), st.tables, st.num_seqs, k0.size(1), k0.size(0));
+  check_tables(st.lens.data_ptr<int32_t>(), st.tables, st.num_seqs, c0.size(2), c0.size(1));
   st.table_rows = st.tables.data_ptr<int32_t>();
   st.table_stride = st.tables.stride(0);
-  st.shape = {num_heads, num_kv_heads, num_heads / num_kv_heads, k0.size(3),
-              v_caches[0].size(3), k0.size(1)};
+  st.shape = {num_heads, num_kv_heads, num_heads / num_kv_heads, c0.size(4), c0.size(4),
+              c0.size(2)};
   st.scale = static_cast<float>(scale);
   st.split = split_items(st.lens.data_ptr<int32_t>(), st.num_seqs, st.shape, num_threads);
 }

@@ -137,19 +137,19 @@ class DecoderModel(nn.Module):
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
         else:
             hidden, residual = carried
-        cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
         fused = self.fused_decode() if layer_done is None and self.stage.is_whole else None
         self.__dict__.pop("_decode_logits", None)
         # (the fused loop reads and writes a model-dtype cache: an FP8 one takes the layers)
         if (fused is not None and fused.applies(hidden, meta)
                 and kv_caches[0].dtype == hidden.dtype):
-            hidden, second = fused(hidden, kv_caches, meta, cos_sin)
+            hidden, second = fused(hidden, kv_caches, meta)  # its own rotary rows
             if fused.ends_normed:  # the final norm ran too, and perhaps the LM head
                 if second is not None:
                     self.__dict__["_decode_logits"] = (hidden, second)
                 return hidden
             residual = second
         else:
+            cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
             for i, kv_cache in zip(self.stage.layers, kv_caches, strict=True):
                 hidden, residual = self.layers[i](hidden, residual, kv_cache, meta, cos_sin)
                 if layer_done is not None:
