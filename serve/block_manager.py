@@ -253,6 +253,8 @@ class BlockManager:
     def append_slots(self, request: Request, num_new_tokens: int) -> list[int]:
         """Grow the table to cover num_computed_tokens + num_new_tokens; returns new blocks."""
         num_missing = self._num_missing(request, num_new_tokens)
+        if num_missing == 0:  # most decode steps: the last block has room
+            return []
         if num_missing > self.num_free_blocks:
             raise NoFreeBlocksError(f"cannot append {num_new_tokens} tokens for "
                                     f"{request.request_id!r}")

@@ -389,9 +389,10 @@ class Engine:
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         token_id = request.output_token_ids[-1]
+        num_output_tokens = request.num_output_tokens
         detokenizer = self._detokenizers.get(request.request_id)
         status = None
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
@@ -404,10 +405,10 @@ class Engine:
         if detokenizer is not None:
             stop_str = detokenizer.update(
                 [token_id], stop_terminated=status is not None,
-                check_stop_strings=request.num_output_tokens >= params.min_tokens)
+                check_stop_strings=num_output_tokens >= params.min_tokens)
             if stop_str is not None:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        if status is None and request.num_output_tokens >= request.max_tokens:
+        if status is None and num_output_tokens >= request.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is None and self.role.ends_at_first_token:
             status = RequestStatus.FINISHED_HANDOFF

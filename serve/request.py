@@ -31,23 +31,23 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_HANDOFF = "finished_handoff"  # prefill role: first token sampled, KV handed off
 
+    # Both look up the member's value, a str: hashing a member itself runs Enum.__hash__ in
+    # Python, and the engine asks each running request several times a step.
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI / vLLM finish_reason string, None while unfinished."""
-        return _FINISH_REASONS.get(self)
+        return _FINISH_REASONS.get(self._value_)
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_HANDOFF}
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_HANDOFF: "handoff",
+    RequestStatus.FINISHED_STOPPED.value: "stop",
+    RequestStatus.FINISHED_LENGTH.value: "length",
+    RequestStatus.FINISHED_ABORTED.value: "abort",
+    RequestStatus.FINISHED_HANDOFF.value: "handoff",
 }
 
 

@@ -124,21 +124,28 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            uncomputed = r.num_uncomputed_tokens
+            if uncomputed == 1:
+                decodes.append(r)
+            elif uncomputed > 1:
+                prefills.append(r)
         num_prefills = 0
         for request in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
                 continue
-            if request.num_uncomputed_tokens > 1:
+            uncomputed = request.num_uncomputed_tokens
+            if uncomputed > 1:
                 if self._prefills_full(num_prefills):
                     continue
                 num_prefills += 1
             # With drafts (speculative decoding) a decode verifies 1 + k tokens.
-            num_new = min(request.num_uncomputed_tokens + len(request.spec_token_ids), budget)
-            if num_new < request.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+            num_new = min(uncomputed + len(request.spec_token_ids), budget)
+            if num_new < uncomputed and not self.config.enable_chunked_prefill:
                 continue
             while not self.block_manager.can_append(request, num_new):
                 victim = self.running[-1]
