@@ -307,3 +307,25 @@ def test_phase_clocks_refuse_a_wrong_buffer(llama_dir: Path) -> None:
         loop.phase_seconds = torch.zeros(3)  # float32, not float64
         with pytest.raises(RuntimeError, match="phase_seconds float64"):
             run_walk(runner, 2, num_decodes=1)
+
+
+def test_loop_refuses_a_row_outside_its_table_or_the_pool(llama_dir: Path) -> None:
+    """The loop derives each row's slot from its length and table (position len - 1): a table
+    too short for that position, or a block id past the pool, is a ValueError before any
+    thread starts, never a write outside the pool."""
+    from pdserve.serve.attention import DecodeMetadata
+
+    with make_runner(llama_dir) as runner:
+        loop = runner.fused_decode()
+        assert loop is not None
+        caches = runner._rank.pool.kv_caches
+        hidden = torch.zeros(1, runner.spec.hidden_size)
+        before = [cache.clone() for cache in caches]
+        cpu = torch.device("cpu")
+        short = DecodeMetadata([SeqChunk("a", [1], 9, [3, 5], True)], BLOCK_SIZE, cpu)
+        with pytest.raises(ValueError, match="outside its block table"):
+            loop(hidden, caches, short)
+        past = DecodeMetadata([SeqChunk("a", [1], 1, [NUM_BLOCKS], True)], BLOCK_SIZE, cpu)
+        with pytest.raises(ValueError, match="outside the pool"):
+            loop(hidden, caches, past)
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
