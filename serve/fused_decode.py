@@ -12,6 +12,9 @@ which stays the reference and the path for everything else. Where every product 
 and the cache is fp32, the whole loop is one OpenMP region (a barrier between ops instead of a
 region per op). The loop also applies the model's final norm and, in that region, the LM head:
 CausalLM.compute_logits then takes the logits it computed (DecoderModel.take_decode_logits).
+The loop is a C++ object (ops.DecodeLoop) made once over the weights and the rotary tables;
+each step it reads only the lengths and block tables of the metadata, and derives each row's
+position (its length - 1), KV slot and rotary rows itself.
 
 It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;

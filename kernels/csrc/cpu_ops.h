@@ -34,8 +34,9 @@ void split_for(int64_t begin, int64_t end, int64_t grain, const Team* team, cons
 torch::Tensor paged_last_token_attention(torch::Tensor query, torch::Tensor k_cache,
                                          torch::Tensor v_cache, torch::Tensor seq_lens,
                                          torch::Tensor block_tables, double scale);
-// The same attention for every layer of one decode step, fp32 query and cache: planned once
-// (the lengths and tables are the step's; checked here, so nothing throws in the region), then
+// The same attention for every layer of one decode step, fp32 query and caches (each layer's
+// [2, blocks, bs, Hkv, D], K plane then V): planned once (the lengths and tables are the
+// step's; checked here, so nothing throws in the region), then
 // run by a team: attend() each thread's items, a barrier, merge() its share of the sequences
 // split into several items (where needs_merge()). out [S, H, dv] contiguous.
 class DecodeAttention {
@@ -118,8 +119,8 @@ class DecodeLoop {
  public:
   DecodeLoop(std::vector<torch::Tensor> weights, int64_t num_layers, torch::Tensor cos_cache,
              torch::Tensor sin_cache, double eps, int64_t num_heads, int64_t num_kv_heads,
-             int64_t head_dim, int64_t rotary_dim, double scale, int64_t amx_rows, c10::optional<torch::Tensor> final_norm,
-             c10::optional<torch::Tensor> head);
+             int64_t head_dim, int64_t rotary_dim, double scale, int64_t amx_rows,
+             c10::optional<torch::Tensor> final_norm, c10::optional<torch::Tensor> head);
   std::vector<torch::Tensor> run(torch::Tensor hidden, std::vector<torch::Tensor> kv_caches,
                                  torch::Tensor seq_lens, torch::Tensor block_tables,
                                  c10::optional<torch::Tensor> phase_seconds) const;
