@@ -71,9 +71,6 @@ void add_rms_norm_rows(const float* x, int64_t ldx, const float* r, int64_t ldr,
 void silu_and_mul_rows(const float* x, int64_t ldx, float* out, int64_t T, int64_t I,
                        const Team* team = nullptr);
 void rotary_neox_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim);
-// What rotary_neox_ needs of cos / sin for T rows of heads head_dim wide (else an error).
-void check_rotary_tables(const torch::Tensor& cos, const torch::Tensor& sin, int64_t T,
-                         int64_t rotary_dim, int64_t head_dim);
 // rotary_neox_ on raw rows: x [T, H, >= rotary_dim] with strides s0, s1; cos / sin rows of
 // rotary_dim with strides lc, ls.
 void rotary_neox_rows(float* x, int64_t s0, int64_t s1, int64_t T, int64_t H, const float* cos,
@@ -81,8 +78,6 @@ void rotary_neox_rows(float* x, int64_t s0, int64_t s1, int64_t T, int64_t H, co
                       const Team* team = nullptr);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
                     torch::Tensor slot_mapping);
-// slot_mapping as contiguous int64, checked: one slot per row, each in [0, num_slots).
-torch::Tensor checked_slots(const torch::Tensor& slot_mapping, int64_t T, int64_t num_slots);
 // write_kv_cache's copy, fp32, with slots already checked: key / value rows [T, H, D] (strides
 // k0, k1 / v0, v1), the cache's K plane at kc and V plane at vc ([slots, H, D] each).
 void write_kv_rows(const float* key, int64_t k0, int64_t k1, const float* value, int64_t v0,

@@ -99,17 +99,12 @@ void silu_and_mul_rows(const float* xp, int64_t ldx, float* op, int64_t T, int64
 // output): the first rotary_dim of each head rotated NeoX-style by token t's angles:
 //   x1, x2 = halves of x[..., :rotary_dim];  x <- [x1 cos - x2 sin | x2 cos + x1 sin]
 // with cos/sin [T, rotary_dim] (rows contiguous) laid out [freqs | freqs].
-void check_rotary_tables(const torch::Tensor& cos, const torch::Tensor& sin, int64_t T,
-                         int64_t rotary_dim, int64_t head_dim) {
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
-              cos.size(1) == rotary_dim && cos.stride(1) == 1 && sin.stride(1) == 1 &&
-              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
-              rotary_dim % 2 == 0 && rotary_dim <= head_dim, "cos/sin [T, rotary_dim] fp32");
-}
-
 void rotary_neox_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1, "x");
-  check_rotary_tables(cos, sin, x.size(0), rotary_dim, x.size(2));
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+              cos.size(1) == rotary_dim && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+              rotary_dim % 2 == 0 && rotary_dim <= x.size(2), "cos/sin [T, rotary_dim] fp32");
   rotary_neox_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), x.size(0), x.size(1),
                    cos.data_ptr<float>(), cos.stride(0), sin.data_ptr<float>(), sin.stride(0),
                    rotary_dim);
@@ -135,15 +130,6 @@ void rotary_neox_rows(float* xp, int64_t s0, int64_t s1, int64_t T, int64_t H, c
   });
 }
 
-torch::Tensor checked_slots(const torch::Tensor& slot_mapping, int64_t T, int64_t num_slots) {
-  auto slots = slot_mapping.to(torch::kLong).contiguous();
-  TORCH_CHECK_VALUE(slots.numel() == T, "a slot per row: ", slots.numel(), " for ", T);
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK_VALUE(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
-  return slots;
-}
-
 // kv_cache [2, blocks, bs, Hkv, D] (contiguous); key/value [T, Hkv, D] (last dim contiguous);
 // token t goes to slot slot_mapping[t] = block * bs + offset.
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
@@ -156,8 +142,11 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
               key.size(2) == kv_cache.size(4), "key/value");
   const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  auto slots = checked_slots(slot_mapping, T, num_slots);
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  TORCH_CHECK_VALUE(slots.numel() == T, "a slot per row: ", slots.numel(), " for ", T);
   const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_VALUE(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
   const int64_t plane = num_slots * H * D, row = H * D;
   if (kv_cache.scalar_type() == torch::kFloat) {
     float* cache = kv_cache.data_ptr<float>();
