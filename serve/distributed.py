@@ -120,6 +120,8 @@ class Rendezvous:
                 f"{master_addr}:{master_port} within {self.join_timeout_s:.0f} s: is node 0 "
                 f"running with --master-port {master_port}, and is the address reachable "
                 f"from here? ({reason})") from None
+        if rank == 0:
+            self.master_port = self.store.port  # the kernel's pick when master_port is 0
         # Rank 0 serves the store and every other rank's collectives time out: after the
         # join, the store may wait as long as the slowest stage (loading) takes.
         self.store.set_timeout(datetime.timedelta(seconds=start_timeout_s))

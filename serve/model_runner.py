@@ -31,7 +31,6 @@ import datetime
 import itertools
 import logging
 import os
-import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -428,18 +427,14 @@ def _min_over_ranks(value: int, control: Any) -> int:
     return int(tensor.item())
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
                 scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
                 timeout_s: float, start_timeout_s: float,
                 peers_alive: Callable[[], bool] | None = None,
-                with_mtp: bool = False) -> tuple[_Rank, Any]:
-    """Join the group, load this rank's shard; returns the rank and its control group."""
+                with_mtp: bool = False,
+                rendezvous: Rendezvous | None = None) -> tuple[_Rank, Any]:
+    """Join the group, load this rank's shard; returns the rank and its control group.
+    `rendezvous`: rank 0's store when the caller already hosts it (on a port it picked)."""
     size = parallel_config.world_size  # TP x PP ranks
     device = _device_for(parallel_config, rank)
     if device.type == "cuda":
@@ -453,8 +448,7 @@ def _setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
     if parallel_config.dist_interface is not None:  # read by gloo / NCCL at group creation
         os.environ["GLOO_SOCKET_IFNAME"] = parallel_config.dist_interface
         os.environ["NCCL_SOCKET_IFNAME"] = parallel_config.dist_interface
-    rendezvous = None
-    if size > 1:
+    if size > 1 and rendezvous is None:
         assert parallel_config.master_port is not None
         # Over several nodes, a node that never comes is an error within the collective
         # timeout, not after the (long) loading one.
@@ -625,10 +619,14 @@ class ModelRunner:
                 "this process already has a torch.distributed process group (another LLM or "
                 "ModelRunner with tensor_parallel_size > 1 still open?): shut it down first "
                 "(llm.shutdown(), a `with` block, or drop its last reference)")
-        if parallel_config.master_port is None:
-            parallel_config = dataclasses.replace(
-                parallel_config, master_port=_free_port(parallel_config.master_addr)
-            )
+        hosted = None
+        if size > 1 and parallel_config.master_port is None:
+            # Host the store before spawning, on a port the kernel picks as it listens: a
+            # port found free first and bound later can be taken in between (EADDRINUSE).
+            hosted = Rendezvous(0, size, parallel_config.master_addr, 0, start_timeout_s,
+                                ranks_per_node=parallel_config.ranks_per_node)
+            parallel_config = dataclasses.replace(parallel_config,
+                                                  master_port=hosted.master_port)
         self._closed = False
         self._tp_size = parallel_config.tensor_parallel_size
         self._pp_size = parallel_config.pipeline_parallel_size
@@ -645,7 +643,7 @@ class ModelRunner:
             self._rank, procs.control = _setup_rank(
                 0, model_config, cache_config, scheduler_config, parallel_config,
                 dist_timeout_s, start_timeout_s, peers_alive=procs.peers_alive,
-                with_mtp=speculative_config is not None,
+                with_mtp=speculative_config is not None, rendezvous=hosted,
             )
         except BaseException:
             procs.stop(send_stop=False)

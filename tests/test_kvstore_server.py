@@ -7,7 +7,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from cluster_util import free_port_block
 
 from pdserve import security
 from pdserve.kvstore import data_service as data_service_module
@@ -434,9 +434,7 @@ def test_ucx_unavailable_falls_back_to_zmq_loudly(make_server, monkeypatch, capl
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_block(1)  # below the ephemeral range: bind(0) elsewhere cannot take it
 
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from cluster_util import free_port_block
 
 from pdserve.serve import LLM, SamplingParams
 from pdserve.serve.distributed import RendezvousError
@@ -36,9 +36,7 @@ COMMON = dict(tensor_parallel_size=2, block_size=8, num_kv_blocks=32, device="cp
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_block(1)  # below the ephemeral range: bind(0) elsewhere cannot take it
 
 
 def _start_node(model_dir: Path, node_rank: int, master_port: int, dist_timeout_s: float,
@@ -197,3 +195,18 @@ def test_bad_node_layouts_are_refused(llama_dir: Path) -> None:
         ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1234)
     layout = ParallelConfig(tensor_parallel_size=4, nnodes=2, node_rank=1, master_port=1234)
     assert list(layout.local_ranks) == [2, 3] and layout.node_of(1) == 0
+
+
+def test_rank0_hosts_on_the_port_the_kernel_picks_and_names_a_taken_one() -> None:
+    """With no --master-port, rank 0 listens on port 0 and reports the port it got (no
+    free-then-bind window another socket could fill); a taken port is a clear error."""
+    from pdserve.serve.distributed import Rendezvous
+
+    host = Rendezvous(0, 2, "127.0.0.1", 0, start_timeout_s=5)
+    assert host.master_port > 0
+    peer = Rendezvous(1, 2, "127.0.0.1", host.master_port, start_timeout_s=5)
+    host.store.set("probe", "up")
+    assert peer.store.get("probe") == b"up"
+    with pytest.raises(RendezvousError, match=f"cannot host the rendezvous on port "
+                                              f"{host.master_port}"):
+        Rendezvous(0, 2, "127.0.0.1", host.master_port, start_timeout_s=5)

@@ -11,7 +11,6 @@ fp16 rounding of P before the P.V product on GPU: 4e-3.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch.nn.functional as F  # noqa: E402
+from cluster_util import free_port_block
 
 from pdserve.kernels.ring_attention import (  # noqa: E402
     block_attention_cpu,
@@ -226,9 +226,7 @@ def test_simulated_ring_matches_full_causal_attention(attend_name, cp_size):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_block(1)  # below the ephemeral range: bind(0) elsewhere cannot take it
 
 
 def _gloo_rank(rank: int, size: int, port: int, attend_name: str, errors) -> None:
