@@ -433,12 +433,9 @@ def test_ucx_unavailable_falls_back_to_zmq_loudly(make_server, monkeypatch, capl
     finish(server, client)
 
 
-def _free_port() -> int:
-    return free_port_block(1)  # below the ephemeral range: bind(0) elsewhere cannot take it
-
-
 def test_cli_serves_and_stops_on_sigterm(tmp_path):
-    master_port, data_port = _free_port(), _free_port()
+    master_port = free_port_block(2)
+    data_port = master_port + 1
     cluster_key = security.ClusterKey.generate()
     key_path = cluster_key.save(tmp_path / "cluster.key")
     proc = subprocess.Popen(
@@ -482,7 +479,7 @@ def test_store_killed_mid_write_restarts_with_whole_blocks_only(tmp_path):
     disk_dir = tmp_path / "disk"
     disk_dir.mkdir()
     keys, blocks = [key(i) for i in range(400)], [block(i, 16384) for i in range(400)]
-    ports = (_free_port(), _free_port())
+    ports = (base := free_port_block(2), base + 1)
     proc = _start_store_cli(tmp_path, disk_dir, key_path, *ports)
     try:
         with security.using(cluster_key):
@@ -501,7 +498,7 @@ def test_store_killed_mid_write_restarts_with_whole_blocks_only(tmp_path):
     torn = written[0]
     torn.write_bytes(torn.read_bytes()[:-100])  # a block cut short
     (disk_dir / (key(999).hex() + ".kv.tmp")).write_bytes(b"PDKV half")
-    ports = (_free_port(), _free_port())
+    ports = (base := free_port_block(2), base + 1)
     proc = _start_store_cli(tmp_path, disk_dir, key_path, *ports)
     try:
         with security.using(cluster_key):

@@ -35,10 +35,6 @@ HANG_GUARD_S = 90.0  # far past every timeout below: only a hang gets here
 COMMON = dict(tensor_parallel_size=2, block_size=8, num_kv_blocks=32, device="cpu")
 
 
-def _free_port() -> int:
-    return free_port_block(1)  # below the ephemeral range: bind(0) elsewhere cannot take it
-
-
 def _start_node(model_dir: Path, node_rank: int, master_port: int, dist_timeout_s: float,
                 log: Path, layout: tuple[str, ...] = ("--tensor-parallel-size", "2")
                 ) -> subprocess.Popen:
@@ -82,7 +78,7 @@ def test_two_hosts_match_one_host_and_hf(llama_dir: Path, tmp_path: Path) -> Non
         expected = _greedy(one_host, prompts)
     assert expected == _hf_greedy(llama_dir, prompts)
 
-    port = _free_port()
+    port = free_port_block(1)
     node1 = _start_node(llama_dir, 1, port, dist_timeout_s=60, log=tmp_path / "node1.log")
     try:
         with LLM(llama_dir, nnodes=2, master_port=port, dist_timeout_s=60, **COMMON) as llm:
@@ -99,7 +95,7 @@ def test_two_hosts_match_one_host_and_hf(llama_dir: Path, tmp_path: Path) -> Non
 def test_pipeline_stages_on_two_hosts_match_hf(llama_dir: Path, tmp_path: Path) -> None:
     """PP 2 x TP 1: stage 1 (layer 1, the LM head) lives on node 1; activations cross hosts."""
     prompts = random_prompts(PROMPT_LENGTHS, vocab_size=1000, seed=6)
-    port = _free_port()
+    port = free_port_block(1)
     node1 = _start_node(llama_dir, 1, port, dist_timeout_s=60, log=tmp_path / "node1.log",
                         layout=("--tensor-parallel-size", "1", "--pipeline-parallel-size", "2"))
     try:
@@ -115,7 +111,7 @@ def test_pipeline_stages_on_two_hosts_match_hf(llama_dir: Path, tmp_path: Path) 
 
 def test_killing_node1_mid_serve_names_the_lost_rank(llama_dir: Path, tmp_path: Path) -> None:
     prompts = random_prompts(PROMPT_LENGTHS, vocab_size=1000, seed=4)
-    port = _free_port()
+    port = free_port_block(1)
     node1 = _start_node(llama_dir, 1, port, dist_timeout_s=60, log=tmp_path / "node1.log")
     try:
         llm = LLM(llama_dir, nnodes=2, master_port=port, dist_timeout_s=60, **COMMON)
@@ -141,7 +137,7 @@ def test_killing_node1_mid_serve_names_the_lost_rank(llama_dir: Path, tmp_path: 
 
 def test_an_idle_engine_notices_a_lost_host(llama_dir: Path, tmp_path: Path) -> None:
     """No step runs: the control group's heartbeat finds rank 1 gone and names it."""
-    port = _free_port()
+    port = free_port_block(1)
     node1 = _start_node(llama_dir, 1, port, dist_timeout_s=60, log=tmp_path / "node1.log")
     try:
         with LLM(llama_dir, nnodes=2, master_port=port, dist_timeout_s=60, **COMMON) as llm:
@@ -159,7 +155,7 @@ def test_an_idle_engine_notices_a_lost_host(llama_dir: Path, tmp_path: Path) -> 
 
 
 def test_node0_without_node1_names_the_missing_node(llama_dir: Path) -> None:
-    port = _free_port()
+    port = free_port_block(1)
     started = time.monotonic()
     with pytest.raises(RendezvousError,
                        match=rf"rank 1 \(node 1\) did not reach 'started' within 4 s.*"
@@ -172,7 +168,7 @@ def test_node0_without_node1_names_the_missing_node(llama_dir: Path) -> None:
 
 
 def test_node1_without_node0_exits_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port_block(1)
     node1 = _start_node(llama_dir, 1, port, dist_timeout_s=3, log=tmp_path / "node1.log")
     try:
         node1.wait(timeout=HANG_GUARD_S)

@@ -225,10 +225,6 @@ def test_simulated_ring_matches_full_causal_attention(attend_name, cp_size):
     assert len(calls) == cp_size * (cp_size + 1) // 2
 
 
-def _free_port() -> int:
-    return free_port_block(1)  # below the ephemeral range: bind(0) elsewhere cannot take it
-
-
 def _gloo_rank(rank: int, size: int, port: int, attend_name: str, errors) -> None:
     import torch.distributed as dist
 
@@ -255,7 +251,7 @@ def test_ring_attention_over_gloo_ranks_matches_full_causal_attention(cp_size, a
         pytest.skip("the gloo ranks run on CPU")
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = _free_port()
+    port = free_port_block(1)
     procs = [ctx.Process(target=_gloo_rank, args=(r, cp_size, port, attend_name, errors))
              for r in range(cp_size)]
     for p in procs:
