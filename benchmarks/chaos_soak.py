@@ -73,7 +73,7 @@ class Soak:
 
 # ---- the cluster ---------------------------------------------------------------------------
 def start_up(args: argparse.Namespace, run_dir: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--num-prefill", "2", "--num-decode",
+    argv = [sys.executable, "-m", "pdserve.app.cli", "up", "--num-prefill", "2", "--num-decode",
             "2", "--port", str(args.base_port), "--store-port", str(args.base_port + 10),
             "--worker-base-port", str(args.base_port + 20), "--restart-backoff-s", "1",
             "--cluster-key-file", str(run_dir / "cluster.key")]
@@ -94,9 +94,9 @@ def children(up_pid: int) -> dict[str, int]:
             argv = Path(entry.path, "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) != up_pid or "pdserve.cli" not in argv:
+        if int(stat.rsplit(")", 1)[1].split()[1]) != up_pid or "pdserve.app.cli" not in argv:
             continue
-        role = argv[argv.index("pdserve.cli") + 1]
+        role = argv[argv.index("pdserve.app.cli") + 1]
         if "--worker-id" in argv:
             role = argv[argv.index("--worker-id") + 1]
         found[role] = int(entry.name)

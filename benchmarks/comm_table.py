@@ -2,7 +2,8 @@
 
     python -m pdserve.benchmarks.comm_table [--output benchmarks/results/comm_table.json]
 
-Arithmetic, not a measurement (serve/comm_model.py derives each row; tests/test_comm_model.py
+Arithmetic, not a measurement (serve/executor/comm_model.py derives each row;
+tests/serve/test_comm_model.py
 checks the formulas by hand and against bytes counted in a real TP/EP run). Printed for the
 embedded default model (a tiny GQA Llama), a Llama-3-8B-shaped GQA model, and a
 DeepSeek-V3-shaped MLA + MoE model whose dimensions are those of the released config.json
@@ -16,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.serve.comm_model import Layout, ModelShape, comm_table, table_as_dicts
 from pdserve.serve.default_model import DEFAULT_MODEL_CONFIG
+from pdserve.serve.executor.comm_model import Layout, ModelShape, comm_table, table_as_dicts
 
 # deepseek-ai/DeepSeek-V3's config.json (the fields communication depends on), as released
 # with the V3 technical report (arXiv 2412.19437, section 4.2): 61 layers (3 dense, then MoE),
@@ -79,8 +80,9 @@ def build() -> dict[str, Any]:
                             "total_bytes_per_rank": sum(r.bytes_per_rank for r in rows
                                                         if r.name != "kv_handoff_per_request")})
         models.append({"model": title, "shape": shape.__dict__, "layouts": entries})
-    return {"note": "arithmetic from serve/comm_model.py (no measurement, so the busy shared "
-                    "box does not affect it); bytes per rank per step, the busiest stage",
+    return {"note": "arithmetic from serve/executor/comm_model.py (no measurement, so the "
+                    "busy shared box does not affect it); bytes per rank per step, the busiest "
+                    "stage",
             "models": models}
 
 

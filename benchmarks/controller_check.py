@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.router.goodput_model import (
+from pdserve.planner.goodput_model import (
     LinearLatency,
     PhaseModels,
     RequestShape,

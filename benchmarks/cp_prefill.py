@@ -5,7 +5,7 @@
 A seeded random Llama is built in a temporary directory. Both configurations get the same
 cores in all (`--cores`): CP 1 runs one rank with all of them, CP 2 two ranks with half each,
 the prompt split zig-zag over them and attention run as ring attention
-(serve/context_parallel.py). Each prompt length is one prefill step of one sequence through
+(serve/executor/context_parallel.py). Each prompt length is one prefill step of one sequence through
 the ModelRunner (the engine's step interface), fresh blocks, timed as the median over
 --repeats after a warm-up; the configurations' runs alternate, so load on a shared box
 drifts over both alike. The pool of each rank is sized to what CP 1 needs, so CP 2 also
@@ -63,7 +63,7 @@ def measure(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from pdserve.protocol.tp import SeqChunk, StepInput
     from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
-    from pdserve.serve.model_runner import ModelRunner
+    from pdserve.serve.executor.model_runner import ModelRunner
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     num_blocks = -(-max(args.prompt_lens) // args.block_size)  # CP 1's need, per rank

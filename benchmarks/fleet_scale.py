@@ -107,7 +107,7 @@ def _etcd_up(endpoint: str) -> bool:
 
 def _bench(args: argparse.Namespace, base_url: str, out_dir: Path, step: int) -> dict:
     name = f"step-{step}.json"
-    argv = [sys.executable, "-m", "pdserve.cli", "bench", "--base-url", base_url,
+    argv = [sys.executable, "-m", "pdserve.app.cli", "bench", "--base-url", base_url,
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--request-rate", "inf", "--max-concurrency", str(args.concurrency),
@@ -132,7 +132,7 @@ def run_fleet(args: argparse.Namespace, work_dir: Path) -> list[dict]:
     worker = ["--model", args.model, "--num-kv-blocks", str(args.num_kv_blocks),
               "--cpu-threads", "1", "--discovery-store-wait-s", "0", "--insecure-plaintext",
               *discovery]
-    cli = [sys.executable, "-m", "pdserve.cli"]
+    cli = [sys.executable, "-m", "pdserve.app.cli"]
     base_url = f"http://127.0.0.1:{router_port}"
     steps = []
     try:

@@ -10,7 +10,7 @@ Without --base-url it starts `pdserve up` (the embedded tiny model, disaggregate
 --max-tokens-ceiling so a case generates a few tokens, not the whole context) on free
 loopback ports and stops it at the end. Besides the schema cases it sends an oversized body
 in chunked transfer encoding over a raw socket, which must get a 413. Needs schemathesis
-(the `test` extra). The smaller in-process run is tests/test_router_fuzz.py.
+(the `test` extra). The smaller in-process run is tests/router/test_router_fuzz.py.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def start_cluster(
     argv = [
         sys.executable,
         "-m",
-        "pdserve.cli",
+        "pdserve.app.cli",
         "up",
         "--port",
         str(base),

@@ -1,4 +1,4 @@
-"""Decode tokens/s with and without MTP speculative decoding (serve/spec_decode.py).
+"""Decode tokens/s with and without MTP speculative decoding (serve/engine/spec_decode.py).
 
     python -m pdserve.benchmarks.mtp_decode --output benchmarks/results/mtp_decode.json
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pdserve.serve.default_model import build_random_model
-    from pdserve.serve.spec_decode import add_mtp_layer
+    from pdserve.serve.engine.spec_decode import add_mtp_layer
 
     torch.manual_seed(0)
     results = []

@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.router.goodput_model import RequestShape, SimulationConfig
-from pdserve.router.latency_profile import LatencyProfile
-from pdserve.router.planner import Placement, attainment_curve
+from pdserve.planner.goodput_model import RequestShape, SimulationConfig
+from pdserve.planner.latency_profile import LatencyProfile
+from pdserve.planner.search import Placement, attainment_curve
 
 SPLIT_DIR = re.compile(r"measured-(\d+)p(\d+)d$")
 

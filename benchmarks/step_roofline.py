@@ -32,7 +32,7 @@ The point's step is then the median of `--decode-steps` timed steps; the whole s
 JSON): on a host shared with other tenants one noisy minute then moves one round, not the
 table.
 
-Where the model runs the fused decode loop (serve/fused_decode.py), the loop's own clocks
+Where the model runs the fused decode loop (serve/cpu/fused_decode.py), the loop's own clocks
 split each point's step (means over the timed steps, medians over the rounds): the layers'
 products against their own floor (their weights at the step's read bandwidth, or their FLOPs
 at the peak), the attention (its KV write included) with the rate it read its KV at, the rest
@@ -123,11 +123,11 @@ def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
     torch's sum, and pdserve's skinny product of one row (kernels/csrc/skinny_gemm.cpp: 2
     FLOPs per 4 bytes, with software prefetch), which on some hosts reads half again as fast
     as the sum. A floor measured with the slower reader alone would let a step beat it."""
-    from pdserve.serve.huge_pages import huge_page_buffer
-    from pdserve.serve.layers import cpu_kernels
+    from pdserve.serve.cpu.huge_pages import huge_page_buffer
+    from pdserve.serve.executor.layers import cpu_kernels
 
     # on 2 MiB pages where the host gives them, as the engine's weights and KV pool are
-    # (serve/huge_pages.py): 37 against 31 GB/s at 231 MB on this project's machines
+    # (serve/cpu/huge_pages.py): 37 against 31 GB/s at 231 MB on this project's machines
     buffer = huge_page_buffer(nbytes // 4 * 4)
     data = torch.ones(nbytes // 4) if buffer is None else buffer.view(torch.float32).fill_(1.0)
     readers = [data.sum]
@@ -144,8 +144,8 @@ def matmul_peak_flops(n: int = 2048) -> float:
     (oneDNN), and pdserve's panel product (kernels/csrc/skinny_gemm.cpp, where the host has
     AVX-512), which the engine's prefill runs on. On a Zen 5 host oneDNN reached 211 GFLOP/s
     and the panel product 490, so a peak of oneDNN's alone let prefill read 165% of it."""
-    from pdserve.serve.layers import cpu_kernels
-    from pdserve.serve.parallel import pack_panels
+    from pdserve.serve.executor.layers import cpu_kernels
+    from pdserve.serve.executor.parallel import pack_panels
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     products = [lambda: a @ b]

@@ -47,7 +47,7 @@ def _start_nodes(master_address: str | None, count: int, capacity_blocks: int,
     processes, addresses = [], []
     for i in range(count):
         port = _free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", "store", "--role", "data",
+        argv = [sys.executable, "-m", "pdserve.app.cli", "store", "--role", "data",
                 "--data-port", str(port), "--node-id", f"bench-{i}", "--transport", transport,
                 "--dram-blocks", str(capacity_blocks), "--heartbeat-interval-s", "0.5"]
         if master_address is not None:

@@ -8,7 +8,7 @@ structured points alternate for `--rounds` rounds, so a box whose load drifts bi
 The structured requests carry a JSON schema whose one string must be exactly
 `STRING_LENGTH` characters long, so no request can finish inside the timed steps; sampling is
 seeded at temperature 1 for both. The mask is filled on a thread while the forward runs
-(serve/structured.py), so what the step pays is the part of the fill the forward does not
+(serve/engine/structured.py), so what the step pays is the part of the fill the forward does not
 hide, the bitmask's application to the logits, and accepting the sampled token. On a busy box
 the TPOT difference drowns in noise, so the two parts are also timed directly, per structured
 step: the fill on the thread (off the critical path) and the join plus the bitmask's
@@ -113,9 +113,9 @@ def _median_ms(seconds: list[float] | None) -> float | None:
 
 @contextlib.contextmanager
 def _timed_mask_parts() -> Iterator[dict[str, list[float]]]:
-    """Time serve/structured.py's fill (on its thread) and StepMasks.apply (the join and the
+    """Time serve/engine/structured.py's fill (on its thread) and StepMasks.apply (the join and the
     bitmask's application, on the step's path) while the block runs."""
-    from pdserve.serve import structured
+    from pdserve.serve.engine import structured
 
     timed: dict[str, list[float]] = {"fill": [], "join_apply": []}
     fill, apply = structured._fill_rows, structured.StepMasks.apply

@@ -235,7 +235,7 @@ class RunningCluster:
     setup: str
     base_url: str
     cluster: Any
-    """pdserve.launcher.Cluster."""
+    """pdserve.app.launcher.Cluster."""
     threads: int
     run_dir: Path
     """The cluster key and the decode workers' idle flags (removed on stop)."""
@@ -247,7 +247,7 @@ class RunningCluster:
 
 def start_cluster(setup: str, model_dir: str, config: BreakdownConfig) -> RunningCluster:
     """`pdserve up --mode <setup>` on this benchmark's ports, ready; stopped on failure."""
-    from pdserve import launcher
+    from pdserve.app import launcher
 
     port = config.base_port + 20 * SETUPS.index(setup)
     argv = ["--model", model_dir, "--mode", "colocated" if setup == "colocated" else "disagg",

@@ -2,7 +2,7 @@
 
     python -m pdserve.benchmarks.weight_pages [--model DIR] [--batch-sizes 1 8] [--contexts 256]
 
-The loader moves the weights onto huge pages (serve/huge_pages.py). This benchmark copies the
+The loader moves the weights onto huge pages (serve/cpu/huge_pages.py). This benchmark copies the
 fused decode loop's large weights once more onto ordinary pages, then swaps the loop between
 the two copies, round after round (interleaved, so a noisy minute on a shared host weighs on
 both alike). Each round times `--steps` engine steps with one copy, then with the other; a
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace
             ) -> dict[str, Any]:
     from pdserve.serve import LLM, SamplingParams
-    from pdserve.serve.fused_decode import FusedDecode
+    from pdserve.serve.cpu.fused_decode import FusedDecode
 
     loops: list[FusedDecode] = []
     call = FusedDecode.__call__
@@ -69,7 +69,7 @@ def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace
             engine.step()
             if not loops:
                 raise SystemExit("this model's decode steps do not take the fused loop "
-                                 "(serve/fused_decode.py), whose weights this swaps")
+                                 "(serve/cpu/fused_decode.py), whose weights this swaps")
             fused = loops[-1]
             huge = list(fused.weights)
             small = [w.clone() if w.numel() * w.element_size() >= 1 << 20 else w for w in huge]

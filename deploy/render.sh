@@ -21,6 +21,6 @@ if [ ! -d "$here/overlays/$overlay" ]; then
 fi
 key="${CLUSTER_KEY_FILE:-$here/base/cluster.key}"
 if [ ! -f "$key" ]; then
-    "$python" -m pdserve.cli keygen "$key" >&2
+    "$python" -m pdserve.app.cli keygen "$key" >&2
 fi
 exec "$python" "$here/render.py" "$here/overlays/$overlay" "$out" --file "cluster.key=$key"

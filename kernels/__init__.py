@@ -11,7 +11,7 @@
 
 Triton is imported only when the "triton" backend is asked for, the C++ kernel only when "cpu"
 is. This package imports nothing
-else of pdserve; the engine picks the name (serve/attention.py: PDSERVE_ATTENTION_BACKEND,
+else of pdserve; the engine picks the name (serve/executor/attention.py: PDSERVE_ATTENTION_BACKEND,
 else triton on CUDA and torch on CPU).
 """
 

@@ -5,13 +5,15 @@
     add_rms_norm, silu_and_mul,  the small per-layer ops of a decoder block, each one call
     rotary_neox_, write_kv_cache   instead of several torch dispatches (fp32)
     skinny_linear                x W^T for the few rows of a decode step, streaming W from
-                                 memory at close to its read speed (serve/parallel.py)
+                                 memory at close to its read speed (serve/executor/parallel.py)
     panel_linear                 x W^T from W packed in panels (fp32, bf16 or fp16; AVX-512)
     amx_panel_linear             x W^T for many rows from bf16 panels on AMX (fp32 results)
     DecodeLoop                   a Llama-family decode step's whole layer loop in one call,
-                                 the ops above in the module path's order (serve/fused_decode.py),
+                                 the ops above in the module path's order
+                                 (serve/cpu/fused_decode.py),
                                  in one parallel region where every product has panels
-    pin_openmp_threads           torch's OpenMP thread i on core i of a list (serve/core_share.py)
+    pin_openmp_threads           torch's OpenMP thread i on core i of a list
+    (serve/cpu/core_share.py)
 
 Built with torch's C++ extension builder (gcc and ninja; -O3 -march=native, OpenMP through
 torch's own runtime) into torch's extension cache (TORCH_EXTENSIONS_DIR), under a name that

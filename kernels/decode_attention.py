@@ -172,7 +172,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size)
     # fp32 runs on FMA units (exact products), half types on tensor cores; both stay
-    # unspilled on sm90 with these tiles (tests/test_kernels_compile.py).
+    # unspilled on sm90 with these tiles (tests/kernels/test_kernels_compile.py).
     is_fp32_gpu = query.dtype == torch.float32 and not interpreted
     block_n = block_n or (64 if interpreted or (head_dim <= 128 and not is_fp32_gpu) else 32)
     # tl.dot needs at least 16 rows on GPU; the group's padding rows are masked out.

@@ -147,7 +147,7 @@ def default_tiles(head_dim: int, dtype: torch.dtype, device: torch.device) -> Pr
     on FMA units with registers to match: small tiles (head_dim 128 still spills ~600 bytes;
     fp32 on GPU is for fidelity runs, not speed). MLA's latent rows (576 wide, padded to
     1024) fit only 16 x 16 tiles in one stage (sm90: 200 registers, no spills, 65 KiB shared;
-    the 64 x 32 two-stage default would need 384 KiB). See tests/test_kernels_compile.py."""
+    the 64 x 32 two-stage default would need 384 KiB). See tests/kernels/test_kernels_compile.py."""
     if device.type != "cuda":
         return PrefillTiles(64, 64, 4, 1)
     if head_dim > 256:

@@ -23,7 +23,8 @@ query is skipped (causal: it is all in the future).
 The unit of compute is block attention (q chunk x K/V chunk -> (out, lse), full or causal by
 absolute positions): block_attention_reference here in plain torch, the ground truth, and the
 Triton kernel in kernels/block_attention.py (imported only when asked for). Everything here is
-torch and torch.distributed; pdserve's engine (serve/context_parallel.py) calls ring_pass with
+torch and torch.distributed; pdserve's engine (serve/executor/context_parallel.py) calls ring_pass
+with
 its own payload (a K/V block, or an MLA latent block) and visitor.
 """
 

@@ -1,6 +1,7 @@
 """The KV connector: the only way a worker touches the store (lookup, load, save, poll).
 
-The worker's device pool is one tensor per layer (serve/kv_cache.py), with P planes: K and V
+The worker's device pool is one tensor per layer (serve/executor/kv_cache.py), with P planes: K and
+V
 (P = 2, layout kind "mha") or the MLA latent row alone (P = 1, kind "mla", one "head"):
 
     kv_caches[l]   [P, num_pool_blocks, block_size, num_kv_heads_per_rank, head_dim]

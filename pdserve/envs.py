@@ -40,7 +40,7 @@ def log_level() -> str:
 def cpu_prepack() -> bool:
     """PDSERVE_CPU_PREPACK=0 keeps linear weights in torch's plain layout on CPU (default 1:
     a packed copy too, pdserve's panels on AVX-512 and oneDNN's layout elsewhere; see
-    serve/parallel.py prepack)."""
+    serve/executor/parallel.py prepack)."""
     return _flag("PDSERVE_CPU_PREPACK")
 
 
@@ -54,7 +54,7 @@ def handoff_shm() -> bool:
 def handoff_follow() -> bool:
     """PDSERVE_HANDOFF_FOLLOW=0: a prefill worker does not announce its stagings, so no decode
     worker follows one, and each hand-off's blocks are copied when it arrives (default 1: the
-    decode worker copies each layer as it lands, serve/follow.py)."""
+    decode worker copies each layer as it lands, serve/worker/follow.py)."""
     return _flag("PDSERVE_HANDOFF_FOLLOW")
 
 
@@ -68,7 +68,7 @@ def cpu_amx() -> bool:
 def fused_decode() -> bool:
     """PDSERVE_FUSED_DECODE=0 runs decode steps through the model's modules layer by layer
     (default 1: a Llama-family decode step's layer loop runs as one compiled call on CPU,
-    serve/fused_decode.py)."""
+    serve/cpu/fused_decode.py)."""
     return _flag("PDSERVE_FUSED_DECODE")
 
 
@@ -82,7 +82,7 @@ def cpu_kernels() -> bool:
 def io_cores() -> list[int]:
     """PDSERVE_IO_CORES=1,2: the cores a worker's ZeroMQ I/O thread runs on (empty: the
     process's). `pdserve up` sets it for a worker whose first core it keeps for the main
-    thread (pdserve/launcher.py share_with_services)."""
+    thread (pdserve/app/launcher.py share_with_services)."""
     value = os.environ.get("PDSERVE_IO_CORES", "")
     try:
         return [int(core) for core in value.split(",") if core.strip()]

@@ -5,7 +5,7 @@ Two mechanisms, since neither covers every case alone:
 - the parent-death signal (Linux `prctl(PR_SET_PDEATHSIG)`), set in the child between fork
   and exec (`parent_death_preexec`): the kernel sends SIGTERM the moment the launcher dies,
   SIGKILL and OOM kills included, and the role drains as it does on any SIGTERM;
-- a watch thread in the child (`exit_with_launcher`, started by `pdserve.cli` when
+- a watch thread in the child (`exit_with_launcher`, started by `pdserve.app.cli` when
   PDSERVE_LAUNCHER_PID is set): once the child's parent is no longer the launcher it sends
   itself SIGTERM, and if the role has not exited `grace_s` later, ends the process. It
   covers what the signal does not: a role whose SIGTERM handler does not return in time,

@@ -1,7 +1,7 @@
 """n > 1 and best_of at the router: the workers' Outputs of one request, by choice.
 
 The workers stream each choice's deltas under its index (Output.index, 0..num_seqs-1); the
-prompt was prefilled once for all of them (serve/parallel_sampling.py). Here:
+prompt was prefilled once for all of them (serve/engine/parallel_sampling.py). Here:
 
     stream   every chunk names its choice ("index"), as OpenAI and vLLM stream n > 1
     collect  one Accumulated per choice; the body lists the choices by index

@@ -33,9 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.protocol.worker import StepSample
-from pdserve.router.config import ControllerConfig
-from pdserve.router.goodput_model import (
+from pdserve.planner.goodput_model import (
     LinearLatency,
     PhaseModels,
     RequestShape,
@@ -44,7 +42,9 @@ from pdserve.router.goodput_model import (
     goodput_by_split,
     ttft_overhead_s,
 )
-from pdserve.router.latency_profile import LatencyProfile, ProfileError
+from pdserve.planner.latency_profile import LatencyProfile, ProfileError
+from pdserve.protocol.worker import StepSample
+from pdserve.router.config import ControllerConfig
 
 if TYPE_CHECKING:
     from pdserve.router.dispatch import Dispatcher

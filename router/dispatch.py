@@ -5,7 +5,7 @@
                        -> decode worker (loads the blocks from the store) -> deltas
                 (on one host the prefill worker says where it stages the prompt as its
                  forward starts, and the decode worker picked then follows it layer by layer:
-                 FollowPrefill, serve/follow.py; the hand-off goes to that worker)
+                 FollowPrefill, serve/worker/follow.py; the hand-off goes to that worker)
 
 `Dispatcher.run` yields the worker outputs of one request as they come. Whatever way the
 request ends (finish, error, timeout, client disconnect: the generator is closed), every

@@ -2,7 +2,7 @@
 OpenAI body (OpenAI's `logit_bias`, vLLM's `allowed_token_ids`, `bad_words` and
 `prompt_logprobs`) to SamplingParams fields, and the checks that need the model (token ids
 inside the vocabulary, bad words that tokenize to something), each a 400 naming the field.
-The worker applies them (serve/logit_controls.py, serve/prompt_logprobs.py).
+The worker applies them (serve/engine/logit_controls.py, serve/engine/prompt_logprobs.py).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class _WorkerCollector(Collector):
         kv_seconds = family(SummaryMetricFamily, "pdserve:kv_transfer_seconds",
                             "Time from starting a KV save/load to its completion",
                             ["direction"])
-        # vLLM's spec-decode counters (serve/spec_decode.py), from workers that speculate
+        # vLLM's spec-decode counters (serve/engine/spec_decode.py), from workers that speculate
         spec_drafts = family(CounterMetricFamily, "pdserve:spec_decode_num_drafts",
                              "Verify steps of a sequence that carried drafts")
         spec_draft_tokens = family(CounterMetricFamily, "pdserve:spec_decode_num_draft_tokens",
@@ -209,7 +209,7 @@ class _ControllerCollector(Collector):
 
 class SupervisorCollector(Collector):
     """Restarts of each process `pdserve up` supervises, from the JSON file the launcher
-    rewrites on every restart ({"restarts": {"decode-0": 1, ...}}; pdserve/launcher.py).
+    rewrites on every restart ({"restarts": {"decode-0": 1, ...}}; pdserve/app/launcher.py).
     Read at scrape time, so the count survives a restart of the router itself."""
 
     def __init__(self, path: str) -> None:

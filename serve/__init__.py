@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.protocol.sampling import SamplingParams
-    from pdserve.serve.engine import Engine
+    from pdserve.serve.engine.engine import Engine
+    from pdserve.serve.engine.request import CompletionOutput, RequestOutput
     from pdserve.serve.llm import LLM
-    from pdserve.serve.request import CompletionOutput, RequestOutput
 
 _LAZY = {
     "LLM": "pdserve.serve.llm",
-    "Engine": "pdserve.serve.engine",
+    "Engine": "pdserve.serve.engine.engine",
     "SamplingParams": "pdserve.protocol.sampling",
-    "RequestOutput": "pdserve.serve.request",
-    "CompletionOutput": "pdserve.serve.request",
+    "RequestOutput": "pdserve.serve.engine.request",
+    "CompletionOutput": "pdserve.serve.engine.request",
 }
 
 __all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # serve/fp8.py reads the same tuple
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # serve/executor/fp8.py reads the same tuple
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How big the KV pool is; the numbers it comes to are a KVCachePlan (serve/kv_cache.py).
+    """How big the KV pool is; the numbers it comes to are a KVCachePlan
+    (serve/executor/kv_cache.py).
 
     The pool's size, first rule that applies (vLLM's rules):
       1. num_blocks, when set;
@@ -65,7 +66,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """What the KV pool holds: auto (the model dtype) or fp8 / fp8_e4m3 (float8_e4m3fn, a
     fixed per-tensor scale of 1.0; half of bf16's bytes, in the pool, the store and every
-    hand-off; see serve/fp8.py)."""
+    hand-off; see serve/executor/fp8.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size > 1024:
@@ -103,13 +104,13 @@ class ParallelConfig:
     """MoE layers place whole experts on the ranks (E / tensor_parallel_size each; tokens go
     to their experts' ranks by all-to-all) instead of splitting every expert over all ranks."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split into (serve/pipeline.py): stage s holds layers
+    """Stages the layers are split into (serve/executor/pipeline.py): stage s holds layers
     [s*L/PP, (s+1)*L/PP) (the first L % PP stages one more) and tensor_parallel_size ranks;
     the worker runs PP x TP ranks."""
     context_parallel_size: int = 1
     """Ranks a prompt's tokens are split over (zig-zag), attention as ring attention; each
     rank holds the KV of its blocks in its own pool, so the pool the engine sees is CP times
-    one rank's (serve/context_parallel.py). Not combined with TP or PP yet."""
+    one rank's (serve/executor/context_parallel.py). Not combined with TP or PP yet."""
     pipeline_micro_batches: int | None = None
     """Micro-batches a step is split into (by sequences) so the stages overlap; the bubble is
     (PP-1)/(M+PP-1) of a step. None: pipeline_parallel_size."""

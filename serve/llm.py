@@ -22,8 +22,8 @@ from typing import Any
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pdserve.serve.engine import Engine
-from pdserve.serve.request import CompletionOutput, RequestOutput
+from pdserve.serve.engine.engine import Engine
+from pdserve.serve.engine.request import CompletionOutput, RequestOutput
 
 Prompt = str | list[int]
 PromptInput = str | list[int] | dict[str, Any]  # dicts as vLLM's TextPrompt / TokensPrompt
@@ -49,22 +49,22 @@ class LLM:
         """The KV pool: num_kv_blocks if given; else kv_cache_memory_bytes per rank if given
         (on CPU it defaults to 512 MiB); else, on CUDA, gpu_memory_utilization of each GPU
         less the weights and the largest step's activations (vLLM's rules; CacheConfig).
-        kv_cache_dtype="fp8" (or fp8_e4m3) keeps it in float8_e4m3fn (serve/fp8.py).
+        kv_cache_dtype="fp8" (or fp8_e4m3) keeps it in float8_e4m3fn (serve/executor/fp8.py).
 
         pipeline_parallel_size splits the layers into stages of tensor_parallel_size ranks
-        each (serve/pipeline.py); a step runs as pipeline_micro_batches micro-batches
+        each (serve/executor/pipeline.py); a step runs as pipeline_micro_batches micro-batches
         (default: one per stage).
 
         context_parallel_size splits each prompt's tokens over that many ranks (zig-zag),
         attention as ring attention; every rank holds the KV of its blocks, so the pool is
-        num_kv_blocks x context_parallel_size blocks in all (serve/context_parallel.py).
+        num_kv_blocks x context_parallel_size blocks in all (serve/executor/context_parallel.py).
 
         nnodes > 1: this process is node 0 of ranks spread over nnodes hosts; the others are
         started with `pdserve <role> ... --nnodes N --node-rank k --master-addr A
         --master-port P` (or serve/model_runner.serve_node) and join at master_port.
 
         speculative_config={"method": "mtp", "num_speculative_tokens": k}: the checkpoint's
-        multi-token-prediction module drafts k tokens a step (serve/spec_decode.py)."""
+        multi-token-prediction module drafts k tokens a step (serve/engine/spec_decode.py)."""
         from transformers import AutoTokenizer
 
         model_dir = str(model)

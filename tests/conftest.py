@@ -65,7 +65,7 @@ def served_cluster(request, llama_dir, tmp_path_factory):
     API tests (each start costs 10-15 s on 2 cores): 4096 KV blocks, auto tool choice with
     the hermes parser. Each test module checks after each test that nothing is left held; at
     the end every block, lease and pin must be free."""
-    from cluster_util import start_cluster
+    from helpers.cluster_util import start_cluster
 
     cluster = start_cluster(llama_dir, tmp_path_factory.mktemp(f"{request.param}-logs"),
                             "--mode", request.param, "--num-kv-blocks", "4096",
@@ -79,8 +79,8 @@ def served_cluster(request, llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def handoff_expected(llama_dir) -> list[int]:
-    """The tokens of tests/handoff_util.py's PROMPT from one engine, no hand-off."""
-    from handoff_util import colocated_tokens
+    """The tokens of tests/helpers/handoff_util.py's PROMPT from one engine, no hand-off."""
+    from helpers.handoff_util import colocated_tokens
 
     return colocated_tokens(llama_dir)
 
@@ -88,8 +88,9 @@ def handoff_expected(llama_dir) -> list[int]:
 @pytest.fixture
 def shm_handoffs(llama_dir):
     """(prefill HandOff, decode HandOff, the prefill's HandoffNode with an 8 MiB shared
-    memory segment): two workers' hand-off components on one host (tests/handoff_util.py)."""
-    from handoff_util import handoff_pair
+    memory segment): two workers' hand-off components on one host
+    (tests/helpers/handoff_util.py)."""
+    from helpers.handoff_util import handoff_pair
 
     with handoff_pair(llama_dir, 8 << 20) as handoffs:
         assert handoffs[2].shm_segment is not None

@@ -9,22 +9,22 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.attention import AttentionMetadata
-from pdserve.serve.distributed import TPGroup
-from pdserve.serve.fused_decode import FusedDecode
-from pdserve.serve.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from pdserve.serve.parallel import (
+from pdserve.serve.cpu.fused_decode import FusedDecode
+from pdserve.serve.executor.attention import AttentionMetadata
+from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.serve.executor.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pdserve.serve.pipeline import MissingLayer, PipelineStage, current_stage
+from pdserve.serve.executor.pipeline import MissingLayer, PipelineStage, current_stage
 
 LayerDone = Callable[[int], None]
 Carried = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between pipeline stages
 # checkpoint part -> (fused parameter, shard id): the loader routes a checkpoint tensor whose
-# name holds ".q_proj." into shard "q" of the model's qkv_proj (see serve/loader.py)
+# name holds ".q_proj." into shard "q" of the model's qkv_proj (see serve/executor/loader.py)
 PackedMapping = dict[str, tuple[str, str | int]]
 QKV_PACKED: PackedMapping = {
     "q_proj": ("qkv_proj", "q"),
@@ -106,7 +106,8 @@ class DecoderModel(nn.Module):
     (hidden, residual); layer_done(i) runs as soon as layer i has written its KV, so the KV
     hand-off saves layer by layer from there.
 
-    Under pipeline parallelism (serve/pipeline.py) the model is one stage's part: the layers
+    Under pipeline parallelism (serve/executor/pipeline.py) the model is one stage's part: the
+    layers
     of other stages are MissingLayer placeholders (names keep the global layer index), the
     embedding lives on the first stage, the norm on the last; kv_caches holds this stage's
     layers only, and a stage other than the last returns (hidden, residual) for the next.
@@ -175,7 +176,7 @@ class DecoderModel(nn.Module):
         return computed[1] if computed is not None and computed[0] is hidden else None
 
     def fused_decode(self) -> FusedDecode | None:
-        """The layer loop of a decode step as one compiled call (serve/fused_decode.py), built
+        """The layer loop of a decode step as one compiled call (serve/cpu/fused_decode.py), built
         on first use from the loaded weights; None where the model has none."""
         if "_fused_decode" not in self.__dict__:
             self.__dict__["_fused_decode"] = self.build_fused_decode()
@@ -218,6 +219,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks); a fused decode step's
-        final hidden states come with theirs already (serve/fused_decode.py)."""
+        final hidden states come with theirs already (serve/cpu/fused_decode.py)."""
         logits = self.model.take_decode_logits(hidden)
         return logits if logits is not None else self.lm_head(hidden)

@@ -32,7 +32,7 @@ latent projections, the router and the latent cache are whole on every rank.
 The loader skips V3's multi-token-prediction layer (model.layers.{num_hidden_layers}.*), as
 HF does (skips_checkpoint_tensor), unless MTP speculative decoding asks for it: build_mtp
 adds DeepseekMTPLayer and serve/spec_decode.load_mtp_weights loads it. FP8 checkpoints as
-released (block-scaled weights) load as they are (serve/fp8.py); W_UK and W_UV are
+released (block-scaled weights) load as they are (serve/executor/fp8.py); W_UK and W_UV are
 dequantized once, after loading.
 """
 
@@ -44,9 +44,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.attention import AttentionMetadata
-from pdserve.serve.distributed import TPGroup
-from pdserve.serve.layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
+from pdserve.serve.executor.attention import AttentionMetadata
+from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
+from pdserve.serve.executor.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
     CausalLM,
@@ -57,12 +63,6 @@ from pdserve.serve.models.base import (
     require_divisible,
 )
 from pdserve.serve.models.moe import DeepseekMoE, is_other_ranks_expert, local_experts
-from pdserve.serve.parallel import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
 
 # Hugging Face builds q_a_layernorm and kv_a_layernorm with the RMSNorm default, not
 # rms_norm_eps.
@@ -217,7 +217,7 @@ class SharedHead(nn.Module):
 
 class DeepseekMTPLayer(DeepseekDecoderLayer):
     """DeepSeek-V3's multi-token-prediction module (checkpoint layer num_hidden_layers), used
-    as the drafter of speculative decoding (serve/spec_decode.py). Row i pairs the main
+    as the drafter of speculative decoding (serve/engine/spec_decode.py). Row i pairs the main
     model's final hidden state h_i with the embedding of the token after position i:
 
         x = eh_proj([enorm(embed(t_(i+1))) ; hnorm(h_i)])     [T, 2H] -> [T, H]

@@ -20,10 +20,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.attention import Attention, AttentionMetadata
-from pdserve.serve.distributed import TPGroup
-from pdserve.serve.fused_decode import FusedDecode, build_llama_fused_decode
-from pdserve.serve.layers import RMSNorm, RotaryEmbedding
+from pdserve.serve.cpu.fused_decode import FusedDecode, build_llama_fused_decode
+from pdserve.serve.executor.attention import Attention, AttentionMetadata
+from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding
+from pdserve.serve.executor.parallel import (
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
     QKV_PACKED,
@@ -32,10 +36,6 @@ from pdserve.serve.models.base import (
     DecoderModel,
     PackedMapping,
     dense_mlp,
-)
-from pdserve.serve.parallel import (
-    QKVParallelLinear,
-    RowParallelLinear,
 )
 
 

@@ -28,8 +28,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.distributed import TPGroup
-from pdserve.serve.layers import RotaryEmbedding
+from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.executor.layers import RotaryEmbedding
+from pdserve.serve.executor.parallel import ReplicatedLinear
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
     QKV_PACKED,
@@ -47,7 +48,6 @@ from pdserve.serve.models.moe import (
     is_other_ranks_expert,
     local_experts,
 )
-from pdserve.serve.parallel import ReplicatedLinear
 
 
 def softmax_router(hf_config: Mapping[str, Any], num_experts_key: str,

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.serve.distributed import TPGroup
+from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.executor.parallel import ReplicatedLinear
 from pdserve.serve.models.base import GatedMLP, require_divisible, require_silu
-from pdserve.serve.parallel import ReplicatedLinear
 
 
 class TopKRouter(ReplicatedLinear):

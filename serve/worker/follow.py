@@ -1,0 +1,155 @@
+"""A decode worker follows a prefill on its host layer by layer (the decode side of
+FollowPrefill, protocol/worker.py).
+
+Without it a hand-off's blocks are copied into the decode pool when the hand-off arrives: on
+one core that copy is the whole wait between the prefill's last layer and the request joining
+the batch (1.0-1.2 ms for 256 llama-mid tokens). With it:
+
+    prefill worker                           decode worker
+    forward, layer 0 staged in the segment   FollowPrefill: reserve the prompt's blocks, map
+      (Output.staging -> router) ----------->   the staging (serve/worker/gateway.py -> here)
+    layer 1 ... L-1: each layer's copy,      each loop turn: copy the layers the header counts
+      then header progress = l + 1             into the reserved blocks (copy_ready)
+    save put, lease, hand-off Output ------> GenerateRequest(handoff): copy what is left (the
+                                               last layer), check the serial, claim the
+                                               reserved blocks: in the batch (finish)
+
+The decode worker only ever reads the prefill's memory and writes its own blocks, so nothing
+the prefill does can corrupt it: a staging freed meanwhile (the prefill aborted it, or its
+lease expired) changes the allocation's serial, which the check after the last copy sees
+(the request then recomputes, before any of its block keys is published). Reserved blocks go
+back on abort, when the hand-off does not match the staging, and after FOLLOW_IDLE_S without
+progress or hand-off (a router that died between the two messages).
+
+Early copies rely on the progress word being stored after the data it counts, which x86
+guarantees (kvstore/shm_segment.py, TOTAL_STORE_ORDER); elsewhere the reservation is made
+early and every layer is copied when the hand-off arrives. Nor does an idle decode worker
+that lends its cores to the prefill (serve/cpu/core_share.py) copy layers while they come: the
+copies would only stall the prefill's thread on its core (the worker says so:
+`copy_early`). It copies them all once every layer is staged (the prefill on borrowed cores
+announces its staging only then, serve/worker/gateway.py), overlapping the forward's tail and the
+hand-off's trip instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kvstore.shm_segment import TOTAL_STORE_ORDER
+from pdserve.protocol.worker import FollowPrefill, KVHandoff, KVStaging
+from pdserve.serve.engine.block_manager import NoFreeBlocksError
+
+logger = logging.getLogger(__name__)
+
+FOLLOW_IDLE_S = 60.0  # no progress and no hand-off for this long: the reservation goes back
+
+
+@dataclass
+class _Follow:
+    staging: KVStaging
+    block_ids: list[int]
+    layers: list[torch.Tensor]  # the staging, per layer, mapped read-only
+    progress: Callable[[], int]  # layers staged so far
+    intact: Callable[[], bool]  # the staging is still the one named
+    active_s: float  # when it last made progress
+    num_copied: int = 0
+
+
+class Followers:
+    """The requests this decode worker follows: their reserved blocks and what is copied."""
+
+    def __init__(self, engine, kv_transfer) -> None:
+        self.engine = engine
+        self.kv_transfer = kv_transfer
+        self._follows: dict[str, _Follow] = {}
+        self.num_layers = kv_transfer.connector.layout.num_layers
+        self.copy_early = True
+        """Copy layers as they land (False: this worker lends its idle cores to the prefill
+        now, which the copies would stall; they wait until every layer is staged)."""
+
+    def __len__(self) -> int:
+        return len(self._follows)
+
+    @property
+    def has_layers_to_copy(self) -> bool:
+        """A followed prefill still has layers to come, to copy now (the worker loop wakes
+        for them)."""
+        return self.copy_early and TOTAL_STORE_ORDER and any(
+            f.num_copied < self.num_layers for f in self._follows.values())
+
+    def start(self, message: FollowPrefill, kv_cache_dtype: str) -> bool:
+        """Reserve blocks for the request and map its staging; False where it cannot be
+        followed (it then takes the usual path when its hand-off comes)."""
+        request_id, staging = message.request_id, message.staging
+        bm = self.engine.block_manager
+        if (request_id in self._follows or request_id in self.engine.scheduler.requests
+                or not self.kv_transfer.can_write_layers
+                or staging.num_blocks != bm.num_blocks_for(message.num_prompt_tokens)
+                or (staging.kv_cache_dtype and staging.kv_cache_dtype != kv_cache_dtype)):
+            return False
+        mapped = self.kv_transfer.map_staging(staging)
+        if mapped is None:
+            return False
+        # (with a block to spare for each running request's next token: a reservation must
+        # not make the batch preempt)
+        if bm.num_free_blocks - staging.num_blocks < len(self.engine.scheduler.running):
+            return False
+        try:
+            block_ids = bm.reserve(request_id, staging.num_blocks)
+        except NoFreeBlocksError:
+            return False
+        layers, progress, intact = mapped
+        self._follows[request_id] = _Follow(staging, block_ids, layers, progress, intact,
+                                            time.monotonic())
+        return True
+
+    def copy_ready(self) -> None:
+        """Copy the layers staged since the last call into the reserved blocks (x86: see the
+        module docstring); drop follows idle for FOLLOW_IDLE_S."""
+        now = time.monotonic()
+        for request_id, follow in list(self._follows.items()):
+            if TOTAL_STORE_ORDER and follow.num_copied < self.num_layers:
+                staged = min(follow.progress(), self.num_layers)
+                if (self.copy_early or staged == self.num_layers) and self._copy(follow, staged):
+                    follow.active_s = now
+            if now - follow.active_s > FOLLOW_IDLE_S:
+                logger.warning("no hand-off for followed request %s in %.0f s; its blocks go "
+                               "back", request_id, FOLLOW_IDLE_S)
+                self.drop(request_id)
+
+    def _copy(self, follow: _Follow, until: int) -> bool:
+        copied = follow.num_copied
+        for layer in range(copied, until):
+            self.kv_transfer.install_layer(layer, follow.block_ids, follow.layers[layer])
+        follow.num_copied = max(copied, until)
+        return follow.num_copied > copied
+
+    def finish(self, request_id: str, handoff: KVHandoff
+               ) -> tuple[list[int], Callable[[], bool]] | None:
+        """The hand-off of a followed request arrived: copy the layers left, and return the
+        reserved blocks (now holding the prompt's KV; for the engine to claim) and the check
+        to make before they count. None: not followed, or the hand-off names other blocks
+        (its reservation went back; the usual path takes it)."""
+        follow = self._follows.get(request_id)
+        if follow is None:
+            return None
+        if handoff.choice_first_tokens or not self._names_staging(handoff, follow.staging):
+            self.drop(request_id)
+            return None
+        del self._follows[request_id]
+        self._copy(follow, self.num_layers)
+        return follow.block_ids, follow.intact
+
+    def _names_staging(self, handoff: KVHandoff, staging: KVStaging) -> bool:
+        return (handoff.shm_segment == staging.segment and handoff.shm_spans
+                == self.kv_transfer.connector.staging_spans(staging.span, staging.num_blocks))
+
+    def drop(self, request_id: str) -> None:
+        """Give a follow's reserved blocks back (abort, a hand-off elsewhere); idempotent."""
+        if self._follows.pop(request_id, None) is not None:
+            self.engine.block_manager.unreserve(request_id)

@@ -1,0 +1,356 @@
+"""The worker's side of the prefill -> decode KV hand-off, through the KV connector.
+
+    prefill worker                                                    decode worker
+    forward: each layer's blocks staged as the layer completes
+    first token sampled ─► the staged prompt goes into this worker's own data node
+      (kvstore/handoff_node.py: in process, no copy), pinned under a lease; the hand-off
+      (keys, lease, the node's address) goes to the router at once ──► GenerateRequest
+                                                  + hand-off ─► start_load: read the blocks
+                                                  from the prefill worker's node over UCX
+                                                  (one hop; the fleet store if that fails),
+                                                  then fresh blocks, scatter to this
+                                                  worker's TP ranks, join the batch
+    meanwhile: a write-back copy goes to the fleet store (prefixes for later requests)
+
+Without a hand-off node (`--handoff-dram-gb 0`) the prompt is saved to the fleet store and
+decode loads it from there (two hops through the store server).
+
+Stored blocks are TP-independent ([num_layers, P, block_size, all KV heads, head_dim], P = 2
+for K/V or 1 for an MLA latent; see kvstore/connector.py), and this side always moves
+whole-head blocks through the runner's gather/scatter, so prefill and decode may run different
+TP degrees. Every full prompt block is stored under its chained block key; the last, partial
+block too, under the chain's next key over its tokens, so decode recomputes nothing. A failed
+or partial load is a miss: the decode worker recomputes the prompt (the KV cache is a cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve import envs
+from pdserve.kvstore.block_key import block_keys, next_key
+from pdserve.kvstore.connector import KVConnector, TransferResult
+from pdserve.protocol.store import ShmSegment, ShmSpan
+from pdserve.protocol.worker import KVHandoff, KVStaging
+from pdserve.serve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+PEER_TIMEOUT_S = 3.0
+
+
+@dataclass
+class PendingLoad:
+    num_blocks: int
+    lease_id: int = 0
+    source: str = ""  # the data node holding the blocks and the lease ("": the fleet store)
+
+
+@dataclass
+class TransferDone:
+    request_id: str
+    kind: str  # "save" | "load"
+    ok: bool
+    keys: list[bytes]
+    staging: list[torch.Tensor] | None = None
+    """Load: the loaded blocks per layer [P, n, block_size, heads, head_dim] (views into the
+    received buffer), for `install`."""
+    lease_id: int | None = None
+    """Save: the store lease pinning the blocks until the decode worker loaded them."""
+    source: str = ""
+    """Save: the data node holding the blocks and the lease ("": the fleet store)."""
+    shm_segment: ShmSegment | None = None
+    """Save: the node's shared memory segment, when the blocks lie in it..."""
+    shm_spans: list[ShmSpan] | None = None
+    """...and where each of them does (the hand-off names them)."""
+
+
+class KVTransfer:
+    """Moves a request's KV between this worker's pool and the store: the prefill role's KV
+    saver (serve/engine/roles.py) and the loads of the hand-off component
+    (serve/worker/gateway.py)."""
+
+    def __init__(self, runner, block_manager, connector: KVConnector) -> None:
+        self.runner = runner
+        """The model runner: every TP rank's pool, read and written whole-head."""
+        self.block_manager = block_manager
+        """Block tables and block keys of the engine's requests."""
+        self.connector = connector
+        self._save_keys: dict[str, list[bytes]] = {}
+        self._loads: dict[str, tuple[list[bytes], PendingLoad]] = {}
+        self._failed: list[TransferDone] = []
+        self._started_s: dict[tuple[str, str], float] = {}
+        self._layer_save_s: dict[str, float] = {}  # request id -> seconds in layer_done
+        self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
+                        "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
+                        "layerwise_save_count": 0.0, "in_place_count": 0.0,
+                        "followed_count": 0.0}
+
+    @classmethod
+    def connect(cls, runner, block_manager, data_address: str | None,
+                master_address: str | None = None, timeout_s: float = 10.0,
+                lease_ttl_s: float = 30.0, handoff_node=None) -> KVTransfer:
+        """A transfer over this worker's hand-off node (a HandoffNode: saves land there and
+        decode workers read them from it) and/or the fleet store at `data_address`. Saved
+        blocks stay pinned under a lease of `lease_ttl_s` until the decode worker has loaded
+        them (or the lease expires)."""
+        from pdserve.kvstore.client import StoreClient
+        from pdserve.kvstore.fleet_client import connect_store
+
+        holder = f"worker-{id(runner):x}"
+        client = None
+        if data_address is not None or master_address is not None:
+            # with a master (given, or the data node's own): every data node it indexes
+            client = connect_store(data_address, master_address, timeout_s=timeout_s,
+                                   holder=holder)
+            logger.info("KV store at %s (KV bytes over %s)", data_address or master_address,
+                        client.transport)
+
+        def connect(address: str) -> StoreClient:
+            # a prefill worker answers in milliseconds or is gone: fall back to the store soon
+            peer = StoreClient(address, timeout_s=min(timeout_s, PEER_TIMEOUT_S), holder=holder,
+                               shm=envs.handoff_shm())
+            logger.info("hand-off source %s (KV bytes over %s)", address, peer.transport)
+            return peer
+
+        layout = runner.spec.kv_layout(runner.block_size)
+        _log_memory_choice(runner.device, client)
+        return cls(runner, block_manager, KVConnector(
+            client, layout, timeout_s=timeout_s, lease_ttl_s=lease_ttl_s,
+            handoff_node=handoff_node, connect=connect))
+
+    def prompt_keys(self, request: Request, block_keys: list[bytes]) -> list[bytes]:
+        """Keys of every block holding the prompt: the full ones, then the partial tail."""
+        bm = self.block_manager
+        tail = request.prompt_token_ids[len(block_keys) * bm.block_size:]
+        if not tail:
+            return list(block_keys)
+        parent = block_keys[-1] if block_keys else bm.root(request.cache_salt)
+        return list(block_keys) + [next_key(parent, tail)]
+
+    # ---- prefill side ----------------------------------------------------------------------
+    def store_prefix_keys(self, request: Request) -> list[bytes]:
+        """Keys of the prompt's leading full blocks worth loading from the store: those it
+        holds, when they reach past what this worker's own prefix cache already has."""
+        bm = self.block_manager
+        keys = block_keys(request.prompt_token_ids, bm.block_size, bm.root(request.cache_salt))
+        num_local = bm.num_cached_tokens(request) // bm.block_size
+        if len(keys) <= num_local:
+            return []
+        num_stored = self.connector.lookup(keys)
+        return keys[:num_stored] if num_stored > num_local else []
+
+    def start_layerwise_save(self, requests: list[Request]) -> Callable[[int], None] | None:
+        """Engine hook before a step in which `requests` complete their prompt: returns the
+        runner's per-layer callback that hands each layer's blocks to the connector as soon
+        as the layer wrote them, so the transfer overlaps the rest of the forward. TP > 1
+        MHA pools hold a head slice per rank: those save after the step (save_handoff); an
+        MLA latent is whole on rank 0, which saves it layer by layer at any TP degree."""
+        runner, bm = self.runner, self.block_manager
+        if runner.tensor_parallel_size > 1 and self.connector.layout.kind == "mha":
+            return None
+        if getattr(runner, "context_parallel_size", 1) > 1:  # rank 0 holds its blocks only
+            return None
+        if getattr(runner, "pipeline_parallel_size", 1) > 1:  # rank 0 holds stage 0's layers
+            return None
+        plans = []
+        for request in requests:
+            full = block_keys(request.prompt_token_ids, bm.block_size,
+                              bm.root(request.cache_salt))
+            keys = self.prompt_keys(request, full)
+            block_ids = bm.block_table(request.request_id)[:len(keys)]
+            plans.append((request.request_id, keys, block_ids))
+            self._save_keys[request.request_id] = keys
+            self._started_s["save", request.request_id] = time.monotonic()
+            self._totals["saved_bytes"] += len(keys) * self.connector.block_bytes
+            self._totals["layerwise_save_count"] += 1
+        kv_caches = runner.kv_caches
+        request_ids = [request.request_id for request in requests]
+
+        def layer_done(layer: int) -> None:
+            start_s = time.perf_counter()
+            for plan in list(plans):
+                request_id, keys, block_ids = plan
+                try:
+                    self.connector.save_layer(request_id, layer, keys, block_ids,
+                                              kv_caches[layer])
+                except Exception as exc:  # never fail the forward: decode recomputes
+                    logger.warning("saving layer %d of %s failed: %s", layer, request_id, exc)
+                    plans.remove(plan)
+                    self._fail_save(request_id, keys)
+            seconds = time.perf_counter() - start_s
+            for request_id in request_ids:  # each one's forward waited for all of it
+                self._layer_save_s[request_id] = self._layer_save_s.get(request_id, 0.0) + seconds
+
+        return layer_done
+
+    def take_layer_save_s(self, request_id: str) -> float:
+        """Seconds the request's prefill forward spent in the per-layer save hook (it falls
+        inside the prefill, so the request's phases report it apart); forgotten once taken."""
+        return self._layer_save_s.pop(request_id, 0.0)
+
+    def _fail_save(self, request_id: str, keys: list[bytes]) -> None:
+        self.connector.abort(request_id)
+        self._save_keys.pop(request_id, None)
+        self._started_s.pop(("save", request_id), None)
+        self._failed.append(TransferDone(request_id, "save", False, keys))
+
+    def save_handoff(self, request: Request, block_ids: list[int], block_keys: list[bytes]
+                     ) -> None:
+        """Role hook, called before the request's blocks are freed: unless its layers are
+        already on their way (start_layerwise_save), gather its blocks from every TP rank
+        and let the connector put them in the background."""
+        if request.request_id in self._save_keys:
+            return
+        keys = self.prompt_keys(request, block_keys)
+        try:
+            staged = self.runner.read_kv_blocks(block_ids[:len(keys)])
+            local_ids = list(range(len(keys)))
+            for layer, layer_blocks in enumerate(staged):  # [P, n, bs, all heads, D]
+                self.connector.save_layer(request.request_id, layer, keys, local_ids,
+                                          layer_blocks)
+        except Exception as exc:  # never let a transfer stop the engine: decode recomputes
+            logger.warning("saving the KV of %s failed: %s", request.request_id, exc)
+            self._fail_save(request.request_id, keys)
+            return
+        self._save_keys[request.request_id] = keys
+        self._started_s["save", request.request_id] = time.monotonic()
+        self._totals["saved_bytes"] += sum(t.nbytes for t in staged)
+
+    # ---- decode side -----------------------------------------------------------------------
+    def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0,
+                   source: str = "") -> None:
+        """Fetch blocks in the background, from the data node at `source` (else the fleet
+        store); then release the lease that pinned them for this load (0: none). The blocks
+        arrive in the TransferDone (`staging`, per layer) and `install` copies them into the
+        pool blocks allocated then: one copy from the received buffer to the pool."""
+        self._loads[request_id] = (keys, PendingLoad(len(keys), lease_id, source))
+        self._started_s["load", request_id] = time.monotonic()
+        self.connector.start_load(request_id, keys, list(range(len(keys))), None, source)
+
+    def map_handoff(self, handoff: KVHandoff
+                    ) -> tuple[list[torch.Tensor], Callable[[], bool]] | None:
+        """A hand-off's blocks where they lie, in the prefill worker's shared memory segment
+        on this host: per layer, for `install` (straight into the pool, no load job and no
+        request to the prefill worker), and the check to make once installed (False: freed
+        meanwhile, the lease having expired). None: load them (another host, no segment)."""
+        if handoff.shm_segment is None or not handoff.shm_spans:
+            return None
+        return self.connector.map_blocks(handoff.shm_segment, handoff.shm_spans)
+
+    def map_staging(self, staging: KVStaging
+                    ) -> tuple[list[torch.Tensor], Callable[[], int], Callable[[], bool]] | None:
+        """A prompt that a prefill worker on this host is staging now (serve/worker/follow.py): per
+        layer, the number of layers staged so far, and the check to make once copied; None
+        where it cannot be mapped."""
+        return self.connector.map_staging(staging.segment, staging.span, staging.num_blocks)
+
+    @property
+    def can_write_layers(self) -> bool:
+        """The pool takes a layer at a time (install_layer): one rank holds all of it."""
+        return bool(getattr(self.runner, "can_write_kv_layers", False))
+
+    def install_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """`install` of one layer [P, n, block_size, heads, head_dim] (can_write_layers)."""
+        self.runner.write_kv_layer(layer, block_ids, blocks)
+        self._totals["loaded_bytes"] += blocks.nbytes
+
+    def note_in_place(self, seconds: float, followed: bool = False) -> None:
+        """A hand-off was admitted from its mapped blocks (map_handoff): a load, in place;
+        `followed`: copied layer by layer while its prefill ran (serve/worker/follow.py)."""
+        self._totals["load_seconds"] += seconds
+        self._totals["load_count"] += 1
+        self._totals["in_place_count"] += 1
+        self._totals["followed_count"] += followed
+
+    def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
+        """Scatter a completed load into this worker's pool (every TP rank)."""
+        self.runner.write_kv_blocks(block_ids, staging)
+        self._totals["loaded_bytes"] += sum(t.nbytes for t in staging)
+
+    # ---- completions -----------------------------------------------------------------------
+    def poll(self) -> list[TransferDone]:
+        done, self._failed = self._failed, []
+        for result in self.connector.poll():
+            finished = self._finish(result)
+            if finished is not None:
+                done.append(finished)
+        return done
+
+    @property
+    def has_failed(self) -> bool:
+        """A failure noted in this thread waits for poll() (no transfer will wake the loop)."""
+        return bool(self._failed)
+
+    def totals(self) -> dict[str, float]:
+        """Bytes moved and time spent since start (the worker reports them as metrics), and
+        the leases its hand-off node holds now (hand-offs not yet read by decode)."""
+        node = self.connector.handoff_node
+        return {**self._totals, "num_handoff_leases": float(node.num_leases if node else 0)}
+
+    def _finish(self, result: TransferResult) -> TransferDone | None:
+        started_s = self._started_s.pop((result.kind, result.request_id), None)
+        if started_s is not None:
+            self._totals[f"{result.kind}_seconds"] += time.monotonic() - started_s
+            self._totals[f"{result.kind}_count"] += 1
+        if result.kind == "save":
+            keys = self._save_keys.pop(result.request_id, None)
+            if keys is None:  # aborted meanwhile: nobody will load these blocks
+                self.release(result.lease_id, result.source)
+                return None
+            ok = result.error is None and result.num_blocks == len(keys)
+            return TransferDone(result.request_id, "save", ok, keys, lease_id=result.lease_id,
+                                source=result.source, shm_segment=result.shm_segment,
+                                shm_spans=result.shm_spans)
+        entry = self._loads.pop(result.request_id, None)
+        if entry is None:
+            return None
+        keys, pending = entry
+        # loaded (or missed): the blocks need no pin now
+        self.release(pending.lease_id, pending.source)
+        ok = result.error is None and result.num_blocks == pending.num_blocks
+        return TransferDone(result.request_id, "load", ok, keys, result.layers)
+
+    def release(self, lease_id: int | None, source: str = "") -> None:
+        if lease_id:
+            self.connector.release(lease_id, source)
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: drop its transfers' results when they come."""
+        self._save_keys.pop(request_id, None)
+        entry = self._loads.pop(request_id, None)
+        if entry is not None:
+            self.release(entry[1].lease_id, entry[1].source)
+        self._started_s.pop(("save", request_id), None)
+        self._started_s.pop(("load", request_id), None)
+        self.connector.abort(request_id)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._save_keys) + len(self._loads)
+
+    def close(self) -> None:
+        self.connector.close()
+        for part in (self.connector.backend, self.connector.handoff_node):
+            if part is not None and hasattr(part, "close"):
+                part.close()
+
+
+def _log_memory_choice(device, client) -> None:
+    """Say at start which memory the KV bytes cross: on CPU the pool is host memory and UCX
+    reads it in place; on CUDA each layer's blocks are copied to pinned host staging (page-
+    locked, so the device-to-host copy is asynchronous) and UCX moves host buffers. Device
+    memory is never handed to UCX here, even where UCX was built with CUDA support."""
+    transport = client.transport if client is not None else "ucx where both sides have it"
+    if device.type == "cuda":
+        logger.info("KV hand-off memory: device -> pinned host staging per layer, then %s "
+                    "over host buffers (no GPU-direct UCX: a host bounce per block)", transport)
+    else:
+        logger.info("KV hand-off memory: host DRAM (the KV pool itself), staged per layer, "
+                    "moved by %s (UCX_TLS=%s)", transport, os.environ.get("UCX_TLS", "default"))

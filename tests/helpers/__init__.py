@@ -1,0 +1,1 @@
+"""Helpers the tests share: model factories, clusters, engines, kernels' cases."""

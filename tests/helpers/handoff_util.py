@@ -1,0 +1,109 @@
+"""Two workers' hand-off components on one host, in one process: a prefill HandOff whose
+KVTransfer has a real HandoffNode with a shared memory segment, a decode HandOff, and the loop
+that drives them step by step without sockets (tests/serve/test_handoff_in_place.py,
+tests/serve/test_handoff_follow.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+from transformers import AutoTokenizer
+
+from helpers.engine_util import run_to_completion, token_ids
+from pdserve.kvstore.handoff_node import HandoffNode
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker import GenerateRequest, Output
+from pdserve.serve.config import CacheConfig, ModelConfig
+from pdserve.serve.engine.engine import Engine
+from pdserve.serve.worker.gateway import HandOff
+from pdserve.serve.worker.kv_transfer import KVTransfer
+
+BLOCK = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = list(range(3, 28))  # 25 tokens: three full blocks and a partial one
+
+
+def make_engine(model_dir) -> Engine:
+    return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=BLOCK, num_blocks=64),
+                  tokenizer=AutoTokenizer.from_pretrained(model_dir))
+
+
+def drive(handoffs: list[HandOff], done, timeout_s: float = 60.0) -> list[Output]:
+    """The worker loops without sockets: poll transfers, step, collect wire outputs."""
+    outputs: list[Output] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(outputs):
+        assert time.monotonic() < deadline, outputs
+        for handoff in handoffs:
+            outputs += handoff.poll()
+            if handoff.engine.has_unfinished_requests():
+                outputs += [w for d in handoff.engine.step()
+                            if (w := handoff.to_wire(d)) is not None]
+        time.sleep(0.002)
+    return outputs
+
+
+def finished(outs: list[Output]) -> bool:
+    return any(o.request_id == "r" and o.finish_reason not in (None, "handoff") for o in outs)
+
+
+def colocated_tokens(llama_dir) -> list[int]:
+    """The tokens of PROMPT from one engine, no hand-off."""
+    reference = make_engine(llama_dir)
+    try:
+        reference.add_request(PROMPT, GREEDY, "r")
+        return token_ids(run_to_completion(reference)["r"])
+    finally:
+        reference.shutdown()
+
+
+@contextlib.contextmanager
+def handoff_pair(llama_dir, shm_bytes: int):
+    """(prefill HandOff, decode HandOff, the prefill worker's node with a segment of
+    `shm_bytes`, 0: none)."""
+    engines = [make_engine(llama_dir), make_engine(llama_dir)]
+    node = HandoffNode("prefill-p", "127.0.0.1", 32, 30.0, 5.0, shm_bytes=shm_bytes)
+    transfers = [KVTransfer.connect(engines[0].runner, engines[0].block_manager, None,
+                                    handoff_node=node),
+                 KVTransfer.connect(engines[1].runner, engines[1].block_manager, None)]
+    try:
+        yield (HandOff(engines[0], "prefill", "p", transfers[0]),
+               HandOff(engines[1], "decode", "d", transfers[1]), node)
+    finally:
+        for transfer in transfers:
+            transfer.close()
+        for engine in engines:
+            engine.shutdown()
+
+
+def prefill_prompt(prefill: HandOff) -> Output:
+    prefill.add(GenerateRequest("r", PROMPT, GREEDY))
+    [first] = [o for o in drive([prefill], lambda outs: any(o.finish_reason == "handoff"
+                                                             for o in outs))]
+    assert first.handoff is not None and len(first.handoff.block_keys) == 4
+    return first
+
+
+def decode_handoff(prefill: HandOff, decode: HandOff, first: Output) -> list[int]:
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
+                     and not prefill.is_busy)
+    mine = [o for o in outputs if o.request_id == "r"]
+    assert all(o.error is None for o in mine)
+    return first.token_ids + [t for o in mine for t in o.token_ids]
+
+
+def assert_all_free(prefill: HandOff, decode: HandOff, node: HandoffNode) -> None:
+    for handoff in (prefill, decode):  # the releases go out on the connectors' job threads
+        assert handoff.kv_transfer.connector.drain(20.0)
+    gc.collect()
+    assert node.num_leases == 0 and node.num_pinned_blocks == 0
+    assert node.num_shm_allocations == 0  # dropped at release: the memory is reused warm
+    node.check_integrity()
+    for handoff in (prefill, decode):
+        handoff.engine.block_manager.check_integrity()
+        assert handoff.engine.block_manager.num_used_blocks == 0
+
+

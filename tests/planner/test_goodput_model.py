@@ -1,0 +1,149 @@
+"""The controller's latency fits and its prefill/decode simulation, against hand-computed
+values and a step-by-step reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.planner.goodput_model import (
+    MIN_SAMPLES,
+    LinearLatency,
+    PhaseModels,
+    RequestShape,
+    SimulationConfig,
+    _decode_worker,
+    attainment,
+    estimate_goodput,
+    fit_nonnegative,
+    goodput_by_split,
+    simulate,
+    ttft_overhead_s,
+)
+
+PREFILL = LinearLatency(0.01, (1e-4, 1e-8), 0, 0.0)  # a + b·N + c·A
+DECODE = LinearLatency(0.003, (1e-6, 1e-4), 0, 0.0)  # a + b·C + c·B
+MODELS = PhaseModels(PREFILL, DECODE)
+
+
+def test_fit_recovers_coefficients_from_noisy_samples():
+    rng = random.Random(0)
+    features, seconds = [], []
+    for _ in range(400):
+        lengths = [rng.randint(16, 1024) for _ in range(rng.randint(1, 4))]
+        n, a = sum(lengths), sum(x * x for x in lengths)
+        features.append((n, a))
+        seconds.append((0.005 + 2e-5 * n + 3e-9 * a) * rng.uniform(0.98, 1.02))
+    fit = fit_nonnegative(features, seconds)
+    assert fit is not None and fit.num_samples == 400
+    # 2% multiplicative noise over 400 samples: each coefficient lands within 15%.
+    assert fit.intercept == pytest.approx(0.005, rel=0.15)
+    assert fit.coefs[0] == pytest.approx(2e-5, rel=0.15)
+    assert fit.coefs[1] == pytest.approx(3e-9, rel=0.15)
+    assert fit.rel_error < 0.02
+
+
+def test_fit_never_returns_a_negative_cost():
+    """Decode time that does not grow with context: plain least squares may give the context
+    term a small negative slope from noise; the fit must pin it at zero instead."""
+    rng = random.Random(1)
+    features, seconds = [], []
+    for _ in range(200):
+        batch = rng.randint(1, 64)
+        context = batch * rng.randint(10, 2000)
+        features.append((context, batch))
+        seconds.append(0.004 + 2e-4 * batch - 1e-9 * context + rng.gauss(0, 1e-4))
+    fit = fit_nonnegative(features, seconds)
+    assert fit is not None
+    assert fit.intercept >= 0 and all(c >= 0 for c in fit.coefs)
+    assert fit.coefs[1] == pytest.approx(2e-4, rel=0.1)
+
+
+def test_fit_needs_enough_samples():
+    assert fit_nonnegative([(1, 1)] * (MIN_SAMPLES - 1), [0.1] * (MIN_SAMPLES - 1)) is None
+    assert fit_nonnegative([(1, 1)] * MIN_SAMPLES, [0.1] * MIN_SAMPLES) is not None
+
+
+def test_requests_alone_take_exactly_their_model_times():
+    """At a rate where requests never overlap, TTFT is one prefill of the uncached prompt plus
+    the fixed overhead, and TPOT the hand-off plus the decode steps over a context growing by
+    one per step, per token."""
+    shape = RequestShape(prompt_tokens=300, cached_tokens=100, output_tokens=20)
+    config = SimulationConfig(ttft_slo_s=1, tpot_slo_s=1, num_requests=32, handoff_s=0.002,
+                              ttft_overhead_s=0.004)
+    results = simulate([shape], 1e-5, 2, 3, MODELS, config)
+    new = 200
+    ttft = PREFILL(new, new * 300) + config.ttft_overhead_s
+    steps = [DECODE(301 + k, 1) for k in range(19)]
+    tpot = (config.handoff_s + sum(steps)) / 19
+    # Arrival times run to ~1e6 s at this rate: differences of them keep ~1e-10 s.
+    for got_ttft, got_tpot in results:
+        assert got_ttft == pytest.approx(ttft, abs=1e-9)
+        assert got_tpot == pytest.approx(tpot, abs=1e-9)
+
+
+def _decode_step_by_step(ready_at, shapes, model, max_num_seqs):
+    """The decode worker one step at a time: the reference for the event-jumping version."""
+    finish = [0.0] * len(ready_at)
+    now, nxt, running = 0.0, 0, []
+    while nxt < len(ready_at) or running:
+        if not running:
+            now = max(now, ready_at[nxt])
+        while nxt < len(ready_at) and ready_at[nxt] <= now and len(running) < max_num_seqs:
+            running.append([nxt, shapes[nxt].output_tokens - 1, shapes[nxt].prompt_tokens + 1])
+            nxt += 1
+        now += model(sum(r[2] for r in running), len(running))
+        for r in running:
+            r[1] -= 1
+            r[2] += 1
+            if r[1] == 0:
+                finish[r[0]] = now
+        running = [r for r in running if r[1] > 0]
+    return finish
+
+
+@pytest.mark.parametrize("max_num_seqs", [3, 256])
+def test_decode_event_jumps_match_stepping(max_num_seqs):
+    rng = random.Random(2)
+    ready, t = [], 0.0
+    for _ in range(60):
+        t += rng.expovariate(40.0)
+        ready.append(t)
+    shapes = [RequestShape(rng.randint(1, 500), 0, rng.randint(2, 80)) for _ in ready]
+    got = _decode_worker(ready, shapes, DECODE, max_num_seqs)
+    want = _decode_step_by_step(ready, shapes, DECODE, max_num_seqs)
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_goodput_is_where_attainment_crosses_the_target():
+    workload = [RequestShape(256, 0, 64), RequestShape(512, 128, 16)]
+    config = SimulationConfig(ttft_slo_s=0.3, tpot_slo_s=0.02)
+    goodput = estimate_goodput(workload, 1, 2, MODELS, config)
+    assert goodput > 0
+    assert attainment(simulate(workload, goodput, 1, 2, MODELS, config), config) >= 0.9
+    assert attainment(simulate(workload, 2 * goodput, 1, 2, MODELS, config), config) < 0.9
+
+
+def test_unreachable_slo_gives_zero_goodput():
+    config = SimulationConfig(ttft_slo_s=0.001, tpot_slo_s=1)  # below one prefill step
+    assert estimate_goodput([RequestShape(256, 0, 8)], 1, 1, MODELS, config) == 0.0
+
+
+def test_the_bottleneck_phase_gets_the_workers():
+    prefill_heavy = [RequestShape(2000, 0, 2)]
+    decode_heavy = [RequestShape(32, 0, 512)]
+    config = SimulationConfig(ttft_slo_s=0.5, tpot_slo_s=0.02)
+    by_split = goodput_by_split(prefill_heavy, 4, MODELS, config)
+    assert max(by_split, key=by_split.get) == 3 and by_split[3] > 2 * by_split[1]
+    by_split = goodput_by_split(decode_heavy, 4, MODELS, config)
+    assert max(by_split, key=by_split.get) == 1 and by_split[1] > 2 * by_split[3]
+
+
+def test_ttft_overhead_is_what_the_least_queued_requests_add():
+    shape = RequestShape(100, 0, 4)
+    alone = PREFILL(100, 100 * 100)
+    observed = [(shape, alone + 0.03)] * 20 + [(shape, alone + 2.0)] * 5  # 5 queued ones
+    assert ttft_overhead_s(PREFILL, observed) == pytest.approx(0.03)
+    assert ttft_overhead_s(PREFILL, []) == 0.0
+    assert ttft_overhead_s(PREFILL, [(shape, alone / 2)] * 3) == 0.0  # never negative
