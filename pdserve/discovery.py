@@ -1,5 +1,5 @@
 """Fleet discovery through etcd: every role registers a record under a lease it keeps alive;
-routers and workers watch the records (DESIGN.md, "Processes, ports and the fleet").
+routers and workers watch the records (docs/fleet.md).
 
 Key layout (one key per process, the value a JSON `Record`):
 

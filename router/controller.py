@@ -1,4 +1,4 @@
-"""The goodput-aware prefill:decode controller (DESIGN.md, "Goodput").
+"""The goodput-aware prefill:decode controller (docs/planner.md).
 
 Every `interval_s` the controller
 

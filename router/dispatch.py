@@ -1,4 +1,4 @@
-"""A request's path through the workers (DESIGN.md, "A request's path").
+"""A request's path through the workers (docs/architecture.md).
 
     colocated:  router -> colocated worker -> deltas
     disagg:     router -> prefill worker -> first token + KVHandoff

@@ -77,6 +77,18 @@ def served_cluster(request, llama_dir, tmp_path_factory):
         assert cluster.stop() == 0, cluster.log()
 
 
+@pytest.fixture
+def served_cluster_left_clean(request):
+    """For the modules on the shared `served_cluster` (pytestmark usefixtures): after each test
+    that used it, workers idle and no store lease or pin left."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("cluster")
+    cluster.assert_nothing_leaked(
+        with_store=any(w["role"] == "prefill" for w in cluster.status()["workers"]))
+
+
 @pytest.fixture(scope="session")
 def handoff_expected(llama_dir) -> list[int]:
     """The tokens of tests/helpers/handoff_util.py's PROMPT from one engine, no hand-off."""
@@ -87,8 +99,8 @@ def handoff_expected(llama_dir) -> list[int]:
 
 @pytest.fixture
 def shm_handoffs(llama_dir):
-    """(prefill HandOff, decode HandOff, the prefill's HandoffNode with an 8 MiB shared
-    memory segment): two workers' hand-off components on one host
+    """(prefill RequestGateway, decode RequestGateway, the prefill's HandoffNode with an 8 MiB
+    shared memory segment): two workers' hand-off components on one host
     (tests/helpers/handoff_util.py)."""
     from helpers.handoff_util import handoff_pair
 

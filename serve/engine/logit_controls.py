@@ -58,23 +58,41 @@ def bad_words_token_ids(words: tuple[str, ...], tokenizer: Any, vocab_size: int
 
 
 def apply_logit_controls(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits [len(requests), vocab] (changed in place and returned)."""
+    """logits [len(requests), vocab] on any device (changed in place and returned): one
+    batched write per control."""
+    allowed: list[list[int]] = [[] for _ in requests]
+    restricted_rows, banned, biased, biases = [], [], [], []
     for row, request in enumerate(requests):
         params = request.sampling_params
-        if not params.has_logit_controls:
-            continue
-        if params.allowed_token_ids is not None:
-            allowed = torch.zeros(logits.shape[1], dtype=torch.bool)
-            allowed[list(params.allowed_token_ids)] = True
-            logits[row].masked_fill_(~allowed, float("-inf"))
-        banned = banned_now(request.bad_words_token_ids, request.output_token_ids)
-        if banned:
-            logits[row, banned] = float("-inf")
-        if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-            logits[row, ids] += torch.tensor(list(params.logit_bias.values()),
-                                             dtype=logits.dtype)
+        ids_allowed = params.allowed_token_ids if params.has_logit_controls else None
+        if ids_allowed is not None:
+            restricted_rows.append(row)
+            allowed[row] = list(ids_allowed)
+        bias = params.logit_bias if params.has_logit_controls else None
+        banned.append(banned_now(request.bad_words_token_ids, request.output_token_ids)
+                      if params.has_logit_controls else [])
+        biased.append(list(bias) if bias else [])
+        biases += list(bias.values()) if bias else []
+    if restricted_rows:
+        outside = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        outside[restricted_rows] = True
+        outside[ragged_index(allowed, logits.device)] = False
+        logits.masked_fill_(outside, float("-inf"))
+    if any(banned):
+        logits[ragged_index(banned, logits.device)] = float("-inf")
+    if biases:
+        values = torch.tensor(biases, dtype=logits.dtype).to(logits.device, non_blocking=True)
+        logits.index_put_(ragged_index(biased, logits.device), values, accumulate=True)
     return logits
+
+
+def ragged_index(rows_of_ids: list[list[int]], device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of a ragged list of id lists, as two [N] long tensors."""
+    rows = [row for row, ids in enumerate(rows_of_ids) for _ in ids]
+    ids = [t for row_ids in rows_of_ids for t in row_ids]
+    pairs = torch.tensor([rows, ids], dtype=torch.long).to(device, non_blocking=True)
+    return pairs[0], pairs[1]
 
 
 def banned_now(bad_words: list[list[int]], output_ids: list[int]) -> list[int]:

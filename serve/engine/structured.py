@@ -131,7 +131,9 @@ class StepMasks:
         if logits.shape[0] < self._bitmask.shape[0]:
             raise RuntimeError(f"{logits.shape[0]} logit rows for a {self._bitmask.shape[0]}-"
                                "row bitmask")
-        xgr.apply_token_bitmask_inplace(logits, self._bitmask, vocab_size=logits.shape[1],
+        # the mask is filled on the host; on a GPU it goes down with the step, unawaited
+        bitmask = self._bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
                                         indices=self.rows)
 
 

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from helpers.cluster_util import NUM_BLOCKS, Roles, free_port_block, wait_until
+from helpers.cluster_util import NUM_BLOCKS, Roles, complete, free_port_block, wait_until
 from helpers.etcd_util import start_etcd
 
 TTL_S = 3.0
@@ -161,15 +161,9 @@ def fleet(llama_dir, tmp_path_factory):
         etcd.stop()
 
 
-def _complete(base_url: str) -> str:
-    r = httpx.post(f"{base_url}/v1/completions", json=BODY, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
 @pytest.fixture(scope="module")
 def reference(fleet) -> str:
-    return _complete(fleet.base_url)
+    return complete(fleet.base_url, **BODY)["choices"][0]["text"]
 
 
 def test_workers_find_the_store_and_register_what_they_are(fleet, reference):
@@ -190,8 +184,8 @@ def test_two_routers_serve_the_same_fleet(fleet, reference):
     fleet.start_router("router-2")
     fleet.wait_for_workers({"prefill", "decode"}, "router-2")
     assert set(fleet.workers("router")) == set(fleet.workers("router-2"))
-    assert _complete(fleet.url_of("router-2")) == reference
-    assert _complete(fleet.url_of("router")) == reference
+    assert complete(fleet.url_of("router-2"), **BODY)["choices"][0]["text"] == reference
+    assert complete(fleet.url_of("router"), **BODY)["choices"][0]["text"] == reference
 
 
 def test_a_router_restarted_mid_load_finds_every_worker(fleet, reference):
@@ -204,7 +198,7 @@ def test_a_router_restarted_mid_load_finds_every_worker(fleet, reference):
         fleet.processes["router"].wait(10)
         fleet.start_router("router")
         fleet.wait_for_workers({"prefill", "decode"}, "router")
-        assert _complete(fleet.base_url) == reference
+        assert complete(fleet.base_url, **BODY)["choices"][0]["text"] == reference
         load.wait_for(len(load.results) + 2)
     load.check(reference, {"the router's kill": killed_at})
 

@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from helpers.cluster_util import free_port_block
-from helpers.model_util import load_hf, random_prompts
+from helpers.model_util import hf_greedy, random_prompts
 
 from pdserve.serve import LLM, SamplingParams
 from pdserve.serve.executor.distributed import RendezvousError
@@ -61,22 +60,12 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = load_hf(model_dir)
-    out = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, min_new_tokens=MAX_TOKENS)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
-
 
 def test_two_hosts_match_one_host_and_hf(llama_dir: Path, tmp_path: Path) -> None:
     prompts = random_prompts(PROMPT_LENGTHS, vocab_size=1000, seed=3)
     with LLM(llama_dir, **COMMON) as one_host:
         expected = _greedy(one_host, prompts)
-    assert expected == _hf_greedy(llama_dir, prompts)
+    assert expected == hf_greedy(llama_dir, prompts, MAX_TOKENS)
 
     port = free_port_block(1)
     node1 = _start_node(llama_dir, 1, port, dist_timeout_s=60, log=tmp_path / "node1.log")
@@ -102,7 +91,7 @@ def test_pipeline_stages_on_two_hosts_match_hf(llama_dir: Path, tmp_path: Path) 
         with LLM(llama_dir, tensor_parallel_size=1, pipeline_parallel_size=2, nnodes=2,
                  master_port=port, dist_timeout_s=60, block_size=8, num_kv_blocks=32,
                  device="cpu") as llm:
-            assert _greedy(llm, prompts) == _hf_greedy(llama_dir, prompts)
+            assert _greedy(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
         assert node1.wait(timeout=HANG_GUARD_S) == 0
     finally:
         _kill_host(node1)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers.cluster_util import start_cluster
+from helpers.cluster_util import complete, start_cluster
 
 from pdserve.serve import LLM, SamplingParams
 
@@ -21,10 +21,8 @@ FLIP_TIMEOUT_S = 90.0
 
 def _complete(base_url: str, prompt: list[int], max_tokens: int) -> tuple[str, int]:
     """Greedy completion: (text, number of tokens)."""
-    r = httpx.post(f"{base_url}/v1/completions", timeout=60, json={
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    body = r.json()
+    body = complete(base_url, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                    ignore_eos=True)
     return body["choices"][0]["text"], body["usage"]["completion_tokens"]
 
 

@@ -9,11 +9,14 @@ import os
 import httpx
 import pytest
 import torch
-from helpers.cluster_util import start_cluster, stream_chunks
+from helpers.cluster_util import complete, start_cluster, stream_chunks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.benchmarks.ttft_breakdown import HANDOVER_METRIC, PHASE_METRIC, parse_histograms
+from pdserve.benchmarks.experiments.ttft_breakdown import HANDOVER_METRIC, PHASE_METRIC, parse_histograms
 from pdserve.serve import LLM, SamplingParams
+
+# after each test on the shared cluster: nothing held (conftest)
+pytestmark = pytest.mark.usefixtures("served_cluster_left_clean")
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:", "x"]
 MAX_TOKENS = 12
@@ -47,26 +50,9 @@ def cluster(served_cluster):
     return served_cluster
 
 
-@pytest.fixture(autouse=True)
-def leaves_nothing_behind(request):
-    """After every test on the shared cluster: workers idle, no store lease or pin left."""
-    yield
-    if "cluster" not in request.fixturenames:
-        return
-    cluster = request.getfixturevalue("cluster")
-    cluster.assert_nothing_leaked(
-        with_store=any(w["role"] == "prefill" for w in cluster.status()["workers"]))
-
-
-def _complete(base_url: str, **body) -> dict:
-    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_completions_match_reference(cluster, reference):
     for prompt in PROMPTS:
-        body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        body = complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert body["choices"][0]["text"] == reference[prompt]
         assert body["usage"]["completion_tokens"] > 0
         chunks = stream_chunks(cluster.base_url, "/v1/completions",
@@ -100,8 +86,8 @@ def test_chat_stream_equals_non_stream(cluster, llama_dir):
 
 def test_shared_prefix_reports_cached_tokens(cluster):
     prefix = "# a long shared system prompt that spans several KV blocks\n" * 4
-    first = _complete(cluster.base_url, prompt=prefix + "first", max_tokens=2, temperature=0)
-    second = _complete(cluster.base_url, prompt=prefix + "second", max_tokens=2, temperature=0)
+    first = complete(cluster.base_url, prompt=prefix + "first", max_tokens=2, temperature=0)
+    second = complete(cluster.base_url, prompt=prefix + "second", max_tokens=2, temperature=0)
     assert first["usage"]["prompt_tokens"] > 32
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
@@ -152,13 +138,13 @@ def test_bad_requests_get_openai_errors(cluster):
                    content=b"x" * (9 * 1024 * 1024), headers={"content-type": "application/json"})
     assert r.status_code == 413
     # and the server still serves
-    assert _complete(cluster.base_url, prompt="ok", max_tokens=2)["usage"]["completion_tokens"]
+    assert complete(cluster.base_url, prompt="ok", max_tokens=2)["usage"]["completion_tokens"]
 
 
 def test_metrics_exposed(cluster):
     prompt = "# metrics: a prompt of a few KV blocks\n" * 5
     for _ in range(2):  # the second finds the first's blocks in the store
-        _complete(cluster.base_url, prompt=prompt, max_tokens=4)
+        complete(cluster.base_url, prompt=prompt, max_tokens=4)
     text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
     for name in ("pdserve:time_to_first_token_seconds_bucket",
                  "pdserve:request_time_per_output_token_seconds_bucket",
@@ -185,7 +171,7 @@ def test_request_phases_exposed(cluster):
                 if key[0] in (PHASE_METRIC, HANDOVER_METRIC)}
 
     before = phase_counts()
-    _complete(cluster.base_url, prompt="# phases: a prompt no other test sends\n" * 3,
+    complete(cluster.base_url, prompt="# phases: a prompt no other test sends\n" * 3,
               max_tokens=3, ignore_eos=True, temperature=0)
     after = phase_counts()
     added = {key: after[key] - before.get(key, 0.0) for key in after
@@ -214,7 +200,7 @@ def test_tp_resharding_handoff_same_tokens(llama_dir, reference, tmp_path_factor
                             "--num-kv-blocks", "256", "--handoff-dram-gb", handoff_gb)
     try:
         for prompt in PROMPTS:
-            body = _complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,
+            body = complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,
                              temperature=0)
             assert body["choices"][0]["text"] == reference[prompt]
         cluster.assert_nothing_leaked()

@@ -285,6 +285,13 @@ class Roles:
                                f"tcp://127.0.0.1:{self.master_port}", transport="zmq")
 
 
+def complete(base_url: str, **body) -> dict:
+    """POST /v1/completions and return its JSON body (the 200 asserted)."""
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def stream_chunks(base_url: str, path: str, body: dict) -> list[dict]:
     """POST `body` with stream on and return its SSE chunks, parsed (the 200 asserted)."""
     chunks = []

@@ -22,6 +22,30 @@ def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
+              stop_at_eos: bool = False) -> list[list[int]]:
+    """Hugging Face's greedy continuation of each prompt: argmax step by step, eos an ordinary
+    token as under the engine's `ignore_eos` (or the end of the sequence, with `stop_at_eos`)."""
+    model = load_hf(model_dir)
+    eos = model.generation_config.eos_token_id if stop_at_eos else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            past, step_ids, generated = None, ids, []
+            for _ in range(max_tokens):
+                result = model(step_ids, past_key_values=past, use_cache=True)
+                past = result.past_key_values
+                token = int(result.logits[0, -1].argmax())
+                generated.append(token)
+                if token in eos_ids:
+                    break
+                step_ids = torch.tensor([[token]])
+            out.append(generated)
+    return out
+
+
 class BlockAllocator:
     """Hands out shuffled (non-contiguous) block ids, as a long-running block manager would."""
 

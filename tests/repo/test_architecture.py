@@ -55,34 +55,37 @@ FORBIDDEN["pdserve.protocol"] = PARTS + tuple(b for b in BASE_MODULES if b != "p
 
 # Benchmarks that measure a component in-process rather than a server over HTTP.
 OFFLINE_BENCHMARKS = {
-    "pdserve.benchmarks.engine_throughput": ("pdserve.serve",),   # offline engine
-    "pdserve.benchmarks.pp_bubble": ("pdserve.serve",),           # offline runner, PP 1 vs 2
-    "pdserve.benchmarks.mtp_decode": ("pdserve.serve",),          # offline engine, MTP on/off
-    "pdserve.benchmarks.fp8_kv": ("pdserve.serve", "pdserve.kvstore"),  # offline engine + store
-    "pdserve.benchmarks.cp_prefill": ("pdserve.serve",),          # offline runner, CP 1 vs 2
-    "pdserve.benchmarks.step_roofline": ("pdserve.serve",),       # offline engine step
-    "pdserve.benchmarks.weight_pages": ("pdserve.serve",),        # offline engine step
-    "pdserve.benchmarks.decode_warmup": ("pdserve.serve",),       # offline engine steps
-    "pdserve.benchmarks.structured_cost": ("pdserve.serve",),     # offline engine step
-    "pdserve.benchmarks.store_replay": ("pdserve.kvstore",),      # the store's tiers
-    "pdserve.benchmarks.store_sharded": ("pdserve.kvstore",),     # put/get over data nodes
-    "pdserve.benchmarks.kv_transfer": ("pdserve.kvstore",),       # the UCX data plane
-    "pdserve.benchmarks.kernels.bench_attention": ("pdserve.kernels",),
+    # offline engine or model runner: tok/s, PP 1 vs 2, MTP on/off, CP 1 vs 2, step vs floor
+    "pdserve.benchmarks.experiments.engine_throughput": ("pdserve.serve",),
+    "pdserve.benchmarks.experiments.pp_bubble": ("pdserve.serve",),
+    "pdserve.benchmarks.experiments.mtp_decode": ("pdserve.serve",),
+    "pdserve.benchmarks.experiments.cp_prefill": ("pdserve.serve",),
+    "pdserve.benchmarks.experiments.step_roofline": ("pdserve.serve",),
+    "pdserve.benchmarks.experiments.weight_pages": ("pdserve.serve",),
+    "pdserve.benchmarks.experiments.decode_warmup": ("pdserve.serve",),
+    "pdserve.benchmarks.experiments.structured_cost": ("pdserve.serve",),
+    # offline engine + store
+    "pdserve.benchmarks.experiments.fp8_kv": ("pdserve.serve", "pdserve.kvstore"),
+    # the store's tiers, put/get over data nodes, the UCX data plane
+    "pdserve.benchmarks.experiments.store_replay": ("pdserve.kvstore",),
+    "pdserve.benchmarks.experiments.store_sharded": ("pdserve.kvstore",),
+    "pdserve.benchmarks.experiments.kv_transfer": ("pdserve.kvstore",),
+    "pdserve.benchmarks.experiments.kernels.bench_attention": ("pdserve.kernels",),
     # runs the router's own goodput simulator on what the router's /status published
-    "pdserve.benchmarks.controller_check": ("pdserve.planner.goodput_model",),
+    "pdserve.benchmarks.experiments.controller_check": ("pdserve.planner.goodput_model",),
     # starts its clusters with `pdserve up`'s launcher; times an offline prefill for reference
-    "pdserve.benchmarks.ttft_breakdown": ("pdserve.app", "pdserve.serve"),
+    "pdserve.benchmarks.experiments.ttft_breakdown": ("pdserve.app", "pdserve.serve"),
     # the offline planner's commands: `pdserve plan` reads traces and draws with the harness's
     # helpers, `pdserve profile` times the engine itself
     "pdserve.planner.plan": ("pdserve.benchmarks",),
-    "pdserve.benchmarks.plan_check": ("pdserve.planner",),
+    "pdserve.benchmarks.experiments.plan_check": ("pdserve.planner",),
     "pdserve.planner.profile": ("pdserve.serve", "pdserve.kvstore.connector",
                                 "pdserve.benchmarks.plots", "pdserve.benchmarks"),
     # a loopback `pdserve up` under SIGKILLs; its leak check reads the store's own counters
-    "pdserve.benchmarks.chaos_soak": ("pdserve.kvstore",),
+    "pdserve.benchmarks.experiments.chaos_soak": ("pdserve.kvstore",),
     # arithmetic only: the communication model of a layout (no engine runs)
-    "pdserve.benchmarks.comm_table": ("pdserve.serve.executor.comm_model",
-                                      "pdserve.serve.default_model"),
+    "pdserve.benchmarks.experiments.comm_table": ("pdserve.serve.executor.comm_model",
+                                                  "pdserve.serve.default_model"),
 }
 # The protocol package depends on nothing but the standard library and msgpack.
 PROTOCOL_THIRD_PARTY = {"msgpack"}
@@ -160,6 +163,19 @@ def test_the_checker_sees_a_wrong_way_arrow(tmp_path, monkeypatch):
     assert "pdserve.router.sneaky imports pdserve.serve.engine.engine" in wrong_way_arrows()
 
 
+def test_the_checker_sees_the_top_imported_and_the_base_reaching_up(tmp_path, monkeypatch):
+    """The app (cli, launcher, health) is imported by nothing; the base imports no part."""
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "uses_launcher.py").write_text("from pdserve.app import launcher\n")
+    (tmp_path / "pdserve").mkdir()
+    (tmp_path / "pdserve" / "envs.py").write_text("import pdserve.kvstore.client\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    monkeypatch.setattr(f"{__name__}.FOLDERS", {"serve": "pdserve.serve", "pdserve": "pdserve"})
+    problems = wrong_way_arrows()
+    assert "pdserve.serve.uses_launcher imports pdserve.app" in problems
+    assert "pdserve.envs imports pdserve.kvstore.client" in problems
+
+
 @pytest.mark.parametrize("module", ["pdserve.protocol.worker", "pdserve.protocol.store",
                                     "pdserve.protocol.tp", "pdserve.protocol.sampling"])
 def test_protocol_modules_import_without_torch(module):
@@ -179,7 +195,7 @@ def test_no_test_module_imports_another():
     never in a test module: importing one runs its module-level setup and ties its helpers to
     its tests."""
     offenders = []
-    for path in sorted((ROOT / "tests").glob("*.py")):
+    for path in sorted((ROOT / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]

@@ -29,6 +29,9 @@ from pydantic import BaseModel, Field
 from pdserve.protocol.sampling import SamplingParams, StructuredOutputs
 from pdserve.router.app import build_app
 
+# after each test on the shared cluster: nothing held (conftest)
+pytestmark = pytest.mark.usefixtures("served_cluster_left_clean")
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -153,15 +156,6 @@ def test_bad_structured_fields_are_400s_naming_the_problem(stand_in, fields, par
 def cluster(served_cluster):
     """The shared `pdserve up` (conftest.served_cluster), colocated and disaggregated."""
     return served_cluster
-
-
-@pytest.fixture(autouse=True)
-def leaves_nothing_behind(request):
-    yield
-    if "cluster" in request.fixturenames:
-        cluster = request.getfixturevalue("cluster")
-        cluster.assert_nothing_leaked(
-            with_store=any(w["role"] == "prefill" for w in cluster.status()["workers"]))
 
 
 async def _one(client: httpx.AsyncClient, path: str, body: dict) -> tuple[str, str | None]:

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.engine_util import prefill_engine, run_to_completion, token_ids
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from helpers.model_util import hf_greedy
+from transformers import AutoTokenizer
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -34,20 +35,6 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(5, 200, (n,), generator=gen).tolist() for n in lengths]
 
-
-def _hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
-               ) -> list[list[int]]:
-    """HF's greedy tokens, argmax step by step with eos an ordinary token (the engine runs
-    with ignore_eos)."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(max_tokens):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            results.append(ids[len(prompt):])
-    return results
 
 
 def _assert_clean(engine: Engine) -> None:
@@ -72,7 +59,7 @@ def test_greedy_tokens_match_hf(model_dir, cp_size):
     tokens equal HF's, and the pool ends empty."""
     prompts = _prompts([1, 5, 23, 41])
     shared = prompts[3][:32] + [7, 9, 11]  # 8 full 4-token blocks cached from prompt 3
-    expected = _hf_greedy(model_dir, prompts + [shared])
+    expected = hf_greedy(model_dir, prompts + [shared], MAX_TOKENS)
     with LLM(model_dir, context_parallel_size=cp_size, device="cpu", block_size=4,
              num_kv_blocks=64 // cp_size, max_num_batched_tokens=24) as llm:
         assert llm.engine.runner.context_parallel_size == cp_size
@@ -103,7 +90,7 @@ def test_prompt_longer_than_one_ranks_pool(make_model_dir):
         out = llm.generate([prompt], GREEDY)[0]
         assert llm.engine.block_manager.max_num_used_blocks == 14  # > one rank's 8
         _assert_clean(llm.engine)
-    assert out.outputs[0].token_ids == _hf_greedy(model_dir, [prompt])[0]
+    assert out.outputs[0].token_ids == hf_greedy(model_dir, [prompt], MAX_TOKENS)[0]
     _assert_shut_down()
 
 
@@ -128,7 +115,7 @@ def _assert_handoff_gives_hf_tokens(model_dir, prompts, prefill, saver, decode) 
     finally:
         prefill.shutdown()
         decode.shutdown()
-    assert results == _hf_greedy(model_dir, prompts)
+    assert results == hf_greedy(model_dir, prompts, MAX_TOKENS)
     _assert_shut_down()
 
 
@@ -175,7 +162,7 @@ def test_triton_ring_attention_in_the_engine(model_dir, monkeypatch):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3,
                                                     ignore_eos=True))
         _assert_clean(llm.engine)
-    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(model_dir, prompts, 3)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, prompts, 3)
     _assert_shut_down()
 
 

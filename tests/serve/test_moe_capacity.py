@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.model_util import load_hf, random_prompts
+from helpers.model_util import hf_greedy, random_prompts
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.protocol.worker import WORKER_PROTOCOL, WorkerStatus
@@ -47,16 +47,6 @@ def test_capacity_drops_in_token_order_and_renormalises() -> None:
     assert torch.allclose(new_weights.sum(-1), torch.tensor([2.5, 2.5, 0.0]))
 
 
-def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = load_hf(model_dir)
-    out = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
-
 
 @pytest.mark.parametrize("factor", [None, 4.0])  # 4.0 = experts / top_k: capacity = T
 def test_unreachable_capacity_is_hf_exact(make_model_dir, factor: float | None) -> None:
@@ -67,7 +57,7 @@ def test_unreachable_capacity_is_hf_exact(make_model_dir, factor: float | None) 
              expert_capacity_factor=factor) as llm:
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         routed, dropped = llm.engine.runner.moe_load()
-    assert tokens == _hf_greedy(model_dir, prompts, 5)
+    assert tokens == hf_greedy(model_dir, prompts, 5)
     assert dropped == 0 and sum(routed) > 0
 
 

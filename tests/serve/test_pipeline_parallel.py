@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.engine_util import prefill_engine, run_to_completion, token_ids
-from helpers.model_util import load_hf, random_prompts
+from helpers.model_util import hf_greedy, load_hf, random_prompts
 from helpers.model_walks import NUM_BLOCKS, ragged_chunked_then_decodes
 from transformers import AutoTokenizer
 
@@ -55,16 +55,6 @@ def deepseek3_dir(make_model_dir) -> Path:
     """Tiny DeepSeek-V3: MLA, layer 0 dense, layers 1-2 MoE; 3 layers."""
     return make_model_dir("deepseek_v3", seed=3)
 
-
-def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf = load_hf(model_dir)
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = hf.generate(torch.tensor([prompt]), do_sample=False,
-                              max_new_tokens=max_tokens, pad_token_id=0)
-            out.append(ids[0, len(prompt):].tolist())
-    return out
 
 
 # ---- the arithmetic ----------------------------------------------------------------------
@@ -155,14 +145,14 @@ def test_stages_in_sequence_equal_the_whole_model_with_a_tied_head(make_model_di
                            cpu).kv_caches
 
     whole = load_model(spec, TPGroup(), cpu, "torch", show_progress=False)
-    expected = whole.compute_logits(whole(input_ids, pool(3), meta).index_select(0, rows))
+    expected = whole.compute_logits(whole(input_ids, pool(3), meta).hidden.index_select(0, rows))
     first, last = (load_model(spec, TPGroup(), cpu, "torch", show_progress=False,
                               stage=PipelineStage(i, 2, 3, True)) for i in range(2))
     assert first.lm_head is None and last.model.embed_tokens is not None
     assert last.lm_head.weight is last.model.embed_tokens.weight
-    carried = first(input_ids, pool(2), meta)
+    carried = first(input_ids, pool(2), meta).carried
     assert isinstance(carried, tuple) and carried[0].shape == (16, spec.hidden_size)
-    hidden = last(input_ids, pool(1), meta, None, carried)
+    hidden = last(input_ids, pool(1), meta, None, carried).hidden
     torch.testing.assert_close(last.compute_logits(hidden.index_select(0, rows)), expected,
                                atol=0, rtol=0)
 
@@ -180,7 +170,7 @@ def test_pipeline_greedy_tokens_match_hf(arch: str, tp: int, llama3_dir, deepsee
     decodes, decode-only steps, block tables shuffled over the pool."""
     model_dir = llama3_dir if arch == "llama" else deepseek3_dir
     prompts = random_prompts(LENGTHS, 200, seed=11)
-    expected = _hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+    expected = hf_greedy(model_dir, prompts, GREEDY.max_tokens, stop_at_eos=True)
     micro_batches = 3 if tp == 1 else 2
     with LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=2, device="cpu",
              block_size=8, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=40,
