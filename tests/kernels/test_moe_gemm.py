@@ -1,0 +1,73 @@
+"""The fused MoE's grouped GEMM (kernels/moe_gemm.py) against the expert-by-expert loop, in
+Triton's interpreter without CUDA. Tolerances: fp32 differs only in summation order (1e-5);
+fp16 rounds the gate/up product and the activation to fp16 in both paths (2e-3)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pdserve.kernels.moe_gemm import (  # noqa: E402
+    expert_layout,
+    fused_experts,
+    reference_fused_experts,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_layout_pads_each_experts_run_to_whole_blocks() -> None:
+    ids = torch.tensor([2, 0, 2, 1, 0, 2, 2])
+    layout = expert_layout(ids, num_experts=3, block_m=4)
+    # blocks: expert 0 (1, 4), expert 1 (3), expert 2 (0, 2, 5, 6); then the bound's spare
+    # ones (ceil(7 / 4) + 3 = 5 in all)
+    assert layout.block_expert.tolist() == [0, 1, 2, -1, -1]
+    assert layout.sorted_slots[:12].tolist() == [1, 4, -1, -1, 3, -1, -1, -1, 0, 2, 5, 6]
+    assert (layout.sorted_slots[12:] == -1).all()
+
+
+def test_an_expert_with_no_rows_gets_no_block() -> None:
+    layout = expert_layout(torch.tensor([3, 3, 0]), num_experts=4, block_m=2)
+    assert layout.block_expert.tolist()[:2] == [0, 3]
+    assert (layout.block_expert[2:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (37, 2), (70, 3)])
+def test_fused_experts_equal_the_loop(dtype, tol, num_tokens: int, top_k: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
+    num_experts, hidden_size, inter = 8, 48, 40  # neither a multiple of the 64-wide tiles
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen) / 7).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden_size, inter, generator=gen) / 6).to(DEVICE, dtype)
+    expert_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                              for _ in range(num_tokens)]).flatten().to(DEVICE)
+    row_of = torch.arange(num_tokens, device=DEVICE).repeat_interleave(top_k)
+    got = fused_experts(hidden, expert_ids, w13, w2, row_of)
+    expected = reference_fused_experts(hidden, expert_ids, w13, w2, row_of)
+    assert got.shape == (num_tokens * top_k, hidden_size) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_rows_already_gathered_need_no_index() -> None:
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(9, 32, generator=gen, device=DEVICE)
+    w13 = torch.randn(3, 16, 32, generator=gen, device=DEVICE)
+    w2 = torch.randn(3, 32, 8, generator=gen, device=DEVICE)
+    ids = torch.tensor([0, 2, 2, 1, 0, 0, 2, 1, 1], device=DEVICE)
+    torch.testing.assert_close(fused_experts(rows, ids, w13, w2),
+                               reference_fused_experts(rows, ids, w13, w2), atol=1e-4,
+                               rtol=1e-5)
+
+
+def test_shapes_are_checked() -> None:
+    hidden = torch.randn(4, 16, device=DEVICE)
+    w13 = torch.randn(2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="w2 must be"):
+        fused_experts(hidden, torch.zeros(4, dtype=torch.long, device=DEVICE), w13,
+                      torch.randn(2, 16, 5, device=DEVICE))
