@@ -187,7 +187,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--save-result", action="store_true")
     out.add_argument("--save-detailed", action="store_true",
                      help="also save per-request ttfts, itls, lengths, errors")
-    out.add_argument("--result-dir", default=".")
+    out.add_argument("--result-dir", "--output-dir", dest="result_dir", default=None,
+                     help="folder for --save-result's JSON and plots (default: "
+                          "$PDSERVE_RESULTS_DIR/bench, else ~/.cache/pdserve/results/bench)")
     out.add_argument("--result-filename", default=None)
     out.add_argument("--no-plots", action="store_true", help="skip PNG plots on --save-result")
     out.add_argument("--metric-percentiles", default="99")

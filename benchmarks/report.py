@@ -15,6 +15,7 @@ from typing import Any
 from pdserve.benchmarks.client import EndpointConfig, RequestOutcome
 from pdserve.benchmarks.goodput_search import SearchSummary
 from pdserve.benchmarks.metrics import SLOConfig, request_tpot_s
+from pdserve.benchmarks.output import default_dir
 
 
 @dataclass
@@ -206,7 +207,7 @@ def save_results(servers: list[ServerResult], args: argparse.Namespace, slo: SLO
           tokenizer_id: str | None, ratios: dict[str, float | None] | None) -> list[Path]:
     from pdserve.benchmarks import plots
 
-    result_dir = Path(args.result_dir)
+    result_dir = Path(args.result_dir) if args.result_dir else default_dir("bench")
     result_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     filename = args.result_filename or \

@@ -1,8 +1,8 @@
-"""The table, plot and summary of benchmarks/results/served_vs_vllm.sh: `vllm bench serve`
-results for vLLM and pdserve (colocated, disaggregated) side by side, with pdserve's ratios
-to vLLM at each request rate.
+"""The table, plot and summary of `vllm bench serve` results for vLLM and pdserve (colocated,
+disaggregated) side by side, with pdserve's ratios to vLLM at each request rate (the runs that
+benchmarks/experiments/served_vs_vllm.py makes, which calls this at its end).
 
-    python -m pdserve.benchmarks.served_table benchmarks/results/served-vs-vllm
+    python -m pdserve.benchmarks.served_table FOLDER
 
 Reads SERVER-rateR.json (vLLM's saved results), prints the table, writes summary.json and
 served.png (goodput, TTFT and TPOT against the offered rate) into the same folder.

@@ -2,7 +2,7 @@
 
 Reproduces the sampling of vLLM 0.32 (`vllm/benchmarks/datasets`), call for call, so that for
 the same flags, seed and tokenizer both clients send the same prompts; the tests hold pdserve
-to a fixture recorded from vLLM itself (benchmarks/results/record_vllm_workload.py).
+to a fixture recorded from vLLM itself (benchmarks/experiments/record_vllm_workload.py).
 
 random (its own `np.random.default_rng(seed)`, in this order):
   1. input lengths  ~ integers[floor(L' (1 - r_in)), ceil(L' (1 + r_in))], L' = input_len minus

@@ -1,23 +1,26 @@
-"""pdserve.kernels: attention over the paged KV cache, by backend.
+"""pdserve.kernels: every kernel op (attention over the paged KV cache, block attention, the
+small ops of a decoder block, linear products), each with its plain-torch reference in
+kernels/reference.py and its implementations by name in one registry (kernels/registry.py).
+
+Attention ops come grouped by backend, the engine's unit of choice for them:
 
     get_attention_backend("torch")   plain torch (kernels/reference.py): the reference
-    get_attention_backend("cpu")     the torch path, with decode attention (decode steps and
-                                     the decode rows of prefill steps) and KV writes from
-                                     compiled C++ kernels that read and write the paged cache
-                                     in place (kernels/cpu_attention.py): the CPU default
-                                     where they build
+    get_attention_backend("cpu")     decode attention (decode steps and the decode rows of
+                                     prefill steps) and KV writes from compiled C++ kernels
+                                     that read and write the paged cache in place
+                                     (kernels/cpu_attention.py), the rest plain torch: the
+                                     CPU default where they build
     get_attention_backend("triton")  Triton kernels; on a machine without CUDA they run in
                                      Triton's interpreter (TRITON_INTERPRET=1), for tests
 
-Triton is imported only when the "triton" backend is asked for, the C++ kernel only when "cpu"
-is. This package imports nothing
-else of pdserve; the engine picks the name (serve/executor/attention.py: PDSERVE_ATTENTION_BACKEND,
-else triton on CUDA and torch on CPU).
+Triton is imported only when a "triton" implementation is asked for, the C++ kernels only when
+a CPU one is. This package imports nothing else of pdserve; the engine names the candidates
+(serve/executor/attention.py picks the backend: PDSERVE_ATTENTION_BACKEND, else triton on
+CUDA and cpu on CPU; serve/executor/ops.py the other ops).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sys
@@ -83,50 +86,31 @@ def _reinterpret_triton_language() -> None:
                 setattr(tl, name, value)
 
 
+ATTENTION_OPS = ("write_kv_cache", "prefill_attention", "decode_attention",
+                 "mla_decode_attention", "mla_prefill_attention", "write_latent_cache")
+
+
 @functools.cache
 def get_attention_backend(name: str) -> AttentionBackend:
-    """The backend called `name` ("torch" or "triton")."""
-    if name == "torch":
-        from . import reference
+    """The backend called `name` ("torch", "cpu" or "triton"): each of its ops the registry's
+    implementation of that name, the torch one where the op has none (kernels/registry.py)."""
+    from . import registry
 
-        return AttentionBackend(
-            name="torch",
-            write_kv_cache=reference.write_kv_cache,
-            prefill_attention=reference.prefill_attention,
-            decode_attention=reference.decode_attention,
-            mla_decode_attention=reference.mla_decode_attention,
-            mla_prefill_attention=reference.mla_prefill_attention,
-            write_latent_cache=reference.write_latent_cache,
-        )
-    if name == "cpu":
-        from . import cpu_attention, cpu_ops
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+    if name == "cpu" and not registry.is_available("cpu"):
+        raise RuntimeError("the cpu backend's kernel could not be built (see the log)")
+    ops = {op: registry.implementation(
+        op, name if name in registry.implementations(op) else "torch") for op in ATTENTION_OPS}
+    return AttentionBackend(name=name, **ops)
 
-        if cpu_ops.load() is None:
-            raise RuntimeError("the cpu backend's kernel could not be built (see the log)")
-        return dataclasses.replace(
-            get_attention_backend("torch"), name="cpu",
-            write_kv_cache=cpu_attention.write_kv_cache,
-            prefill_attention=cpu_attention.prefill_attention,
-            decode_attention=cpu_attention.decode_attention,
-            mla_decode_attention=cpu_attention.mla_decode_attention)
-    if name == "triton":
-        _enable_interpreter_without_cuda()
-        from . import (
-            decode_attention,
-            kv_cache_write,
-            mla_decode,
-            mla_prefill,
-            prefill_attention,
-        )
 
-        return AttentionBackend(
-            name="triton",
-            write_kv_cache=kv_cache_write.write_kv_cache,
-            prefill_attention=prefill_attention.prefill_attention,
-            decode_attention=decode_attention.decode_attention,
-            mla_decode_attention=mla_decode.mla_decode_attention,
-            mla_prefill_attention=mla_prefill.mla_prefill_attention,
-            write_latent_cache=kv_cache_write.write_latent_cache,
-        )
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+def get_block_attention(backend_name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The block attention of an attention backend (kernels/partials.py BlockAttention):
+    Triton's kernel for "triton" (in the interpreter without CUDA), torch's CPU flash kernel
+    for "cpu" (kernels/cpu_block_attention.py), the plain-torch reference for "torch"."""
+    from . import registry
 
+    if backend_name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {backend_name!r}")
+    return registry.implementation("block_attention", backend_name)

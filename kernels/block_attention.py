@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .paged_tile import check_launchable, dot_precision
-from .ring_attention import check_block_attention
+from .reference import check_block_attention
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of ring_attention.block_attention_reference (same arguments and
+    """Triton version of reference.block_attention (same arguments and
     result). block_m and block_n override the tiles (tests); the interpreter gets 64 x 64,
     whose cost is per program and loop step (FACTS.md)."""
     check_block_attention(q, k, v, q_pos, k_pos)

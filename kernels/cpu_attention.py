@@ -2,8 +2,8 @@
 
 The plain-torch path (kernels/reference.py) gathers every sequence's whole context out of the
 paged cache into a padded copy, per layer and step, before SDPA: on a decode step that copy
-was 44% of the time. This kernel walks each sequence's block table instead and reads every
-K and V row once, where it lies:
+is most of the attention's work. This kernel walks each sequence's block table instead and
+reads every K and V row once, where it lies:
 
     work item (s, chunk)     a sequence's context, or a chunk of whole blocks of it when
                              there are fewer long sequences than threads can share
@@ -22,7 +22,7 @@ so MLA's absorbed decode (every head over the shared latent) is the G = H case.
 
 A prefill step's prompts take kernels/csrc/prefill_attention.cpp instead of SDPA where the build
 has AVX-512 (flash attention's tiling, 16 query rows by 16 keys, an online softmax lane-wise
-over the rows): 2.1-3.7x SDPA's speed at 256-2048 tokens.
+over the rows), which keeps the scores in registers where SDPA's CPU path does not.
 
 The decode kernel is kernels/csrc/paged_attention.cpp, built with pdserve's other CPU kernels
 (kernels/cpu_ops.py). Lengths and block ids are checked before any read (a bad table is a
@@ -67,7 +67,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
                       value: torch.Tensor | None = None) -> torch.Tensor:
     """reference.prefill_attention's contract; the decode rows riding along in a prefill step
     read the cache in place here too, not through the torch path's gathered copy (served,
-    they are most steps' rows: that copy and its SDPA were 9% of a loaded worker's time), and
+    they are most steps' rows), and
     the prompts' rows take the C++ causal kernel where it applies (_causal_rows)."""
     return reference.prefill_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_tables,
                                        scale, max_query_len, last_token=_rows_last_token,
@@ -78,8 +78,7 @@ def _causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                  enable_gqa: bool = True) -> torch.Tensor:
     """reference._causal_sdpa's contract (fp32 q [H, Lq, D] over k / v [Hkv, Lk, D]) on
     kernels/csrc/prefill_attention.cpp, where the build has AVX-512 and the head dims are
-    multiples of 16; SDPA otherwise. On 2 Zen 5 cores, 8 heads of 64 over 4 KV heads: 256
-    to 2048 tokens at 256-303 GFLOP/s, against SDPA's 69-142 (3.7-2.1x as fast)."""
+    multiples of 16; SDPA otherwise."""
     module = cpu_ops.load()
     if (module is None or not module.causal_attention_available() or q.shape[-1] % 16
             or v.shape[-1] % 16 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):

@@ -1,5 +1,8 @@
-"""Plain-torch attention over the paged KV cache: the reference for the Triton kernels, and
-the production path on CPU.
+"""Every kernel op in plain torch (kernels/registry.py lists the ops): the reference its other
+implementations are tested against, its contract, and the path that runs where no other one
+does. Attention over the paged KV cache first, then a decoder block's small ops (norm, SiLU,
+rotary, linear), block attention with its log-sum-exp, and the argument checks the other
+implementations share.
 
 Paged layout (shared by every backend):
 
@@ -25,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from .partials import empty_partial, finite_lse
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
@@ -157,8 +162,7 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     otherwise it is built bottom-right aligned.
 
     SDPA runs on 4-D views ([1, H, L, D]): on CPU only those reach its flash kernel, and 3-D
-    inputs fall back to the math path, which materialises the scores (measured here, 8 heads
-    of 64, one thread: 2048 causal tokens 563 ms 3-D against 106 ms 4-D)."""
+    inputs fall back to the math path, which materialises the scores."""
     q_len, seq_len = q.shape[-2], k.shape[-2]
     if q_len == seq_len:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
@@ -297,6 +301,129 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor,
     return out
 
 
+# ---- the small ops of a decoder block ----------------------------------------------------
+# Each reproduces Hugging Face's arithmetic order (and its float32 upcasts), so the engine's
+# logits match transformers to float32 rounding.
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * y / rms(y), y) for y = x + residual (y = x without one): the pre-norm block's
+    add and norm in one op, the sum handed on as the next residual. fp32 math, cast back."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(variance + eps)
+    return weight * x32.to(input_dtype), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[.., 2 * d] (gate | up) -> [.., d] = silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(query: torch.Tensor, key: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+           rotary_dim: int, is_interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, H, D], key [T, Hkv, D], cos / sin [T, 1, rotary_dim] -> rotated (query, key).
+    The first rotary_dim dims rotate in pairs, (x[i], x[i + d/2]) in the NeoX layout,
+    (x[2i], x[2i + 1]) interleaved (outputs then in rotate-half order); the rest pass."""
+    rotate = _rotate_interleaved if is_interleaved else _rotate_neox
+    return (_apply_rotary(rotate, query, cos_sin, rotary_dim),
+            _apply_rotary(rotate, key, cos_sin, rotary_dim))
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # The table is [freqs | freqs]: its first half has one entry per pair.
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+def _apply_rotary(rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                  x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary_dim: int
+                  ) -> torch.Tensor:
+    cos, sin = cos_sin
+    if rotary_dim == x.shape[-1]:
+        return rotate(x, cos, sin)
+    return torch.cat((rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b (W [out, in]); `packed`, another implementation's copy of W, is not read."""
+    return F.linear(x, weight, bias)
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """No packed copy: the plain weight is what `linear` reads."""
+    return None
+
+
+# ---- block attention: one query chunk against one K/V chunk, with its log-sum-exp ---------
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              q_pos: torch.Tensor | None = None,
+                              k_pos: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q against one K/V chunk, in fp32 with the scores materialised: (out, lse).
+
+        out[i, h] = sum_j softmax_j(scale q[i, h] . k[j, h // g]) v[j, h // g]   [Tq, H, Dv]
+        lse[i, h] = log sum_j exp(scale q[i, h] . k[j, h // g])                   [Tq, H]
+
+    over every key (full mask) or, given positions, the keys with k_pos[j] <= q_pos[i]
+    (causal; positions absolute and in any order). A row that sees no key: out 0, lse -inf.
+    """
+    check_block_attention(q, k, v, q_pos, k_pos)
+    num_q, num_heads, _ = q.shape
+    if k.shape[0] == 0 or num_q == 0:
+        return empty_partial(q, v.shape[2])
+    group = num_heads // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [Tk, H, D]
+    vf = v.float().repeat_interleave(group, dim=1)  # [Tk, H, Dv]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # [H, Tq, Tk]
+    if q_pos is not None and k_pos is not None:
+        future = k_pos.long()[None, :] > q_pos.long()[:, None]  # [Tq, Tk]
+        scores = scores.masked_fill(future[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
+    probs = torch.exp(scores - finite_lse(lse)[..., None])  # a row that sees nothing: zeros
+    out = torch.einsum("hqk,khd->qhd", probs, vf)
+    return out, lse.transpose(0, 1).contiguous()
+
+
+def padded_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          lengths: torch.Tensor, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row per sequence against its own keys, batched: (out, lse) in fp32.
+
+        q [S, H, D], k [S, L, Hkv, D], v [S, L, Hkv, Dv], lengths [S] (keys j >= lengths[s]
+        are padding)  ->  out [S, H, Dv], lse [S, H]
+
+    What a CP decode step needs: each rank attends every decode row to its own shard of that
+    row's context in one call, and the shards' partials merge across the ranks."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.float().reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", qg, k.float()) * scale  # [S, Hkv, g, L]
+    padding = torch.arange(k.shape[1], device=q.device)[None, :] >= lengths[:, None]
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [S, Hkv, g]
+    probs = torch.exp(scores - finite_lse(lse)[..., None])
+    out = torch.einsum("skgl,slkd->skgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, v.shape[3]), lse.reshape(num_seqs, num_heads)
+
+
 # ---- argument checks shared with the Triton wrappers ------------------------------------
 
 
@@ -399,3 +526,21 @@ def check_mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: 
              f"latent_cache must be [blocks, block_size, {w_uk.shape[2]} + {q_rope.shape[2]}], "
              f"got {tuple(latent_cache.shape)}")
     _check_ragged(cu_seqlens_q, seq_lens, block_tables, max_query_len)
+
+
+def check_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_pos: torch.Tensor | None, k_pos: torch.Tensor | None) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] expected, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree with q "
+                         f"{tuple(q.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if (q_pos is None) != (k_pos is None):
+        raise ValueError("give both q_pos and k_pos (causal) or neither (full)")
+    if q_pos is not None and k_pos is not None:
+        if q_pos.shape != (q.shape[0],) or k_pos.shape != (k.shape[0],):
+            raise ValueError(f"q_pos must be [{q.shape[0]}] and k_pos [{k.shape[0]}], got "
+                             f"{tuple(q_pos.shape)}, {tuple(k_pos.shape)}")

@@ -20,6 +20,6 @@
     connector.py       KVConnector: what a worker calls (lookup, load, save, poll)
     config.py          StoreConfig
 
-The messages between a client and the store are typed dataclasses in pdserve/protocol/store.py,
+The messages between a client and the store are typed dataclasses in pdserve/protocol/store/,
 on the one checked codec of pdserve/protocol/codec.py.
 """

@@ -2,7 +2,7 @@
 
 DEALER rather than REQ: a REQ socket is stuck forever after one lost reply, while here a timed
 out request simply raises, and its late reply is recognised by its request id and dropped.
-Requests and replies are the typed messages of pdserve/protocol/store.py: the caller names the
+Requests and replies are the typed messages of pdserve/protocol/store/: the caller names the
 request type and the reply type it expects, and gets that reply or an exception.
 """
 
@@ -19,7 +19,7 @@ import zmq
 
 from pdserve import security
 from pdserve.protocol.codec import WireError
-from pdserve.protocol.store import (
+from pdserve.protocol.store.base import (
     STORE_PROTOCOL,
     ErrorReply,
     StoreReply,

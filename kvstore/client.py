@@ -1,6 +1,6 @@
 """The store client: batch verbs against one data server (and optionally the master).
 
-Each verb sends one typed request of pdserve/protocol/store.py and reads its typed reply (a
+Each verb sends one typed request of pdserve/protocol/store/ and reads its typed reply (a
 refusal raises StoreRequestError). KV bytes move over UCX when both sides have it (tags
 `client_no << 32 | seq`, so concurrent clients of one server never match each other's
 messages), else as ZeroMQ frames; a client that asked for UCX and could not get it logs a
@@ -24,11 +24,17 @@ from pdserve.kvstore.master import PrefixLookup
 from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
 from pdserve.kvstore.shm_segment import ShmReader, host_identity
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
-from pdserve.protocol.store import (
-    ByeReply,
-    ByeRequest,
+from pdserve.protocol.store.base import (
     CheckReply,
     CheckRequest,
+    LookupPrefixReply,
+    LookupPrefixRequest,
+    StatsReply,
+    StatsRequest,
+)
+from pdserve.protocol.store.data import (
+    ByeReply,
+    ByeRequest,
     EvictReply,
     EvictRequest,
     ExistsReply,
@@ -37,10 +43,6 @@ from pdserve.protocol.store import (
     GetRequest,
     HelloReply,
     HelloRequest,
-    LookupPrefixReply,
-    LookupPrefixRequest,
-    NodesReply,
-    NodesRequest,
     PinReply,
     PinRequest,
     PrefetchReply,
@@ -51,9 +53,8 @@ from pdserve.protocol.store import (
     ReleaseRequest,
     RenewReply,
     RenewRequest,
-    StatsReply,
-    StatsRequest,
 )
+from pdserve.protocol.store.master import NodesReply, NodesRequest
 
 logger = logging.getLogger(__name__)
 

@@ -46,11 +46,17 @@ from pdserve.kvstore.shm_segment import ShmArena
 from pdserve.kvstore.tiered_store import ChangeListener, TieredStore
 from pdserve.kvstore.ucx_prober import UcxAddressProber
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
-from pdserve.protocol.store import (
+from pdserve.protocol.store.base import (
     BlockHolder,
+    CheckRequest,
+    LookupPrefixReply,
+    LookupPrefixRequest,
+    StatsReply,
+    StatsRequest,
+)
+from pdserve.protocol.store.data import (
     ByeReply,
     ByeRequest,
-    CheckRequest,
     EvictReply,
     EvictRequest,
     ExistsReply,
@@ -59,8 +65,6 @@ from pdserve.protocol.store import (
     GetRequest,
     HelloReply,
     HelloRequest,
-    LookupPrefixReply,
-    LookupPrefixRequest,
     NodeInfoReply,
     NodeInfoRequest,
     PinReply,
@@ -73,8 +77,6 @@ from pdserve.protocol.store import (
     ReleaseRequest,
     RenewReply,
     RenewRequest,
-    StatsReply,
-    StatsRequest,
 )
 
 logger = logging.getLogger(__name__)

@@ -37,25 +37,26 @@ from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnav
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.master import PrefixLookup
 from pdserve.kvstore.memory_tier import BytesLike
-from pdserve.protocol.store import (
+from pdserve.protocol.store.base import (
     CheckReply,
     CheckRequest,
+    LookupPrefixReply,
+    LookupPrefixRequest,
+    StatsReply,
+    StatsRequest,
+)
+from pdserve.protocol.store.data import NodeInfoReply, NodeInfoRequest
+from pdserve.protocol.store.master import (
     LeaseGroupReply,
     LeaseGroupRequest,
     LocateReply,
     LocateRequest,
-    LookupPrefixReply,
-    LookupPrefixRequest,
-    NodeInfoReply,
-    NodeInfoRequest,
     NodeLease,
     NodesReply,
     NodesRequest,
     NodeUsage,
     PlaceReply,
     PlaceRequest,
-    StatsReply,
-    StatsRequest,
     TakeLeaseGroupReply,
     TakeLeaseGroupRequest,
 )

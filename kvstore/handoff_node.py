@@ -36,7 +36,7 @@ from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.memory_tier import BytesLike
 from pdserve.kvstore.server import StoreServer
 from pdserve.kvstore.service import Peer
-from pdserve.protocol.store import PinRequest, ReleaseRequest, ShmSegment, ShmSpan
+from pdserve.protocol.store.data import PinRequest, ReleaseRequest, ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
 

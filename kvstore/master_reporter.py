@@ -7,7 +7,7 @@ node's usage (capacity, blocks, bytes: placement spreads by it) every interval. 
 master does not know the node (it restarted, or dropped the node after missed heartbeats),
 the node joins again and sends its whole inventory. On stop it says goodbye (`leave`), so
 the master forgets its blocks at once rather than after node_ttl_s. The messages are the
-master's verbs of pdserve/protocol/store.py: join, heartbeat, update, leave.
+master's verbs of pdserve/protocol/store/: join, heartbeat, update, leave.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import zmq
 
 from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
 from pdserve.kvstore.master import Usage
-from pdserve.protocol.store import (
+from pdserve.protocol.store.master import (
     HeartbeatReply,
     HeartbeatRequest,
     JoinReply,

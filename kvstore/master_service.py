@@ -23,9 +23,15 @@ from collections.abc import Callable, Sequence
 
 from pdserve.kvstore.master import Master, Usage
 from pdserve.kvstore.service import Answer, Peer, answer_check
-from pdserve.protocol.store import (
+from pdserve.protocol.store.base import (
     BlockHolder,
     CheckRequest,
+    LookupPrefixReply,
+    LookupPrefixRequest,
+    StatsReply,
+    StatsRequest,
+)
+from pdserve.protocol.store.master import (
     HeartbeatReply,
     HeartbeatRequest,
     JoinReply,
@@ -36,16 +42,12 @@ from pdserve.protocol.store import (
     LeaveRequest,
     LocateReply,
     LocateRequest,
-    LookupPrefixReply,
-    LookupPrefixRequest,
     NodeLease,
     NodesReply,
     NodesRequest,
     NodeUsage,
     PlaceReply,
     PlaceRequest,
-    StatsReply,
-    StatsRequest,
     TakeLeaseGroupReply,
     TakeLeaseGroupRequest,
     UpdateReply,

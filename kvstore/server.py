@@ -5,7 +5,7 @@
 
 Threads. ZeroMQ sockets are not thread-safe, so one thread, the socket loop, owns the ROUTER
 sockets and sends every reply. Each request is decoded there into its typed message
-(pdserve/protocol/store.py), checked against the batch limit (max_keys_per_message) and routed
+(pdserve/protocol/store/), checked against the batch limit (max_keys_per_message) and routed
 by its type to the handler of the service owning the socket. Cheap handlers (every master
 verb: lookups never wait behind data-plane work; the data service's exists, pin, renew,
 release, lookup_prefix, evict, stats, check) run right there. The types a service lists as
@@ -56,7 +56,7 @@ from pdserve.kvstore.master_service import MasterService
 from pdserve.kvstore.service import Answer, Peer, StoreService
 from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.protocol.codec import WireError
-from pdserve.protocol.store import (
+from pdserve.protocol.store.base import (
     STORE_PROTOCOL,
     ErrorReply,
     StoreRequest,

@@ -2,7 +2,7 @@
 
 Two services implement it: MasterService (master_service.py, the block index and node
 membership) and DataService (data_service.py, the tiered store, leases and UCX clients). A
-service maps each request TYPE of pdserve/protocol/store.py to a handler; a handler takes the
+service maps each request TYPE of pdserve/protocol/store/ to a handler; a handler takes the
 decoded request and the Peer it came from and returns an Answer: the typed reply, the payload
 frames that follow it (get's blocks on the zmq path; usually none), and optionally work to do
 once the reply is on its way (a UCX get's sends).
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 import zmq
 
-from pdserve.protocol.store import CheckReply, CheckRequest, StoreReply, StoreRequest
+from pdserve.protocol.store.base import CheckReply, CheckRequest, StoreReply, StoreRequest
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 that a reader on the same host maps read-only.
 
 UCX's shared-memory transport moves a message past its eager size with the kernel's
-cross-process copy (CMA: process_vm_readv), which reads 0.6-0.77x as fast as a memcpy on this
-project's machines (benchmarks/kv_transfer.py, `cma`); the one-copy transports (xpmem, knem)
+cross-process copy (CMA: process_vm_readv), which pins the other process's pages as it goes
+and is slower than a memcpy (benchmarks/experiments/kv_transfer.py measures both, `cma`
+against `memcpy`, in docs/benchmarks.md); the one-copy transports (xpmem, knem)
 are not in PyPI's libucx. So a node whose blocks are read on its own host (a prefill worker's
 hand-off node) keeps them in a memfd segment (`ShmArena`), and a client on that host
 (`ShmReader`: same boot, same PID namespace) opens it as /proc/<pid>/fd/<fd>, checks that it
@@ -42,7 +43,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from pdserve.protocol.store import ShmSegment, ShmSpan
+from pdserve.protocol.store.data import ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
 

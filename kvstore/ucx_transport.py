@@ -1,6 +1,6 @@
 """The UCX data plane (ucxx core API): one worker, polling progress, endpoints from addresses.
 
-Why this shape (FACTS.md): endpoints made from an exchanged *worker address* (sent over the
+Why this shape: endpoints made from an exchanged *worker address* (sent over the
 ZeroMQ control channel) with error handling off are what let UCX pick shared memory / CMA on
 one host; the listener path always runs over tcp. The core API's progress thread hung with
 sm/cma, so the caller drives progress inside `wait`, with a timeout: by default in blocking

@@ -47,14 +47,16 @@ def cpu_prepack() -> bool:
 def handoff_shm() -> bool:
     """PDSERVE_HANDOFF_SHM=0 sends every hand-off over UCX (default 1: a prefill worker's
     hand-off node stages prompts in a shared memory segment, and a decode worker on the same
-    host copies them straight out of it, kvstore/shm_segment.py)."""
+    host copies them straight out of it, kvstore/shm_segment.py). Read by the one function
+    that picks a worker's hand-off (serve/worker/kv_transfer.py choose_handoff)."""
     return _flag("PDSERVE_HANDOFF_SHM")
 
 
 def handoff_follow() -> bool:
     """PDSERVE_HANDOFF_FOLLOW=0: a prefill worker does not announce its stagings, so no decode
     worker follows one, and each hand-off's blocks are copied when it arrives (default 1: the
-    decode worker copies each layer as it lands, serve/worker/follow.py)."""
+    decode worker copies each layer as it lands, serve/worker/follow.py). Read by
+    serve/worker/kv_transfer.py choose_handoff, as PDSERVE_HANDOFF_SHM."""
     return _flag("PDSERVE_HANDOFF_FOLLOW")
 
 
@@ -72,6 +74,13 @@ def fused_decode() -> bool:
     return _flag("PDSERVE_FUSED_DECODE")
 
 
+def cpu_tuning() -> bool:
+    """PDSERVE_CPU_TUNING=0 serves with the default CPU path instead of the one measured
+    fastest on this machine (default 1: a one-rank CPU worker times every candidate path on
+    its first start and caches the choice, serve/cpu/tuning.py)."""
+    return _flag("PDSERVE_CPU_TUNING")
+
+
 def cpu_kernels() -> bool:
     """PDSERVE_CPU_KERNELS=0 turns pdserve's compiled CPU ops off (fused norm, rotary, SiLU,
     KV writes, in-place decode attention): the plain-torch paths run, as on a
@@ -82,7 +91,7 @@ def cpu_kernels() -> bool:
 def io_cores() -> list[int]:
     """PDSERVE_IO_CORES=1,2: the cores a worker's ZeroMQ I/O thread runs on (empty: the
     process's). `pdserve up` sets it for a worker whose first core it keeps for the main
-    thread (pdserve/app/launcher.py share_with_services)."""
+    thread (pdserve/app/launcher/placement.py share_with_services)."""
     value = os.environ.get("PDSERVE_IO_CORES", "")
     try:
         return [int(core) for core in value.split(",") if core.strip()]
@@ -118,3 +127,14 @@ def otlp_traces_protocol() -> str:
         raise ValueError("pdserve exports traces over OTLP http/protobuf only; "
                          f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is {value!r}")
     return value
+
+
+def results_dir() -> str:
+    """PDSERVE_RESULTS_DIR: the folder benchmarks write their results under, one sub-folder per
+    benchmark (default $XDG_CACHE_HOME/pdserve/results, else ~/.cache/pdserve/results: results
+    are data, never written into the checkout)."""
+    value = os.environ.get("PDSERVE_RESULTS_DIR")
+    if value:
+        return os.path.expanduser(value)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pdserve", "results")

@@ -4,7 +4,7 @@ An engine-only sweep times the forward and nothing around it. Served, the same i
 shares its cores with the router, the detokenizer, the store and the client, and a request pays
 the hand-off between the pools and the router's own time before its first token. On this
 project's 2-core machines that made the offline plan 36% optimistic on 1P1D
-(benchmarks/results/README.md, "Planning offline"). Dynamo's profiler measures on a real
+(docs/benchmarks.md, "Planner and controller accuracy"). Dynamo's profiler measures on a real
 deployment for the same reason; this does it in two steps, keeping the engine sweep's shape:
 
 1. start `pdserve up` at 1P1D with the profile's TP degree (each worker pinned to cores of its

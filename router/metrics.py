@@ -209,7 +209,7 @@ class _ControllerCollector(Collector):
 
 class SupervisorCollector(Collector):
     """Restarts of each process `pdserve up` supervises, from the JSON file the launcher
-    rewrites on every restart ({"restarts": {"decode-0": 1, ...}}; pdserve/app/launcher.py).
+    rewrites on every restart ({"restarts": {"decode-0": 1, ...}}; app/launcher/supervision.py).
     Read at scrape time, so the count survives a restart of the router itself."""
 
     def __init__(self, path: str) -> None:

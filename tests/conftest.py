@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from pdserve.serve.default_model import build_random_model, build_tokenizer
+
+# Engines in tests serve with the default CPU path instead of timing every path on their first
+# start (serve/cpu/tuning.py: seconds per model shape); every path's tokens are checked against
+# the plain-torch path by the kernel tests, and the tuning tests turn it back on.
+os.environ.setdefault("PDSERVE_CPU_TUNING", "0")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -32,9 +32,8 @@
 
 namespace {
 
-// Fewer rows keep the panels. 4 products x 8 layers of the llama-mid-like model, bf16 panels,
-// 2 cores, with a step's KV read between layers: 32 rows 4.8 ms here against 5.4 on the
-// panels, 64 rows 7.1 against 10.2, 128 rows 11.3 against 19.3 (24 rows: 3.4 against 3.6).
+// Fewer rows keep the panels: below about 32 rows the products stream W at the memory's
+// speed on either path, and the tiles' set-up and the split of x into three pieces do not pay.
 constexpr int64_t kAmxMinRows = 32;
 
 #if defined(PDSERVE_AMX)
@@ -151,9 +150,9 @@ torch::Tensor amx_panel_linear(torch::Tensor x, torch::Tensor panels,
   const int64_t num_chunks = (Mp + kChunkRows - 1) / kChunkRows;
   // Each panel in AMX's layout: repacked by the task that uses it, into a thread-local buffer
   // it then reads from L1/L2, or, past kRepackOnceChunks chunks of rows, once per call for
-  // all of them before any product: a panel is otherwise repacked once per chunk, and at 1024
-  // rows that repacking cost a third of the call (the 8-layer products: 72 -> 59 ms at 1024
-  // rows, 26 -> 22 at 384; at 256 rows, two chunks, the thread-local copy is 10% faster).
+  // all of them before any product: a panel is otherwise repacked once per chunk, which at
+  // many chunks is a large share of the call; at one or two chunks the thread-local copy,
+  // still in cache, is the cheaper.
   // The call-wide buffer holds one W in bf16, for this call only.
   const int64_t panel_values = kPanel * Kp;
   std::unique_ptr<uint16_t[]> packed;

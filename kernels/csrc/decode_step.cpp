@@ -5,29 +5,25 @@
 // the matmuls. Here the loop runs the same kernels' arithmetic, in the same order, as the module
 // path (serve/models/llama.py): its outputs are bit-identical. It writes into activation
 // buffers allocated once per call (the norms, the SiLU and the panel products on raw rows), so
-// a layer allocates only its attention's output: an 8-layer call's own cost 195 -> 179 us at
-// tiny shapes, decode steps of the llama-mid-like model 3.5-6% faster at batch 1 and 2-3.5% at
-// batch 8 (interleaved A/B of the two builds, same bits).
+// a layer allocates only its attention's output: at decode shapes an allocator call is a
+// noticeable share of an op's few microseconds.
 //
 // Where every product has panels and the caches are fp32 (the usual case on an AVX-512 host),
 // the whole loop is one parallel region (the team loop): each op runs every thread's share of
 // the split its own region would have made, and the threads meet at a barrier where an op reads
-// what another wrote. The attention is planned once for all layers. A region per op had cost
-// each batch-1 product 3-4 us of its ~28 in forking and joining; decode steps of the
-// llama-mid-like model 0.96-0.97x the time at batch 1, 0.98-1.0x at batch 8 and 32 (A/B of
-// the two builds in one process, same bits). Elsewhere (plain weights, AMX products, other
-// cache dtypes) the loop calls each op's own region, op by op.
+// what another wrote. The attention is planned once for all layers. A region per op pays its
+// fork and join on every product, a visible share of a batch-1 product's few tens of
+// microseconds. Elsewhere (plain weights, AMX products, other cache dtypes) the loop calls
+// each op's own region, op by op.
 //
 // A DecodeLoop takes the model's side once: the weights, the rotary tables, the final norm
 // and the LM head, checked when it is made. run() takes a step's side: the embedded rows, the
 // pool's caches, and each row's sequence length and block table. Row t is its sequence's next
 // token, at position p = len - 1: its slot in the pool and its rows of the rotary tables
 // follow from that (the module path's metadata holds them as slot_mapping and positions, and
-// serve/attention.DecodeMetadata builds those only when read). Against a call that took the
-// weights as a list of 80 tensors, split each layer's cache into its K and V planes, and
-// received slots and cos / sin rows gathered in Python: decode steps of the llama-mid-like
-// model 0.94-0.96x the time at batch 1 x 256, 0.97-1.01x at 8 x 256 and 32 x 256 (processes
-// of the two trees alternating, same bits).
+// serve/attention.DecodeMetadata builds those only when read). Checking the weights and
+// splitting the caches once, not per step, keeps the call's own overhead to tens of
+// microseconds, which at batch 1 is a share of the step worth saving.
 //
 // Per layer, with T decode rows (one token per sequence):
 //   x, r   = add_rms_norm(h, r, ln1)                 r: the residual stream
@@ -45,14 +41,14 @@
 // normed hidden states and, with head (the LM head's panels) on the one-region loop below, their
 // logits [T, vocab] from the same panel product serve/parallel.linear runs, so the LM head's
 // weights stream inside the region too (else the logits come back empty, for the caller to
-// compute). Without final_norm: the last layer's output and the residual stream. The LM head
-// in the region, against the module's call after it: decode steps of the llama-mid-like model
-// 0.963-0.975x the time at batch 1, 0.97-0.99x at batch 8, 1.0x at 32 (A/B in one process).
+// compute). Without final_norm: the last layer's output and the residual stream. In the
+// region the LM head's panels stream right after the layers', instead of from a cold cache
+// in a region of their own after a trip through Python.
 //
 // phase_seconds (float64 [3]), where given, gains the call's wall time in the products, the
 // attention (its KV write included) and the rest (norms, rotary, SiLU): what
-// benchmarks/step_roofline.py sets each part against its own ceiling with. The engine passes
-// none.
+// benchmarks/experiments/step_roofline.py sets each part against its own ceiling with. The
+// engine passes none.
 #include "cpu_ops.h"
 
 #include <omp.h>
@@ -255,9 +251,8 @@ std::vector<torch::Tensor> DecodeLoop::run(torch::Tensor hidden,
   auto logits = torch::empty({team && with_head ? T : 0, vocab}, options);
   if (team) {
     // One parallel region for the whole loop, a barrier wherever an op reads what another
-    // thread wrote: a region per op cost each product 3-4 us of a batch-1 step's ~28 in
-    // forking, joining and the late second thread (benchmarks/results/README.md, stop 40).
-    // Every op splits its work as its own region would, so the bits are the same.
+    // thread wrote: no fork and join per op. Every op splits its work as its own region
+    // would, so the bits are the same.
     const int64_t* sl = slot_mapping.data_ptr<int64_t>();
     const int threads = at::get_num_threads();
     const DecodeAttention attention(kv_caches, lens, tables, num_heads, scale_, threads);

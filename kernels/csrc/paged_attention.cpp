@@ -447,11 +447,9 @@ void attend_chunk(const Item& item, const float* qf, const Plane<T>& keys,
   const int64_t step = sh.group % 2 == 0 ? 2 : 1;
   // The item reads one stream of blocks, its K blocks then its V blocks, and asks for each
   // a block ahead, spread over the heads of the block before: the first K block now, the
-  // first V block while the last K block computes. (Asking only within a pass left each
-  // pass's first block to demand misses: batch 1-32 x 256-1024, 8 layers, the weights read
-  // between layers, A/B of the two builds interleaved in one process, 0.87-0.92x the time.
-  // Two blocks ahead: 0.88-0.97x; three 0.93-1.0x; eight 1.09-1.37x the time of one; a
-  // prefetcht1 stream three blocks ahead beside this one 1.07-1.17x.)
+  // first V block while the last K block computes: asking only within a pass would leave
+  // each pass's first block to demand misses. One block ahead is enough to cover the
+  // latency; asking further ahead only evicts lines still to be read.
   const int64_t num_blocks = last_block - first_block + 1;
   auto ask = [&](int64_t j, int64_t part, int64_t parts) {  // block j of the stream
     if (j >= 2 * num_blocks) return;

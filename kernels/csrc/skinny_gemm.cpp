@@ -141,16 +141,15 @@ TileFn tile_for(int mt, int nt) {
 // the threads, so a row's result does not depend on the rows beside it. A panel (96 KiB at
 // K = 512) stays in L2 while every tile of rows walks it.
 //
-// Measured on one AVX-512 core, W in L2, 32 rows: 170-186 GFLOP/s against 88 for the dot
-// form. In a decode step, where W comes from memory, the step's four products at 32 rows
-// went 7.7 -> 6.2 ms (llama-mid-like, 8 layers, 2 cores); at 8 rows they stream W at the
-// memory's speed either way. It serves a prefill's rows too, within 1-7% of oneDNN.
+// With W in L2 this form keeps the FMA units about twice as busy as the dot form (no sums
+// across lanes); at a few rows both stream W at the memory's speed. It serves a prefill's
+// rows too, close to oneDNN.
 //
 // Panels may also store bf16 or fp16 (serve/parallel.py panel_dtype: only where that holds
 // every value of the weight exactly, as for a half-precision checkpoint run in float32). A
 // tile widens each loaded vector exactly and multiplies in fp32 as before, so the sums are
-// the same bits, from half the bytes: the four products above at 1 row 2.0 -> 1.0-1.1 ms, at
-// 8 rows 2.3 -> 1.5, equal at 32, 4-6% slower at 256 (there the widening costs compute).
+// the same bits, from half the bytes: a win where the products stream W (few rows), a small
+// loss at hundreds of rows, where the widening costs compute.
 constexpr int64_t kPanel = 48;        // columns of W per panel: 3 vectors of 16
 constexpr int kPanelRows = 8;         // rows of x per tile: 8 x 3 sums + 3 W vectors + 1 x
 constexpr int64_t kPanelBlockRows = 128;  // rows of x per pass over the panels (a prefill's
@@ -174,7 +173,7 @@ inline __m512 load_columns(const W* p, __mmask16 mask, bool masked) {
 
 // y[m, 0:width) = x[m, :] . panel[:, 0:width) for MT rows of x, NV vectors of 16 columns.
 // kMasked: the last vector is partial (width not a multiple of 16; a masked load every step
-// measured 2.5x slower, so only such a panel pays it). Each step also asks for `lines` cache
+// is much slower, so only such a panel pays it). Each step also asks for `lines` cache
 // lines at `fetch`, then moves `fetch` on by `fetch_step` bytes (see panel_linear): into L2,
 // or, where `once` (no other tile reads this panel), non-temporally (see panel_product).
 template <int MT, int NV, bool kMasked, typename W>
@@ -257,17 +256,14 @@ void panel_product(const float* xp, int64_t ldx, const W* wp, int64_t M, int64_t
     // they compute: from tile 0 where an earlier task fetched this panel (the task before,
     // panel p - 1), else from tile 1, tile 0 then asking for its own columns kPanelAhead
     // bytes ahead (their lines of a row a step), as a panel of one tile always does. Tile 0
-    // sharing the next panel's lines instead of asking again for its own: the llama-mid-like
-    // model's four products, 8 layers on huge pages, 2 cores, interleaved, at 12 / 16 / 24 /
-    // 32 rows 3.49 -> 3.15, 3.85 -> 3.47, 4.68 -> 4.25, 5.75 -> 5.45 ms; 8 rows 2% faster.
+    // shares the next panel's lines rather than asking again for its own, which are already
+    // in L2 when the task before fetched them.
     const int64_t tiles = (b1 - b0 + kPanelRows - 1) / kPanelRows;
     // A panel that one tile walks (a decode step of up to 8 rows) is read once: its lines are
     // asked for non-temporally, so the weights' stream (97 MB a step, the llama-mid-like
     // model) leaves the rest of the cache hierarchy to what the step reads again: its KV, its
-    // activations, the engine's own Python between steps. In one process, blocks of steps
-    // alternating between the two builds: batch 1 x 256 / 8 x 256 / 1 x 1024 0.98 / 0.94 /
-    // 0.99x the step time. Tiles after the first re-read the panel from L2: there it is
-    // asked for L2 as before.
+    // activations, the engine's own Python between steps. Tiles after the first re-read the
+    // panel from L2: there it is asked for L2 as before.
     fetched = fetched && tiles > 1;
     next = next && tiles > 1;
     const int64_t first = fetched ? 0 : 1;  // the first tile that fetches the next panel

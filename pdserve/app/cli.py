@@ -11,9 +11,12 @@ provides:
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import logging
+import os
 import sys
+from types import ModuleType
 
 from pdserve import __version__, envs
 
@@ -27,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pdserve.benchmarks.bench_serve", "goodput benchmark against any OpenAI server"),
     "profile": ("pdserve.planner.profile", "measure step times, write a latency profile"),
     "plan": ("pdserve.planner.plan", "size prefill/decode pools from a latency profile"),
+    "tune": ("pdserve.app.tune", "build the CPU kernels and choose the fastest CPU path here"),
     "store": ("pdserve.kvstore.server", "tiered KV store: master and/or data server"),
     "keygen": ("pdserve.security", "write a cluster key file for the internal sockets"),
     "health": ("pdserve.app.health",
@@ -34,6 +38,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 # Roles with internal ZeroMQ ports: CurveZMQ under the cluster key (pdserve/security.py).
 SECURED_ROLES = ("router", "prefill", "decode", "colocated", "store")
+# Roles whose process loads Triton, whose nanobind extension reports every object still
+# alive at interpreter teardown as "leaked" (some 30 lines on stderr, for nothing: the
+# process is ending). Run as a program, they leave as soon as the role has shut itself
+# down, after the atexit handlers, before that teardown.
+QUIET_EXIT_ROLES = ("prefill", "decode", "colocated", "profile", "tune")
 
 
 def _usage() -> str:
@@ -45,6 +54,9 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; `argv` None: this process's own command line, the process is the
+    command (and a worker role exits from here, see QUIET_EXIT_ROLES)."""
+    is_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -61,16 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.lifecycle import exit_with_launcher
 
         exit_with_launcher(launcher_pid)
-    module_name, description = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=description)
-    module.add_arguments(parser)
-    if name in SECURED_ROLES:
-        parser.add_argument(
-            "--insecure-plaintext", action="store_true",
-            help="run this role's internal ZeroMQ sockets unauthenticated and unencrypted "
-                 "(default: CurveZMQ under the cluster key file in $PDSERVE_CLUSTER_KEY_FILE)")
-    parser.set_defaults(command=name)
+    module, parser = make_parser(name)
     args = parser.parse_args(argv[1:])
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdserve {name}: {exc}", file=sys.stderr)
             return 2
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a bind that failed: name the process that holds the port
@@ -97,6 +100,34 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pdserve {name}: cannot listen: {message}", file=sys.stderr)
         return 2
+    if is_program and name in QUIET_EXIT_ROLES:
+        _exit_before_teardown(code)
+    return code
+
+
+def make_parser(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:
+    """The module of command `name` and its parser, every flag declared."""
+    module_name, description = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=description)
+    module.add_arguments(parser)
+    if name in SECURED_ROLES:
+        parser.add_argument(
+            "--insecure-plaintext", action="store_true",
+            help="run this role's internal ZeroMQ sockets unauthenticated and unencrypted "
+                 "(default: CurveZMQ under the cluster key file in $PDSERVE_CLUSTER_KEY_FILE)")
+    parser.set_defaults(command=name)
+    return module, parser
+
+
+def _exit_before_teardown(code: int) -> None:
+    """Exit with `code` as sys.exit would, minus the interpreter's teardown: the atexit
+    handlers run and the streams are flushed, then the process ends."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

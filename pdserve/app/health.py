@@ -107,7 +107,7 @@ def check_worker(address: str, timeout_s: float) -> str:
 
 
 def check_store(address: str, timeout_s: float) -> str:
-    from pdserve.protocol.store import STORE_PROTOCOL, ErrorReply, StatsReply, StatsRequest
+    from pdserve.protocol.store.base import STORE_PROTOCOL, ErrorReply, StatsReply, StatsRequest
 
     raw = _ask(address, STORE_PROTOCOL.encode(StatsRequest(request_id=1)), timeout_s)
     reply = _decode(STORE_PROTOCOL, raw, (StatsReply, ErrorReply))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from pdserve.protocol.codec import Protocol
 from pdserve.protocol.sampling import MAX_NUM_SEQS_PER_REQUEST, SamplingParams
-from pdserve.protocol.store import ShmSegment, ShmSpan
+from pdserve.protocol.store.data import ShmSegment, ShmSpan
 
 WORKER_PROTOCOL = Protocol("worker")
 _DATA_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
@@ -325,3 +325,7 @@ class WorkerStatus:
     is_idle: bool = False
     """Holds nothing: no request owned, running, held for a save or loading, and no hand-off
     lease on its node (what a drain and a leak check wait for)."""
+    cpu_path: dict[str, str] = field(default_factory=dict)
+    """A CPU worker's kernel choice (serve/cpu/tuning.py): "path", "source" (measured, cached
+    or default) and each candidate path's step times ("<path label>": "decode 1x256 0.912,
+    ..." in ms); empty elsewhere."""

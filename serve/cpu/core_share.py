@@ -17,8 +17,7 @@ lender shares its core with a borrowed thread for one layer, or one decode step,
 Only a one-rank worker borrows (its one process owns every compute thread; a TP rank's
 threads live in other processes). Torch's OpenMP threads are pinned one per core on
 each change (kernels/csrc/threads.cpp): left to the scheduler, the grown team shares a core
-for a while, and a 256-token prefill of a llama-mid-like model took 60-72 ms on two borrowed
-threads instead of 52-57 pinned.
+for a while, which slows the steps right after a borrow.
 """
 
 from __future__ import annotations
@@ -135,7 +134,7 @@ class CoreBorrower:
     def __init__(self, lenders: Sequence[Lender], main_on_lent: bool = False) -> None:
         """main_on_lent: while borrowing, this thread (OpenMP's thread 0) runs on a lent
         core, not an own one: for a decode worker, whose own cores the router and store
-        share (pdserve/app/launcher.py), never a prefill's."""
+        share (pdserve/app/launcher/placement.py), never a prefill's."""
         start = frozenset(os.sched_getaffinity(0))
         lent = frozenset().union(*(lender.cores for lender in lenders))
         self.own_cores = start - lent

@@ -1,50 +1,97 @@
 """A Llama-family decode step's layer loop in one compiled call (CPU), where it applies.
 
 Walking a decoder's layers as nn.Modules costs Python time per layer (module calls, views,
-argument checks): about 0.3 ms a layer on this project's 2-core machines, 2.5 ms of an 8-layer
-step, which on a small model is more than its matmuls. On CUDA a captured graph removes that;
-on CPU, kernels/csrc/decode_step.cpp runs the loop in C++, calling the very kernels the module
-path calls (add_rms_norm, panel_linear or skinny_linear, rotary_neox_, write_kv_cache, the
-paged decode attention, silu_and_mul; a bf16 checkpoint's panels on AMX from as many rows as
-serve/parallel.linear sends there), in the same order on the same tensors: its hidden
-states are bit-identical to the module path's (tests/serve/test_fused_decode.py compares them),
-which stays the reference and the path for everything else. Where every product has panels
-and the cache is fp32, the whole loop is one OpenMP region (a barrier between ops instead of a
-region per op). The loop also applies the model's final norm and, in that region, the LM head:
-CausalLM.compute_logits then takes the logits it computed (DecoderModel.take_decode_logits).
-The loop is a C++ object (ops.DecodeLoop) made once over the weights and the rotary tables;
-each step it reads only the lengths and block tables of the metadata, and derives each row's
-position (its length - 1), KV slot and rotary rows itself.
+argument checks), which on a small model is more than its matmuls. On CUDA a captured graph
+removes that; on CPU, kernels/csrc/decode_step.cpp runs the loop in C++, calling the very
+kernels the module path calls (add_rms_norm, panel_linear or skinny_linear, rotary_neox_,
+write_kv_cache, the paged decode attention, silu_and_mul; a bf16 checkpoint's panels on AMX
+from as many rows as the "amx" linear op sends there, kernels/cpu_linear.py), in the same
+order on the same tensors: its hidden states are bit-identical to the module path's
+(tests/serve/test_fused_decode.py compares them), which stays the reference and the path
+for everything else. Where every product has panels and the cache is fp32, the whole loop is
+one OpenMP region (a barrier between ops instead of a region per op). The loop also applies
+the model's final norm and, in that region, the LM head: the model's forward then returns
+those logits with its hidden states (serve/models/base.py ModelOutput).
+
+The model declares what the loop reads (a model family's fused_decode_weights returns
+FusedDecodeWeights, or None where its structure does not fit); this module checks only the
+tensors. The loop is a C++ object (ops.DecodeLoop) made once over the weights and the rotary
+tables; each step it reads only the lengths and block tables of the metadata, and derives
+each row's position (its length - 1), KV slot and rotary rows itself.
 
 It applies to a step when all of these hold, else the module path runs:
 - PDSERVE_FUSED_DECODE is not 0 and the compiled CPU ops are built;
-- the model is a dense Llama-family decoder (Llama, Mistral, Qwen2; not MoE, not MLA) with
-  NeoX rotary, on one tensor-parallel rank, with the "cpu" attention backend and fp32 weights
-  (panels may store them in bf16 or fp16, serve/parallel.panel_dtype);
+- the model declares its weights: a dense Llama-family decoder (Llama, Mistral, Qwen2; not
+  MoE, not MLA) with NeoX rotary, on one tensor-parallel rank and one pipeline stage, with
+  the "cpu" attention backend;
+- the weights are fp32 (panels may store them in bf16 or fp16, kernels/cpu_linear.py
+  panel_dtype), on the CPU and contiguous;
 - the step is decode-only, and nobody waits on a per-layer callback (a prefill's KV
-  hand-off); where the weights are plain (no AVX-512 panels, serve/executor/parallel.py prepack),
-  with
-  at most serve/parallel.skinny_max_rows sequences (past that the matmuls take oneDNN's packed
-  weights and Python's share of the step is small).
+  hand-off); where the weights are plain (no AVX-512 panels), with at most
+  kernels/cpu_linear.py skinny_max_rows sequences (past that the matmuls take oneDNN's
+  packed weights and Python's share of the step is small).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-from torch import nn
 
-from pdserve import envs
+from pdserve.kernels import cpu_linear
 from pdserve.serve.executor.attention import AttentionMetadata
-from pdserve.serve.executor.layers import RMSNorm, cpu_kernels
-from pdserve.serve.executor.parallel import amx_rows, skinny_max_rows
+from pdserve.serve.executor.ops import chosen, cpu_kernels, path
 
 _NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
-WEIGHTS_PER_LAYER = 10
 _HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class FusedLayerWeights:
+    """One decoder layer's tensors as the loop reads them. A product's matrix is the weight
+    the module path multiplies by: its panels (1-D) where it has them, else W [out, in]."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    @property
+    def matrices(self) -> tuple[torch.Tensor, ...]:
+        return (self.qkv, self.o_proj, self.gate_up, self.down)
+
+    def in_loop_order(self) -> list[torch.Tensor | None]:
+        """kernels/csrc/decode_step.cpp's order of a layer's 10 tensors."""
+        return [self.input_norm, self.qkv, self.qkv_bias, self.o_proj, self.o_bias,
+                self.post_norm, self.gate_up, self.gate_up_bias, self.down, self.down_bias]
+
+
+WEIGHTS_PER_LAYER = len(dataclasses.fields(FusedLayerWeights))
+
+
+@dataclass(frozen=True)
+class FusedDecodeWeights:
+    """What a model hands the fused loop: every layer's weights and the shapes they share."""
+
+    layers: list[FusedLayerWeights]
+    eps: float  # every RMSNorm's, the final one's too
+    num_heads: int  # this rank's
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    scale: float  # the attention's softmax scale
+    rotary_tables: tuple[torch.Tensor, torch.Tensor]  # cos, sin [positions, rotary_dim]
+    final_norm: torch.Tensor | None = None  # the model's last RMSNorm weight
+    head: torch.Tensor | None = None  # the LM head's matrix (the logits over the vocabulary)
 
 
 class FusedDecode:
@@ -57,7 +104,7 @@ class FusedDecode:
                  head: torch.Tensor | None = None) -> None:
         """rotary_tables: the layers' cos and sin tables [positions, rotary_dim], from which
         the loop takes each row's (at its sequence's last position). amx_rows: from this many
-        rows on, bf16 panels multiply on AMX, as serve/parallel.linear sends them (0: never).
+        rows on, bf16 panels multiply on AMX, as the "amx" linear op sends them (0: never).
         final_norm: the model's last RMSNorm weight (of the layers' eps), applied after the
         loop; head: the LM head's panels, whose logits the loop then computes where it can
         (see __call__)."""
@@ -67,16 +114,16 @@ class FusedDecode:
                       amx_rows, final_norm, head)
         self.weights = weights
         # plain weights go to the skinny product, which has an edge; panels take any batch
-        self.max_rows = None if panels else skinny_max_rows(ops)
+        self.max_rows = None if panels else cpu_linear.skinny_max_rows()
         self.phase_seconds: torch.Tensor | None = None
         """float64 [3], where set: each call adds its wall time in the products, the attention
-        (with its KV write) and the rest (benchmarks/step_roofline.py's breakdown; the engine
-        leaves it None)."""
+        (with its KV write) and the rest (benchmarks/experiments/step_roofline.py's breakdown;
+        the engine leaves it None)."""
 
     @property
     def weights(self) -> list[torch.Tensor]:
         """Every layer's 10 weights (kernels/csrc/decode_step.cpp's order); setting them
-        builds the loop again (benchmarks/weight_pages.py swaps in copies)."""
+        builds the loop again (benchmarks/experiments/weight_pages.py swaps in copies)."""
         return self._weights
 
     @weights.setter
@@ -109,74 +156,43 @@ class FusedDecode:
         return first, second if second.numel() else None
 
 
-def _matrix(linear: nn.Module) -> torch.Tensor:
-    """The weight the module path's product reads: its panels where it has them, else W."""
-    packed = linear.packed
-    return packed if packed is not None and not packed.is_mkldnn else linear.weight
-
-
-def build_llama_fused_decode(layers: Sequence[nn.Module], final_norm: nn.Module | None = None,
-                             lm_head: nn.Module | None = None) -> FusedDecode | None:
-    """The fused loop for these Llama-family layers, or None where it does not apply (see the
-    module docstring); decided once, after the weights are loaded. With the model's final norm
-    (an RMSNorm of the layers' eps) the loop applies it too, and with the LM head's panels
-    (one rank, fp32 or half panels) it computes the logits."""
-    from pdserve.serve.models.base import DecoderLayer, GatedMLP
-    from pdserve.serve.models.llama import LlamaAttention
-
+def build_fused_decode(declared: FusedDecodeWeights | None) -> FusedDecode | None:
+    """The fused loop over a model's declared weights, or None where it does not apply (see
+    the module docstring); decided once, after the weights are loaded. With the model's final
+    norm the loop applies it too, and with the LM head's panels (where the layers have
+    theirs) it computes the logits."""
     ops = cpu_kernels()
-    if not envs.fused_decode() or ops is None or not hasattr(ops, "DecodeLoop"):
+    if (not path().fused_decode or declared is None or not declared.layers or ops is None
+            or not hasattr(ops, "DecodeLoop")):
         return None
-    weights: list[torch.Tensor] = []
-    eps: set[float] = set()
-    shapes: set[tuple[int, int, int, int, float]] = set()
-    kinds: set[int] = set()
-    tables: set[tuple[int, int]] = set()  # the rotary tables: one pair for every layer
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        norms = (getattr(layer, "input_layernorm", None),
-                 getattr(layer, "post_attention_layernorm", None))
-        if (type(layer).forward is not DecoderLayer.forward or type(attn) is not LlamaAttention
-                or type(mlp) is not GatedMLP or any(type(n) is not RMSNorm for n in norms)):
-            return None
-        rotary, qkv, o_proj = attn.rotary_emb, attn.qkv_proj, attn.o_proj
-        gate_up, down = mlp._modules[mlp.gate_up_name], mlp._modules[mlp.down_name]
-        if (attn.attn.backend.name != "cpu" or rotary.is_interleaved
-                or any(p.tp.size != 1 for p in (qkv, o_proj, gate_up, down))):
-            return None
-        matrices = [_matrix(m) for m in (qkv, o_proj, gate_up, down)]
-        layer_weights = [norms[0].weight, matrices[0], qkv.bias, matrices[1], o_proj.bias,
-                         norms[1].weight, matrices[2], gate_up.bias, matrices[3], down.bias]
-        kinds.update(w.dim() for w in matrices)  # 1: panels, 2: plain
-        for w in layer_weights:
-            # fp32 throughout, but for panels that store a half-precision checkpoint's
-            # weights (serve/parallel.panel_dtype)
-            panels = any(w is m for m in matrices) and w.dim() == 1
-            if w is not None and not (w.device.type == "cpu" and w.is_contiguous() and (
-                    w.dtype == torch.float32 or (panels and w.dtype in _HALF))):
-                return None
-        weights += [_NO_BIAS if w is None else w.detach() for w in layer_weights]
-        eps.update(n.eps for n in norms)
-        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim,
-                    attn.attn.scale))
-        tables.add((id(rotary.cos_cache), id(rotary.sin_cache)))
-    if not layers or len(eps) != 1 or len(shapes) != 1 or len(kinds) != 1 or len(tables) != 1:
+    kinds = {m.dim() for layer in declared.layers for m in layer.matrices}  # 1: panels
+    if len(kinds) != 1 or not all(_loop_reads(layer) for layer in declared.layers):
         return None
-    if rotary.cos_cache.dtype != torch.float32 or rotary.cos_cache.device.type != "cpu":
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu"
+               for t in declared.rotary_tables):
         return None
-    layer_eps = eps.pop()
-    norm = final_norm.weight.detach() if (
-        type(final_norm) is RMSNorm and final_norm.eps == layer_eps
-        and final_norm.weight.dtype == torch.float32 and final_norm.weight.is_contiguous()
-    ) else None
-    # the LM head's panels, where the layers have theirs (the layers' checks above already
-    # hold the one tensor-parallel rank the head shares with them)
-    head = _matrix(lm_head) if lm_head is not None and norm is not None and kinds == {1} \
-        else None
+    norm = declared.final_norm
+    if norm is not None and not (norm.dtype == torch.float32 and norm.is_contiguous()):
+        norm = None
+    head = declared.head if norm is not None and kinds == {1} else None
     if head is not None and head.dim() != 1:  # no panels: the module path's own product
         head = None
-    amx_from = amx_rows(ops)
-    return FusedDecode(ops, weights, kinds == {1}, layer_eps, *shapes.pop(),
-                       (rotary.cos_cache, rotary.sin_cache),
+    weights = [_NO_BIAS if w is None else w.detach()
+               for layer in declared.layers for w in layer.in_loop_order()]
+    amx_from = cpu_linear.amx_min_rows() if chosen("linear") == "amx" else math.inf
+    return FusedDecode(ops, weights, kinds == {1}, declared.eps, declared.num_heads,
+                       declared.num_kv_heads, declared.head_dim, declared.rotary_dim,
+                       declared.scale, declared.rotary_tables,
                        amx_rows=0 if math.isinf(amx_from) else int(amx_from),
-                       final_norm=norm, head=head)
+                       final_norm=None if norm is None else norm.detach(), head=head)
+
+
+def _loop_reads(layer: FusedLayerWeights) -> bool:
+    """Every tensor on the CPU, contiguous, fp32, but for panels that store a half-precision
+    checkpoint's weights (kernels/cpu_linear.py panel_dtype)."""
+    for w in layer.in_loop_order():
+        panels = any(w is m for m in layer.matrices) and w.dim() == 1
+        if w is not None and not (w.device.type == "cpu" and w.is_contiguous() and (
+                w.dtype == torch.float32 or (panels and w.dtype in _HALF))):
+            return False
+    return True

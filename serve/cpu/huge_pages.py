@@ -9,9 +9,9 @@ one
 advised buffer (`rehome_weights`).
 
 Measured on the llama-mid-like model (fp32, 97 MB of weights, 2 AVX-512 cores), the same
-engine's decode step with its weights in either copy (benchmarks/weight_pages.py), over five
-runs: 5-18% faster at 8 x 256 tokens, 6-9% at 8 x 1024, 0-21% at 1 sequence; no change at 32
-sequences, where the products are bound by compute.
+engine's decode step with its weights in either copy (benchmarks/experiments/weight_pages.py),
+over five runs: 5-18% faster at 8 x 256 tokens, 6-9% at 8 x 1024, 0-21% at 1 sequence; no
+change at 32 sequences, where the products are bound by compute.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ def _madvise() -> Callable[..., int] | None:
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask Linux to back a large CPU tensor with 2 MiB pages. Call it before the memory is
     first written; pages already touched stay small. Decode attention reads each sequence's
-    blocks from anywhere in the pool: a batch-32 x 256-token decode's attention, 8 layers, 2
-    threads, took 7.9 ms on small pages and 6.6 on huge ones on this project's machines.
+    blocks from anywhere in the pool, so fewer TLB misses shorten it.
     Returns whether the advice was taken (False off Linux, for tensors under a huge page, or
     when the kernel refuses)."""
     madvise = _madvise()

@@ -58,11 +58,11 @@ class FreeBlocks:
     """The free blocks as a map of the pool, taken in runs of neighbours.
 
     A request's table reads best when its blocks follow each other in the pool: the decode
-    attention on CPU then streams each sequence's KV as one range, 1.1-1.2x faster than the
-    same blocks in descending order and 1.3-1.5x faster than shuffled ones (benchmarks/results/
-    README.md, stop 40). So a new table takes a run of free blocks (next fit from where the
-    last run ended, with room behind it to grow where the pool has some), and a growing table
-    takes the block right after its last one while that is free.
+    attention on CPU then streams each sequence's KV as one range, which the hardware
+    prefetcher follows, instead of jumping between scattered blocks. So a new table takes a run
+    of free blocks (next fit from where the last run ended, with room behind it to grow where
+    the pool has some), and a growing table takes the block right after its last one while
+    that is free.
     """
 
     def __init__(self, num_blocks: int) -> None:

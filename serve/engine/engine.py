@@ -130,7 +130,7 @@ class Engine:
             runner.num_blocks, runner.block_size, self.spec.model_id,
             self.spec.kv_layout(runner.block_size), self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len)
-        self.sampler = Sampler(model_config.seed)
+        self.sampler = Sampler(model_config.seed, getattr(runner, "device", "cpu"))
         self.speculator: MTPSpeculator | None = None
         """MTP speculative decoding (serve/engine/spec_decode.py): drafts after each step, verify
         and roll back in the next."""
@@ -370,7 +370,8 @@ class Engine:
                 continue
             request, start = to_sample[i], int(starts[i])
             generator = self.speculator.generator_for(request, self.sampler.generator)
-            tokens = self.speculator.verify(request, logits[start:start + k + 1],
+            # verification walks its drafts on the host (MTP runs on one CPU rank)
+            tokens = self.speculator.verify(request, logits[start:start + k + 1].cpu(),
                                             self.sampler, generator)
             status = None
             for token_id in tokens:

@@ -112,11 +112,11 @@ def prompt_entries(logits: torch.Tensor, targets: list[int], num_top: int
     """One {token: Logprob} per row of logits [n, vocab]: the target token (with its rank
     among all) and the num_top most likely, as the sampler reports an output token."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    target = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
+    target = torch.tensor(targets, dtype=torch.long).to(logits.device).unsqueeze(1)
     chosen = logprobs.gather(1, target)  # [n, 1]
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
     top_values, top_ids = (logprobs.topk(num_top, dim=-1) if num_top > 0
-                           else (torch.empty(len(targets), 0), torch.empty(len(targets), 0)))
+                           else (logprobs[:, :0], logprobs[:, :0]))
     entries = []
     for i, (token_id, logprob, rank) in enumerate(
             zip(targets, chosen.squeeze(1).tolist(), ranks, strict=True)):

@@ -147,7 +147,7 @@ def _verify_rows(chunks: list, query_lens: np.ndarray, positions: np.ndarray,
 def default_backend_name(device: torch.device) -> str:
     """PDSERVE_ATTENTION_BACKEND if set, else triton on CUDA and, on CPU, the compiled "cpu"
     backend (plain "torch" where its kernel cannot be built)."""
-    from pdserve.serve.executor.layers import cpu_kernels
+    from pdserve.serve.executor.ops import cpu_kernels
 
     chosen = envs.attention_backend()
     if chosen is not None:

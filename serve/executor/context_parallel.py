@@ -1,5 +1,6 @@
 """Context parallelism (CP): a step's prompt tokens split over CP ranks, attention as ring
-attention (kernels/ring_attention.py), each rank's KV in its own paged pool.
+attention (kernels/ring_attention.py; the ring itself kernels/ring.py), each rank's KV in its
+own paged pool.
 
 Where the KV lives. The engine's block manager sees one pool of CP x B blocks; global block
 g lives on rank g % CP as that rank's local block g // CP. A fresh free list hands out
@@ -43,15 +44,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pdserve.kernels.ring_attention import (
-    empty_partial,
-    get_block_attention,
-    merge_attention,
-    merge_stacked,
-    padded_rows_attention,
-    ring_pass,
-    zigzag_ranges,
-)
+from pdserve.kernels import get_block_attention
+from pdserve.kernels.partials import empty_partial, merge_attention, merge_stacked
+from pdserve.kernels.reference import padded_rows_attention
+from pdserve.kernels.ring import ring_pass
+from pdserve.kernels.zigzag import zigzag_ranges
 from pdserve.protocol.tp import StepInput
 from pdserve.serve.executor.attention import AttentionMetadata
 
@@ -456,7 +453,7 @@ def run_context_parallel_step(model: Any, step: StepInput, kv_caches: list[torch
         slot_mapping=torch.full((num_rows,), -1, dtype=torch.int64, device=device),
         cu_seqlens_q=unused, seq_lens=unused, block_tables=unused.view(1, 1),
         max_query_len=0, is_decode_only=False, context_parallel=plan)
-    hidden = model(input_ids, kv_caches, meta)  # [local rows, hidden]
+    hidden = model(input_ids, kv_caches, meta).hidden  # [local rows, hidden]
     if len(logits_rows) == 0:
         return None
     rows = plan.gather_rows(hidden, logits_rows)

@@ -1,40 +1,22 @@
 """Small layers every decoder block uses: RMSNorm, SiLU-and-multiply, rotary embedding.
 
-Each one reproduces Hugging Face's arithmetic order (and its float32 upcasts) so the engine's
-logits match transformers to float32 rounding, not just "approximately".
+A layer holds its parameters (and the rotary tables); the arithmetic is a kernel op chosen
+for this process (serve/executor/ops.py), whose reference (kernels/reference.py) reproduces
+Hugging Face's arithmetic order and float32 upcasts, so the engine's logits match
+transformers to float32 rounding, not just "approximately".
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping
-from types import ModuleType
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pdserve import envs
-
-
-@functools.cache
-def cpu_kernels() -> ModuleType | None:
-    """pdserve's compiled CPU ops (kernels/cpu_ops.py), or None: switched off by
-    PDSERVE_CPU_KERNELS=0, or not buildable here. Decided once per process."""
-    if not envs.cpu_kernels():
-        return None
-    from pdserve.kernels import cpu_ops
-
-    return cpu_ops.load()
-
-
-def fused_fp32(x: torch.Tensor) -> ModuleType | None:
-    """The compiled ops when they apply to x (an fp32 CPU tensor), else None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    return cpu_kernels()
+from pdserve.serve.executor.ops import cpu_kernels as cpu_kernels  # re-exported (benchmarks)
+from pdserve.serve.executor.ops import kernel
 
 
 class RMSNorm(nn.Module):
@@ -52,29 +34,14 @@ class RMSNorm(nn.Module):
         The pre-norm block reads `h = h + f(norm(h))`: fusing the add here saves one pass and
         hands the sum on as the next residual.
         """
-        ops = fused_fp32(x)
-        if ops is not None and x.dim() == 2 and self.weight.dtype == torch.float32:
-            normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return normed, residual
-        if residual is not None:
-            x = x + residual
-        residual = x
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(input_dtype), residual
+        return kernel("rms_norm")(x, residual, self.weight, self.eps)
 
 
 class SiluAndMul(nn.Module):
     """[.., 2 * d] (gate | up) -> [.., d] = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_fp32(x)
-        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
-            return ops.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return kernel("silu_and_mul")(x)
 
 
 def rope_parameters(hf_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,37 +188,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H, D], key [T, Hkv, D] -> rotated (query, key); with the CPU kernels
-        (NeoX layout, fp32) the rotation is in place in the caller's tensors."""
-        ops = fused_fp32(query)
-        if ops is not None and not self.is_interleaved and key.dtype == torch.float32 \
-                and query.stride(-1) == 1 and key.stride(-1) == 1:
-            cos, sin = (t.reshape(t.shape[0], t.shape[-1]) for t in cos_sin)
-            ops.rotary_neox_(query, cos, sin, self.rotary_dim)
-            ops.rotary_neox_(key, cos, sin, self.rotary_dim)
-            return query, key
-        rotate = _rotate_interleaved if self.is_interleaved else _rotate_neox
-        return (_apply_rotary(rotate, query, cos_sin, self.rotary_dim),
-                _apply_rotary(rotate, key, cos_sin, self.rotary_dim))
-
-
-def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # The table is [freqs | freqs]: its first half has one entry per pair.
-    half = cos.shape[-1] // 2
-    cos, sin = cos[..., :half], sin[..., :half]
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-
-
-def _apply_rotary(rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                  x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary_dim: int
-                  ) -> torch.Tensor:
-    cos, sin = cos_sin
-    if rotary_dim == x.shape[-1]:
-        return rotate(x, cos, sin)
-    return torch.cat((rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+        """query [T, H, D], key [T, Hkv, D] -> rotated (query, key) (kernels/reference.py
+        rotary); the CPU kernel rotates in place, in the caller's tensors."""
+        return kernel("rotary")(query, key, cos_sin, self.rotary_dim, self.is_interleaved)

@@ -121,23 +121,20 @@ def cpu_has_native(dtype: str) -> bool:
 
 def cpu_reads_half_panels() -> bool:
     """Whether pdserve's CPU kernels here read half-precision weights in their panel layout
-    (built for AVX-512, where ATen dispatches AVX512 too; serve/parallel.panel_dtype)."""
+    (built for AVX-512, where ATen dispatches AVX512 too; kernels/cpu_linear.py panel_dtype)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device_type: str | None) -> str:
     """dtype "auto" is the checkpoint's, except that a half-precision checkpoint on a CPU runs
-    in float32 where that is the faster, which converting its weights keeps exact:
-    - where the CPU has no native arithmetic for it (AVX2; measured on this project's
-      machines with the llama-mid-like model): decode 11.5 against 15.1 ms a step at batch
-      1 and 23 against 58 at batch 8, a 256-token prefill 0.30 against 1.50 s;
+    in float32, which converting its weights keeps exact:
+    - where the CPU has no native arithmetic for it (AVX2), half-precision math is emulated
+      and slower than float32;
     - where the kernels read half-precision panels (AVX-512): the products read the
-      checkpoint's own 2-byte weights and multiply in fp32 (serve/parallel.panel_dtype), a
-      prefill's on AMX where the CPU has it (kernels/csrc/amx_gemm.cpp). On an AVX-512 + AMX
-      host, llama-mid-like in bf16: decode 1.7 against 5.7 ms a step at batch 1 and 3.7
-      against 8.2 at batch 8; a 256-token prefill 36 against 27 ms, 1024 tokens 169 against
-      115 (bf16 attention is the rest), so `--dtype bfloat16` stays the choice for
-      prefill-only work."""
+      checkpoint's own 2-byte weights and multiply in fp32 (kernels/cpu_linear.py
+      panel_dtype), a prefill's on AMX where the CPU has it (kernels/csrc/amx_gemm.cpp);
+      attention then runs in float32, so for prefill-only work `--dtype bfloat16` may be
+      the faster (docs/benchmarks.md has the numbers)."""
     if requested != "auto":
         return requested
     if device_type == "cpu" and checkpoint_dtype in ("bfloat16", "float16"):

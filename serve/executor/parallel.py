@@ -23,9 +23,6 @@ cannot clash.
 
 from __future__ import annotations
 
-import functools
-import math
-from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -33,10 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve import envs
+from pdserve.kernels.cpu_linear import pack_panels as pack_panels  # re-exported (tests)
+from pdserve.kernels.cpu_linear import unpack as unpack  # re-exported (tests)
 from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.fp8 import dequantize_rows, fp8_linear, scale_shard
-from pdserve.serve.executor.layers import cpu_kernels, fused_fp32
+from pdserve.serve.executor.ops import kernel, prepacks
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -64,118 +62,33 @@ def _copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-@functools.cache
-def skinny_max_rows(ops: ModuleType) -> int:
-    """Up to this many rows the compiled skinny product (kernels/csrc/skinny_gemm.cpp) reads
-    the plain weight; past it oneDNN's packed layout wins. It depends on the build: 32 where
-    the kernels compiled for AVX-512, 12 for AVX2 (measured on the llama-mid-like model's
-    weights, 2 cores; AVX2: 4.1 against 5.4 ms at 1 row, 6.4 against 9.0 at 8, 9.1 against 10.1
-    at 12, 11.7 against 11.5 at 16; AVX-512: see benchmarks/results/README.md)."""
-    return int(ops.skinny_max_rows())
-
-
-@functools.cache
-def amx_rows(ops: ModuleType) -> float:
-    """From this many rows on, bf16 panels multiply on AMX (kernels/csrc/amx_gemm.cpp: x split
-    in three bf16 pieces, fp32 sums, about twice the fp32 panels' speed on a prefill's rows);
-    infinity where the CPU, the build or PDSERVE_CPU_AMX=0 says no. Below it a step keeps the
-    panels (the fused decode loop decides alike, serve/cpu/fused_decode.py), so a row's bits
-    change only where its step crosses this many rows."""
-    if not envs.cpu_amx() or not hasattr(ops, "amx_available") or not ops.amx_available():
-        return math.inf
-    return int(ops.amx_min_rows())
-
-
 def can_prepack(weight: torch.Tensor) -> bool:
-    """A packed copy pays on CPU for fp32 weights (see `prepack`). bf16 weights stay plain:
-    oneDNN refuses a bf16 reorder where the CPU lacks bf16 support."""
+    """A packed copy pays on CPU for fp32 weights (the prepack op, serve/executor/ops.py).
+    bf16 weights stay plain: oneDNN refuses a bf16 reorder where the CPU lacks bf16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.dim() == 2 and envs.cpu_prepack() and torch.backends.mkldnn.is_available())
+            and weight.dim() == 2 and prepacks() and torch.backends.mkldnn.is_available())
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in the layout `linear` multiplies by without reordering it:
-    - where the CPU kernels compiled for AVX-512, pdserve's panels (`pack_panels`), which
-      serve every row count: on the llama-mid-like model's four products, 8 layers, 2 cores,
-      1.9 / 2.9 / 5.0 ms at 8 / 16 / 32 rows against 2.2 / 3.7 / 7.0 for the plain-layout
-      skinny kernel and 3.4 / 4.1 / 6.6 for oneDNN; a whole prefill within 1-7% of oneDNN's
-      (benchmarks/results/README.md), so one packed copy serves both;
-    - elsewhere oneDNN's blocked layout (an opaque mkldnn tensor of the same shape), for the
-      many rows of a prefill (a [2048, 512] x [512, 2816] product: 38 ms packed against 51
-      ms for F.linear on an AVX2 host); decode steps there read the plain weight."""
-    ops = cpu_kernels()
-    width = int(ops.panel_width()) if ops is not None else 0
-    if width:
-        return pack_panels(weight.detach(), width).to(panel_dtype(weight))
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight [out, in] in the layout this process's linear op multiplies by without
+    reordering it (kernels/cpu_linear.py: pdserve's panels, or oneDNN's blocked layout)."""
+    return kernel("prepack")(weight)
 
 
-def panel_dtype(weight: torch.Tensor) -> torch.dtype:
-    """What the panels store: bf16 or fp16 where every value of the fp32 weight is exactly one
-    of theirs (a half-precision checkpoint run in float32, see serve/loader.resolve_dtype),
-    else fp32. The kernel widens them exactly and multiplies in fp32, so the products are the
-    same bits either way, read in half the bytes: the llama-mid-like model's four products, 8
-    layers, 2 AVX-512 cores, 1.0-1.1 against 2.0 ms at 1 row, 1.5 against 2.3 at 8, equal at
-    32, 4-6% slower at 256 rows (there the widening costs compute)."""
-    for half in (torch.bfloat16, torch.float16):
-        narrowed = weight.detach().to(half)
-        if torch.equal(narrowed.to(weight.dtype), weight.detach()):
-            return half
-    return weight.dtype
-
-
-def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """W [N, K] in the panel layout of kernels/csrc/skinny_gemm.cpp `panel_linear`: panel p
-    is columns [width p, width p + w) of W^T stored k-major ([K, w] contiguous; w = width
-    but for the last panel's N mod width), the panels one after another in one flat tensor
-    of N K floats."""
-    n, k = weight.shape
-    full = n // width * width
-    parts = [weight[:full].reshape(-1, width, k).transpose(1, 2).reshape(-1)]
-    if full < n:
-        parts.append(weight[full:].t().reshape(-1))
-    return torch.cat(parts)
-
-
-def unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The plain [out, in] weight back from either packed layout (tests compare it)."""
-    if packed.is_mkldnn:
-        return packed.to_dense()
-    n, k = shape
-    width = int(cpu_kernels().panel_width())
-    full = n // width * width
-    packed = packed.float()  # panels may store bf16 or fp16 (panel_dtype)
-    head = packed[: full * k].view(-1, k, width).transpose(1, 2).reshape(full, k)
-    return torch.cat([head, packed[full * k:].view(k, n - full).t()])
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's packed copy for the CPU path in force; None where it stays plain."""
+    return prepack(weight) if can_prepack(weight) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None, fp8_scale: torch.Tensor | None = None,
            fp8_block_k: int = 128) -> torch.Tensor:
-    """x W^T + b: pdserve's panels when W has them (any row count), else the skinny kernel
-    for a decode step's few rows (plain fp32 W on CPU), oneDNN's packed copy of W for more
-    rows when there is one, else torch. An FP8 W (with its per-row block scales,
-    serve/executor/fp8.py) goes to fp8_linear."""
+    """x W^T + b by this process's linear op (serve/executor/ops.py), reading `packed` where
+    prepack made it; an FP8 W (with its per-row block scales, serve/executor/fp8.py) goes to
+    fp8_linear."""
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias, fp8_block_k)
-    if packed is not None and not packed.is_mkldnn:  # panels
-        if x.dtype != torch.float32:
-            return F.linear(x, weight, bias)
-        rows = x.reshape(-1, x.shape[-1])
-        rows = rows if rows.stride(1) == 1 else rows.contiguous()
-        ops = cpu_kernels()
-        if packed.dtype == torch.bfloat16 and amx_rows(ops) <= rows.shape[0]:
-            y = ops.amx_panel_linear(rows, packed, bias)
-        else:
-            y = ops.panel_linear(rows, packed, bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
-    if x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
-        ops = fused_fp32(x)
-        if ops is not None and x.shape[0] <= skinny_max_rows(ops):
-            return ops.skinny_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return kernel("linear")(x, weight, bias, packed)
 
 
 class PrepackedLinear(nn.Module):
@@ -199,8 +112,11 @@ class PrepackedLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Loader hook (after every parent's hook, which may still read the plain weight)."""
-        if can_prepack(self.weight):
-            self.packed = prepack(self.weight)
+        self.repack()
+
+    def repack(self) -> None:
+        """The packed copy for the CPU path in force (none where it keeps weights plain)."""
+        self.packed = packed_copy(self.weight)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's weight [out, in] in `dtype`, dequantized when it is FP8."""
@@ -216,6 +132,12 @@ class PrepackedLinear(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, bias, self.packed, self.weight_scale_inv,
                       self.fp8_block_k)
+
+
+def product_matrix(layer: PrepackedLinear | ParallelLMHead) -> torch.Tensor:
+    """The weight a layer's product reads: its panels where it has them, else W [out, in]."""
+    packed = layer.packed
+    return packed if packed is not None and not packed.is_mkldnn else layer.weight
 
 
 def _rows(param: nn.Parameter, loaded: ShardSource, start: int, length: int) -> torch.Tensor:
@@ -420,8 +342,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         """A packed copy for the CPU matmul library (a tied head shares the embedding's plain
         rows and packs its own copy)."""
-        if can_prepack(self.weight):
-            self.packed = prepack(self.weight)
+        self.repack()
+
+    def repack(self) -> None:
+        """The packed copy for the CPU path in force (none where it keeps weights plain)."""
+        self.packed = packed_copy(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         logits = linear(hidden, self.weight, None, self.packed)  # [N, vocab_per_rank]

@@ -252,14 +252,15 @@ def split_micro_batches(step: StepInput, num_micro_batches: int) -> list[StepInp
 
 
 class StageRank(Protocol):
-    """What the pipeline needs of a rank (serve/executor/model_runner.py's _Rank)."""
+    """What the pipeline needs of a rank (serve/executor/rank.py's Rank)."""
 
     pp: PPGroup
     device: torch.device
 
     def run_model(self, step: StepInput, kv_caches: list[torch.Tensor],
                   layer_done: Any = None,
-                  carried: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any: ...
+                  carried: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """A serve/models/base.py ModelOutput."""
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor | None: ...
 
@@ -302,9 +303,9 @@ def run_pipelined_step(rank: StageRank, step: StepInput, kv_caches: list[torch.T
         busy_start_s = time.perf_counter()
         out = rank.run_model(micro, kv_caches, carried=carried)
         if pp.stage.is_last:
-            finals.append(out)
+            finals.append(out.hidden)
         else:
-            hidden, residual = out
+            hidden, residual = out.carried
             outgoing = torch.stack([hidden, residual]).contiguous()
             sends.append((dist.isend(outgoing, dst=pp.next_rank, tag=m), outgoing))
         busy_s += time.perf_counter() - busy_start_s

@@ -4,12 +4,13 @@ and the LM head (tied to the embedding or not). A model file only builds its lay
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pdserve.serve.cpu.fused_decode import FusedDecode
+from pdserve.serve.cpu.fused_decode import FusedDecode, FusedDecodeWeights, build_fused_decode
 from pdserve.serve.executor.attention import AttentionMetadata
 from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding, SiluAndMul
@@ -32,6 +33,27 @@ QKV_PACKED: PackedMapping = {
     "v_proj": ("qkv_proj", "v"),
 }
 GATE_UP_PACKED: PackedMapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """What a forward pass returns."""
+
+    hidden: torch.Tensor
+    """[T, hidden]: the final (normed) hidden states; on a pipeline stage before the last,
+    its last layer's output."""
+    residual: torch.Tensor | None = None
+    """On a pipeline stage before the last: the residual that travels on with `hidden`."""
+    logits: torch.Tensor | None = None
+    """[T, vocab] for every row of `hidden`, where the fused decode loop computed them with
+    the hidden states (serve/cpu/fused_decode.py); None otherwise (compute_logits makes
+    them)."""
+
+    @property
+    def carried(self) -> Carried:
+        """(hidden, residual) for the next pipeline stage."""
+        assert self.residual is not None, "only a stage before the last carries a residual"
+        return self.hidden, self.residual
 
 
 def require_divisible(hf_config: Mapping[str, Any], key: str, tp: TPGroup) -> None:
@@ -131,23 +153,21 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, layer_done: LayerDone | None = None,
-                carried: Carried | None = None) -> torch.Tensor | Carried:
-        """carried: what the previous pipeline stage returned (None on the first)."""
+                carried: Carried | None = None, fused: FusedDecode | None = None
+                ) -> ModelOutput:
+        """carried: what the previous pipeline stage returned (None on the first); fused: the
+        model's fused decode loop, which runs the layers of a step it applies to."""
         residual: torch.Tensor | None = None
         if carried is None:
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
         else:
             hidden, residual = carried
-        fused = self.fused_decode() if layer_done is None and self.stage.is_whole else None
-        self.__dict__.pop("_decode_logits", None)
         # (the fused loop reads and writes a model-dtype cache: an FP8 one takes the layers)
         if (fused is not None and fused.applies(hidden, meta)
                 and kv_caches[0].dtype == hidden.dtype):
             hidden, second = fused(hidden, kv_caches, meta)  # its own rotary rows
             if fused.ends_normed:  # the final norm ran too, and perhaps the LM head
-                if second is not None:
-                    self.__dict__["_decode_logits"] = (hidden, second)
-                return hidden
+                return ModelOutput(hidden, logits=second)
             residual = second
         else:
             cos_sin = self.rotary_emb.cos_sin(meta.positions, hidden.dtype)
@@ -156,34 +176,13 @@ class DecoderModel(nn.Module):
                 if layer_done is not None:
                     layer_done(i)
         if not self.stage.is_last:
-            return hidden, residual
+            return ModelOutput(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return ModelOutput(hidden)
 
-    @property
-    def decode_head(self) -> nn.Module | None:
-        """The LM head, which CausalLM owns: held here outside the module tree (no second
-        copy of its weight in the state dict) for the fused decode loop to multiply by."""
-        return self.__dict__.get("_decode_head")
-
-    def share_head(self, head: nn.Module | None) -> None:
-        self.__dict__["_decode_head"] = head
-
-    def take_decode_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The logits the fused loop computed for exactly these final hidden states (the
-        tensor its forward returned), once; None for any other tensor."""
-        computed = self.__dict__.pop("_decode_logits", None)
-        return computed[1] if computed is not None and computed[0] is hidden else None
-
-    def fused_decode(self) -> FusedDecode | None:
-        """The layer loop of a decode step as one compiled call (serve/cpu/fused_decode.py), built
-        on first use from the loaded weights; None where the model has none."""
-        if "_fused_decode" not in self.__dict__:
-            self.__dict__["_fused_decode"] = self.build_fused_decode()
-        return self.__dict__["_fused_decode"]
-
-    def build_fused_decode(self) -> FusedDecode | None:
-        """A model family with a fused decode loop returns it here."""
+    def fused_decode_weights(self, lm_head: nn.Module | None) -> FusedDecodeWeights | None:
+        """What the fused decode loop reads (serve/cpu/fused_decode.py), declared by a model
+        family that has one, from its loaded weights; None here: the layers run as modules."""
         return None
 
 
@@ -192,6 +191,11 @@ class CausalLM(nn.Module):
     then call add_lm_head."""
 
     model: DecoderModel
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused_decode: FusedDecode | None = None
+        self._fused_decode_built = False
 
     def add_lm_head(self, hf_config: Mapping[str, Any], tp: TPGroup) -> None:
         """The LM head, on the last pipeline stage only."""
@@ -202,7 +206,6 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf_config["vocab_size"], hf_config["hidden_size"], tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.model.share_head(self.lm_head)
 
     @property
     def pipeline_stage(self) -> PipelineStage:
@@ -211,14 +214,30 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, layer_done: LayerDone | None = None,
-                carried: Carried | None = None) -> torch.Tensor | Carried:
-        """input_ids [T] -> final hidden states [T, hidden]; layer_done(i) runs as soon as
-        layer i has written its KV (the KV hand-off saves layer by layer from there). A
-        pipeline stage other than the last returns (hidden, residual) instead."""
-        return self.model(input_ids, kv_caches, meta, layer_done, carried)
+                carried: Carried | None = None) -> ModelOutput:
+        """input_ids [T] -> the final hidden states [T, hidden] (and, from a fused decode
+        step, their logits); layer_done(i) runs as soon as layer i has written its KV (the KV
+        hand-off saves layer by layer from there, so such a step runs the layers as modules).
+        A pipeline stage other than the last returns (hidden, residual) for the next."""
+        fused = (self.fused_decode() if layer_done is None and self.model.stage.is_whole
+                 else None)
+        return self.model(input_ids, kv_caches, meta, layer_done, carried, fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks); a fused decode step's
-        final hidden states come with theirs already (serve/cpu/fused_decode.py)."""
-        logits = self.model.take_decode_logits(hidden)
-        return logits if logits is not None else self.lm_head(hidden)
+        """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""
+        return self.lm_head(hidden)
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The layer loop of a decode step as one compiled call (serve/cpu/fused_decode.py),
+        built on first use from the loaded weights the model declares; None where it has
+        none."""
+        if not self._fused_decode_built:
+            self._fused_decode = build_fused_decode(
+                self.model.fused_decode_weights(self.lm_head))
+            self._fused_decode_built = True
+        return self._fused_decode
+
+    def rebuild_fused_decode(self) -> None:
+        """Forget the fused loop: the next decode step builds it for the CPU path in force
+        (serve/cpu/tuning.py apply, after the weights were packed again)."""
+        self._fused_decode, self._fused_decode_built = None, False

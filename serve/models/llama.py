@@ -20,13 +20,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.cpu.fused_decode import FusedDecode, build_llama_fused_decode
+from pdserve.serve.cpu.fused_decode import FusedDecodeWeights, FusedLayerWeights
 from pdserve.serve.executor.attention import Attention, AttentionMetadata
 from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding
 from pdserve.serve.executor.parallel import (
     QKVParallelLinear,
     RowParallelLinear,
+    product_matrix,
 )
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
@@ -93,6 +94,18 @@ class LlamaDecoderLayer(DecoderLayer):
     def build_mlp(self, hf_config: Mapping[str, Any], layer_id: int, tp: TPGroup) -> None:
         self.mlp = dense_mlp(hf_config, tp)
 
+    def fused_weights(self) -> FusedLayerWeights:
+        """This (dense) layer's tensors for the fused decode loop."""
+        attn, mlp = self.self_attn, self.mlp
+        gate_up, down = mlp._modules[mlp.gate_up_name], mlp._modules[mlp.down_name]
+        return FusedLayerWeights(
+            input_norm=self.input_layernorm.weight,
+            qkv=product_matrix(attn.qkv_proj), qkv_bias=attn.qkv_proj.bias,
+            o_proj=product_matrix(attn.o_proj), o_bias=attn.o_proj.bias,
+            post_norm=self.post_attention_layernorm.weight,
+            gate_up=product_matrix(gate_up), gate_up_bias=gate_up.bias,
+            down=product_matrix(down), down_bias=down.bias)
+
 
 class LlamaModel(DecoderModel):
     def __init__(self, hf_config: Mapping[str, Any], max_positions: int, qkv_bias: bool,
@@ -101,8 +114,22 @@ class LlamaModel(DecoderModel):
         super().__init__(hf_config, tp, rotary_emb, lambda _: LlamaDecoderLayer(
             hf_config, rotary_emb, qkv_bias, tp, backend_name))
 
-    def build_fused_decode(self) -> FusedDecode | None:
-        return build_llama_fused_decode(self.layers, self.norm, self.decode_head)
+    def fused_decode_weights(self, lm_head: nn.Module | None) -> FusedDecodeWeights | None:
+        """Every layer is a dense LlamaDecoderLayer of one NeoX rotary table and one eps: the
+        fused loop can run them where this is one tensor-parallel rank, one pipeline stage,
+        and the "cpu" attention backend reads the cache."""
+        attn = self.layers[0].self_attn
+        if (not self.stage.is_whole or attn.attn.backend.name != "cpu"
+                or attn.qkv_proj.tp.size != 1 or self.rotary_emb.is_interleaved):
+            return None
+        return FusedDecodeWeights(
+            layers=[layer.fused_weights() for layer in self.layers],
+            eps=self.norm.eps, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, rotary_dim=self.rotary_emb.rotary_dim,
+            scale=attn.attn.scale,
+            rotary_tables=(self.rotary_emb.cos_cache, self.rotary_emb.sin_cache),
+            final_norm=self.norm.weight,
+            head=None if lm_head is None else product_matrix(lm_head))
 
 
 class LlamaForCausalLM(CausalLM):

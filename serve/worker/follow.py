@@ -3,11 +3,12 @@ FollowPrefill, protocol/worker.py).
 
 Without it a hand-off's blocks are copied into the decode pool when the hand-off arrives: on
 one core that copy is the whole wait between the prefill's last layer and the request joining
-the batch (1.0-1.2 ms for 256 llama-mid tokens). With it:
+the batch. With it:
 
     prefill worker                           decode worker
     forward, layer 0 staged in the segment   FollowPrefill: reserve the prompt's blocks, map
-      (Output.staging -> router) ----------->   the staging (serve/worker/gateway.py -> here)
+      (StagingAnnouncer: Output.staging       the staging (serve/worker/gateway.py -> here)
+       -> router) ------------------------->
     layer 1 ... L-1: each layer's copy,      each loop turn: copy the layers the header counts
       then header progress = l + 1             into the reserved blocks (copy_ready)
     save put, lease, hand-off Output ------> GenerateRequest(handoff): copy what is left (the
@@ -27,7 +28,7 @@ early and every layer is copied when the hand-off arrives. Nor does an idle deco
 that lends its cores to the prefill (serve/cpu/core_share.py) copy layers while they come: the
 copies would only stall the prefill's thread on its core (the worker says so:
 `copy_early`). It copies them all once every layer is staged (the prefill on borrowed cores
-announces its staging only then, serve/worker/gateway.py), overlapping the forward's tail and the
+announces its staging only then, StagingAnnouncer), overlapping the forward's tail and the
 hand-off's trip instead.
 """
 
@@ -41,12 +42,45 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvstore.shm_segment import TOTAL_STORE_ORDER
-from pdserve.protocol.worker import FollowPrefill, KVHandoff, KVStaging
+from pdserve.protocol.store.data import ShmSegment, ShmSpan
+from pdserve.protocol.worker import FollowPrefill, KVHandoff, KVStaging, Output
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
 
 logger = logging.getLogger(__name__)
 
 FOLLOW_IDLE_S = 60.0  # no progress and no hand-off for this long: the reservation goes back
+
+
+class StagingAnnouncer:
+    """The prefill side: when a save starts staging in the worker's segment, say where at
+    once (mid-forward, on its thread), for the router to forward to a decode worker on this
+    host. The connector calls it (KVConnector on_staged) where following is chosen
+    (serve/worker/kv_transfer.py choose_handoff)."""
+
+    def __init__(self, engine, send: Callable[[Output], None]) -> None:
+        """`send`: sends an Output at once (the worker's)."""
+        self.engine = engine
+        self.send = send
+        self.borrowing_cores = False
+        """This worker runs on an idle decode worker's cores now (serve/cpu/core_share.py). A
+        staging that starts then is announced only once every layer is staged: during the
+        forward that decode worker would copy nothing (Followers.copy_early), and the
+        messages would only take core time from this forward's thread there; after it, the
+        copy overlaps the forward's tail instead."""
+
+    def __call__(self, request_id: str, segment: ShmSegment, span: ShmSpan, num_blocks: int,
+                 staged: bool) -> bool:
+        """A save started staging (`staged`: it is complete now). Returns whether it was
+        said (False: ask again when every layer is staged)."""
+        engine = self.engine
+        if engine.role.name != "prefill":
+            return True  # (nothing to say, ever)
+        if self.borrowing_cores and not staged:
+            return False
+        kv_cache_dtype = engine.spec.kv_layout(engine.block_manager.block_size).dtype
+        self.send(Output(request_id, [], "", staging=KVStaging(segment, span, num_blocks,
+                                                                kv_cache_dtype)))
+        return True
 
 
 @dataclass
@@ -138,16 +172,13 @@ class Followers:
         follow = self._follows.get(request_id)
         if follow is None:
             return None
-        if handoff.choice_first_tokens or not self._names_staging(handoff, follow.staging):
+        if handoff.choice_first_tokens or not self.kv_transfer.names_staging(
+                handoff, follow.staging):
             self.drop(request_id)
             return None
         del self._follows[request_id]
         self._copy(follow, self.num_layers)
         return follow.block_ids, follow.intact
-
-    def _names_staging(self, handoff: KVHandoff, staging: KVStaging) -> bool:
-        return (handoff.shm_segment == staging.segment and handoff.shm_spans
-                == self.kv_transfer.connector.staging_spans(staging.span, staging.num_blocks))
 
     def drop(self, request_id: str) -> None:
         """Give a follow's reserved blocks back (abort, a hand-off elsewhere); idempotent."""

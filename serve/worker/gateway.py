@@ -1,5 +1,5 @@
-"""The worker's hand-off component: requests in from the wire, deltas out to it, and the KV
-that crosses between prefill and decode in the middle.
+"""The worker's request gateway: requests in from the wire, deltas out to it, and the KV that
+crosses between prefill and decode in the middle.
 
     GenerateRequest ─► add ─┬─ new prompt ─────────────► engine (prefill: maybe a store prefix
                             │                                      load first, see below)
@@ -25,8 +25,9 @@ phase_seconds, see protocol/worker.py), from its arrival here and the engine's s
 
 On one host the decode side can start before the hand-off: a prefill worker announces each
 save that stages in its shared memory segment (Output.staging, sent as the forward stages its
-first layer), the router forwards it (FollowPrefill), and the decode worker reserves blocks
-and copies the layers as they land (serve/worker/follow.py); the hand-off then only finishes it.
+first layer: follow.py's StagingAnnouncer), the router forwards it (FollowPrefill), and the
+decode worker reserves blocks and copies the layers as they land (serve/worker/follow.py); the
+hand-off then only finishes it.
 """
 
 from __future__ import annotations
@@ -37,13 +38,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from pdserve import envs
-from pdserve.protocol.store import ShmSegment, ShmSpan
 from pdserve.protocol.worker import (
     FollowPrefill,
     GenerateRequest,
     KVHandoff,
-    KVStaging,
     Output,
     TokenLogprob,
 )
@@ -52,7 +50,7 @@ from pdserve.serve.engine.engine import Engine
 from pdserve.serve.engine.prompt_logprobs import wants_prompt_logits, wire_prompt_logprobs
 from pdserve.serve.engine.request import RequestOutput
 from pdserve.serve.engine.roles import make_role
-from pdserve.serve.worker.follow import Followers
+from pdserve.serve.worker.follow import Followers, StagingAnnouncer
 from pdserve.serve.worker.kv_transfer import KVTransfer, TransferDone
 
 logger = logging.getLogger(__name__)
@@ -68,26 +66,18 @@ def check_kv_cache_dtype(handoff: KVHandoff, mine: str) -> None:
             "start prefill and decode workers with the same --kv-cache-dtype")
 
 
-class HandOff:
+class RequestGateway:
     def __init__(self, engine: Engine, role: str, worker_id: str,
                  kv_transfer: KVTransfer | None = None,
-                 send: Callable[[Output], None] | None = None) -> None:
-        """`send`: sends an Output at once (the worker's); a prefill worker announces its
-        stagings with it, in the middle of a forward."""
+                 announcer: StagingAnnouncer | None = None) -> None:
+        """`kv_transfer`: the worker's KV hand-off (serve/worker/kv_transfer.py
+        make_kv_transfer; None: decode recomputes prompts); `announcer`: what its connector
+        calls as a prefill's save starts staging (given to that transfer as it was made)."""
         self.engine = engine
         self.worker_id = worker_id
         self.kv_transfer = kv_transfer
-        self.send = send
-        self._announce = envs.handoff_follow()
-        self.borrowing_cores = False
-        """Prefill: this worker runs on an idle decode worker's cores now (serve/cpu/core_share.py).
-        A staging that starts then is announced only once every layer is staged: during the
-        forward that decode worker would copy nothing (serve/worker/follow.py), and the messages
-        would only take core time from this forward's thread there (0.3-0.5 ms of
-        layer_save, measured); after it, the copy overlaps the forward's tail instead."""
+        self.announcer = announcer
         self._followers = Followers(engine, kv_transfer) if kv_transfer is not None else None
-        if kv_transfer is not None:
-            kv_transfer.connector.on_staged = self._on_staged
         self._held: dict[str, RequestOutput] = {}  # prefill: hand-offs waiting for the save
         # Requests whose KV (decode: the whole prompt; prefill: a stored prefix) is loading,
         # and those loaded while no blocks were free.
@@ -111,6 +101,16 @@ class HandOff:
     @property
     def role(self) -> str:
         return self.engine.role.name
+
+    @property
+    def borrowing_cores(self) -> bool:
+        """Prefill: this worker runs on an idle decode worker's cores now (StagingAnnouncer)."""
+        return self.announcer is not None and self.announcer.borrowing_cores
+
+    @borrowing_cores.setter
+    def borrowing_cores(self, value: bool) -> None:
+        if self.announcer is not None:
+            self.announcer.borrowing_cores = value
 
     @property
     def num_loading(self) -> int:
@@ -175,19 +175,6 @@ class HandOff:
         if not self._followers.start(message, self._kv_cache_dtype):
             logger.debug("not following %s (cannot map, reserve, or not this layout)",
                          message.request_id)
-
-    def _on_staged(self, request_id: str, segment: ShmSegment, span: ShmSpan,
-                   num_blocks: int, staged: bool) -> bool:
-        """Prefill: a save started staging in the segment (`staged`: it is complete now); say
-        where, at once (mid-forward). Returns whether it was said (False: ask again when
-        every layer is staged; on borrowed cores, see borrowing_cores)."""
-        if self.send is None or self.role != "prefill" or not self._announce:
-            return True  # (nothing to say, ever)
-        if self.borrowing_cores and not staged:
-            return False
-        self.send(Output(request_id, [], "", staging=KVStaging(
-            segment, span, num_blocks, self._kv_cache_dtype)))
-        return True
 
     def _add_new(self, message: GenerateRequest) -> None:
         """From the prompt; or, migrated from a worker that died (resume_output_ids), from

@@ -12,8 +12,21 @@
                                                   worker's TP ranks, join the batch
     meanwhile: a write-back copy goes to the fleet store (prefixes for later requests)
 
-Without a hand-off node (`--handoff-dram-gb 0`) the prompt is saved to the fleet store and
-decode loads it from there (two hops through the store server).
+Which hand-off a worker runs is chosen here, once, from its flags and the environment
+(choose_handoff; the transports themselves are kvstore/handoff_transport.py's):
+
+    transport  node   the worker's own hand-off node (`--handoff-dram-gb` > 0): the path above,
+                      KV bytes over UCX, or as ZeroMQ frames where ucxx is missing
+               store  `--handoff-dram-gb 0`: the prompt is saved to the fleet store and decode
+                      loads it from there (two hops through the store server)
+    shm        the node stages prompts in a shared memory segment, and a decode worker on its
+               host copies them straight out of it (PDSERVE_HANDOFF_SHM, default on)
+    follow     with shm, a prefill worker announces each staging as its forward starts it, and
+               a decode worker on its host copies the layers as they land (serve/worker/
+               follow.py; PDSERVE_HANDOFF_FOLLOW, default on)
+
+Nothing else in the worker reads those flags or variables: the gateway, the roles and the
+connector get what was chosen through their constructors.
 
 Stored blocks are TP-independent ([num_layers, P, block_size, all KV heads, head_dim], P = 2
 for K/V or 1 for an MLA latent; see kvstore/connector.py), and this side always moves
@@ -30,19 +43,92 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve import envs
 from pdserve.kvstore.block_key import block_keys, next_key
-from pdserve.kvstore.connector import KVConnector, TransferResult
-from pdserve.protocol.store import ShmSegment, ShmSpan
+from pdserve.kvstore.connector import KVConnector, OnStaged, TransferResult
+from pdserve.protocol.store.data import ShmSegment, ShmSpan
 from pdserve.protocol.worker import KVHandoff, KVStaging
 from pdserve.serve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.serve.worker.server import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class HandoffChoice:
+    """How this worker hands KV off (see the module docstring)."""
+
+    transport: str
+    """A hand-off transport by name (kvstore/handoff_transport.py TRANSPORTS): node | store."""
+    shm: bool = True
+    """Same host: the node stages prompts in shared memory, and this worker reads the
+    segments of the nodes it loads from."""
+    follow: bool = True
+    """Same host, with shm: a prefill announces its stagings, for decode workers to follow."""
+
+    def __post_init__(self) -> None:
+        from pdserve.kvstore.handoff_transport import TRANSPORTS
+
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"hand-off transport must be one of {sorted(TRANSPORTS)}, "
+                             f"got {self.transport!r}")
+
+    @classmethod
+    def from_env(cls, transport: str) -> HandoffChoice:
+        """`transport`, with the same-host paths as the environment says."""
+        return cls(transport, shm=envs.handoff_shm(), follow=envs.handoff_follow())
+
+
+def choose_handoff(config: WorkerConfig) -> HandoffChoice | None:
+    """The one place a worker's flags and environment pick its hand-off; None: it hands
+    nothing off (a colocated worker, or neither a node nor a store: decode recomputes)."""
+    if config.role == "colocated" or (config.store_address is None
+                                      and config.store_master_address is None
+                                      and config.handoff_dram_gb == 0):
+        return None
+    return HandoffChoice.from_env("node" if config.handoff_dram_gb > 0 else "store")
+
+
+def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = None
+                     ) -> KVTransfer | None:
+    """The worker's KV transfer, as choose_handoff picks it; None for a colocated worker or
+    when neither a node nor a store can be had (decode then recomputes prompts).
+    `on_staged`: a prefill's announcer of its stagings (serve/worker/follow.py), used where
+    following is chosen."""
+    choice = choose_handoff(config)
+    if choice is None:
+        return None
+    node = None
+    try:
+        if choice.transport == "node":
+            from pdserve.kvstore.connector import block_nbytes
+            from pdserve.kvstore.handoff_node import HandoffNode
+
+            layout = engine.runner.spec.kv_layout(engine.runner.block_size)
+            nbytes = int(config.handoff_dram_gb * (1 << 30))
+            node = HandoffNode(config.name, config.host,
+                               max(1, nbytes // block_nbytes(layout)),
+                               config.kv_lease_ttl_s, config.store_timeout_s,
+                               shm_bytes=nbytes if choice.shm else 0)
+        return KVTransfer.connect(
+            engine.runner, engine.block_manager, config.store_address,
+            config.store_master_address, timeout_s=config.store_timeout_s,
+            lease_ttl_s=config.kv_lease_ttl_s, handoff_node=node, shm=choice.shm,
+            on_staged=on_staged if choice.follow else None)
+    except Exception as exc:  # the KV cache is a cache: serve by recomputing
+        logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
+                       config.store_address, exc)
+        if node is not None:
+            node.close()
+        return None
 
 
 @dataclass
@@ -95,11 +181,13 @@ class KVTransfer:
     @classmethod
     def connect(cls, runner, block_manager, data_address: str | None,
                 master_address: str | None = None, timeout_s: float = 10.0,
-                lease_ttl_s: float = 30.0, handoff_node=None) -> KVTransfer:
+                lease_ttl_s: float = 30.0, handoff_node=None, shm: bool = True,
+                on_staged: OnStaged | None = None) -> KVTransfer:
         """A transfer over this worker's hand-off node (a HandoffNode: saves land there and
         decode workers read them from it) and/or the fleet store at `data_address`. Saved
         blocks stay pinned under a lease of `lease_ttl_s` until the decode worker has loaded
-        them (or the lease expires)."""
+        them (or the lease expires). `shm`: read the segments of the nodes this worker loads
+        from on its host (HandoffChoice.shm); `on_staged`: see KVConnector."""
         from pdserve.kvstore.client import StoreClient
         from pdserve.kvstore.fleet_client import connect_store
 
@@ -115,7 +203,7 @@ class KVTransfer:
         def connect(address: str) -> StoreClient:
             # a prefill worker answers in milliseconds or is gone: fall back to the store soon
             peer = StoreClient(address, timeout_s=min(timeout_s, PEER_TIMEOUT_S), holder=holder,
-                               shm=envs.handoff_shm())
+                               shm=shm)
             logger.info("hand-off source %s (KV bytes over %s)", address, peer.transport)
             return peer
 
@@ -123,7 +211,7 @@ class KVTransfer:
         _log_memory_choice(runner.device, client)
         return cls(runner, block_manager, KVConnector(
             client, layout, timeout_s=timeout_s, lease_ttl_s=lease_ttl_s,
-            handoff_node=handoff_node, connect=connect))
+            handoff_node=handoff_node, connect=connect, on_staged=on_staged))
 
     def prompt_keys(self, request: Request, block_keys: list[bytes]) -> list[bytes]:
         """Keys of every block holding the prompt: the full ones, then the partial tail."""
@@ -242,14 +330,20 @@ class KVTransfer:
         meanwhile, the lease having expired). None: load them (another host, no segment)."""
         if handoff.shm_segment is None or not handoff.shm_spans:
             return None
-        return self.connector.map_blocks(handoff.shm_segment, handoff.shm_spans)
+        return self.connector.segments.map_blocks(handoff.shm_segment, handoff.shm_spans)
 
     def map_staging(self, staging: KVStaging
                     ) -> tuple[list[torch.Tensor], Callable[[], int], Callable[[], bool]] | None:
         """A prompt that a prefill worker on this host is staging now (serve/worker/follow.py): per
         layer, the number of layers staged so far, and the check to make once copied; None
         where it cannot be mapped."""
-        return self.connector.map_staging(staging.segment, staging.span, staging.num_blocks)
+        return self.connector.segments.map_staging(staging.segment, staging.span,
+                                                   staging.num_blocks)
+
+    def names_staging(self, handoff: KVHandoff, staging: KVStaging) -> bool:
+        """Whether a hand-off names the blocks of that staging (what map_staging mapped)."""
+        return (handoff.shm_segment == staging.segment and handoff.shm_spans
+                == self.connector.segments.staging_spans(staging.span, staging.num_blocks))
 
     @property
     def can_write_layers(self) -> bool:
@@ -291,8 +385,8 @@ class KVTransfer:
     def totals(self) -> dict[str, float]:
         """Bytes moved and time spent since start (the worker reports them as metrics), and
         the leases its hand-off node holds now (hand-offs not yet read by decode)."""
-        node = self.connector.handoff_node
-        return {**self._totals, "num_handoff_leases": float(node.num_leases if node else 0)}
+        return {**self._totals,
+                "num_handoff_leases": float(self.connector.transport.num_leases)}
 
     def _finish(self, result: TransferResult) -> TransferDone | None:
         started_s = self._started_s.pop((result.kind, result.request_id), None)

@@ -37,19 +37,19 @@ from pdserve.protocol.worker import (
     StatusRequest,
     WorkerStatus,
 )
-from pdserve.serve.config import (
-    DTYPES,
-    KV_CACHE_DTYPES,
-    CacheConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.cpu.core_share import CoreBorrower, IdleFlag, Lender
 from pdserve.serve.engine.roles import ROLE_NAMES
 from pdserve.serve.engine.spec_decode import SpeculativeConfig
 from pdserve.serve.executor.distributed import RendezvousError
-from pdserve.serve.worker.gateway import HandOff
+from pdserve.serve.worker.args import (  # noqa: F401 (the flags; tests import them here)
+    add_arguments,
+    engine_configs_from_args,
+    parallel_config_from_args,
+)
+from pdserve.serve.worker.follow import StagingAnnouncer
+from pdserve.serve.worker.gateway import RequestGateway
+from pdserve.serve.worker.kv_transfer import KVTransfer, make_kv_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,12 @@ class WorkerConfig:
 
 class Worker:
     def __init__(self, engine, role: str, address: str, worker_id: str,
-                 kv_transfer=None, idle_flag: IdleFlag | None = None,
+                 open_kv_transfer: Callable[[StagingAnnouncer], KVTransfer | None] | None = None,
+                 idle_flag: IdleFlag | None = None,
                  borrower: CoreBorrower | None = None) -> None:
-        """idle_flag: the worker publishes there whether it holds a request; borrower: it
+        """open_kv_transfer: makes the worker's KV transfer (None: none), given what its
+        connector calls as a prefill's save starts staging (kv_transfer.py make_kv_transfer);
+        idle_flag: the worker publishes there whether it holds a request; borrower: it
         takes the idle lenders' cores before each step, and a prefill before each layer too
         (serve/cpu/core_share.py)."""
         self.engine = engine
@@ -147,7 +150,9 @@ class Worker:
         if borrower is not None:
             engine.runner.call_before_each_layer(self.borrow_cores)
         self.worker_id = worker_id
-        self.handoff = HandOff(engine, role, worker_id, kv_transfer, send=self._send)
+        announcer = StagingAnnouncer(engine, self._send)
+        kv_transfer = open_kv_transfer(announcer) if open_kv_transfer is not None else None
+        self.handoff = RequestGateway(engine, role, worker_id, kv_transfer, announcer)
         self._context = zmq.Context()
         for core in envs.io_cores():  # set before the first socket starts the I/O thread
             self._context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
@@ -340,8 +345,14 @@ class Worker:
             num_cached_blocks=stats.num_cached_blocks,
             max_num_used_blocks=engine.block_manager.max_num_used_blocks,
             is_idle=self.is_idle,
+            cpu_path=_cpu_path(engine),
             **_moe_load(engine),
         )
+
+
+def _cpu_path(engine) -> dict[str, str]:
+    tuning = getattr(engine.runner, "cpu_tuning", None)  # a test's fake runner: none
+    return tuning.as_status() if tuning is not None else {}
 
 
 def _moe_load(engine) -> dict[str, object]:
@@ -357,110 +368,6 @@ def _mean_seconds(samples: list) -> float:
 
 
 # ---- the command ---------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cache, sched, parallel = CacheConfig(), SchedulerConfig(), ParallelConfig()
-    add = parser.add_argument
-    add("--model", required=True, help="local Hugging Face checkpoint dir")
-    add("--host", default="127.0.0.1", help="address to bind")
-    add("--port", type=int, default=None,
-        help="ZeroMQ port for the router (required, but on nodes with --node-rank > 0)")
-    add("--worker-id", default=None, help="name in status and metrics")
-    add("--dtype", default="auto", choices=DTYPES)
-    add("--max-model-len", type=int, default=None)
-    add("--tensor-parallel-size", "--tp", type=int, default=parallel.tensor_parallel_size)
-    add("--pipeline-parallel-size", "--pp", type=int, default=parallel.pipeline_parallel_size,
-        help="stages the layers are split into, each of --tensor-parallel-size ranks (PP x TP "
-             "ranks in all); activations pass stage to stage")
-    add("--pipeline-micro-batches", type=int, default=parallel.pipeline_micro_batches,
-        help="micro-batches a step is split into so the stages overlap (bubble "
-             "(PP-1)/(M+PP-1) of a step; default: one per stage)")
-    add("--context-parallel-size", "--cp", type=int, default=parallel.context_parallel_size,
-        help="ranks each prompt's tokens are split over (zig-zag), attention as ring "
-             "attention; each rank holds its blocks' KV, so prompts longer than one rank's "
-             "pool prefill (not combined with --tp or --pp yet)")
-    add("--enable-expert-parallel", action="store_true",
-        help="MoE models: whole experts spread over the TP ranks, tokens sent to them by "
-             "all-to-all (default: every expert TP-split)")
-    add("--device", choices=("cuda", "cpu"), default=parallel.device,
-        help="where the ranks run (default: cuda when available); rank r of a TP group "
-             "takes the r-th GPU of CUDA_VISIBLE_DEVICES")
-    add("--block-size", type=int, default=cache.block_size)
-    add("--num-kv-blocks", type=int, default=cache.num_blocks,
-        help="KV blocks per rank; overrides the memory-based sizing below")
-    add("--gpu-memory-utilization", type=float, default=cache.gpu_memory_utilization,
-        help="CUDA: fraction of each GPU's memory for weights, activations and the KV cache; "
-             "the KV cache gets what the weights and a profiling step of "
-             "--max-num-batched-tokens leave (vLLM's flag)")
-    add("--kv-cache-memory-gb", type=float, default=None,
-        help="KV cache size per rank in GiB (default: 0.5 on CPU, checked against the "
-             "host's available memory; on CUDA, sized by --gpu-memory-utilization)")
-    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=cache.kv_cache_dtype,
-        help="what the KV cache holds: auto (the model dtype) or fp8 / fp8_e4m3 "
-             "(float8_e4m3fn, half of bf16's bytes in the pool, the store and the hand-off; "
-             "prefill and decode workers must agree)")
-    add("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    add("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
-    add("--max-prefills-per-step", type=int, default=sched.max_prefills_per_step,
-        help="prompts that get prefill tokens in one step (0: as many as the token budget "
-             "holds); 1 on a CPU prefill worker gives the first prompt its token a batch "
-             "sooner")
-    add("--no-prefix-caching", action="store_true")
-    add("--seed", type=int, default=0)
-    add("--speculative-config", default=None, metavar="JSON",
-        help='speculative decoding, as vLLM: \'{"method": "mtp", "num_speculative_tokens": '
-             '1}\' drafts with the checkpoint\'s multi-token-prediction layer (DeepSeek-V3)')
-    add("--expert-capacity-factor", type=float, default=parallel.expert_capacity_factor,
-        help="MoE: each expert takes at most ceil(F x tokens x top_k / experts) assignments "
-             "per step, the rest dropped (gates renormalised); default: no limit (exact)")
-    add("--nnodes", type=int, default=parallel.nnodes,
-        help="hosts this worker's ranks spread over, evenly (torchrun's flag); start the same "
-             "command on each with its --node-rank")
-    add("--node-rank", type=int, default=parallel.node_rank,
-        help="this host's index: 0 runs the engine and hosts the rendezvous, k > 0 runs only "
-             "its ranks, which join node 0 at --master-addr:--master-port")
-    add("--master-addr", default=parallel.master_addr,
-        help="address of node 0's rendezvous, as the other nodes reach it")
-    add("--master-port", type=int, default=parallel.master_port,
-        help="port of the rendezvous (required with --nnodes > 1; default: a free one)")
-    add("--dist-timeout-s", type=float, default=parallel.dist_timeout_s,
-        help="longest wait of a collective, and of node 0 for the other nodes to join "
-             "(default 300)")
-    add("--dist-interface", default=parallel.dist_interface,
-        help="network interface for the ranks' gloo/NCCL connections (default: the one the "
-             "host name resolves to)")
-    add("--cpu-threads", type=int, default=parallel.cpu_threads,
-        help="torch threads per TP rank on CPU (default: cores / ranks)")
-    add("--store", default=None, metavar="ADDR",
-        help="KV store data server (prefill saves, decode loads); none: decode recomputes "
-             "the prompt")
-    add("--store-master", default=None, metavar="ADDR", help="KV store master (metadata service)")
-    add("--store-timeout-s", type=float, default=10.0,
-        help="longest wait on the store; past it a transfer is a miss")
-    add("--kv-lease-ttl-s", type=float, default=30.0,
-        help="prefill pins a hand-off's blocks in the store this long at most (the decode "
-             "worker releases them once loaded)")
-    add("--lend-idle-flag", default=None, metavar="PATH",
-        help="publish in this file whether the worker holds a request, so that a worker of "
-             "the other role on the same host (--borrow-idle-cores) runs on its cores too "
-             "while it holds none")
-    add("--borrow-idle-cores", type=Lender.parse, action="append", default=[],
-        metavar="CORES@PATH",
-        help="one rank: also run on CORES (and with as many more threads) while the worker "
-             "publishing in PATH holds no request; checked before each step, and by a "
-             "prefill before each layer (repeatable)")
-    add("--handoff-dram-gb", type=float, default=1.0,
-        help="host DRAM of this worker's own hand-off node: prefill saves a prompt's KV "
-             "there and decode workers read it directly, one hop (0: hand off through the "
-             "store)")
-    discovery.add_arguments(parser)
-    add("--discovery-store-wait-s", type=float, default=30.0,
-        help="with --discovery and no --store: wait this long for a store data node to "
-             "register, then exit with an error (0: use one if registered, else run without)")
-    add("--drain-timeout-s", type=float, default=60.0,
-        help="with --discovery, on SIGTERM: leave the registry, then finish the requests held "
-             "for at most this long before exiting")
-
-
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     if args.port is None:
         raise ValueError("--port is required (the router connects to it)")
@@ -478,39 +385,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         speculative=SpeculativeConfig.parse(args.speculative_config))
 
 
-def engine_configs_from_args(args: argparse.Namespace
-                             ) -> tuple[ModelConfig, CacheConfig, ParallelConfig,
-                                        SchedulerConfig]:
-    """The engine's four configs: what every node of a worker must be started with alike."""
-    return (
-        ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                    seed=args.seed),
-        CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                    kv_cache_memory_bytes=_gib_to_bytes(args.kv_cache_memory_gb),
-                    gpu_memory_utilization=args.gpu_memory_utilization,
-                    enable_prefix_caching=not args.no_prefix_caching,
-                    kv_cache_dtype=args.kv_cache_dtype),
-        parallel_config_from_args(args),
-        SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_prefills_per_step=args.max_prefills_per_step),
-    )
-
-
-def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                          cpu_threads=args.cpu_threads, device=args.device,
-                          enable_expert_parallel=args.enable_expert_parallel,
-                          expert_capacity_factor=args.expert_capacity_factor,
-                          nnodes=args.nnodes, node_rank=args.node_rank,
-                          master_addr=args.master_addr, master_port=args.master_port,
-                          dist_timeout_s=args.dist_timeout_s,
-                          dist_interface=args.dist_interface,
-                          pipeline_parallel_size=args.pipeline_parallel_size,
-                          pipeline_micro_batches=args.pipeline_micro_batches,
-                          context_parallel_size=args.context_parallel_size)
-
-
 def run_node(args: argparse.Namespace) -> int:
     """--node-rank k > 0: run this node's ranks of the worker (no engine, no socket) until
     node 0 stops them or a signal comes."""
@@ -526,46 +400,6 @@ def run_node(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     return serve_node(model, cache, parallel, scheduler, stop)
-
-
-def _gib_to_bytes(gib: float | None) -> int | None:
-    if gib is None:
-        return None
-    if gib <= 0:
-        raise ValueError(f"--kv-cache-memory-gb must be positive, got {gib}")
-    return int(gib * (1 << 30))
-
-
-def make_kv_transfer(config: WorkerConfig, engine):
-    """The worker's KV transfer: its hand-off node and/or the fleet store; None for a
-    colocated worker or when neither can be had (decode then recomputes prompts)."""
-    if config.role == "colocated" or (config.store_address is None
-                                      and config.store_master_address is None
-                                      and config.handoff_dram_gb == 0):
-        return None
-    from pdserve.kvstore.connector import block_nbytes
-    from pdserve.kvstore.handoff_node import HandoffNode
-    from pdserve.serve.worker.kv_transfer import KVTransfer
-
-    node = None
-    try:
-        if config.handoff_dram_gb > 0:
-            layout = engine.runner.spec.kv_layout(engine.runner.block_size)
-            nbytes = int(config.handoff_dram_gb * (1 << 30))
-            node = HandoffNode(config.name, config.host,
-                               max(1, nbytes // block_nbytes(layout)),
-                               config.kv_lease_ttl_s, config.store_timeout_s,
-                               shm_bytes=nbytes if envs.handoff_shm() else 0)
-        return KVTransfer.connect(
-            engine.runner, engine.block_manager, config.store_address,
-            config.store_master_address, timeout_s=config.store_timeout_s,
-            lease_ttl_s=config.kv_lease_ttl_s, handoff_node=node)
-    except Exception as exc:  # the KV cache is a cache: serve by recomputing
-        logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
-                       config.store_address, exc)
-        if node is not None:
-            node.close()
-        return None
 
 
 def discover_store(config: WorkerConfig) -> WorkerConfig:
@@ -660,11 +494,11 @@ def run(args: argparse.Namespace) -> int:
             RendezvousError) as exc:
         logger.error("cannot start the %s worker: %s", args.command, exc)
         return 2
-    kv_transfer = make_kv_transfer(config, engine)
     worker = Worker(engine, config.role, f"tcp://{config.host}:{config.port}", config.name,
-                    kv_transfer,
+                    lambda announcer: make_kv_transfer(config, engine, announcer),
                     IdleFlag(config.lend_idle_flag, create=True) if config.lend_idle_flag
                     else None, borrower)
+    kv_transfer = worker.handoff.kv_transfer
     registration = None
     if config.discovery is not None:
         try:

@@ -4,6 +4,7 @@ the error when the ranks do not fit, sharing when asked, and a CPU plan as befor
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -89,12 +90,12 @@ def test_cpu_plan_is_unchanged() -> None:
 
 
 def test_visible_gpus_reads_cuda_visible_devices(monkeypatch) -> None:
-    monkeypatch.setattr(launcher, "_count_gpus", lambda: 8)
+    monkeypatch.setattr(launcher.placement, "_count_gpus", lambda: 8)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")
     assert launcher.visible_gpus() == ["4", "6"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert launcher.visible_gpus() == [str(i) for i in range(8)]
-    monkeypatch.setattr(launcher, "_count_gpus", lambda: 0)
+    monkeypatch.setattr(launcher.placement, "_count_gpus", lambda: 0)
     assert launcher.visible_gpus() == []
 
 
@@ -107,7 +108,7 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
     assert launcher.place_on_cores([1], [0, 1]) == ([[0, 1]], None)
     assert launcher.place_on_cores([2, 2], [0, 1, 2]) == ([], None)
     # 2 cores, disaggregated: the router and store share decode's core, never prefill's
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     cluster = launcher.plan(_args("--device", "cpu"), "/m")
     by_role = {c.role: c.cpus for c in cluster.children}
     assert by_role == {"store": [1], "prefill-0": [0], "decode-0": [1], "router": [1]}
@@ -153,7 +154,7 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
     assert parse_core_list("0,2-3") == [0, 2, 3]
     with pytest.raises(argparse.ArgumentTypeError, match="core list"):
         parse_core_list("a-b")
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     cluster = launcher.plan(_args(*TWO_TP2_PREFILL_ONE_DECODE, "--device", "cpu"), "/m")
     workers = _workers(cluster)
     # 5 ranks on the 7 cores left after the services' one: a core per rank

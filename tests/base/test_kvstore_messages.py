@@ -1,4 +1,4 @@
-"""The store protocol (pdserve/protocol/store.py): round trips, what decodes, what is refused,
+"""The store protocol (pdserve/protocol/store/): round trips, what decodes, what is refused,
 and that building a bad message fails at its source too."""
 
 from __future__ import annotations
@@ -10,78 +10,78 @@ import typing
 import msgpack
 import pytest
 
-from pdserve.protocol import store as proto
 from pdserve.protocol.codec import WireError
-from pdserve.protocol.store import STORE_PROTOCOL, decode_store_message
+from pdserve.protocol.store import base, data, master
+from pdserve.protocol.store.base import STORE_PROTOCOL, decode_store_message
 
 KEY = b"k" * 16
 
 # One valid instance of every registered message, request_id 9.
 EXAMPLES = [
-    proto.HelloRequest(9, ucx_address=b"\x01" * 200),
-    proto.HelloRequest(9, ucx_address=None),
-    proto.HelloReply(9, ucx_address=None, client_no=0),
-    proto.ByeRequest(9),
-    proto.ByeReply(9),
-    proto.PutRequest(9, keys=[KEY, b"j"], sizes=[4096, 0], ucx_tag=None),
-    proto.PutReply(9, stored=[True, False]),
-    proto.GetRequest(9, keys=[KEY], ucx_tag=(3 << 32) | 17),
-    proto.GetReply(9, found=[True, False], sizes=[4096, 0]),
-    proto.ExistsRequest(9, keys=[KEY]),
-    proto.ExistsReply(9, found=[True]),
-    proto.EvictRequest(9, keys=[KEY]),
-    proto.EvictReply(9, num_evicted=1),
-    proto.PrefetchRequest(9, keys=[]),
-    proto.PrefetchReply(9, num_moved=0),
-    proto.PinRequest(9, keys=[KEY], holder="worker-1", ttl_s=30.0),
-    proto.PinReply(9, lease_id=2**63 - 1, pinned=[True]),
-    proto.RenewRequest(9, lease_id=5, ttl_s=0.5),
-    proto.RenewReply(9, known=False),
-    proto.ReleaseRequest(9, lease_id=5),
-    proto.ReleaseReply(9, known=True),
-    proto.StatsRequest(9),
-    proto.StatsReply(9, stats={"num_blocks_dram": 3, "num_leases": 0}),
-    proto.CheckRequest(9),
-    proto.CheckReply(9, problem=None),
-    proto.CheckReply(9, problem="3 pins but leases hold 2"),
-    proto.LookupPrefixRequest(9, keys=[KEY, b"j"]),
-    proto.LookupPrefixReply(9, num_blocks=1, holders=[[proto.BlockHolder("n1", "dram"),
-                                                       proto.BlockHolder("n2", "disk")]]),
-    proto.JoinRequest(9, node_id="n1", address="tcp://127.0.0.1:7601"),
-    proto.JoinReply(9),
-    proto.HeartbeatRequest(9, node_id="n1"),
-    proto.HeartbeatRequest(9, node_id="n1", usage=proto.NodeUsage(8, 2, 8192)),
-    proto.HeartbeatReply(9, known=True),
-    proto.LeaveRequest(9, node_id="n1"),
-    proto.LeaveReply(9),
-    proto.UpdateRequest(9, node_id="n", changes=[proto.PlacementChange(KEY, "dram"),
-                                                 proto.PlacementChange(b"j", None)]),
-    proto.UpdateReply(9, known=True),
-    proto.NodesRequest(9),
-    proto.NodesReply(9, nodes={"n1": "tcp://127.0.0.1:7601"}),
-    proto.NodesReply(9, nodes={"n1": "tcp://127.0.0.1:7601"},
-                     usage={"n1": proto.NodeUsage(capacity_blocks=8, num_blocks=2,
+    data.HelloRequest(9, ucx_address=b"\x01" * 200),
+    data.HelloRequest(9, ucx_address=None),
+    data.HelloReply(9, ucx_address=None, client_no=0),
+    data.ByeRequest(9),
+    data.ByeReply(9),
+    data.PutRequest(9, keys=[KEY, b"j"], sizes=[4096, 0], ucx_tag=None),
+    data.PutReply(9, stored=[True, False]),
+    data.GetRequest(9, keys=[KEY], ucx_tag=(3 << 32) | 17),
+    data.GetReply(9, found=[True, False], sizes=[4096, 0]),
+    data.ExistsRequest(9, keys=[KEY]),
+    data.ExistsReply(9, found=[True]),
+    data.EvictRequest(9, keys=[KEY]),
+    data.EvictReply(9, num_evicted=1),
+    data.PrefetchRequest(9, keys=[]),
+    data.PrefetchReply(9, num_moved=0),
+    data.PinRequest(9, keys=[KEY], holder="worker-1", ttl_s=30.0),
+    data.PinReply(9, lease_id=2**63 - 1, pinned=[True]),
+    data.RenewRequest(9, lease_id=5, ttl_s=0.5),
+    data.RenewReply(9, known=False),
+    data.ReleaseRequest(9, lease_id=5),
+    data.ReleaseReply(9, known=True),
+    base.StatsRequest(9),
+    base.StatsReply(9, stats={"num_blocks_dram": 3, "num_leases": 0}),
+    base.CheckRequest(9),
+    base.CheckReply(9, problem=None),
+    base.CheckReply(9, problem="3 pins but leases hold 2"),
+    base.LookupPrefixRequest(9, keys=[KEY, b"j"]),
+    base.LookupPrefixReply(9, num_blocks=1, holders=[[base.BlockHolder("n1", "dram"),
+                                                       base.BlockHolder("n2", "disk")]]),
+    master.JoinRequest(9, node_id="n1", address="tcp://127.0.0.1:7601"),
+    master.JoinReply(9),
+    master.HeartbeatRequest(9, node_id="n1"),
+    master.HeartbeatRequest(9, node_id="n1", usage=master.NodeUsage(8, 2, 8192)),
+    master.HeartbeatReply(9, known=True),
+    master.LeaveRequest(9, node_id="n1"),
+    master.LeaveReply(9),
+    master.UpdateRequest(9, node_id="n", changes=[master.PlacementChange(KEY, "dram"),
+                                                 master.PlacementChange(b"j", None)]),
+    master.UpdateReply(9, known=True),
+    master.NodesRequest(9),
+    master.NodesReply(9, nodes={"n1": "tcp://127.0.0.1:7601"}),
+    master.NodesReply(9, nodes={"n1": "tcp://127.0.0.1:7601"},
+                     usage={"n1": master.NodeUsage(capacity_blocks=8, num_blocks=2,
                                                   num_bytes=8192)}),
-    proto.NodeInfoRequest(9),
-    proto.NodeInfoReply(9, node_id="n1", master_address="tcp://127.0.0.1:7600"),
-    proto.PlaceRequest(9, keys=[KEY, b"j"]),
-    proto.PlaceReply(9, targets=[["n1", "n2"], []], held=[False, True],
+    data.NodeInfoRequest(9),
+    data.NodeInfoReply(9, node_id="n1", master_address="tcp://127.0.0.1:7600"),
+    master.PlaceRequest(9, keys=[KEY, b"j"]),
+    master.PlaceReply(9, targets=[["n1", "n2"], []], held=[False, True],
                      addresses={"n1": "tcp://127.0.0.1:7601", "n2": "tcp://127.0.0.1:7602"}),
-    proto.LocateRequest(9, keys=[KEY]),
-    proto.LocateReply(9, holders=[[proto.BlockHolder("n1", "dram")], []],
+    master.LocateRequest(9, keys=[KEY]),
+    master.LocateReply(9, holders=[[base.BlockHolder("n1", "dram")], []],
                       addresses={"n1": "tcp://127.0.0.1:7601"}),
-    proto.LeaseGroupRequest(9, node_leases=[proto.NodeLease("n1", 2**63 - 1)], ttl_s=5.0),
-    proto.LeaseGroupReply(9, lease_id=7),
-    proto.TakeLeaseGroupRequest(9, lease_id=7),
-    proto.TakeLeaseGroupReply(9, known=True, node_leases=[proto.NodeLease("n1", 3)],
+    master.LeaseGroupRequest(9, node_leases=[master.NodeLease("n1", 2**63 - 1)], ttl_s=5.0),
+    master.LeaseGroupReply(9, lease_id=7),
+    master.TakeLeaseGroupRequest(9, lease_id=7),
+    master.TakeLeaseGroupReply(9, known=True, node_leases=[master.NodeLease("n1", 3)],
                               addresses={"n1": "tcp://127.0.0.1:7601"}),
-    proto.ErrorReply(0, error="malformed: not msgpack"),
+    base.ErrorReply(0, error="malformed: not msgpack"),
 ]
 
 
 def registered_types() -> set[type]:
-    return {cls for cls in vars(proto).values()
-            if isinstance(cls, type) and issubclass(cls, (proto.StoreRequest, proto.StoreReply))
+    return {cls for module in (base, data, master) for cls in vars(module).values()
+            if isinstance(cls, type) and issubclass(cls, (base.StoreRequest, base.StoreReply))
             and "TAG" in vars(cls)}
 
 
@@ -156,22 +156,22 @@ def test_non_msgpack_pickle_and_oversize_headers_are_refused():
         with pytest.raises(WireError):
             decode_store_message(payload)
     huge = raw("exists", request_id=1, keys=[KEY] * 300_000)  # > 4 MiB of header
-    assert len(huge) > proto.MAX_HEADER_BYTES
+    assert len(huge) > base.MAX_HEADER_BYTES
     with pytest.raises(WireError, match="at most"):
         decode_store_message(huge)
 
 
 def test_a_bad_message_fails_where_it_is_built():
     with pytest.raises((ValueError, TypeError)):
-        proto.GetRequest(1, keys=["str-not-bytes"], ucx_tag=None)  # type: ignore[list-item]
+        data.GetRequest(1, keys=["str-not-bytes"], ucx_tag=None)  # type: ignore[list-item]
     with pytest.raises(ValueError):
-        proto.PinRequest(1, keys=[KEY], holder="h", ttl_s=0.0)
+        data.PinRequest(1, keys=[KEY], holder="h", ttl_s=0.0)
     with pytest.raises(ValueError):
-        proto.PutRequest(1, keys=[KEY], sizes=[], ucx_tag=None)
+        data.PutRequest(1, keys=[KEY], sizes=[], ucx_tag=None)
     with pytest.raises(ValueError):
-        proto.ErrorReply(-1, error="x")
+        base.ErrorReply(-1, error="x")
     with pytest.raises(TypeError):
-        proto.UpdateRequest(1, node_id="n", changes=[(KEY, "dram")])  # type: ignore[list-item]
+        master.UpdateRequest(1, node_id="n", changes=[(KEY, "dram")])  # type: ignore[list-item]
 
 
 def test_field_types_are_declared_for_the_codec():

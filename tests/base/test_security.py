@@ -20,7 +20,7 @@ from pdserve.kvstore.channel import StoreUnavailable
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.server import StoreServer
-from pdserve.protocol.store import STORE_PROTOCOL, StatsRequest, decode_store_message
+from pdserve.protocol.store.base import STORE_PROTOCOL, StatsRequest, decode_store_message
 
 
 def block(i: int) -> np.ndarray:

@@ -12,7 +12,11 @@ import torch
 from helpers.cluster_util import complete, start_cluster, stream_chunks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.benchmarks.experiments.ttft_breakdown import HANDOVER_METRIC, PHASE_METRIC, parse_histograms
+from pdserve.benchmarks.experiments.ttft_breakdown import (
+    HANDOVER_METRIC,
+    PHASE_METRIC,
+    parse_histograms,
+)
 from pdserve.serve import LLM, SamplingParams
 
 # after each test on the shared cluster: nothing held (conftest)

@@ -75,7 +75,7 @@ def test_no_internal_port_answers_a_peer_without_the_cluster_key(roles):
     while the cluster keeps serving."""
     import zmq
 
-    from pdserve.protocol.store import STORE_PROTOCOL, StatsRequest
+    from pdserve.protocol.store.base import STORE_PROTOCOL, StatsRequest
     from pdserve.protocol.worker import WORKER_PROTOCOL, StatusRequest
 
     ports = {roles.prefill_port: WORKER_PROTOCOL.encode(StatusRequest()),

@@ -1,6 +1,6 @@
-"""Two workers' hand-off components on one host, in one process: a prefill HandOff whose
-KVTransfer has a real HandoffNode with a shared memory segment, a decode HandOff, and the loop
-that drives them step by step without sockets (tests/serve/test_handoff_in_place.py,
+"""Two workers' request gateways on one host, in one process: a prefill RequestGateway whose
+KVTransfer has a real HandoffNode with a shared memory segment, a decode RequestGateway, and the
+loop that drives them step by step without sockets (tests/serve/test_handoff_in_place.py,
 tests/serve/test_handoff_follow.py)."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.engine.engine import Engine
-from pdserve.serve.worker.gateway import HandOff
-from pdserve.serve.worker.kv_transfer import KVTransfer
+from pdserve.serve.worker.follow import StagingAnnouncer
+from pdserve.serve.worker.gateway import RequestGateway
+from pdserve.serve.worker.kv_transfer import HandoffChoice, KVTransfer
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -30,7 +31,7 @@ def make_engine(model_dir) -> Engine:
                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
-def drive(handoffs: list[HandOff], done, timeout_s: float = 60.0) -> list[Output]:
+def drive(handoffs: list[RequestGateway], done, timeout_s: float = 60.0) -> list[Output]:
     """The worker loops without sockets: poll transfers, step, collect wire outputs."""
     outputs: list[Output] = []
     deadline = time.monotonic() + timeout_s
@@ -61,16 +62,22 @@ def colocated_tokens(llama_dir) -> list[int]:
 
 @contextlib.contextmanager
 def handoff_pair(llama_dir, shm_bytes: int):
-    """(prefill HandOff, decode HandOff, the prefill worker's node with a segment of
-    `shm_bytes`, 0: none)."""
+    """(prefill RequestGateway, decode RequestGateway, the prefill worker's node with a
+    segment of `shm_bytes`, 0: none), with the same-host paths the environment chooses (as
+    serve/worker/kv_transfer.py make_kv_transfer does). The prefill's stagings are announced
+    to its announcer's `send` (a test's; nothing by default)."""
     engines = [make_engine(llama_dir), make_engine(llama_dir)]
     node = HandoffNode("prefill-p", "127.0.0.1", 32, 30.0, 5.0, shm_bytes=shm_bytes)
+    choice = HandoffChoice.from_env("node")
+    announcer = StagingAnnouncer(engines[0], send=lambda output: None)
     transfers = [KVTransfer.connect(engines[0].runner, engines[0].block_manager, None,
-                                    handoff_node=node),
-                 KVTransfer.connect(engines[1].runner, engines[1].block_manager, None)]
+                                    handoff_node=node, shm=choice.shm,
+                                    on_staged=announcer if choice.follow else None),
+                 KVTransfer.connect(engines[1].runner, engines[1].block_manager, None,
+                                    shm=choice.shm)]
     try:
-        yield (HandOff(engines[0], "prefill", "p", transfers[0]),
-               HandOff(engines[1], "decode", "d", transfers[1]), node)
+        yield (RequestGateway(engines[0], "prefill", "p", transfers[0], announcer),
+               RequestGateway(engines[1], "decode", "d", transfers[1]), node)
     finally:
         for transfer in transfers:
             transfer.close()
@@ -78,7 +85,7 @@ def handoff_pair(llama_dir, shm_bytes: int):
             engine.shutdown()
 
 
-def prefill_prompt(prefill: HandOff) -> Output:
+def prefill_prompt(prefill: RequestGateway) -> Output:
     prefill.add(GenerateRequest("r", PROMPT, GREEDY))
     [first] = [o for o in drive([prefill], lambda outs: any(o.finish_reason == "handoff"
                                                              for o in outs))]
@@ -86,7 +93,7 @@ def prefill_prompt(prefill: HandOff) -> Output:
     return first
 
 
-def decode_handoff(prefill: HandOff, decode: HandOff, first: Output) -> list[int]:
+def decode_handoff(prefill: RequestGateway, decode: RequestGateway, first: Output) -> list[int]:
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
@@ -95,7 +102,7 @@ def decode_handoff(prefill: HandOff, decode: HandOff, first: Output) -> list[int
     return first.token_ids + [t for o in mine for t in o.token_ids]
 
 
-def assert_all_free(prefill: HandOff, decode: HandOff, node: HandoffNode) -> None:
+def assert_all_free(prefill: RequestGateway, decode: RequestGateway, node: HandoffNode) -> None:
     for handoff in (prefill, decode):  # the releases go out on the connectors' job threads
         assert handoff.kv_transfer.connector.drain(20.0)
     gc.collect()

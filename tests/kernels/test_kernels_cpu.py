@@ -354,7 +354,7 @@ def test_half_precision_panels_give_the_same_bits(half, rows, out_features, in_f
 
 
 def test_panel_dtype_is_the_narrowest_that_holds_the_weight_exactly():
-    from pdserve.serve.executor.parallel import panel_dtype
+    from pdserve.kernels.cpu_linear import panel_dtype
 
     torch.manual_seed(12)
     weight = torch.randn(16, 8)
@@ -407,9 +407,11 @@ def test_amx_rows_do_not_depend_on_their_batch():
 
 
 def test_linear_sends_many_rows_of_bf16_panels_to_amx(monkeypatch):
-    """parallel.linear: bf16 panels and at least amx_rows rows take AMX; fewer rows, fp32
+    """parallel.linear: bf16 panels and at least amx_min_rows rows take AMX; fewer rows, fp32
     panels, or PDSERVE_CPU_AMX=0 keep panel_linear."""
     _needs_amx()
+    from pdserve.kernels import cpu_linear
+    from pdserve.serve.executor import ops as kernel_choice
     from pdserve.serve.executor import parallel
 
     ops = _ops()
@@ -421,10 +423,10 @@ def test_linear_sends_many_rows_of_bf16_panels_to_amx(monkeypatch):
                 calls.append(name)
             return getattr(ops, name)
 
-    monkeypatch.setattr(parallel, "cpu_kernels", lambda: Spy())
+    monkeypatch.setattr(cpu_linear, "library", lambda: Spy())
     torch.manual_seed(15)
     weight = torch.randn(40, 24).bfloat16().float()
-    half, full = parallel.prepack(weight), parallel.pack_panels(weight, int(ops.panel_width()))
+    half, full = parallel.prepack(weight), cpu_linear.pack_panels(weight, int(ops.panel_width()))
     many = int(ops.amx_min_rows())
     for rows, packed in ((many, half), (many - 1, half), (many, full)):
         x = torch.randn(rows, 24)
@@ -432,12 +434,12 @@ def test_linear_sends_many_rows_of_bf16_panels_to_amx(monkeypatch):
                                    atol=1e-4, rtol=1e-4)
     assert calls == ["amx_panel_linear", "panel_linear", "panel_linear"]
     monkeypatch.setenv("PDSERVE_CPU_AMX", "0")
-    parallel.amx_rows.cache_clear()
+    kernel_choice.reset()
     try:
         parallel.linear(torch.randn(many, 24), weight, None, half)
         assert calls[-1] == "panel_linear"
     finally:
-        parallel.amx_rows.cache_clear()
+        kernel_choice.reset()
 
 
 def test_panel_linear_rows_do_not_depend_on_their_batch():
@@ -498,6 +500,7 @@ def test_linear_takes_the_panels_for_every_row_count_or_else_skinny_then_onednn(
     """parallel.linear: with AVX-512 the packed copy is pdserve's panels and every row count
     reads them; elsewhere a decode step's few rows read the plain weight through the skinny
     kernel and more rows oneDNN's packed copy. All equal torch."""
+    from pdserve.kernels import cpu_linear
     from pdserve.serve.executor import parallel
 
     torch.manual_seed(8)
@@ -512,9 +515,8 @@ def test_linear_takes_the_panels_for_every_row_count_or_else_skinny_then_onednn(
                 calls.append(name)
             return getattr(ops, name)
 
-    monkeypatch.setattr(parallel, "fused_fp32", lambda x: Spy())
-    monkeypatch.setattr(parallel, "cpu_kernels", lambda: Spy())
-    few, many = torch.randn(parallel.skinny_max_rows(ops), 24), torch.randn(64, 24)
+    monkeypatch.setattr(cpu_linear, "library", lambda: Spy())
+    few, many = torch.randn(cpu_linear.skinny_max_rows(), 24), torch.randn(64, 24)
     torch.testing.assert_close(parallel.linear(few, weight, bias, packed), few @ weight.T + bias,
                                atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(parallel.linear(many, weight, bias, packed),
@@ -560,7 +562,7 @@ def test_compiled_cpu_paths_give_the_plain_torch_tokens(architecture, make_model
     """Greedy tokens with every CPU kernel on (prepacked weights, fused norm/rotary/SiLU, KV
     writes, in-place decode attention) equal the plain-torch engine's, at batch sizes 1, 16
     and 17 and prompt lengths on both sides of a block edge."""
-    from pdserve.serve.executor import layers
+    from pdserve.serve.executor import ops as kernel_choice
 
     model_dir = make_model_dir(architecture, seed=3)
     gen = torch.Generator().manual_seed(7)
@@ -570,13 +572,13 @@ def test_compiled_cpu_paths_give_the_plain_torch_tokens(architecture, make_model
         for name in ("PDSERVE_CPU_KERNELS", "PDSERVE_CPU_PREPACK"):
             monkeypatch.setenv(name, "0")
         monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
-        layers.cpu_kernels.cache_clear()
+        kernel_choice.reset()
         expected = {n: _greedy(model_dir, prompts[:n]) for n in (1, 16, 17)}
         for name in ("PDSERVE_CPU_KERNELS", "PDSERVE_CPU_PREPACK", "PDSERVE_ATTENTION_BACKEND"):
             monkeypatch.delenv(name)
-        layers.cpu_kernels.cache_clear()
+        kernel_choice.reset()
         for n, tokens in expected.items():
             assert _greedy(model_dir, prompts[:n]) == tokens, n
             assert all(len(t) == 6 for t in tokens)
     finally:
-        layers.cpu_kernels.cache_clear()
+        kernel_choice.reset()

@@ -167,8 +167,72 @@ def test_bad_shapes_raise():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_bench_attention_without_gpu_says_so_and_exits_0(tmp_path, capsys):
-    from pdserve.benchmarks.kernels.bench_attention import main
+    from pdserve.benchmarks.experiments.kernels.bench_attention import main
 
     assert main(["--output", str(tmp_path / "out.json")]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "out.json").exists()
+
+
+# ---- the registry (kernels/registry.py) ---------------------------------------------------
+
+
+def test_every_op_has_a_plain_torch_reference_in_reference_py():
+    from pdserve.kernels import reference, registry
+
+    for op in registry.IMPLEMENTATIONS:
+        assert "torch" in registry.implementations(op), op
+        assert registry.implementation(op, "torch") is getattr(reference, op)
+
+
+def test_choose_takes_the_first_candidate_the_op_has_and_the_machine_runs():
+    from pdserve.kernels import registry
+
+    assert registry.choose("mla_prefill_attention", ("cpu", "torch")) == "torch"  # no cpu one
+    assert registry.choose("rms_norm", ("nonexistent", "torch")) == "torch"
+    with pytest.raises(ValueError, match="no implementation"):
+        registry.choose("rms_norm", ("triton",))
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        registry.choose("no_such_op", ("torch",))
+    with pytest.raises(ValueError, match="has no 'triton'"):
+        registry.implementation("rms_norm", "triton")
+
+
+def test_the_engine_names_its_candidates_from_the_environment(monkeypatch):
+    from pdserve.serve.executor import ops
+
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    ops.reset()
+    try:
+        assert ops.candidates("rms_norm") == ("torch",)
+        assert ops.candidates("linear") == ("onednn", "torch")
+        assert ops.chosen("silu_and_mul") == "torch"
+    finally:
+        monkeypatch.delenv("PDSERVE_CPU_KERNELS")
+        ops.reset()
+
+
+def test_small_ops_match_their_references_whichever_implementation_runs():
+    from pdserve.kernels import cpu_layer_ops, cpu_ops
+    from pdserve.kernels import reference as ref
+
+    if cpu_ops.load() is None:
+        pytest.skip("no C++ toolchain to build the CPU kernels")
+    torch.manual_seed(3)
+    x, residual, weight = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    for got, want in zip(cpu_layer_ops.rms_norm(x, residual, weight, 1e-6),
+                         ref.rms_norm(x, residual, weight, 1e-6), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(5, 128)
+    torch.testing.assert_close(cpu_layer_ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    angles = torch.randn(5, 1, 32)
+    cos_sin = (angles.cos(), angles.sin())
+    q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+    want = ref.rotary(q.clone(), k.clone(), cos_sin, 32, False)
+    for got, expected in zip(cpu_layer_ops.rotary(q.clone(), k.clone(), cos_sin, 32, False),
+                             want, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # bf16 is not the kernel's: the reference runs, bit for bit
+    xb = x.bfloat16()
+    assert torch.equal(cpu_layer_ops.silu_and_mul(torch.cat([xb, xb], -1)),
+                       ref.silu_and_mul(torch.cat([xb, xb], -1)))

@@ -1,5 +1,6 @@
-"""Ring attention at the kernel level (kernels/ring_attention.py, kernels/block_attention.py)
-against plain torch SDPA over the whole sequence.
+"""Ring attention at the kernel level (kernels/ring_attention.py and its ring, kernels/ring.py;
+the block attention op of kernels/registry.py; the zig-zag split, kernels/zigzag.py) against
+plain torch SDPA over the whole sequence.
 
 Without CUDA the Triton block attention runs in the interpreter (TRITON_INTERPRET=1 set here
 before the kernel module is defined). Tolerances: both sides accumulate in fp32 and differ
@@ -22,15 +23,17 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 from helpers.cluster_util import free_port_block
 
-from pdserve.kernels.ring_attention import (  # noqa: E402
-    block_attention_cpu,
-    block_attention_reference,
-    get_block_attention,
-    merge_attention,
-    merge_stacked,
-    padded_rows_attention,
-    ring_attention,
-    simulate_ring_attention,
+from pdserve.kernels import get_block_attention  # noqa: E402
+from pdserve.kernels.cpu_block_attention import (  # noqa: E402
+    block_attention as block_attention_cpu,
+)
+from pdserve.kernels.partials import merge_attention, merge_stacked  # noqa: E402
+from pdserve.kernels.reference import (  # noqa: E402
+    block_attention as block_attention_reference,
+)
+from pdserve.kernels.reference import padded_rows_attention  # noqa: E402
+from pdserve.kernels.ring_attention import ring_attention, simulate_ring_attention  # noqa: E402
+from pdserve.kernels.zigzag import (  # noqa: E402
     zigzag_chunk_bounds,
     zigzag_indices,
     zigzag_ranges,

@@ -27,18 +27,15 @@ from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.server import StoreServer
 from pdserve.kvstore.ucx_prober import UcxAddressProber
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
-from pdserve.protocol.store import (
+from pdserve.protocol.store.base import (
     STORE_PROTOCOL,
     ErrorReply,
-    ExistsReply,
-    ExistsRequest,
-    HelloRequest,
-    JoinReply,
-    JoinRequest,
     StatsReply,
     StatsRequest,
     decode_store_message,
 )
+from pdserve.protocol.store.data import ExistsReply, ExistsRequest, HelloRequest
+from pdserve.protocol.store.master import JoinReply, JoinRequest
 
 
 def key(i: int) -> bytes:

@@ -298,7 +298,7 @@ def _start_worker(engine, role: str, address: str, name: str, store_address: str
     # no hand-off node: the prompt's KV goes through the fleet store, pinned under a lease
     transfer = KVTransfer.connect(engine.runner, engine.block_manager, store_address,
                                   timeout_s=1.0, lease_ttl_s=10.0, handoff_node=None)
-    worker = Worker(engine, role, address, name, transfer)
+    worker = Worker(engine, role, address, name, lambda announcer: transfer)
     thread = threading.Thread(target=worker.serve_forever, daemon=True)
     thread.start()
     return worker, thread

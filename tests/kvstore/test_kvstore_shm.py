@@ -18,7 +18,8 @@ from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.handoff_node import HandoffNode
 from pdserve.kvstore.shm_segment import ALIGN, HEADER_BYTES, ShmArena, ShmReader
 from pdserve.protocol.codec import WireError
-from pdserve.protocol.store import STORE_PROTOCOL, GetReply, ShmSegment, ShmSpan
+from pdserve.protocol.store.base import STORE_PROTOCOL
+from pdserve.protocol.store.data import GetReply, ShmSegment, ShmSpan
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="memfd and /proc/<pid>/fd are Linux's")

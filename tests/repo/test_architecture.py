@@ -81,6 +81,8 @@ OFFLINE_BENCHMARKS = {
     "pdserve.benchmarks.experiments.plan_check": ("pdserve.planner",),
     "pdserve.planner.profile": ("pdserve.serve", "pdserve.kvstore.connector",
                                 "pdserve.benchmarks.plots", "pdserve.benchmarks"),
+    # benchmarks/gpu/run.sh's served stage builds its random ~1B Llama as the default model is
+    "pdserve.benchmarks.gpu.served": ("pdserve.serve.default_model",),
     # a loopback `pdserve up` under SIGKILLs; its leak check reads the store's own counters
     "pdserve.benchmarks.experiments.chaos_soak": ("pdserve.kvstore",),
     # arithmetic only: the communication model of a layout (no engine runs)

@@ -24,7 +24,7 @@ from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.engine import prompt_logprobs
 from pdserve.serve.engine.logit_controls import banned_now
 from pdserve.serve.engine.request import Request
-from pdserve.serve.executor import model_runner
+from pdserve.serve.executor import rank as executor_rank
 from pdserve.serve.executor.model_runner import ModelRunner
 
 LOGPROB_TOLERANCE = 1e-4
@@ -130,7 +130,7 @@ def test_prompt_logit_rows_follow_the_sampling_rows_at_tp1_and_tp2(llama_dir,
             return runner.execute(step)
 
     one, two = run(1), run(2)
-    monkeypatch.setattr(model_runner, "LOGITS_ROWS_PER_CALL", 4)
+    monkeypatch.setattr(executor_rank, "LOGITS_ROWS_PER_CALL", 4)
     torch.testing.assert_close(run(1), one, atol=1e-5, rtol=0)
     reference = hf_logits(hf, prompt)
     assert one.shape[0] == 1 + 11 + 4

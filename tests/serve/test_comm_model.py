@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.benchmarks.comm_table import DEEPSEEK_V3_CONFIG, LLAMA3_8B_CONFIG
-from pdserve.benchmarks.comm_table import main as comm_table_main
+from pdserve.benchmarks.experiments.comm_table import DEEPSEEK_V3_CONFIG, LLAMA3_8B_CONFIG
+from pdserve.benchmarks.experiments.comm_table import main as comm_table_main
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.executor.comm_model import (

@@ -130,7 +130,7 @@ def _plan(tmp_path, *argv: str) -> dict[str, launcher.Child]:
 
 def test_pdserve_up_pairs_decode_and_prefill_workers_to_lend_each_other_cores(
         tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     children = _plan(tmp_path)
     prefill, decode = children["prefill-0"], children["decode-0"]
     flag = str(tmp_path / "decode-0.idle")
@@ -151,7 +151,7 @@ def test_pdserve_up_pairs_decode_and_prefill_workers_to_lend_each_other_cores(
                 ("--prefill-cores", "0-1", "--decode-cores", "1")):  # overlap: shared, not lent
         assert not any("--borrow-idle-cores" in c.argv or "--lend-idle-flag" in c.argv
                        for c in _plan(tmp_path, *off).values()), off
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     # TP 2 prefill workers hold their threads in two processes: decode lends to nobody
     children = _plan(tmp_path, "--prefill-tp", "2")
     assert not any("--lend-idle-flag" in c.argv for c in children.values())

@@ -515,13 +515,13 @@ def test_a_decode_worker_refuses_a_hand_off_of_another_kv_dtype(make_model_dir) 
     from pdserve.kvstore.connector import make_in_process_connector
     from pdserve.protocol.sampling import SamplingParams
     from pdserve.protocol.worker import GenerateRequest, KVHandoff
-    from pdserve.serve.worker.gateway import HandOff
+    from pdserve.serve.worker.gateway import RequestGateway
     from pdserve.serve.worker.kv_transfer import KVTransfer
 
     engine = _engine(make_model_dir("llama"), "auto")
     transfer = KVTransfer(engine.runner, engine.block_manager,
                           make_in_process_connector(engine.spec.kv_layout(8), 8))
-    handoff = HandOff(engine, "decode", "d0", transfer)
+    handoff = RequestGateway(engine, "decode", "d0", transfer)
     try:
         params = SamplingParams(temperature=0, max_tokens=4)
         for i, dtype in enumerate(("float8_e4m3fn", "float32")):

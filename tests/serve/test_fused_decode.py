@@ -1,6 +1,6 @@
 """The fused decode loop (serve/cpu/fused_decode.py, kernels/csrc/decode_step.cpp) against the
 module path it replaces, bit for bit, and against Hugging Face at the edge where it stops
-applying with plain weights (serve/parallel.skinny_max_rows sequences, then one more) and
+applying with plain weights (kernels/cpu_linear.py skinny_max_rows sequences, then one more) and
 past that edge with AVX-512 panels (which have none)."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import torch
 from helpers.model_util import BlockAllocator, hf_logits, load_hf, random_prompts
 from helpers.model_walks import assert_rows_match, randomise_biases
 
-from pdserve.kernels import cpu_ops
+from pdserve.kernels import cpu_linear, cpu_ops
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.cpu.fused_decode import FusedDecode
-from pdserve.serve.executor.layers import cpu_kernels
+from pdserve.serve.executor import ops as kernel_choice
 from pdserve.serve.executor.model_runner import ModelRunner
-from pdserve.serve.executor.parallel import ParallelLMHead, skinny_max_rows
+from pdserve.serve.executor.ops import cpu_kernels
+from pdserve.serve.executor.parallel import ParallelLMHead
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="CPU kernels not built here")
 
@@ -32,8 +33,8 @@ def make_runner(model_dir: Path, dtype: str = "auto") -> ModelRunner:
                        ParallelConfig(device="cpu"))
 
 
-def decoder(runner: ModelRunner):
-    return runner._rank.model.model
+def causal_lm(runner: ModelRunner):
+    return runner._rank.model
 
 
 def run_walk(runner: ModelRunner, num_seqs: int, num_decodes: int, seed: int = 0,
@@ -85,9 +86,8 @@ class AmxSpy:
 
 def _max_rows() -> int:
     """The skinny product's edge for this build (12 with AVX2, 32 with AVX-512)."""
-    ops = cpu_kernels()
-    assert ops is not None
-    return skinny_max_rows(ops)
+    assert cpu_kernels() is not None
+    return cpu_linear.skinny_max_rows()
 
 
 @pytest.mark.parametrize("num_seqs", [1, 5, 9, "edge", "past"])
@@ -109,7 +109,7 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
                         lambda self, hidden: head_calls.append(hidden.shape[0])
                         or real_head(self, hidden))
     with make_runner(model_dir) as fused:
-        loop = decoder(fused).fused_decode()
+        loop = causal_lm(fused).fused_decode()
         assert loop is not None
         if loop.max_rows is not None and num_seqs > loop.max_rows:
             pytest.skip("plain weights (no AVX-512 panels): the loop stops at the edge")
@@ -120,7 +120,7 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
     assert head_calls == ([num_seqs] if loop.max_rows is None else [num_seqs] * 5)
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
     with make_runner(model_dir) as modules:
-        assert decoder(modules).fused_decode() is None
+        assert causal_lm(modules).fused_decode() is None
         module_steps, _ = run_walk(modules, num_seqs, num_decodes=4)
     assert calls == [num_seqs] * 4
     for got, want in zip(fused_steps, module_steps, strict=True):
@@ -138,7 +138,7 @@ def test_fused_loop_splits_long_contexts_as_the_module_path_does(
     torch.set_num_threads(num_threads)
     try:
         with make_runner(model_dir) as fused:
-            assert decoder(fused).fused_decode() is not None
+            assert causal_lm(fused).fused_decode() is not None
             fused_steps, _ = run_walk(fused, 3, num_decodes=3, lengths=lengths)
         monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
         with make_runner(model_dir) as modules:
@@ -163,7 +163,7 @@ def test_hf_logits_at_and_past_the_skinny_edge(llama_dir: Path, prepack: str,
     hf = load_hf(llama_dir)
     with make_runner(llama_dir) as runner:
         edge = _max_rows()
-        panels = decoder(runner).fused_decode().max_rows is None
+        panels = causal_lm(runner).fused_decode().max_rows is None
         assert panels == (prepack == "1" and bool(cpu_kernels().panel_width()))
         for num_seqs in (edge, edge + 1):
             steps, seqs = run_walk(runner, num_seqs, num_decodes=2, seed=num_seqs)
@@ -180,16 +180,14 @@ def test_bf16_checkpoint_in_float32_reads_bf16_panels(make_model_dir,
     """A bf16 checkpoint run in float32: on AVX-512 its panels keep the 2-byte weights and
     the fused loop reads them; every step is bit-identical to fp32 panels of the same
     weights, and matches Hugging Face in float32."""
-    from pdserve.serve.executor import parallel
-
     if not cpu_kernels().panel_width():
         pytest.skip("the kernels compiled without AVX-512: no panel kernel")
     model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
     with make_runner(model_dir, "float32") as half:
         assert half._rank.model.model.layers[0].mlp.down_proj.packed.dtype == torch.bfloat16
-        assert decoder(half).fused_decode() is not None
+        assert causal_lm(half).fused_decode() is not None
         half_steps, seqs = run_walk(half, 3, num_decodes=3)
-    monkeypatch.setattr(parallel, "panel_dtype", lambda weight: weight.dtype)
+    monkeypatch.setattr(cpu_linear, "panel_dtype", lambda weight: weight.dtype)
     with make_runner(model_dir, "float32") as full:
         assert full._rank.model.model.layers[0].mlp.down_proj.packed.dtype == torch.float32
         full_steps, _ = run_walk(full, 3, num_decodes=3)
@@ -207,14 +205,12 @@ def test_bf16_checkpoint_prefill_on_amx_matches_hf(make_model_dir,
     """A prefill of more than amx_min_rows tokens of a bf16 checkpoint in float32 multiplies
     on AMX (where the CPU has it): its logits match Hugging Face in float32 as tightly as the
     fp32 path's do, and so do the decode steps after it (on the panels)."""
-    from pdserve.serve.executor import parallel
-
     ops = cpu_kernels()
     if not ops.panel_width() or not ops.amx_available():
         pytest.skip("no AMX on this CPU or build")
     model_dir = make_model_dir("llama", seed=4, dtype="bfloat16")
     calls: list[int] = []
-    monkeypatch.setattr(parallel, "cpu_kernels", lambda: AmxSpy(ops, calls))
+    monkeypatch.setattr(cpu_linear, "library", lambda: AmxSpy(ops, calls))
     with make_runner(model_dir, "float32") as runner:
         steps, seqs = run_walk(runner, 9, num_decodes=2, seed=2)
     assert calls and min(calls) >= int(ops.amx_min_rows())  # the prefill step, not decodes
@@ -228,29 +224,27 @@ def test_bf16_checkpoint_prefill_on_amx_matches_hf(make_model_dir,
 @pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])
 def test_other_families_keep_the_module_path(architecture: str, make_model_dir) -> None:
     with make_runner(make_model_dir(architecture, seed=3)) as runner:
-        assert decoder(runner).fused_decode() is None
+        assert causal_lm(runner).fused_decode() is None
 
 
 def test_torch_attention_backend_keeps_the_module_path(llama_dir: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
     with make_runner(llama_dir) as runner:
-        assert decoder(runner).fused_decode() is None
+        assert causal_lm(runner).fused_decode() is None
 
 
 def test_bad_switch_value_is_refused(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "yes")
-    with make_runner(llama_dir) as runner, pytest.raises(ValueError, match="FUSED_DECODE"):
-        decoder(runner).fused_decode()
+    with pytest.raises(ValueError, match="FUSED_DECODE"), make_runner(llama_dir) as runner:
+        causal_lm(runner).fused_decode()  # the CPU path reads every switch when first asked
 
 
 def test_bf16_decode_of_many_sequences_takes_amx_in_the_fused_loop_too(
         make_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 checkpoint's decode step of at least amx_min_rows sequences: serve/parallel.linear
+    """A bf16 checkpoint's decode step of at least amx_min_rows sequences: parallel.linear
     multiplies it on AMX, and so does the fused loop, bit for bit with the module path; with
     PDSERVE_CPU_AMX=0 the loop keeps the panels, whose bits differ."""
-    from pdserve.serve.executor import parallel
-
     ops = cpu_kernels()
     if not ops.panel_width() or not ops.amx_available():
         pytest.skip("no AMX on this CPU or build")
@@ -262,14 +256,14 @@ def test_bf16_decode_of_many_sequences_takes_amx_in_the_fused_loop_too(
         nonlocal num_layers
         monkeypatch.setenv("PDSERVE_FUSED_DECODE", "1" if fused else "0")
         with make_runner(model_dir, "float32") as runner:
-            assert (decoder(runner).fused_decode() is not None) == fused
-            num_layers = len(decoder(runner).layers)
+            assert (causal_lm(runner).fused_decode() is not None) == fused
+            num_layers = len(causal_lm(runner).model.layers)
             return run_walk(runner, num_seqs, num_decodes=2, seed=3)[0]
 
     fused_steps = walk(fused=True)
     calls: list[int] = []
     with monkeypatch.context() as spying:
-        spying.setattr(parallel, "cpu_kernels", lambda: AmxSpy(ops, calls))
+        spying.setattr(cpu_linear, "library", lambda: AmxSpy(ops, calls))
         module_steps = walk(fused=False)
     # the 2 decode steps' 4 products a layer, and lm_head on the 33 rows sampled after the
     # prefill and after each decode step
@@ -277,11 +271,11 @@ def test_bf16_decode_of_many_sequences_takes_amx_in_the_fused_loop_too(
     for got, want in zip(fused_steps, module_steps, strict=True):
         assert torch.equal(got, want)
     monkeypatch.setenv("PDSERVE_CPU_AMX", "0")
-    parallel.amx_rows.cache_clear()
+    kernel_choice.reset()
     try:
         panel_steps = walk(fused=True)
     finally:
-        parallel.amx_rows.cache_clear()
+        kernel_choice.reset()
     assert not torch.equal(panel_steps[-1], fused_steps[-1])
 
 
@@ -290,7 +284,7 @@ def test_phase_clocks_fill_every_part_and_leave_the_logits_alone(llama_dir: Path
     products, the attention and the rest, and the logits are the same bits as without."""
     with make_runner(llama_dir) as runner:
         loop = runner.fused_decode()
-        assert loop is not None and loop is decoder(runner).fused_decode()
+        assert loop is not None and loop is causal_lm(runner).fused_decode()
         plain, _ = run_walk(runner, 3, num_decodes=2)
         loop.phase_seconds = torch.zeros(3, dtype=torch.float64)
         clocked, _ = run_walk(runner, 3, num_decodes=2)

@@ -1,7 +1,7 @@
 """A decode worker whose KV pool is short when a handed-off request's KV arrives queues it
 (it waits for the running requests to free blocks) instead of refusing it; it then runs to
 the same tokens as a colocated engine, and everything ends free. The components are the
-worker's own (HandOff, KVTransfer over a real in-process store), driven step by step."""
+worker's own (RequestGateway, KVTransfer over a real in-process store), driven step by step."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.engine.engine import Engine
-from pdserve.serve.worker.gateway import HandOff
+from pdserve.serve.worker.gateway import RequestGateway
 from pdserve.serve.worker.kv_transfer import KVTransfer
 
 BLOCK = 8
@@ -29,7 +29,7 @@ def _engine(model_dir, num_blocks: int) -> Engine:
                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
-def _drive(handoff: HandOff, until, timeout_s: float = 60.0) -> list[Output]:
+def _drive(handoff: RequestGateway, until, timeout_s: float = 60.0) -> list[Output]:
     """The worker loop without sockets: poll transfers, step, collect wire outputs."""
     outputs: list[Output] = []
     deadline = time.monotonic() + timeout_s
@@ -66,8 +66,8 @@ def test_decode_worker_queues_a_handoff_until_blocks_free(llama_dir) -> None:
         engines.append(engine)
         transfers.append(KVTransfer(engine.runner, engine.block_manager,
                                     KVConnector(store, engine.spec.kv_layout(BLOCK))))
-    prefill = HandOff(engines[0], "prefill", "p", transfers[0])
-    decode = HandOff(engines[1], "decode", "d", transfers[1])
+    prefill = RequestGateway(engines[0], "prefill", "p", transfers[0])
+    decode = RequestGateway(engines[1], "decode", "d", transfers[1])
     try:
         prefill.add(GenerateRequest("r", prompt, GREEDY))
         [first] = [o for o in _drive(prefill, _finished("r")) if o.request_id == "r"]

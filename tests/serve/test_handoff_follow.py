@@ -1,6 +1,5 @@
 """A decode worker follows a prefill on its host layer by layer (serve/worker/follow.py): the
-prefill
-worker announces its staging as the forward stages layer 0 (Output.staging), the decode
+prefill worker announces its staging as the forward stages layer 0 (Output.staging), the decode
 worker reserves blocks and copies each layer the staging's header counts, and the hand-off
 then only claims the blocks. The tokens are a colocated engine's; reservations, leases, pins
 and segment memory all end free; a staging freed under the copy is recomputed. The worker's
@@ -25,7 +24,7 @@ from helpers.handoff_util import (
 
 from pdserve.kvstore.shm_segment import TOTAL_STORE_ORDER
 from pdserve.protocol.codec import WireError
-from pdserve.protocol.store import ShmSegment, ShmSpan
+from pdserve.protocol.store.data import ShmSegment, ShmSpan
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
     FollowPrefill,
@@ -33,12 +32,12 @@ from pdserve.protocol.worker import (
     KVStaging,
     Output,
 )
-from pdserve.serve.worker.gateway import HandOff
+from pdserve.serve.worker.gateway import RequestGateway
 
 NUM_BLOCKS = 4  # 25 tokens in blocks of 8
 
 
-def _follow_while_prefilling(prefill: HandOff, decode: HandOff, monkeypatch
+def _follow_while_prefilling(prefill: RequestGateway, decode: RequestGateway, monkeypatch
                              ) -> tuple[Output, list[int]]:
     """Prefill the prompt with the decode worker following: the announcement goes straight
     to decode.follow (the router's part), and after each layer the prefill saves, the decode
@@ -50,7 +49,7 @@ def _follow_while_prefilling(prefill: HandOff, decode: HandOff, monkeypatch
         assert output.staging is not None and output.token_ids == []
         decode.follow(FollowPrefill(output.request_id, len(PROMPT), output.staging))
 
-    prefill.send = send
+    prefill.announcer.send = send
     connector = prefill.kv_transfer.connector
     save_layer = connector.save_layer
     copied: list[int] = []
@@ -168,7 +167,7 @@ def test_no_staging_is_announced_with_follow_off(llama_dir, monkeypatch):
     monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
     with handoff_pair(llama_dir, 8 << 20) as (prefill, decode, node):
         sent: list[Output] = []
-        prefill.send = sent.append
+        prefill.announcer.send = sent.append
         prefill.add(GenerateRequest("r", PROMPT, GREEDY))
         outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
         assert sent == [] and outputs[-1].handoff.shm_spans  # still staged in the segment
@@ -196,7 +195,7 @@ def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(
         decode.follow(follow)
         decode.poll()  # the decode loop's turn: everything is staged, so all is copied
 
-    prefill.send = send
+    prefill.announcer.send = send
     prefill.add(GenerateRequest("r", PROMPT, GREEDY))
     outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
     assert progress_when_sent == [num_layers]

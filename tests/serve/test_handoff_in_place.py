@@ -3,7 +3,7 @@ in its hand-off node's shared memory segment and the hand-off says where; the de
 maps the segment and copies the blocks straight into its pool as the hand-off arrives, so the
 request joins the batch at once (no load job, no request to the prefill worker). The tokens
 are a colocated engine's; leases, pins and segment memory all end free. Blocks freed before
-or while they are read are recomputed. The worker's own components (HandOff, KVTransfer, a
+or while they are read are recomputed. The worker's own components (RequestGateway, KVTransfer, a
 real HandoffNode served over ZeroMQ), driven step by step in one process."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from helpers.engine_util import run_to_completion, token_ids
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.engine.engine import Engine
-from pdserve.serve.executor import model_runner
+from pdserve.serve.executor import pool_sizing
 from pdserve.serve.executor.kv_cache import (
     GIB,
     MemoryProfile,
@@ -23,7 +23,8 @@ from pdserve.serve.executor.kv_cache import (
     check_fits_host_memory,
     plan_kv_cache,
 )
-from pdserve.serve.executor.model_runner import ModelRunner, profile_step
+from pdserve.serve.executor.model_runner import ModelRunner
+from pdserve.serve.executor.pool_sizing import profile_step
 from pdserve.serve.worker.server import add_arguments, config_from_args
 
 MIB = 1 << 20
@@ -133,7 +134,7 @@ def test_cpu_pool_from_the_budget_caps_max_model_len(llama_dir: Path, caplog) ->
 
 
 def test_cpu_pool_larger_than_host_memory_is_refused(llama_dir: Path, monkeypatch) -> None:
-    monkeypatch.setattr(model_runner, "available_host_memory_bytes", lambda: 64 * MIB)
+    monkeypatch.setattr(pool_sizing, "available_host_memory_bytes", lambda: 64 * MIB)
     with pytest.raises(ValueError, match="host has 0.06 GiB available"):
         ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(kv_cache_memory_bytes=GIB),
                     ParallelConfig(device="cpu"))
@@ -144,7 +145,7 @@ def test_profile_run_executes_the_largest_step(llama_dir: Path) -> None:
     with ModelRunner(ModelConfig(str(llama_dir)), CacheConfig(num_blocks=4),
                      ParallelConfig(device="cpu")) as runner:
         scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=300)
-        assert runner._rank.profile_run(scheduler) == 300
+        assert pool_sizing.profile_run(runner._rank, scheduler) == 300
 
 
 def test_unset_max_tokens_gets_the_room_left(llama_dir: Path) -> None:

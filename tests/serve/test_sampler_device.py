@@ -4,11 +4,11 @@ batch (plus the logprobs asked for) leaves for the host while it samples."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
 import torch
+from helpers.host_reads import host_reads
 from helpers.sampler_reference import HostSampler
 
 from pdserve.protocol.sampling import SamplingParams
@@ -74,28 +74,6 @@ def test_random_mixes_of_options_match(seed: int) -> None:
     options = [{**rng.choice(OPTIONS), **rng.choice(OPTIONS)} for _ in range(12)]
     device, host = run_both(options, num_steps=6, seed=seed)
     assert device == host
-
-
-@contextlib.contextmanager
-def host_reads() -> list[tuple[str, int]]:
-    """Records (method, number of elements) of every tensor read out to the host."""
-    seen: list[tuple[str, int]] = []
-    originals = {name: getattr(torch.Tensor, name) for name in ("cpu", "tolist", "item",
-                                                                 "numpy")}
-
-    def recorder(name):
-        def record(tensor, *args, **kwargs):
-            seen.append((name, tensor.numel()))
-            return originals[name](tensor, *args, **kwargs)
-        return record
-
-    for name in originals:
-        setattr(torch.Tensor, name, recorder(name))
-    try:
-        yield seen
-    finally:
-        for name, method in originals.items():
-            setattr(torch.Tensor, name, method)
 
 
 def test_only_the_sampled_ids_leave_for_the_host() -> None:

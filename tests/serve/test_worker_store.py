@@ -36,8 +36,9 @@ def fleet(llama_dir):
                                       ("decode", "decode")]):
         engine = make_engine(llama_dir)
         connector = KVConnector(store, engine.spec.kv_layout(BLOCK))
+        transfer = KVTransfer(engine.runner, engine.block_manager, connector)
         worker = Worker(engine, role, f"tcp://127.0.0.1:{base + i}", name,
-                        KVTransfer(engine.runner, engine.block_manager, connector))
+                        lambda announcer, transfer=transfer: transfer)
         thread = threading.Thread(target=worker.serve_forever, daemon=True)
         thread.start()
         workers[name], threads = worker, threads + [thread]

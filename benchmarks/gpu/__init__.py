@@ -1,0 +1,1 @@
+"""Everything GPU-side in one command: benchmarks/gpu/run.sh."""

@@ -1,1 +1,0 @@
-"""pdserve.benchmarks.kernels"""

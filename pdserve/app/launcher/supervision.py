@@ -1,0 +1,183 @@
+"""The children of `pdserve up` and their supervision.
+
+A child that dies is restarted after a backoff (logged, and counted in the router's /metrics
+as pdserve:process_restarts_total) while the others keep serving; a role that keeps failing
+at start stops the cluster (RestartPolicy). Each child runs in a session of its own and dies
+with the launcher even when the launcher is SIGKILLed (pdserve/lifecycle.py); on stop, each
+role gets a few seconds to drain, then is killed with its whole process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.lifecycle import parent_death_preexec
+
+STOP_GRACE_S = 5.0
+"""How long each group of children may drain after SIGTERM before it is killed."""
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    role: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """Set in the child's environment on top of the launcher's (CUDA_VISIBLE_DEVICES)."""
+    cpus: list[int] | None = None
+    """The cores the child (and its TP rank processes, which inherit it) runs on; None:
+    any of the launcher's."""
+    ports: list[tuple[str, int]] = field(default_factory=list)
+    """(host, port) the child listens on: checked free before the cluster starts."""
+    process: subprocess.Popen | None = None
+    state: str = "starting"
+    started_s: float = 0.0
+    """time.monotonic() of the last start."""
+    num_restarts: int = 0
+    num_start_failures: int = 0
+    """Exits within the start window in a row (RestartPolicy)."""
+    restart_at_s: float | None = None
+    """When a dead child is due to start again (None: not waiting to)."""
+
+    def start(self) -> None:
+        # A session of its own: Ctrl-C reaches only the launcher, which stops the children
+        # in order (router, workers, store), so none waits on a peer that is already gone.
+        # The parent-death signal and PDSERVE_LAUNCHER_PID make it die with the launcher.
+        cpus = self.cpus
+        # pinned before the child starts any thread (torch's pool is sized at import)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.app.cli", *self.argv], start_new_session=True,
+            env={**os.environ, **self.env, "PDSERVE_LAUNCHER_PID": str(os.getpid())},
+            preexec_fn=parent_death_preexec(os.getpid(), pin))
+        self.started_s = time.monotonic()
+        self.state = "starting"
+        self.restart_at_s = None
+
+    @property
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_s: float = 1.0
+    """Wait before restarting a child that died; doubled for each failure at start in a
+    row, up to max_backoff_s."""
+    max_backoff_s: float = 30.0
+    start_window_s: float = 60.0
+    """A child that exits within this long of its start failed at start."""
+    max_start_failures: int = 3
+    """A role that fails at start this many times in a row stops the cluster."""
+
+    def __post_init__(self) -> None:
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("need 0 <= backoff_s <= max_backoff_s")
+        if self.start_window_s < 0 or self.max_start_failures < 1:
+            raise ValueError("need start_window_s >= 0 and max_start_failures >= 1")
+
+
+class RoleKeepsFailing(RuntimeError):
+    """A role failed at start RestartPolicy.max_start_failures times in a row."""
+
+    def __init__(self, child: Child, message: str) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+class Supervisor:
+    """Restarts dead children by `policy`, counting restarts in a JSON file the router
+    exports (router/metrics.py SupervisorCollector)."""
+
+    def __init__(self, cluster: Cluster, policy: RestartPolicy, state_path: Path,
+                 say: Callable[[str], None],
+                 kill_group: Callable[[int], None] | None = None) -> None:
+        """`kill_group(pid)` ends what a dead child left in its process group (default:
+        SIGKILL to the group)."""
+        self.cluster, self.policy, self.state_path, self.say = cluster, policy, state_path, say
+        self.kill_group = kill_group or kill_group_of
+        self.write_state()
+
+    def check(self, now_s: float) -> None:
+        """Restart the children that are due; schedule a restart for each that died.
+        Raises RoleKeepsFailing."""
+        policy = self.policy
+        for child in self.cluster.children:
+            if child.restart_at_s is not None:
+                if now_s >= child.restart_at_s:
+                    child.start()
+                    child.num_restarts += 1
+                    self.write_state()
+                    self.say(f"  {child.role:<12} restarted (pid {child.process.pid}, "
+                             f"restart {child.num_restarts})")
+                continue
+            if not child.exited:
+                continue
+            self.kill_group(child.process.pid)  # what it left behind (TP ranks) goes too
+            ran_s = now_s - child.started_s
+            if ran_s < policy.start_window_s:
+                child.num_start_failures += 1
+            else:
+                child.num_start_failures = 0
+            code = child.process.returncode
+            if child.num_start_failures >= policy.max_start_failures:
+                raise RoleKeepsFailing(
+                    child, f"{child.role} exited (code {code}) {child.num_start_failures} "
+                    f"times in a row within {policy.start_window_s:.0f} s of starting")
+            delay_s = min(policy.backoff_s * 2 ** max(child.num_start_failures - 1, 0),
+                          policy.max_backoff_s)
+            child.restart_at_s = now_s + delay_s
+            child.state = "restarting"
+            self.say(f"pdserve up: {child.role} exited with code {code} after {ran_s:.1f} s; "
+                     f"restarting in {delay_s:.1f} s")
+
+    def write_state(self) -> None:
+        """Replaced whole (os.replace), so a reader never sees half a file."""
+        restarts = {c.role: c.num_restarts for c in self.cluster.children}
+        partial = self.state_path.with_suffix(".partial")
+        partial.write_text(json.dumps({"restarts": restarts}))
+        os.replace(partial, self.state_path)
+
+
+@dataclass
+class Cluster:
+    children: list[Child] = field(default_factory=list)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the children in reverse start order, each group waited for in turn; a
+        child still running grace_s later is killed with its whole process group (its TP
+        ranks too)."""
+        groups = [[c for c in self.children if c.role == "router"],
+                  [c for c in self.children if c.role not in ("router", "store")],
+                  [c for c in self.children if c.role == "store"]]
+        for group in groups:
+            running = [c.process for c in group if c.process and c.process.poll() is None]
+            for process in running:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for process in running:
+                try:
+                    process.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    logger.warning("pid %d still running %.0f s after SIGTERM: killing it",
+                                   process.pid, grace_s)
+                    kill_group_of(process.pid)
+                    process.wait(5)
+
+
+def kill_group_of(pid: int) -> None:
+    """SIGKILL the process group a child leads (each child starts its own session)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left in it
+        pass

@@ -1,0 +1,165 @@
+"""The CPU path chosen by measurement (serve/cpu/tuning.py): the choice from stubbed timings,
+the cache's key and its distrust of a bad entry, and an engine on every path giving the same
+greedy tokens as Hugging Face."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.model_util import hf_greedy, random_prompts
+from torch import nn
+
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.serve import LLM
+from pdserve.serve.cpu import tuning
+from pdserve.serve.executor import ops
+
+
+@pytest.fixture(autouse=True)
+def default_path_after():
+    yield
+    ops.use_path(None)
+
+
+def test_the_path_nearest_its_best_at_every_point_wins() -> None:
+    seconds = {
+        "fast-decode": {"decode 1x256": 1.0, "prefill 256": 10.0},  # 10 / 3: 3.3x at prefill
+        "balanced": {"decode 1x256": 2.0, "prefill 256": 3.0},      # 2x at decode
+        "slow": {"decode 1x256": 4.0, "prefill 256": 4.0},          # 4x at decode
+    }
+    assert tuning.choose(seconds) == "balanced"
+    assert tuning.worst_ratio(seconds, "fast-decode") == pytest.approx(10 / 3)
+    seconds["fast-decode"]["prefill 256"] = 2.5
+    assert tuning.choose(seconds) == "fast-decode"
+
+
+def test_paths_timed_at_other_points_are_refused() -> None:
+    with pytest.raises(ValueError, match="same points"):
+        tuning.choose({"a": {"decode 1x256": 1.0}, "b": {"prefill 256": 1.0}})
+
+
+def test_candidates_follow_the_machine_and_the_environments_switches(monkeypatch) -> None:
+    labels = [p.label for p in tuning.candidate_paths(True, True, True)]
+    assert "prepack=panels fused=on amx=on" in labels
+    assert "prepack=none fused=off amx=off" in labels
+    assert len(labels) == 8  # panels x fused x amx (4), onednn and none x fused (4)
+    assert all(p.prepack != "panels" for p in tuning.candidate_paths(False, False, True))
+    monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
+    monkeypatch.setenv("PDSERVE_CPU_PREPACK", "0")
+    assert [p.label for p in tuning.candidate_paths(True, True, True)] == [
+        "prepack=none fused=off amx=off"]
+
+
+FACTS = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_flags": "avx2 avx512f amx_bf16",
+         "cores": 2, "threads": 2, "caches": {"L2": "2048K", "L3": "491520K"},
+         "torch": "2.13.0+cpu", "kernel_library": "pdserve_cpu_ops_abc",
+         "products": {"(768, 512) float32": 8}, "parameters": 1000}
+
+
+@pytest.mark.parametrize("name,changed", [
+    ("cpu_model", "AMD EPYC 9B45"), ("cpu_flags", "avx2"), ("cores", 4), ("threads", 1),
+    ("caches", {"L2": "1024K", "L3": "32768K"}), ("torch", "2.12.0+cpu"),
+    ("kernel_library", "pdserve_cpu_ops_def"), ("products", {"(768, 512) bfloat16": 8}),
+])
+def test_the_cache_key_changes_with_each_of_its_inputs(name: str, changed) -> None:
+    assert tuning.cache_key({**FACTS, name: changed}) != tuning.cache_key(FACTS)
+    assert tuning.cache_key(dict(FACTS)) == tuning.cache_key(FACTS)
+
+
+class Counting:
+    """A stub timer: path A is fast at decode, B everywhere else; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, point: tuning.Point) -> float:
+        self.calls += 1
+        fused = ops.path().fused_decode
+        return (1.0 if fused else 2.0) if point.num_seqs else (3.0 if fused else 1.0)
+
+
+POINTS = [tuning.Point(1, 16), tuning.Point(0, 16)]
+
+
+def run_tune(timer: Counting) -> tuning.Tuning:
+    return tuning.tune(nn.Linear(2, 2), timer, POINTS, has_panels=False, has_amx=False,
+                       has_fused=True)
+
+
+def test_a_choice_is_measured_once_then_read_back(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tuning, "cache_directory", lambda: tmp_path)
+    first = Counting()
+    measured = run_tune(first)
+    assert measured.source == "measured" and first.calls == 4 * len(POINTS)
+    assert measured.chosen == ops.path()
+    second = Counting()
+    cached = run_tune(second)
+    assert cached.source == "cached" and second.calls == 0
+    assert cached.chosen == measured.chosen and cached.seconds == measured.seconds
+    assert "(cached " in cached.summary() and cached.chosen.label in cached.summary()
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda entry: "{not json",
+    lambda entry: json.dumps({**entry, "facts": {**entry["facts"], "cores": 99}}),
+    lambda entry: json.dumps({**entry, "version": 0}),
+    lambda entry: json.dumps({**entry, "chosen": "prepack=bogus"}),
+    lambda entry: json.dumps({**entry, "seconds": {"x": {"y": "z"}}}),
+    lambda entry: json.dumps({k: v for k, v in entry.items() if k != "seconds"}),
+])
+def test_a_corrupt_or_stale_entry_is_measured_again(tmp_path, monkeypatch, spoil) -> None:
+    monkeypatch.setattr(tuning, "cache_directory", lambda: tmp_path)
+    run_tune(Counting())
+    (entry_file,) = tmp_path.glob("*.json")
+    entry_file.write_text(spoil(json.loads(entry_file.read_text())))
+    again = Counting()
+    assert run_tune(again).source == "measured" and again.calls > 0
+
+
+def test_an_entry_whose_times_disagree_with_its_choice_is_not_trusted(tmp_path,
+                                                                      monkeypatch) -> None:
+    monkeypatch.setattr(tuning, "cache_directory", lambda: tmp_path)
+    chosen = run_tune(Counting()).chosen.label
+    (entry_file,) = tmp_path.glob("*.json")
+    entry = json.loads(entry_file.read_text())
+    other = next(label for label in entry["seconds"] if label != chosen)
+    entry_file.write_text(json.dumps({**entry, "chosen": other}))
+    assert run_tune(Counting()).source == "measured"
+
+
+def test_an_engine_tunes_itself_and_every_path_gives_hf_tokens(llama_dir, tmp_path,
+                                                               monkeypatch) -> None:
+    monkeypatch.setenv("PDSERVE_CPU_TUNING", "1")
+    monkeypatch.setattr(tuning, "cache_directory", lambda: tmp_path)
+    prompts = random_prompts([5, 19], vocab_size=1000, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = hf_greedy(llama_dir, prompts, 6)
+    with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu",
+             enable_prefix_caching=False) as llm:  # every path prefills too
+        runner = llm.engine.runner
+        chosen = runner.cpu_tuning
+        assert chosen is not None and chosen.source == "measured"
+        assert chosen.chosen == ops.path()
+        assert set(chosen.seconds) == {p.label for p in tuning.candidate_paths(
+            *_abilities(chosen))}
+        model = runner._rank.model
+        for label in chosen.seconds:
+            path = next(p for p in tuning.candidate_paths(True, True, True) if p.label == label)
+            tuning.apply(model, path)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            assert [o.outputs[0].token_ids for o in outputs] == expected, label
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def _abilities(chosen: tuning.Tuning) -> tuple[bool, bool, bool]:
+    labels = set(chosen.seconds)
+    return (any("panels" in label for label in labels), any("amx=on" in label for label in labels),
+            any("fused=on" in label for label in labels))
+
+
+def test_torch_threads_are_part_of_what_was_measured() -> None:
+    facts = tuning.machine_facts()
+    assert facts["threads"] == torch.get_num_threads() and facts["cores"] >= 1
+    assert facts["kernel_library"].startswith("pdserve_cpu_ops_")
