@@ -249,10 +249,11 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
         rounds: dict[tuple[int, int], list[float]] = {}
         reads: dict[tuple[int, int], list[float]] = {}
         parts: dict[tuple[int, int], list[list[float]]] = {}
-        fused = engine.runner.fused_decode()  # its parts are timed where the model has one
         for _ in range(args.rounds):
             for context in args.contexts:
                 for batch in args.batch_sizes:
+                    # the loop this batch runs (its parts are timed where the model has one)
+                    fused = engine.runner.fused_decode(batch)
                     step_s, seconds = decode_point(engine, [fresh(context) for _ in range(batch)],
                                                    params, args, fused)
                     if seconds is not None:
@@ -321,16 +322,17 @@ def time_every_path(llm: Any, fresh: Callable[[int], list[int]], params: Any,
         print("one CPU path only here: nothing to compare", flush=True)
         return {}
     model = runner._rank.model
-    labels = {p.label: p for p in tuning.candidate_paths(True, True, True)}
     steps: dict[str, dict[str, float]] = {}
-    order = list(chosen.seconds)
+    # the measured paths, and the chosen one where it is a split of two of them
+    order = list(chosen.seconds)[:chosen.num_measured]
+    if chosen.chosen.label not in order:
+        order.append(chosen.chosen.label)
     for label in order + order[::-1]:
-        tuning.apply(model, labels[label])
-        fused = runner.fused_decode()
+        tuning.apply(model, chosen.paths[label])
         for context in args.contexts:
             for batch in args.batch_sizes:
                 step_s, _ = decode_point(llm.engine, [fresh(context) for _ in range(batch)],
-                                         params, args, fused)
+                                         params, args)
                 key = f"{batch}x{context}"
                 steps.setdefault(label, {})[key] = min(step_s, steps.get(label, {}).get(
                     key, float("inf")))
@@ -391,7 +393,8 @@ def analyse(facts: dict[str, Any], peak: float, runs: dict[str, Any]) -> dict[st
                  "compute_floor_s": compute_s, "floor_s": floor_s,
                  "x_floor": statistics.median([step_s / floor for step_s, floor in
                                      zip(row["rounds_s"], floors, strict=True)])}
-        if "rounds_parts_s" in row:
+        # the loop's clocks, where its steps ran the loop (a step it does not take reads 0)
+        if "rounds_parts_s" in row and all(parts[1] > 0 for parts in row["rounds_parts_s"]):
             entry["parts"] = step_parts(facts, peak, row, entry)
         peer = _match(runs.get("vllm"), "decode", row, ("batch", "context"))
         if peer is not None:

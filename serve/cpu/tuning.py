@@ -11,7 +11,11 @@ AMX) on its own model, threads and pinning, over a few steps it will serve:
     one prompt of 256 tokens
 
 and takes the path whose worst point is closest to that point's best (the smallest largest
-ratio): no point is much slower than it could be. The choice and its times are cached in a
+ratio): no point is much slower than it could be. Besides the paths as measured, it weighs each
+packed layout split by rows (CpuPath.plain_rows): decode steps of at most T sequences on the
+plain weights, the rest on the packed copy, whose times at each point are the two measured
+paths' (a step runs exactly one of them); the plain weights are kept anyway, so a split costs no
+memory. The choice and its times are cached in a
 JSON file beside the kernel library, keyed by what decides them (CPU model and flags, cores,
 cache sizes, torch version, the kernel library, the model's products and dtype); a later start
 with the same key reads it back. An entry that does not parse, or whose key differs, is
@@ -72,9 +76,15 @@ class Tuning:
 
     chosen: ops.CpuPath
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per path label, seconds per point: the measured paths, then the splits composed of
+    them."""
     source: str = "default"
     """"measured", "cached" (read back from cache_file) or "default" (nothing to choose)."""
     cache_file: str = ""
+    paths: dict[str, ops.CpuPath] = field(default_factory=dict)
+    """The path of each label in `seconds`."""
+    num_measured: int = 0
+    """The first this many labels of `seconds` were measured; the rest are splits of them."""
 
     def summary(self) -> str:
         """One line: the choice, why (its times against the runner-up's), and the source."""
@@ -114,6 +124,43 @@ def choose(seconds: dict[str, dict[str, float]]) -> str:
     if any(set(times) != points for times in seconds.values()):
         raise ValueError("every path must be timed at the same points")
     return min(seconds, key=lambda label: worst_ratio(seconds, label))
+
+
+def split_paths(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
+                step_points: Sequence[Point]) -> dict[str, tuple[ops.CpuPath, dict[str, float]]]:
+    """Every packed path split by rows at each decode point's batch: its times composed from
+    the packed path's and the plain one's (same fused loop), as a step of either runs."""
+    by_label = {p.label: p for p in candidates}
+    splits = {}
+    for packed in candidates:
+        plain = ops.CpuPath("none", packed.fused_decode, False)
+        if packed.prepack == "none" or plain.label not in measured:
+            continue
+        for rows in sorted({p.num_seqs for p in step_points if p.num_seqs})[:-1]:
+            split = ops.CpuPath(packed.prepack, packed.fused_decode, packed.amx, rows)
+            times = {point.label: measured[(plain if 0 < point.num_seqs <= rows
+                                            else packed).label][point.label]
+                     for point in step_points}
+            splits[split.label] = (split, times)
+    assert not set(splits) & set(by_label)
+    return splits
+
+
+def options(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
+            step_points: Sequence[Point]) -> dict[str, tuple[ops.CpuPath, dict[str, float]]]:
+    """What the choice is among: every measured path, then every split of them (ties go to
+    the measured, in candidate order)."""
+    return {**{p.label: (p, measured[p.label]) for p in candidates},
+            **split_paths(measured, candidates, step_points)}
+
+
+def decide(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
+           step_points: Sequence[Point], source: str, cache_file: Path) -> Tuning:
+    """The choice among the measured paths and their splits."""
+    choices = options(measured, candidates, step_points)
+    seconds = {label: times for label, (_, times) in choices.items()}
+    return Tuning(choices[choose(seconds)][0], seconds, source, str(cache_file),
+                  {label: path for label, (path, _) in choices.items()}, len(measured))
 
 
 def candidate_paths(has_panels: bool, has_amx: bool, has_fused: bool) -> list[ops.CpuPath]:
@@ -201,33 +248,32 @@ def cache_directory() -> Path:
     return Path(_get_build_directory("pdserve_cpu_tuning", verbose=False))
 
 
-def read_cached(path: Path, facts: dict[str, Any], candidates: Sequence[ops.CpuPath]
-                ) -> Tuning | None:
+def read_cached(path: Path, facts: dict[str, Any], candidates: Sequence[ops.CpuPath],
+                step_points: Sequence[Point]) -> Tuning | None:
     """The tuning saved at `path` for exactly these facts, or None (missing, unreadable,
     another version or key, or a choice that is no longer a candidate)."""
     try:
         entry = json.loads(path.read_text())
         if entry["version"] != CACHE_VERSION or entry["facts"] != facts:
             return None
-        labels = {p.label: p for p in candidates}
+        labels = [p.label for p in candidates]
         saved = entry["seconds"]
         if set(saved) != set(labels):
             return None
         # in candidate order, as measured: ties go to the same path
-        seconds = {label: {str(point): float(s) for point, s in saved[label].items()}
-                   for label in labels}
-        chosen = labels.get(entry["chosen"])
-        if chosen is None or choose(seconds) != chosen.label:
-            return None
-        return Tuning(chosen, seconds, "cached", str(path))
+        measured = {label: {str(point): float(s) for point, s in saved[label].items()}
+                    for label in labels}
+        tuning = decide(measured, candidates, step_points, "cached", path)
+        return tuning if tuning.chosen.label == entry["chosen"] else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def write_cached(path: Path, facts: dict[str, Any], tuning: Tuning) -> None:
+def write_cached(path: Path, facts: dict[str, Any], tuning: Tuning,
+                 measured: dict[str, dict[str, float]]) -> None:
     """Write atomically (a reader never sees half a file); a failure only costs a re-measure."""
     entry = {"version": CACHE_VERSION, "facts": facts, "chosen": tuning.chosen.label,
-             "seconds": tuning.seconds}
+             "seconds": measured}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
@@ -319,12 +365,11 @@ def tune(model: nn.Module, run_point: Callable[[Point], float], step_points: Seq
              "points": [p.label for p in step_points],
              "candidates": [p.label for p in candidates]}
     path = cache_directory() / f"{cache_key(facts)}.json"
-    tuning = read_cached(path, facts, candidates) if use_cache else None
+    tuning = read_cached(path, facts, candidates, step_points) if use_cache else None
     if tuning is None:
-        seconds = measure(model, candidates, run_point, step_points, progress)
-        labels = {p.label: p for p in candidates}
-        tuning = Tuning(labels[choose(seconds)], seconds, "measured", str(path))
-        write_cached(path, facts, tuning)
+        measured = measure(model, candidates, run_point, step_points, progress)
+        tuning = decide(measured, candidates, step_points, "measured", path)
+        write_cached(path, facts, tuning, measured)
     apply(model, tuning.chosen)
     return tuning
 

@@ -240,14 +240,14 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=self.device)
         return logits.float()
 
-    def fused_decode(self) -> FusedDecode | None:
-        """The in-process rank's fused decode loop (serve/fused_decode.FusedDecode), or None
-        where its model has none or other processes hold ranks
-        (benchmarks/experiments/step_roofline.py times its parts)."""
+    def fused_decode(self, num_rows: int | None = None) -> FusedDecode | None:
+        """The in-process rank's fused decode loop for a step of `num_rows` rows
+        (serve/cpu/fused_decode.FusedDecode), or None where its model has none or other
+        processes hold ranks (benchmarks/experiments/step_roofline.py times its parts)."""
         if self._world_size > 1:
             return None
         build = getattr(self._rank.model, "fused_decode", None)
-        return build() if build is not None else None
+        return build(num_rows) if build is not None else None
 
     def call_before_each_layer(self, hook: Callable[[], None]) -> None:
         """hook() runs before each decoder layer of every forward (serve/cpu/core_share.py moves

@@ -58,15 +58,24 @@ class CpuPath:
     """A decode step's layer loop as one compiled call (serve/cpu/fused_decode.py)."""
     amx: bool = True
     """bf16 panels multiply on AMX from amx_min_rows rows on, where the CPU has AMX."""
+    plain_rows: int = 0
+    """Products of at most this many rows (a decode step's few) read the plain weight, the
+    skinny product (and the fused loop over the plain weights); more rows read the packed
+    copy. 0: every product reads the packed copy. Where a large cache holds the weights, the
+    plain stream wins at few rows and the panels at many."""
 
     def __post_init__(self) -> None:
         if self.prepack not in PREPACKS:
             raise ValueError(f"prepack must be one of {PREPACKS}, got {self.prepack!r}")
+        if self.plain_rows < 0 or (self.plain_rows and self.prepack == "none"):
+            raise ValueError("plain_rows splits a packed layout's products: >= 0, and 0 when "
+                             "nothing is packed")
 
     @property
     def label(self) -> str:
         on = {True: "on", False: "off"}
-        return (f"prepack={self.prepack} fused={on[self.fused_decode]} "
+        split = f" plain<={self.plain_rows}" if self.plain_rows else ""
+        return (f"prepack={self.prepack}{split} fused={on[self.fused_decode]} "
                 f"amx={on[self.amx]}")
 
     def allowed_by_environment(self) -> bool:
@@ -102,6 +111,11 @@ def use_path(chosen_path: CpuPath | None) -> None:
         _chosen_path.append(chosen_path)
     for cached in (chosen, kernel):
         cached.cache_clear()
+
+
+def reads_packed(num_rows: int) -> bool:
+    """Whether a product of `num_rows` rows reads the packed copy (where there is one)."""
+    return num_rows > path().plain_rows
 
 
 def prepacks() -> bool:

@@ -34,7 +34,7 @@ from pdserve.kernels.cpu_linear import pack_panels as pack_panels  # re-exported
 from pdserve.kernels.cpu_linear import unpack as unpack  # re-exported (tests)
 from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.fp8 import dequantize_rows, fp8_linear, scale_shard
-from pdserve.serve.executor.ops import kernel, prepacks
+from pdserve.serve.executor.ops import kernel, prepacks, reads_packed
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -130,14 +130,24 @@ class PrepackedLinear(nn.Module):
         _copy_shard(param.data, _rows(param, loaded, 0, param.shape[0]))
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, self.weight, bias, self.packed, self.weight_scale_inv,
+        return linear(x, self.weight, bias, packed_for(self.packed, x), self.weight_scale_inv,
                       self.fp8_block_k)
 
 
-def product_matrix(layer: PrepackedLinear | ParallelLMHead) -> torch.Tensor:
-    """The weight a layer's product reads: its panels where it has them, else W [out, in]."""
+def packed_for(packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy a product of x's rows reads: None (the plain weight) for the few rows
+    the CPU path keeps on it (ops.CpuPath.plain_rows)."""
+    if packed is None or reads_packed(x.numel() // x.shape[-1]):
+        return packed
+    return None
+
+
+def product_matrix(layer: PrepackedLinear | ParallelLMHead, plain: bool = False
+                   ) -> torch.Tensor:
+    """The weight a layer's product reads: its panels where it has them (unless `plain`),
+    else W [out, in]."""
     packed = layer.packed
-    return packed if packed is not None and not packed.is_mkldnn else layer.weight
+    return packed if packed is not None and not packed.is_mkldnn and not plain else layer.weight
 
 
 def _rows(param: nn.Parameter, loaded: ShardSource, start: int, length: int) -> torch.Tensor:
@@ -349,7 +359,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = packed_copy(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = linear(hidden, self.weight, None, self.packed)  # [N, vocab_per_rank]
+        logits = linear(hidden, self.weight, None, packed_for(self.packed, hidden))
         if self.tp.size == 1:
             return logits[:, : self.vocab_size]
         logits = logits.contiguous()

@@ -14,6 +14,7 @@ from pdserve.serve.cpu.fused_decode import FusedDecode, FusedDecodeWeights, buil
 from pdserve.serve.executor.attention import AttentionMetadata
 from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.serve.executor.ops import reads_packed
 from pdserve.serve.executor.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -180,7 +181,8 @@ class DecoderModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return ModelOutput(hidden)
 
-    def fused_decode_weights(self, lm_head: nn.Module | None) -> FusedDecodeWeights | None:
+    def fused_decode_weights(self, lm_head: nn.Module | None, plain: bool = False
+                             ) -> FusedDecodeWeights | None:
         """What the fused decode loop reads (serve/cpu/fused_decode.py), declared by a model
         family that has one, from its loaded weights; None here: the layers run as modules."""
         return None
@@ -194,8 +196,7 @@ class CausalLM(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._fused_decode: FusedDecode | None = None
-        self._fused_decode_built = False
+        self._fused_decodes: dict[bool, FusedDecode | None] = {}  # plain weights? -> loop
 
     def add_lm_head(self, hf_config: Mapping[str, Any], tp: TPGroup) -> None:
         """The LM head, on the last pipeline stage only."""
@@ -219,25 +220,27 @@ class CausalLM(nn.Module):
         step, their logits); layer_done(i) runs as soon as layer i has written its KV (the KV
         hand-off saves layer by layer from there, so such a step runs the layers as modules).
         A pipeline stage other than the last returns (hidden, residual) for the next."""
-        fused = (self.fused_decode() if layer_done is None and self.model.stage.is_whole
-                 else None)
+        fused = (self.fused_decode(input_ids.shape[0])
+                 if layer_done is None and self.model.stage.is_whole else None)
         return self.model(input_ids, kv_caches, meta, layer_done, carried, fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] on rank 0 (None on other ranks)."""
         return self.lm_head(hidden)
 
-    def fused_decode(self) -> FusedDecode | None:
+    def fused_decode(self, num_rows: int | None = None) -> FusedDecode | None:
         """The layer loop of a decode step as one compiled call (serve/cpu/fused_decode.py),
         built on first use from the loaded weights the model declares; None where it has
-        none."""
-        if not self._fused_decode_built:
-            self._fused_decode = build_fused_decode(
-                self.model.fused_decode_weights(self.lm_head))
-            self._fused_decode_built = True
-        return self._fused_decode
+        none. A step of `num_rows` rows that the CPU path keeps on the plain weights
+        (ops.CpuPath.plain_rows) gets the loop over those; any other the loop over the
+        packed copies (None: that one)."""
+        plain = num_rows is not None and not reads_packed(num_rows)
+        if plain not in self._fused_decodes:
+            self._fused_decodes[plain] = build_fused_decode(
+                self.model.fused_decode_weights(self.lm_head, plain))
+        return self._fused_decodes[plain]
 
     def rebuild_fused_decode(self) -> None:
-        """Forget the fused loop: the next decode step builds it for the CPU path in force
-        (serve/cpu/tuning.py apply, after the weights were packed again)."""
-        self._fused_decode, self._fused_decode_built = None, False
+        """Forget the fused loops: the next decode step builds its loop for the CPU path in
+        force (serve/cpu/tuning.py apply, after the weights were packed again)."""
+        self._fused_decodes.clear()

@@ -94,17 +94,18 @@ class LlamaDecoderLayer(DecoderLayer):
     def build_mlp(self, hf_config: Mapping[str, Any], layer_id: int, tp: TPGroup) -> None:
         self.mlp = dense_mlp(hf_config, tp)
 
-    def fused_weights(self) -> FusedLayerWeights:
-        """This (dense) layer's tensors for the fused decode loop."""
+    def fused_weights(self, plain: bool = False) -> FusedLayerWeights:
+        """This (dense) layer's tensors for the fused decode loop (`plain`: the plain weights
+        even where packed copies exist)."""
         attn, mlp = self.self_attn, self.mlp
         gate_up, down = mlp._modules[mlp.gate_up_name], mlp._modules[mlp.down_name]
         return FusedLayerWeights(
             input_norm=self.input_layernorm.weight,
-            qkv=product_matrix(attn.qkv_proj), qkv_bias=attn.qkv_proj.bias,
-            o_proj=product_matrix(attn.o_proj), o_bias=attn.o_proj.bias,
+            qkv=product_matrix(attn.qkv_proj, plain), qkv_bias=attn.qkv_proj.bias,
+            o_proj=product_matrix(attn.o_proj, plain), o_bias=attn.o_proj.bias,
             post_norm=self.post_attention_layernorm.weight,
-            gate_up=product_matrix(gate_up), gate_up_bias=gate_up.bias,
-            down=product_matrix(down), down_bias=down.bias)
+            gate_up=product_matrix(gate_up, plain), gate_up_bias=gate_up.bias,
+            down=product_matrix(down, plain), down_bias=down.bias)
 
 
 class LlamaModel(DecoderModel):
@@ -114,7 +115,8 @@ class LlamaModel(DecoderModel):
         super().__init__(hf_config, tp, rotary_emb, lambda _: LlamaDecoderLayer(
             hf_config, rotary_emb, qkv_bias, tp, backend_name))
 
-    def fused_decode_weights(self, lm_head: nn.Module | None) -> FusedDecodeWeights | None:
+    def fused_decode_weights(self, lm_head: nn.Module | None, plain: bool = False
+                             ) -> FusedDecodeWeights | None:
         """Every layer is a dense LlamaDecoderLayer of one NeoX rotary table and one eps: the
         fused loop can run them where this is one tensor-parallel rank, one pipeline stage,
         and the "cpu" attention backend reads the cache."""
@@ -123,13 +125,13 @@ class LlamaModel(DecoderModel):
                 or attn.qkv_proj.tp.size != 1 or self.rotary_emb.is_interleaved):
             return None
         return FusedDecodeWeights(
-            layers=[layer.fused_weights() for layer in self.layers],
+            layers=[layer.fused_weights(plain) for layer in self.layers],
             eps=self.norm.eps, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, rotary_dim=self.rotary_emb.rotary_dim,
             scale=attn.attn.scale,
             rotary_tables=(self.rotary_emb.cos_cache, self.rotary_emb.sin_cache),
             final_norm=self.norm.weight,
-            head=None if lm_head is None else product_matrix(lm_head))
+            head=None if lm_head is None else product_matrix(lm_head, plain))
 
 
 class LlamaForCausalLM(CausalLM):

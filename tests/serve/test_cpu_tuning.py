@@ -5,6 +5,7 @@ greedy tokens as Hugging Face."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,31 @@ def test_the_path_nearest_its_best_at_every_point_wins() -> None:
     assert tuning.worst_ratio(seconds, "fast-decode") == pytest.approx(10 / 3)
     seconds["fast-decode"]["prefill 256"] = 2.5
     assert tuning.choose(seconds) == "fast-decode"
+
+
+def test_a_packed_layout_split_by_rows_wins_where_each_half_is_best() -> None:
+    """The plain stream fastest at few rows, the panels at many (a huge-L3 machine): neither
+    path alone is near its best everywhere, the split is."""
+    points = [tuning.Point(1, 256), tuning.Point(8, 256), tuning.Point(32, 256),
+              tuning.Point(0, 256)]
+    candidates = tuning.candidate_paths(True, False, False)  # panels, onednn, none; no fused
+    measured = {
+        "prepack=panels fused=off amx=off": {"decode 1x256": 9.5, "decode 8x256": 10.0,
+                                             "decode 32x256": 15.8, "prefill 256": 55.0},
+        "prepack=onednn fused=off amx=off": {"decode 1x256": 5.3, "decode 8x256": 7.7,
+                                             "decode 32x256": 21.8, "prefill 256": 54.1},
+        "prepack=none fused=off amx=off": {"decode 1x256": 2.7, "decode 8x256": 5.0,
+                                           "decode 32x256": 18.9, "prefill 256": 59.9},
+    }
+    decided = tuning.decide(measured, candidates, points, "measured", Path("x.json"))
+    assert decided.chosen == ops.CpuPath("panels", False, False, plain_rows=8)
+    assert decided.seconds[decided.chosen.label] == {
+        "decode 1x256": 2.7, "decode 8x256": 5.0, "decode 32x256": 15.8, "prefill 256": 55.0}
+    assert decided.num_measured == 3 and list(decided.seconds)[:3] == list(measured)
+    # splits at every decode batch but the largest, of each packed layout
+    assert set(decided.paths) - set(measured) == {
+        f"prepack={layout} plain<={rows} fused=off amx=off"
+        for layout in ("panels", "onednn") for rows in (1, 8)}
 
 
 def test_paths_timed_at_other_points_are_refused() -> None:
@@ -142,19 +168,17 @@ def test_an_engine_tunes_itself_and_every_path_gives_hf_tokens(llama_dir, tmp_pa
         chosen = runner.cpu_tuning
         assert chosen is not None and chosen.source == "measured"
         assert chosen.chosen == ops.path()
-        assert set(chosen.seconds) == {p.label for p in tuning.candidate_paths(
-            *_abilities(chosen))}
+        measured = list(chosen.seconds)[:chosen.num_measured]
+        assert measured == [p.label for p in tuning.candidate_paths(*_abilities(measured))]
         model = runner._rank.model
-        for label in chosen.seconds:
-            path = next(p for p in tuning.candidate_paths(True, True, True) if p.label == label)
+        for label, path in chosen.paths.items():  # the splits too
             tuning.apply(model, path)
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             assert [o.outputs[0].token_ids for o in outputs] == expected, label
     assert len(list(tmp_path.glob("*.json"))) == 1
 
 
-def _abilities(chosen: tuning.Tuning) -> tuple[bool, bool, bool]:
-    labels = set(chosen.seconds)
+def _abilities(labels: list[str]) -> tuple[bool, bool, bool]:
     return (any("panels" in label for label in labels), any("amx=on" in label for label in labels),
             any("fused=on" in label for label in labels))
 
