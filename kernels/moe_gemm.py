@@ -110,19 +110,22 @@ def expert_layout(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     return ExpertLayout(sorted_slots, block_expert, block_m)
 
 
-def _tiles(device: torch.device, num_rows: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages). The interpreter pays per program, so it gets
-    few large tiles; on GPU a decode step's few rows per expert take 16-row blocks (less
-    padding), a prefill's many take 64."""
+def _tiles(device: torch.device, num_rows: int, num_experts: int
+           ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). The interpreter pays per program,
+    so it gets few large tiles; on GPU a decode step's few rows per expert take 16-row blocks
+    (less padding) over 4 warps, a prefill's many 64-row blocks over 8 (over 4, ptxas spills
+    at sm90 and sm80: tests/kernels/test_kernels_compile.py)."""
     if device.type != "cuda":
-        return 32, 64, 64, 1
-    block_m = 16 if num_rows <= 16 * num_experts else 64
-    return block_m, 64, 64, 3
+        return 32, 64, 64, 1, 4
+    if num_rows <= 16 * num_experts:
+        return 16, 64, 64, 3, 4
+    return 64, 64, 64, 3, 8
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, layout: ExpertLayout,
                  row_of: torch.Tensor | None = None, block_k: int = 64,
-                 num_stages: int = 1) -> torch.Tensor:
+                 num_stages: int = 1, num_warps: int = 4) -> torch.Tensor:
     """out[i] = x[row_of[i]] @ w[e_i]^T for every assignment i of the layout (row_of None:
     x[i]). x [M, K], w [E, N, K] -> out [num assignments, N] in x's dtype."""
     interpreted = check_launchable(x, w, layout.sorted_slots)
@@ -144,7 +147,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, layout: ExpertLayout,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         GATHER=row_of is not None, BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=interpreted, PRECISION=dot_precision(x.dtype), num_warps=4,
+        UPCAST=interpreted, PRECISION=dot_precision(x.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
@@ -161,12 +164,13 @@ def fused_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Ten
     if w2.shape != (num_experts, hidden.shape[1], double_inter // 2):
         raise ValueError(f"w2 must be [{num_experts}, {hidden.shape[1]}, {double_inter // 2}],"
                          f" got {tuple(w2.shape)}")
-    block_m, _, block_k, num_stages = _tiles(hidden.device, expert_ids.shape[0], num_experts)
+    block_m, _, block_k, num_stages, num_warps = _tiles(hidden.device, expert_ids.shape[0],
+                                                        num_experts)
     layout = expert_layout(expert_ids, num_experts, block_m)
-    gate_up = grouped_gemm(hidden, w13, layout, row_of, block_k, num_stages)
+    gate_up = grouped_gemm(hidden, w13, layout, row_of, block_k, num_stages, num_warps)
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate.float()) * up.float()).to(hidden.dtype)
-    return grouped_gemm(act, w2, layout, None, block_k, num_stages)
+    return grouped_gemm(act, w2, layout, None, block_k, num_stages, num_warps)
 
 
 def reference_fused_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor,

@@ -158,7 +158,9 @@ class SparseMoE(nn.Module):
 
     A shared expert stays TP-split; one all-reduce completes both (each routed row comes
     from one rank, the shared partial sums from all). On CPU the experts run one after
-    another over just their rows.
+    another over just their rows; on CUDA every expert's MLP is two launches of one grouped
+    GEMM over the rows sorted by expert (kernels/moe_gemm.py), reading the experts' weights
+    stacked in one tensor each (`use_fused_kernel` forces either way, for tests).
 
     intermediate_key and num_experts_key name the expert width and count in hf_config;
     expert_cls builds each expert (its parameter names are the checkpoint's).
@@ -185,6 +187,9 @@ class SparseMoE(nn.Module):
         })
         self.capacity_factor = tp.expert_capacity_factor
         self.load = ExpertLoad(gate.num_experts)
+        self.use_fused_kernel: bool | None = None
+        """The grouped-GEMM kernel for the experts: None on CUDA only."""
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Every token's shared-expert output, this rank's partial sum ([T, hidden], not yet
@@ -258,6 +263,12 @@ class SparseMoE(nn.Module):
 
             pairs sorted by expert:  e0: i3 i7 | e1: (none) | e2: i0 i4 i9 ...
         """
+        stacked = self._fused_weights(rows)
+        if stacked is not None:
+            from pdserve.kernels.moe_gemm import fused_experts
+
+            local_ids = expert_ids - self.local_experts.start
+            return fused_experts(rows, local_ids, *stacked, row_of)
         order = expert_ids.argsort(stable=True)
         counts = torch.bincount(expert_ids, minlength=self.gate.num_experts).tolist()
         out = rows.new_empty((expert_ids.shape[0], rows.shape[1]))
@@ -270,6 +281,34 @@ class SparseMoE(nn.Module):
             out.index_copy_(0, index, self.experts[str(expert)](rows.index_select(0, source)))
             start += count
         return out
+
+
+    def _fused_weights(self, rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every local expert's gate_up [E, 2I, H] and down [E, H, I] weights, each in one
+        tensor whose slices the experts' own parameters then are (no second copy); None
+        where the loop runs: off CUDA (unless forced), FP8 or biased experts."""
+        wanted = rows.is_cuda if self.use_fused_kernel is None else self.use_fused_kernel
+        if not wanted:
+            return None
+        if self._stacked is None:
+            experts = [self.experts[str(e)] for e in self.local_experts]
+            gate_ups = [e._modules[e.gate_up_name] for e in experts]
+            downs = [e._modules[e.down_name] for e in experts]
+            if any(m.bias is not None or getattr(m, "weight_scale_inv", None) is not None
+                   for m in gate_ups + downs):
+                self.use_fused_kernel = False
+                return None
+            self._stacked = (_stack_into_views(gate_ups), _stack_into_views(downs))
+        return self._stacked
+
+
+def _stack_into_views(layers: list[nn.Module]) -> torch.Tensor:
+    """The layers' weights stacked [E, out, in], each layer's weight then a view of it."""
+    stacked = torch.stack([layer.weight.detach() for layer in layers])
+    for i, layer in enumerate(layers):
+        layer.weight.data = stacked[i]
+    return stacked
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:

@@ -27,6 +27,9 @@ DECODE = "decode_attention._decode_attention_kernel"
 COMBINE = "decode_attention.combine_splits_kernel"
 MLA = "mla_decode._mla_decode_kernel"
 SCATTER = "kv_cache_write._scatter_rows_kernel"
+FP8_GEMM = "fp8_gemm._fp8_block_gemm_kernel"
+BLOCK = "block_attention._block_attention_kernel"
+MOE = "moe_gemm._grouped_gemm_kernel"
 CASES = [
     (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, GROUP=4, BLOCK_N=64, HEAD_DIM=128,
                            BLOCK_D=128, UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90),
@@ -51,6 +54,34 @@ CASES = [
                          DOT_PRECISION="tf32"), 8, 2, 90)
       for block_h, block_n in [(16, 32), (32, 32), (64, 16)]],
     (SCATTER, "bf16", dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), 4, 2, 90),
+    # the FP8 KV cache: the query bf16, the cache e4m3, upcast as each tile loads (Triton has
+    # no e4m3 type before sm89: an A100 cannot hold an FP8 cache)
+    (DECODE, "bf16", dict(PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
+                          IS_SPLIT=True, UPCAST=False, DOT_PRECISION="tf32"), 4, 2, 90,
+     {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}),
+    (PREFILL, "bf16", dict(PAGE_SIZE=16, BLOCK_M=128, GROUP=4, BLOCK_N=64, HEAD_DIM=128,
+                           BLOCK_D=128, UPCAST=False, DOT_PRECISION="tf32"), 8, 3, 90,
+     {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}),
+    # ring attention's block kernel: causal by positions, fp32 partial outputs
+    *[(BLOCK, "bf16", dict(CAUSAL=True, BLOCK_M=64, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
+                           V_DIM=128, BLOCK_DV=128, UPCAST=False, DOT_PRECISION="tf32"), 8, 1,
+       sm, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "q_pos_ptr": "*i32", "k_pos_ptr": "*i32"})
+      for sm in (90, 80)],
+    # the fused MoE's grouped GEMM: a decode step's 16-row blocks and a prefill's 64-row ones
+    *[(MOE, "bf16", dict(GATHER=gather, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64,
+                         UPCAST=False, PRECISION="tf32"), warps, 3, sm,
+       {"row_of_ptr": "*i64" if gather else "*i32", "sorted_ptr": "*i32",
+        "block_expert_ptr": "*i32"})
+      for block_m, warps in ((16, 4), (64, 8)) for gather in (True, False) for sm in (90, 80)],
+]
+# DeepSeek-V3's block-scaled FP8 GEMM (e4m3 products need sm89+: sm90 only). It compiles, but
+# ptxas spills at every tile tried (255 registers; 64x128x128 over 8 warps: 712 bytes, 4
+# warps: 1,248; 128x64: 260; 32x128: 588): kept apart, as a known defect, until it does not.
+FP8_CASES = [
+    (FP8_GEMM, "bf16", dict(SCALE_BLOCK_N=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128,
+                            BLOCK_K=128, UPCAST=False), 8, 3, 90,
+     {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32",
+      "b_scale_ptr": "*fp32"}),
 ]
 FLOAT_ARGS = ("qk_scale",)
 INT64_POINTERS = ("slot_mapping_ptr",)
@@ -58,8 +89,9 @@ INT32_POINTERS = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
 FP32_POINTERS = ("partial_out_ptr", "partial_lse_ptr")
 
 
-def _compile_all() -> list[dict]:
-    """Child process: compile CASES, return ptxas' register and spill counts per case."""
+def _compile_all(cases: list[tuple] | None = None) -> list[dict]:
+    """Child process: compile the cases (CASES), return ptxas' register and spill counts per
+    case."""
     import importlib
     import inspect
 
@@ -68,7 +100,8 @@ def _compile_all() -> list[dict]:
     from triton.compiler import ASTSource
 
     results = []
-    for name, dtype, constexprs, num_warps, num_stages, sm in CASES:
+    for name, dtype, constexprs, num_warps, num_stages, sm, *pointers in cases or CASES:
+        overrides = pointers[0] if pointers else {}  # pointer types other than the dtype
         module_name, kernel_name = name.split(".")
         kernel = getattr(importlib.import_module(f"pdserve.kernels.{module_name}"), kernel_name)
         signature, attrs = {}, {}
@@ -76,7 +109,9 @@ def _compile_all() -> list[dict]:
             if arg in constexprs:
                 signature[arg] = "constexpr"
                 continue
-            if arg.endswith("_ptr"):
+            if arg in overrides:
+                signature[arg] = overrides[arg]
+            elif arg.endswith("_ptr"):
                 signature[arg] = ("*i64" if arg in INT64_POINTERS else "*i32"
                                   if arg in INT32_POINTERS else "*fp32"
                                   if arg in FP32_POINTERS else f"*{dtype}")
@@ -116,21 +151,34 @@ def _ptxas_usage(ptx: str, sm: int) -> dict:
             "spill_bytes": int(spills.group(1)) if spills else 0}
 
 
-@pytest.mark.slow
-def test_kernels_compile_for_sm90_and_sm80_without_spills():
+def _compile_in_child(which: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                          timeout=240)
+    done = subprocess.run([sys.executable, __file__, which], capture_output=True, text=True,
+                          env=env, timeout=240)
     if done.returncode != 0 and "ptxas" in done.stderr and "No such file" in done.stderr:
         pytest.skip("this Triton install has no bundled ptxas")
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in results] == [c[0] for c in CASES]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_and_sm80_without_spills():
+    results = _compile_in_child("all")
+    assert [(r["kernel"], r["sm"]) for r in results] == [(c[0], c[5]) for c in CASES]
     for r in results:
         assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= 227 * 1024, r  # sm90's per-block shared memory limit
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the FP8 GEMM spills registers on sm90 (FP8_CASES)")
+def test_the_fp8_gemm_compiles_for_sm90_without_spills():
+    results = _compile_in_child("fp8")
+    assert [r["kernel"] for r in results] == [c[0] for c in FP8_CASES]
+    for r in results:
+        assert r["spill_bytes"] == 0, r
+
+
 if __name__ == "__main__":
-    print(json.dumps(_compile_all()))
+    print(json.dumps(_compile_all(FP8_CASES if sys.argv[1:] == ["fp8"] else CASES)))

@@ -71,3 +71,31 @@ def test_shapes_are_checked() -> None:
     with pytest.raises(ValueError, match="w2 must be"):
         fused_experts(hidden, torch.zeros(4, dtype=torch.long, device=DEVICE), w13,
                       torch.randn(2, 16, 5, device=DEVICE))
+
+
+@pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])
+def test_an_moe_model_on_the_grouped_gemm_gives_hf_tokens(make_model_dir, architecture) -> None:
+    """The engine's MoE layers on the fused kernel (forced here; CUDA's default), their
+    experts' weights stacked into one tensor each: Hugging Face's greedy tokens."""
+    from helpers.model_util import hf_greedy, random_prompts
+
+    from pdserve.protocol.sampling import SamplingParams
+    from pdserve.serve import LLM
+    from pdserve.serve.models.moe import SparseMoE
+
+    model_dir = make_model_dir(architecture)
+    prompts = random_prompts([6, 13], vocab_size=1000, seed=7)
+    with LLM(model_dir, num_kv_blocks=32, block_size=8, device=DEVICE) as llm:
+        layers = [m for m in llm.engine.runner._rank.model.modules()
+                  if isinstance(m, SparseMoE)]
+        assert layers
+        for layer in layers:
+            layer.use_fused_kernel = True
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        assert all(layer._stacked is not None for layer in layers)
+        first = layers[0]
+        expert = first.experts[str(first.local_experts[0])]
+        gate_up = expert._modules[expert.gate_up_name].weight
+        assert gate_up.data_ptr() == first._stacked[0][0].data_ptr()  # a view, not a copy
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 5)
