@@ -19,9 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers.paths import REPO_ROOT
-
-REPO = REPO_ROOT
+# runs as a script in vLLM's venv too, where the tests' helpers package is not importable
+REPO = Path(__file__).resolve().parents[2]
 CONNECTOR_MODULE = "pdserve.integrations.vllm_connector"
 
 
