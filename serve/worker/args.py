@@ -133,8 +133,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                             "(float8_e4m3fn, half of bf16's bytes in the pool, the store and "
                             "the hand-off; prefill and decode workers must agree)")
     group.add_argument("--no-prefix-caching", action="store_true",
-                       help="recompute every prompt (no prefix-cache hits): for benchmarks "
-                            "that send the same prompts more than once")
+                       help="recompute every prompt (no prefix-cache hits, neither this "
+                            "worker's own nor the KV store's): for benchmarks that send the "
+                            "same prompts more than once")
 
 
 def cache_argv(args: argparse.Namespace) -> list[str]:

@@ -225,8 +225,11 @@ class KVTransfer:
     # ---- prefill side ----------------------------------------------------------------------
     def store_prefix_keys(self, request: Request) -> list[bytes]:
         """Keys of the prompt's leading full blocks worth loading from the store: those it
-        holds, when they reach past what this worker's own prefix cache already has."""
+        holds, when they reach past what this worker's own prefix cache already has. None
+        where prefix caching is off: then nothing is reused, the store's copy included."""
         bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return []
         keys = block_keys(request.prompt_token_ids, bm.block_size, bm.root(request.cache_salt))
         num_local = bm.num_cached_tokens(request) // bm.block_size
         if len(keys) <= num_local:

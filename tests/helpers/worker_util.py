@@ -20,10 +20,12 @@ from pdserve.serve.engine.engine import Engine
 BLOCK = 8
 
 
-def make_engine(model_dir, block_size: int = BLOCK, num_blocks: int = 64) -> Engine:
+def make_engine(model_dir, block_size: int = BLOCK, num_blocks: int = 64,
+                enable_prefix_caching: bool = True) -> Engine:
     """A small engine over `model_dir`; a Worker gives it its role."""
-    return Engine(ModelConfig(str(model_dir)), CacheConfig(block_size=block_size,
-                                                           num_blocks=num_blocks),
+    return Engine(ModelConfig(str(model_dir)),
+                  CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 

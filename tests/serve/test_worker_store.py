@@ -85,3 +85,24 @@ def test_prefix_from_the_store_is_reused_by_another_prefill_worker(fleet, llama_
         assert_worker_idle(worker)
     store.check_integrity()
     assert store.num_pinned_blocks == 0
+
+
+
+def test_without_prefix_caching_a_prefill_worker_never_reuses_the_store(fleet, llama_dir):
+    """--no-prefix-caching means no reuse at all, as in vLLM: the store's copy of a prompt's
+    prefix is not looked up (a caching worker's transfer finds it there)."""
+    _, sockets, store = fleet
+    prompt = list(range(300, 300 + 4 * BLOCK)) + [5]
+    _disagg(sockets, "prefill-a", "stored", prompt)  # the store now holds its four blocks
+    lookups = {}
+    for caching in (True, False):
+        engine = make_engine(llama_dir, enable_prefix_caching=caching)
+        try:
+            transfer = KVTransfer(engine.runner, engine.block_manager,
+                                  KVConnector(store, engine.spec.kv_layout(BLOCK)))
+            request = engine.make_request(prompt, SamplingParams(max_tokens=1))
+            lookups[caching] = len(transfer.store_prefix_keys(request))
+        finally:
+            engine.shutdown()
+    assert lookups == {True: 4, False: 0}
+    store.check_integrity()
