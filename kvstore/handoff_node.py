@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 from collections.abc import Sequence
 
 import torch
 
+from pdserve.discovery import advertised_host
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.memory_tier import BytesLike
 from pdserve.kvstore.server import StoreServer
@@ -46,11 +46,9 @@ _request_ids = itertools.count(1)
 
 def advertised(bound: str) -> str:
     """tcp://host:port as another host dials it: a wildcard host (0.0.0.0, ::) becomes this
-    host's own address."""
+    host's routable address (pdserve/discovery.py routable_host)."""
     host, _, port = bound.removeprefix("tcp://").rpartition(":")
-    if host in ("0.0.0.0", "*", "::", "[::]", ""):
-        host = socket.gethostbyname(socket.gethostname())
-    return f"tcp://{host}:{port}"
+    return f"tcp://{advertised_host(host)}:{port}"
 
 
 class HandoffNode:

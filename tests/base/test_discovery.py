@@ -311,3 +311,42 @@ def test_the_router_applies_the_registry_to_its_pools(etcd):
         assert discovery.find(url, "router", 0) == []  # withdrawn on close
     finally:
         client.close()
+
+
+@pytest.fixture
+def fresh_routable_host():
+    discovery.routable_host.cache_clear()
+    yield
+    discovery.routable_host.cache_clear()
+
+
+def test_a_wildcard_bind_never_advertises_loopback_where_an_interface_is_reachable(
+        monkeypatch, caplog, fresh_routable_host):
+    """Debian maps the host name to 127.0.1.1: a role bound to 0.0.0.0 must still advertise
+    an address other hosts reach, and say which."""
+    monkeypatch.setattr(discovery.socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(discovery, "interface_addresses", lambda: ["192.0.2.7", "10.0.0.4"])
+    with caplog.at_level("INFO", logger="pdserve.discovery"):
+        assert discovery.advertised_host("0.0.0.0") == "192.0.2.7"
+        assert discovery.reachable("tcp://0.0.0.0:8100") == "tcp://192.0.2.7:8100"
+    assert "192.0.2.7" in caplog.text and "127.0.1.1" in caplog.text
+    assert discovery.advertised_host("10.9.8.7") == "10.9.8.7"  # an explicit host as given
+
+
+def test_a_resolving_host_name_is_advertised_and_no_interface_means_a_warning(
+        monkeypatch, caplog, fresh_routable_host):
+    monkeypatch.setattr(discovery.socket, "gethostbyname", lambda name: "192.0.2.9")
+    assert discovery.advertised_host("::") == "192.0.2.9"
+    discovery.routable_host.cache_clear()
+    monkeypatch.setattr(discovery.socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(discovery, "interface_addresses", lambda: [])
+    with caplog.at_level("WARNING", logger="pdserve.discovery"):
+        assert discovery.advertised_host("0.0.0.0") == "127.0.1.1"
+    assert "no interface address" in caplog.text
+
+
+def test_interface_addresses_are_read_without_loopback():
+    import ipaddress
+
+    addresses = discovery.interface_addresses()
+    assert all(not ipaddress.ip_address(a).is_loopback for a in addresses)

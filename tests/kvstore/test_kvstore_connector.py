@@ -377,10 +377,8 @@ def wait_until_true(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def test_a_wildcard_bind_is_advertised_by_this_hosts_address():
-    import socket
-
+    from pdserve.discovery import routable_host
     from pdserve.kvstore.handoff_node import advertised
 
     assert advertised("tcp://10.1.2.3:7000") == "tcp://10.1.2.3:7000"
-    assert advertised("tcp://0.0.0.0:7000") == \
-        f"tcp://{socket.gethostbyname(socket.gethostname())}:7000"
+    assert advertised("tcp://0.0.0.0:7000") == f"tcp://{routable_host()}:7000"
