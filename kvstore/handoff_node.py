@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.discovery import advertised_host
+from pdserve.addresses import advertised_host
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.memory_tier import BytesLike
 from pdserve.kvstore.server import StoreServer
@@ -46,7 +46,7 @@ _request_ids = itertools.count(1)
 
 def advertised(bound: str) -> str:
     """tcp://host:port as another host dials it: a wildcard host (0.0.0.0, ::) becomes this
-    host's routable address (pdserve/discovery.py routable_host)."""
+    host's routable address (pdserve/addresses.py routable_host)."""
     host, _, port = bound.removeprefix("tcp://").rpartition(":")
     return f"tcp://{advertised_host(host)}:{port}"
 

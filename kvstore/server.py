@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdserve import discovery, lifecycle, security
+from pdserve import addresses, discovery, lifecycle, security
 from pdserve.kvstore.config import ROLES, TRANSPORTS, StoreConfig
 from pdserve.kvstore.data_service import DataService
 from pdserve.kvstore.lease import LeaseTable
@@ -447,14 +447,14 @@ def _register(server: StoreServer, url: discovery.DiscoveryURL, ttl_s: float
     master = server.master_address or config.master_address
     if server.master_address is not None:
         records.append(discovery.Record("store-master",
-                                        discovery.reachable(server.master_address),
+                                        addresses.reachable(server.master_address),
                                         name="store-master"))
     if server.data_address is not None:
         records.append(discovery.Record(
-            "store-data", discovery.reachable(server.data_address), name=config.node_id,
+            "store-data", addresses.reachable(server.data_address), name=config.node_id,
             capacity={"dram_blocks": config.dram_capacity_blocks,
                       "disk_blocks": config.disk_capacity_blocks},
-            addresses={"master": discovery.reachable(master)} if master else {}))
+            addresses={"master": addresses.reachable(master)} if master else {}))
     registrations: list[discovery.Registration] = []
     try:
         for record in records:

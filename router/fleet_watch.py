@@ -26,6 +26,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from pdserve.addresses import reachable
 from pdserve.discovery import (
     WORKER_ROLES,
     DiscoveryError,
@@ -33,7 +34,6 @@ from pdserve.discovery import (
     Record,
     Registration,
     RegistryWatch,
-    reachable,
 )
 from pdserve.router.prefix_index import StoreLookup
 

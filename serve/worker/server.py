@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import zmq
 
-from pdserve import discovery, envs, lifecycle, security
+from pdserve import addresses, discovery, envs, lifecycle, security
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -419,7 +419,7 @@ def discover_store(config: WorkerConfig) -> WorkerConfig:
                 "--discovery-store-wait-s 0 to run without the store")
         logger.warning("no KV store registered in %s: running without it", url)
         return config
-    host = discovery.advertised_host(config.host)
+    host = addresses.advertised_host(config.host)
     node = next((n for n in nodes if n.record_id.startswith(f"{host}:")), nodes[0])
     master = config.store_master_address
     if master is None:
@@ -435,7 +435,7 @@ def worker_record(config: WorkerConfig, worker: Worker) -> discovery.Record:
     engine = worker.engine
     block_size = engine.block_manager.block_size
     return discovery.Record(
-        role=worker.role, address=discovery.reachable(f"tcp://{config.host}:{config.port}"),
+        role=worker.role, address=addresses.reachable(f"tcp://{config.host}:{config.port}"),
         name=config.name, model=engine.spec.model_id,
         kv_layout=asdict(engine.spec.kv_layout(block_size)),
         tensor_parallel_size=engine.runner.tensor_parallel_size,

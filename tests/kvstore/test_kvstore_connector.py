@@ -377,7 +377,7 @@ def wait_until_true(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def test_a_wildcard_bind_is_advertised_by_this_hosts_address():
-    from pdserve.discovery import routable_host
+    from pdserve.addresses import routable_host
     from pdserve.kvstore.handoff_node import advertised
 
     assert advertised("tcp://10.1.2.3:7000") == "tcp://10.1.2.3:7000"

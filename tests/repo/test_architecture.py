@@ -31,8 +31,8 @@ FOLDERS = {  # repository folder -> the package it installs as
 APP = "pdserve.app"
 PARTS = ("pdserve.serve", "pdserve.router", "pdserve.kvstore", "pdserve.kernels",
          "pdserve.planner", "pdserve.benchmarks", "pdserve.integrations", APP)
-BASE_MODULES = ("pdserve.protocol", "pdserve.security", "pdserve.discovery", "pdserve.envs",
-                "pdserve.ports", "pdserve.lifecycle", "pdserve.structured_grammar")
+BASE_MODULES = ("pdserve.protocol", "pdserve.security", "pdserve.discovery", "pdserve.addresses",
+                "pdserve.envs", "pdserve.ports", "pdserve.lifecycle", "pdserve.structured_grammar")
 
 
 def _but(*allowed: str) -> tuple[str, ...]:
