@@ -20,9 +20,28 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*", "")
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
+_advertise_as: list[str] = []  # --advertise-address, set once at start (advertise_as)
+
+
+def advertise_as(host: str | None) -> None:
+    """--advertise-address: the host every address this process hands out names, whatever it
+    binds (a NAT or a load balancer in front of it). None: derived from the bind."""
+    if host is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.:-]*|\[[0-9a-fA-F:]+\]",
+                                             host):
+        raise ValueError(f"--advertise-address must be a host name or an IP address, got "
+                         f"{host!r}")
+    _advertise_as.clear()
+    if host is not None:
+        _advertise_as.append(host)
+        logger.info("advertising %s (--advertise-address)", host)
+
+
 def advertised_host(bind_host: str) -> str:
-    """The host others reach a socket bound to `bind_host` at: the host itself, or for a
-    wildcard bind (0.0.0.0, ::) this machine's routable address (routable_host)."""
+    """The host others reach a socket bound to `bind_host` at: --advertise-address where
+    given, else the host itself, or for a wildcard bind (0.0.0.0, ::) this machine's routable
+    address (routable_host)."""
+    if _advertise_as:
+        return _advertise_as[0]
     return routable_host() if bind_host in WILDCARD_HOSTS else bind_host
 
 

@@ -101,13 +101,19 @@ class DiscoveryURL:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """--discovery and --discovery-ttl-s: the same two flags on every role."""
+    """--discovery, --discovery-ttl-s and --advertise-address: the same flags on every
+    role."""
     parser.add_argument("--discovery", default=None, metavar="etcd://HOST:PORT[/CLUSTER]",
                         help="register in this etcd under a lease, and find the other roles "
                              "there (no worker, store or master addresses needed)")
     parser.add_argument("--discovery-ttl-s", type=float, default=DEFAULT_TTL_S,
                         help="registry lease TTL: a process that dies leaves the registry "
                              "this long after (default %(default)s)")
+    parser.add_argument("--advertise-address", default=None, metavar="HOST",
+                        help="the host name or address other hosts reach this role at, in its "
+                             "registry record and every address it hands its peers (default: "
+                             "the --host it binds; for 0.0.0.0, this host's first "
+                             "non-loopback address)")
 
 
 def check_ttl(ttl_s: float) -> None:

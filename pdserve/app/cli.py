@@ -80,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     # httpx logs every request at INFO: the registry's keepalives and watches (discovery.py)
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if getattr(args, "advertise_address", None) is not None:
+        from pdserve import addresses
+
+        try:
+            addresses.advertise_as(args.advertise_address)
+        except ValueError as exc:
+            print(f"pdserve {name}: {exc}", file=sys.stderr)
+            return 2
     if name in SECURED_ROLES:
         from pdserve import security
 

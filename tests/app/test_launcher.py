@@ -178,3 +178,11 @@ def test_io_cores_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_IO_CORES", "1-3")
     with pytest.raises(ValueError, match="PDSERVE_IO_CORES must be core numbers"):
         envs.io_cores()
+
+
+def test_the_advertised_address_reaches_every_child() -> None:
+    cluster = launcher.plan(_args("--advertise-address", "node-7.example"), "/m", gpus=[])
+    assert [_flag(c, "--advertise-address") for c in cluster.children] == [
+        "node-7.example"] * len(cluster.children)
+    assert all("--advertise-address" not in c.argv
+               for c in launcher.plan(_args(), "/m", gpus=[]).children)

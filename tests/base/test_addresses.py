@@ -45,3 +45,27 @@ def test_interface_addresses_are_read_without_loopback():
 
     found = addresses.interface_addresses()
     assert all(not ipaddress.ip_address(a).is_loopback for a in found)
+
+
+def test_an_advertised_address_names_every_address_handed_out(fresh_routable_host) -> None:
+    try:
+        addresses.advertise_as("10.1.2.3")
+        assert addresses.advertised_host("0.0.0.0") == "10.1.2.3"
+        assert addresses.reachable("tcp://127.0.0.1:8100") == "tcp://10.1.2.3:8100"
+    finally:
+        addresses.advertise_as(None)
+    assert addresses.advertised_host("10.9.8.7") == "10.9.8.7"
+    with pytest.raises(ValueError, match="--advertise-address"):
+        addresses.advertise_as("not a host!")
+
+
+def test_a_role_given_a_bad_advertised_address_exits_with_a_clear_error() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pdserve.app.cli", "store",
+                           "--advertise-address", "bad host", "--insecure-plaintext"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--advertise-address must be a host name or an IP address" in done.stderr
+    assert "Traceback" not in done.stderr

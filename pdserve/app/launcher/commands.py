@@ -63,6 +63,9 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
         for child in cluster.children:
             child.argv += ["--discovery", args.discovery,
                            "--discovery-ttl-s", str(args.discovery_ttl_s)]
+    if args.advertise_address is not None:  # one host: every child is reached there
+        for child in cluster.children:
+            child.argv += ["--advertise-address", args.advertise_address]
     return cluster
 
 
