@@ -114,8 +114,9 @@ def use_path(chosen_path: CpuPath | None) -> None:
 
 
 def reads_packed(num_rows: int) -> bool:
-    """Whether a product of `num_rows` rows reads the packed copy (where there is one)."""
-    return num_rows > path().plain_rows
+    """Whether a product of `num_rows` rows reads the packed copy (where there is one). Asked
+    by every product: the default path splits nothing, so it is not derived here."""
+    return not _chosen_path or num_rows > _chosen_path[-1].plain_rows
 
 
 def prepacks() -> bool:
