@@ -168,6 +168,7 @@ class KVConnector:
         self._loads: dict[str, _Load] = {}
         self._saves: dict[str, _Save] = {}
         self._results: list[TransferResult] = []
+        self._num_write_downs = 0
         self._lock = threading.Lock()
         # a byte is written for each completion, and poll() empties the pipe
         self._wake_read, self._wake_write = os.pipe()
@@ -203,6 +204,34 @@ class KVConnector:
                 logger.debug("kv connector: prefetch failed (%s)", e)
 
         self._jobs.put(job)
+
+    # ---- write-down -------------------------------------------------------------------------
+    MAX_WRITE_DOWNS = 64
+    """Write-downs queued at most; past it one is refused (the caller counts it dropped)."""
+
+    def write_down(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> bool:
+        """Put whole blocks (the store's format, owned by this call) into the fleet store in
+        the background: what a worker's host tier evicts (serve/engine/kv_tiers.py). False,
+        and nothing sent, without a store or while MAX_WRITE_DOWNS are queued."""
+        backend = self.backend
+        if backend is None or self._num_write_downs >= self.MAX_WRITE_DOWNS:
+            return False
+        with self._lock:
+            self._num_write_downs += 1
+        keys = list(keys)
+        payload = [block.contiguous().view(-1).view(torch.uint8).numpy() for block in blocks]
+
+        def job() -> None:
+            try:
+                backend.put_many(keys, payload)
+            except Exception as e:  # a lost write-down only costs a future recompute
+                logger.debug("kv connector: write-down failed (%s)", e)
+            finally:
+                with self._lock:
+                    self._num_write_downs -= 1
+
+        self._jobs.put(job)
+        return True
 
     # ---- load -------------------------------------------------------------------------------
     def start_load(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int],

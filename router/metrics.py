@@ -121,6 +121,24 @@ class _WorkerCollector(Collector):
         kv_seconds = family(SummaryMetricFamily, "pdserve:kv_transfer_seconds",
                             "Time from starting a KV save/load to its completion",
                             ["direction"])
+        # the tiers below each worker's pool (serve/engine/kv_tiers.py)
+        tier_hits = family(CounterMetricFamily, "pdserve:prefix_cache_hit_tokens",
+                           "Prompt tokens whose KV was found, by tier (device: the worker's "
+                           "pool; host: its DRAM; store: the fleet store)", ["tier"])
+        tier_read = family(CounterMetricFamily, "pdserve:kv_tier_read_bytes",
+                           "KV bytes loaded back from a tier below the pool", ["tier"])
+        tier_written = family(CounterMetricFamily, "pdserve:kv_tier_written_bytes",
+                              "KV bytes written down into a tier", ["tier"])
+        tier_evictions = family(CounterMetricFamily, "pdserve:kv_tier_evictions",
+                                "Blocks a tier evicted (to the tier below, if any)", ["tier"])
+        tier_dropped = family(CounterMetricFamily, "pdserve:kv_tier_writes_dropped",
+                              "Write-downs dropped (queue full, block evicted meanwhile)",
+                              ["tier"])
+        tier_blocks = family(GaugeMetricFamily, "pdserve:kv_tier_blocks",
+                             "Blocks a worker's host tier holds", ["tier"])
+        tier_choices = family(CounterMetricFamily, "pdserve:kv_tier_load_decisions",
+                              "Prefixes found below the pool: loaded, or recomputed because "
+                              "loading was measured slower", ["decision"])
         # vLLM's spec-decode counters (serve/engine/spec_decode.py), from workers that speculate
         spec_drafts = family(CounterMetricFamily, "pdserve:spec_decode_num_drafts",
                              "Verify steps of a sequence that carried drafts")
@@ -163,6 +181,8 @@ class _WorkerCollector(Collector):
             queries.add_metric(key, status.num_prefix_queried_tokens)
             hits.add_metric(key, status.num_prefix_hit_tokens)
             preemptions.add_metric(key, status.num_preemptions)
+            _tier_metrics(status.kv_tiers, key, tier_hits, tier_read, tier_written,
+                          tier_evictions, tier_dropped, tier_blocks, tier_choices)
             totals = status.kv_transfer
             for direction, verb in (("save", "saved"), ("load", "loaded")):
                 if f"{direction}_count" not in totals:
@@ -172,7 +192,25 @@ class _WorkerCollector(Collector):
                                       sum_value=totals[f"{direction}_seconds"])
         yield from (running, waiting, usage, queries, hits, preemptions, kv_bytes, kv_seconds,
                     spec_drafts, spec_draft_tokens, spec_accepted, spec_per_pos, moe_tokens,
-                    moe_dropped)
+                    moe_dropped, tier_hits, tier_read, tier_written, tier_evictions,
+                    tier_dropped, tier_blocks, tier_choices)
+
+
+def _tier_metrics(tiers: dict[str, float], key: list[str], hits, read, written, evictions,
+                  dropped, blocks, choices) -> None:
+    """One worker's WorkerStatus.kv_tiers into the tier families."""
+    for tier in ("device", "host", "store"):
+        for family, counter in ((hits, "hit_tokens"), (read, "read_bytes"),
+                                (written, "written_bytes"), (evictions, "evictions"),
+                                (dropped, "writes_dropped")):
+            value = tiers.get(f"{tier}_{counter}")
+            if value is not None:
+                family.add_metric(key + [tier], value)
+    if "host_blocks" in tiers:
+        blocks.add_metric(key + ["host"], tiers["host_blocks"])
+    for decision, name in (("load", "loads_chosen"), ("recompute", "recomputes_chosen")):
+        if name in tiers:
+            choices.add_metric(key + [decision], tiers[name])
 
 
 class _ControllerCollector(Collector):

@@ -1,7 +1,8 @@
 """Routing and admission policies: objects the router is given, not flags in its loop.
 
-Prefill workers are scored by the prompt's cached prefix (the store master's answer and the
-router's index of what each worker recently computed) and by load; decode workers by free KV
+Prefill workers are scored by the prompt's cached prefix (the router's index of what each
+worker recently computed, which it holds in its pool or host tier; then the store master's
+answer, credited at what a store load saves on that worker) and by load; decode workers by free KV
 blocks and batch size. Admission predicts a request's TTFT from the chosen prefill worker's
 queue and measured step times and rejects early (HTTP 429/503) instead of queueing without
 bound.
@@ -32,9 +33,21 @@ class RouteContext:
     num_worker_cached_tokens: dict[str, int] = field(default_factory=dict)
     """Per prefill worker address: leading prompt tokens it recently computed."""
 
-    def num_cached_tokens(self, worker: WorkerClient) -> int:
-        return max(self.num_worker_cached_tokens.get(worker.address, 0),
-                   self.num_store_cached_tokens)
+    def num_cached_tokens(self, worker: WorkerClient) -> float:
+        """Prompt tokens the worker need not compute, as they weigh: its own prefix (its
+        pool or its host DRAM tier: the index cannot tell them apart, and a host load costs
+        a few percent of a recompute) in full, the store's beyond that at the credit the
+        worker measured for a store load (serve/engine/kv_tiers.py: 1 - load time / compute
+        time per token; 1 until it reports one)."""
+        own = self.num_worker_cached_tokens.get(worker.address, 0)
+        beyond = max(0, self.num_store_cached_tokens - own)
+        return own + store_credit(worker) * beyond
+
+
+def store_credit(worker: WorkerClient) -> float:
+    """The share of a token's prefill a store load saves on this worker (its report)."""
+    tiers = worker.status.kv_tiers if worker.status is not None else {}
+    return min(1.0, max(0.0, tiers.get("store_token_credit", 1.0)))
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ async def status(serving: Serving) -> dict[str, Any]:
                          num_cached_blocks=w.status.num_cached_blocks,
                          max_num_used_blocks=w.status.max_num_used_blocks,
                          kv_transfer=dict(w.status.kv_transfer), is_idle=w.status.is_idle,
-                         cpu_path=dict(w.status.cpu_path),
+                         cpu_path=dict(w.status.cpu_path), kv_tiers=dict(w.status.kv_tiers),
                          status_age_s=time.monotonic() - w.status_received_s)
         workers.append(entry)
     out = {"ready": serving.dispatcher.is_ready(), "workers": workers,

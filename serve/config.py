@@ -63,6 +63,10 @@ class CacheConfig:
     activations, KV pool), as vLLM's --gpu-memory-utilization. Ignored on CPU."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose chained block key matches (see kvstore/block_key.py)."""
+    kv_offload_bytes: int = 0
+    """Host DRAM below the pool (serve/engine/kv_tiers.py): full prefix blocks the pool
+    evicts are kept there and copied back instead of recomputed. 0: none. Needs prefix
+    caching and one process holding the whole pool."""
     kv_cache_dtype: str = "auto"
     """What the KV pool holds: auto (the model dtype) or fp8 / fp8_e4m3 (float8_e4m3fn, a
     fixed per-tensor scale of 1.0; half of bf16's bytes, in the pool, the store and every
@@ -75,6 +79,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                              f"{self.kv_cache_dtype!r}")

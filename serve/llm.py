@@ -45,11 +45,13 @@ class LLM:
                  speculative_config: dict[str, Any] | None = None,
                  kv_cache_dtype: str = "auto", pipeline_parallel_size: int = 1,
                  pipeline_micro_batches: int | None = None,
-                 context_parallel_size: int = 1) -> None:
+                 context_parallel_size: int = 1, kv_offload_bytes: int = 0) -> None:
         """The KV pool: num_kv_blocks if given; else kv_cache_memory_bytes per rank if given
         (on CPU it defaults to 512 MiB); else, on CUDA, gpu_memory_utilization of each GPU
         less the weights and the largest step's activations (vLLM's rules; CacheConfig).
         kv_cache_dtype="fp8" (or fp8_e4m3) keeps it in float8_e4m3fn (serve/executor/fp8.py).
+        kv_offload_bytes: host DRAM below the pool, where evicted prefix blocks wait to be
+        copied back instead of recomputed (serve/engine/kv_tiers.py).
 
         pipeline_parallel_size splits the layers into stages of tensor_parallel_size ranks
         each (serve/executor/pipeline.py); a step runs as pipeline_micro_batches micro-batches
@@ -74,7 +76,8 @@ class LLM:
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,
                                    gpu_memory_utilization=gpu_memory_utilization,
                                    kv_cache_dtype=kv_cache_dtype,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   kv_offload_bytes=kv_offload_bytes)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.engine = Engine(
             self.model_config, cache_config,

@@ -325,6 +325,13 @@ class WorkerStatus:
     is_idle: bool = False
     """Holds nothing: no request owned, running, held for a save or loading, and no hand-off
     lease on its node (what a drain and a leak check wait for)."""
+    kv_tiers: dict[str, float] = field(default_factory=dict)
+    """Where prompt prefixes were found and what moved between the tiers since start
+    (serve/engine/kv_tiers.py), "<tier>_<counter>" for tier device | host | store and counter
+    hit_tokens, read_bytes, written_bytes, evictions, writes_dropped; host_blocks and
+    host_capacity_blocks; and the fetch-or-recompute rule's inputs (host_read_gb_per_s,
+    store_read_gb_per_s, store_latency_ms, prefill_tokens_per_s, *_measured) and its
+    decisions (loads_chosen, recomputes_chosen)."""
     cpu_path: dict[str, str] = field(default_factory=dict)
     """A CPU worker's kernel choice (serve/cpu/tuning.py): "path", "source" (measured, cached
     or default) and each candidate path's step times ("<path label>": "decode 1x256 0.912,

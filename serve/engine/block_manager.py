@@ -28,7 +28,7 @@ the request's cache_salt, so the same keys name the same KV in the store and at 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve.kvstore.block_key import KVLayout, block_keys, root_key
@@ -48,6 +48,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_key: bytes | None = None
+    epoch: int = 0
+    """How often the block lost its key (evicted, or its content replaced): a reader off the
+    engine thread (serve/engine/kv_tiers.py) knows its copy is whole when this did not move."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -148,6 +151,9 @@ class BlockManager:
         self._roots: dict[str | None, bytes] = {}
         self.max_num_used_blocks = 0
         """High-water mark of num_used_blocks (a shared block counts once)."""
+        self.on_cached: Callable[[int, bytes], None] | None = None
+        """Called with (block id, key) when a full block becomes cached (its last holder
+        left): the host tier's write-down (serve/engine/kv_tiers.py)."""
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -168,6 +174,9 @@ class BlockManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def block_epoch(self, block_id: int) -> int:
+        return self._blocks[block_id].epoch
 
     def has_blocks(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -405,6 +414,7 @@ class BlockManager:
         assert block.block_key is not None
         del self._key_to_block[block.block_key]
         block.block_key = None
+        block.epoch += 1
 
     # ---- after a step -------------------------------------------------------------------
     def commit_computed(self, request: Request) -> None:
@@ -444,6 +454,8 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.block_key is not None:
                     self._cached[block_id] = None
+                    if self.on_cached is not None:
+                        self.on_cached(block_id, block.block_key)
                 else:
                     self._free.add(block_id)
 

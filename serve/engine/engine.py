@@ -36,6 +36,7 @@ from pdserve.protocol.worker import KVHandoff, StepSample
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.engine.block_manager import BlockManager
 from pdserve.serve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.serve.engine.kv_tiers import KVOffload, WriteDown
 from pdserve.serve.engine.logit_controls import resolve_logit_controls
 from pdserve.serve.engine.parallel_sampling import ParallelSampling
 from pdserve.serve.engine.prompt_logprobs import (
@@ -130,6 +131,10 @@ class Engine:
             runner.num_blocks, runner.block_size, self.spec.model_id,
             self.spec.kv_layout(runner.block_size), self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.max_model_len)
+        self.kv_offload: KVOffload | None = None
+        """The host tier below the pool (serve/engine/kv_tiers.py); see enable_kv_offload."""
+        if self.cache_config.kv_offload_bytes:
+            self.enable_kv_offload()
         self.sampler = Sampler(model_config.seed, getattr(runner, "device", "cpu"))
         self.speculator: MTPSpeculator | None = None
         """MTP speculative decoding (serve/engine/spec_decode.py): drafts after each step, verify
@@ -148,6 +153,17 @@ class Engine:
         self.step_samples: deque[StepSample] = deque(maxlen=NUM_STEP_SAMPLES_KEPT)
         """The most recent steps' work and wall time, oldest first (seq increases from 1)."""
         self._num_steps = 0
+
+    def enable_kv_offload(self, write_down: WriteDown | None = None) -> KVOffload | None:
+        """Put a host DRAM tier of cache_config.kv_offload_bytes below the pool (again, with
+        `write_down`: where blocks it evicts go, e.g. the fleet store); None where it
+        cannot have one (kv_tiers.KVOffload.build)."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+        self.kv_offload = KVOffload.build(self.runner, self.block_manager,
+                                          self.cache_config.kv_offload_bytes, write_down)
+        self.scheduler.lower = self.kv_offload
+        return self.kv_offload
 
     def set_role(self, role: Role) -> None:
         """Take another role's policy; only between requests (nothing may be in flight)."""
@@ -309,8 +325,10 @@ class Engine:
         if self.speculator is not None and not self.role.ends_at_first_token:
             self.speculator.propose(scheduled)
         self._num_steps += 1
-        self.step_samples.append(
-            step_sample(scheduled, self._num_steps, time.perf_counter() - start_s))
+        sample = step_sample(scheduled, self._num_steps, time.perf_counter() - start_s)
+        self.step_samples.append(sample)
+        if self.kv_offload is not None and not sample.num_decode_seqs:  # the recompute cost
+            self.kv_offload.costs.note_prefill(sample.num_prefill_tokens, sample.seconds)
         return outputs
 
     def _run(self, scheduled: SchedulerOutput, to_sample: list[Request], num_drafts: int = 0
@@ -486,4 +504,6 @@ class Engine:
             self.abort_request(request_id)
         if self.structured is not None:
             self.structured.close()
+        if self.kv_offload is not None:
+            self.kv_offload.close()
         self.runner.shutdown()

@@ -5,8 +5,9 @@ Each step has a token budget (max_num_batched_tokens). It goes, in this order, t
     1. running requests with one token left to compute (decodes): one token each
     2. running requests part-way through their prompt (chunked prefill)
     3. waiting requests in arrival order (new ones and preempted ones), whose cached prefix
-       counts as computed, while max_num_seqs allows and blocks last (a request of n > 1
-       sequences takes n seats from its admission on: it forks into n once prefilled)
+       counts as computed (the pool's, then the host tier's, copied in: kv_tiers.py),
+       while max_num_seqs allows and blocks last (a request of n > 1 sequences takes n
+       seats from its admission on: it forks into n once prefilled)
 
 When a running request needs a block and none is left, the most recently admitted running
 request is preempted by recompute: its blocks are freed (its full blocks stay in the prefix
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import SchedulerConfig
 from pdserve.serve.engine.block_manager import BlockManager, NoFreeBlocksError
+from pdserve.serve.engine.kv_tiers import KVOffload
 from pdserve.serve.engine.prompt_logprobs import num_prompt_logit_rows, wants_prompt_logits
 from pdserve.serve.engine.request import Request, RequestStatus
 
@@ -58,6 +60,11 @@ class Scheduler:
         # Prefix-cache counters in tokens (vLLM's prefix_cache_queries / _hits), per admission.
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        """Hits in every tier below this worker; of them, in its own pool:"""
+        self.num_device_hit_tokens = 0
+        self.lower: KVOffload | None = None
+        """The host tier below the pool (serve/engine/kv_tiers.py): a waiting request's prefix
+        past the pool's hits is copied in from there, where it is worth it."""
 
     # ---- admission ----------------------------------------------------------------------
     def check_admissible(self, request: Request) -> None:
@@ -174,18 +181,29 @@ class Scheduler:
             request = self.waiting[0]
             # Prompt logprobs need every prompt row computed: no prefix hit (as vLLM)
             reuse = not wants_prompt_logits(request)
-            num_cached = bm.num_cached_tokens(request) if reuse else 0
+            num_hit = bm.num_cached_tokens(request) if reuse else 0  # in the pool
+            load = self.lower.plan(request, num_hit) if reuse and self.lower else None
+            num_cached = num_hit + (len(load.keys) * bm.block_size if load else 0)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
+                    if load:
+                        self.lower.cancel(load)
                     break
                 num_new = budget
             if not bm.can_allocate(request, num_cached + num_new, reuse):
+                if load:
+                    self.lower.cancel(load)
                 break  # first come, first served: nobody overtakes the head of the queue
             bm.allocate(request, num_cached + num_new, reuse)
+            if load:  # the blocks after the pool's hits: their KV comes from the host tier
+                first = num_hit // bm.block_size
+                self.lower.load(load, bm.block_table(request.request_id)
+                                [first:first + len(load.keys)])
             request.num_computed_tokens = num_cached
             self.num_prefix_queried_tokens += request.num_tokens
             self.num_prefix_hit_tokens += num_cached
+            self.num_device_hit_tokens += num_hit
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING

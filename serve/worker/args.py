@@ -31,6 +31,7 @@ from pdserve.serve.cpu.core_share import Lender
 STORE_TIMEOUT_S = 10.0
 KV_LEASE_TTL_S = 30.0
 HANDOFF_DRAM_GB = 1.0
+KV_OFFLOAD_GB = 2.0
 DISCOVERY_STORE_WAIT_S = 30.0
 DRAIN_TIMEOUT_S = 60.0
 
@@ -133,9 +134,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                             "(float8_e4m3fn, half of bf16's bytes in the pool, the store and "
                             "the hand-off; prefill and decode workers must agree)")
     group.add_argument("--no-prefix-caching", action="store_true",
-                       help="recompute every prompt (no prefix-cache hits, neither this "
-                            "worker's own nor the KV store's): for benchmarks that send the "
-                            "same prompts more than once")
+                       help="recompute every prompt (no prefix-cache hits: not this worker's "
+                            "pool, its host DRAM tier or the KV store): for benchmarks that "
+                            "send the same prompts more than once")
+    group.add_argument("--kv-offload-gb", type=float, default=KV_OFFLOAD_GB,
+                       help="host DRAM below the KV pool, per worker: prefix blocks the pool "
+                            "evicts wait there (then in the KV store, if any) and are copied "
+                            "back instead of recomputed where that is faster (0: off; a "
+                            "worker whose pool spans several ranks has none)")
 
 
 def cache_argv(args: argparse.Namespace) -> list[str]:
@@ -260,6 +266,7 @@ def engine_configs_from_args(args: argparse.Namespace
                     kv_cache_memory_bytes=_gib_to_bytes(args.kv_cache_memory_gb),
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     enable_prefix_caching=not args.no_prefix_caching,
+                    kv_offload_bytes=_offload_bytes(args.kv_offload_gb),
                     kv_cache_dtype=args.kv_cache_dtype),
         parallel_config_from_args(args),
         SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -280,6 +287,12 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
                           pipeline_parallel_size=args.pipeline_parallel_size,
                           pipeline_micro_batches=args.pipeline_micro_batches,
                           context_parallel_size=args.context_parallel_size)
+
+
+def _offload_bytes(gib: float) -> int:
+    if gib < 0:
+        raise ValueError(f"--kv-offload-gb must be >= 0, got {gib}")
+    return int(gib * (1 << 30))
 
 
 def _gib_to_bytes(gib: float | None) -> int | None:

@@ -12,8 +12,10 @@ save, the requests whose KV is loading, those whose KV arrived while no blocks w
 (they wait, in arrival order, for the running requests to free some: a worker queues rather
 than refuses), and the role policy (serve/engine/roles.py), which it swaps on a role flip. A
 prefill worker with a store also loads a prompt's prefix from the store when the store holds
-more of it than the worker's own prefix cache. Every failure of the store is a miss: the
-request recomputes what did not arrive (the KV cache is a cache).
+more of it than the worker's own prefix cache and host tier (a colocated worker too, the
+store being the tier below its host DRAM: serve/engine/kv_tiers.py), where the cost rule
+finds that faster than recomputing it. Every failure of the store is a miss: the request
+recomputes what did not arrive (the KV cache is a cache).
 
 A request's first Output also says how long it spent in this worker's phases (Output.
 phase_seconds, see protocol/worker.py), from its arrival here and the engine's stamps:
@@ -183,7 +185,7 @@ class RequestGateway:
                                            message.request_id, message.resume_output_ids)
         # (prompt logprobs need the whole prompt computed here: no stored prefix)
         if self.kv_transfer is not None and not wants_prompt_logits(request) and (
-                self.role == "prefill" or message.resume_output_ids):
+                self.role != "decode" or message.resume_output_ids):
             keys = self.kv_transfer.store_prefix_keys(request)
             if keys:
                 self.kv_transfer.start_load(message.request_id, keys)
@@ -364,8 +366,10 @@ class RequestGateway:
                     if can_wait:
                         raise
                 else:
-                    self.kv_transfer.install(block_ids,
-                                             [t[:, :len(block_ids)] for t in done.staging])
+                    staging = [t[:, :len(block_ids)] for t in done.staging]
+                    self.kv_transfer.install(block_ids, staging)
+                    self.kv_transfer.note_store_hit(len(block_ids) * block_size,
+                                                    sum(t.nbytes for t in staging), done.seconds)
                     return
             engine.submit(request)  # the scheduler queues it until blocks are free
             return

@@ -52,6 +52,7 @@ from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, OnStaged, TransferResult
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
 from pdserve.protocol.worker import KVHandoff, KVStaging
+from pdserve.serve.engine.kv_tiers import KVOffload, TierCosts
 from pdserve.serve.engine.request import Request
 
 if TYPE_CHECKING:
@@ -105,7 +106,11 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
     following is chosen."""
     choice = choose_handoff(config)
     if choice is None:
-        return None
+        if config.role == "colocated" and (config.store_address or config.store_master_address):
+            # no hand-off, but the fleet store is the tier below its host DRAM
+            choice = HandoffChoice("store", shm=False, follow=False)
+        else:
+            return None
     node = None
     try:
         if choice.transport == "node":
@@ -118,11 +123,13 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
                                max(1, nbytes // block_nbytes(layout)),
                                config.kv_lease_ttl_s, config.store_timeout_s,
                                shm_bytes=nbytes if choice.shm else 0)
-        return KVTransfer.connect(
+        transfer = KVTransfer.connect(
             engine.runner, engine.block_manager, config.store_address,
             config.store_master_address, timeout_s=config.store_timeout_s,
             lease_ttl_s=config.kv_lease_ttl_s, handoff_node=node, shm=choice.shm,
             on_staged=on_staged if choice.follow else None)
+        transfer.attach_host_tier(getattr(engine, "kv_offload", None))
+        return transfer
     except Exception as exc:  # the KV cache is a cache: serve by recomputing
         logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
                        config.store_address, exc)
@@ -151,6 +158,8 @@ class TransferDone:
     """Save: the store lease pinning the blocks until the decode worker loaded them."""
     source: str = ""
     """Save: the data node holding the blocks and the lease ("": the fleet store)."""
+    seconds: float = 0.0
+    """How long the transfer took."""
     shm_segment: ShmSegment | None = None
     """Save: the node's shared memory segment, when the blocks lie in it..."""
     shm_spans: list[ShmSpan] | None = None
@@ -176,7 +185,11 @@ class KVTransfer:
         self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
                         "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
                         "layerwise_save_count": 0.0, "in_place_count": 0.0,
-                        "followed_count": 0.0}
+                        "followed_count": 0.0, "store_hit_tokens": 0.0,
+                        "store_read_bytes": 0.0}
+        self.offload: KVOffload | None = None
+        """The engine's host tier (serve/engine/kv_tiers.py), whose evictions this writes
+        down to the store and whose cost rule it asks (make_kv_transfer sets it)."""
 
     @classmethod
     def connect(cls, runner, block_manager, data_address: str | None,
@@ -231,11 +244,49 @@ class KVTransfer:
         if not bm.enable_prefix_caching:
             return []
         keys = block_keys(request.prompt_token_ids, bm.block_size, bm.root(request.cache_salt))
-        num_local = bm.num_cached_tokens(request) // bm.block_size
+        num_local = self.num_local_tokens(request) // bm.block_size
         if len(keys) <= num_local:
             return []
         num_stored = self.connector.lookup(keys)
-        return keys[:num_stored] if num_stored > num_local else []
+        if num_stored <= num_local:
+            return []
+        costs = self.costs
+        if costs is not None and not costs.worth_loading(
+                "store", (num_stored - num_local) * bm.block_size,
+                num_stored * self.connector.block_bytes):
+            return []
+        return keys[:num_stored]
+
+    def num_local_tokens(self, request: Request) -> int:
+        """Leading prompt tokens this worker holds itself: its pool, then its host tier."""
+        num_device = self.block_manager.num_cached_tokens(request)
+        offload = self.offload
+        return offload.count_prefix(request, num_device) if offload is not None else num_device
+
+    @property
+    def costs(self) -> TierCosts | None:
+        """Fetch or recompute, as the host tier's cost rule measures it (None: always fetch)."""
+        offload = self.offload
+        return offload.costs if offload is not None else None
+
+    def attach_host_tier(self, offload: KVOffload | None) -> None:
+        """Stand below the engine's host tier: its evictions go down to the store, and its
+        cost rule decides store loads too."""
+        self.offload = offload
+        if offload is not None and self.connector.backend is not None:
+            offload.write_down = self.write_down
+
+    def write_down(self, keys: list[bytes], blocks: list[torch.Tensor]) -> bool:
+        """The host tier's evictions go to the fleet store (KVConnector.write_down)."""
+        return self.connector.write_down(keys, blocks)
+
+    def note_store_hit(self, num_tokens: int, nbytes: int, seconds: float) -> None:
+        """A prefix loaded from the store joined the batch: counted, and its read measured
+        for the cost rule."""
+        self._totals["store_hit_tokens"] += num_tokens
+        self._totals["store_read_bytes"] += nbytes
+        if self.costs is not None:
+            self.costs.note_read("store", nbytes, seconds)
 
     def start_layerwise_save(self, requests: list[Request]) -> Callable[[int], None] | None:
         """Engine hook before a step in which `requests` complete their prompt: returns the
@@ -393,8 +444,10 @@ class KVTransfer:
 
     def _finish(self, result: TransferResult) -> TransferDone | None:
         started_s = self._started_s.pop((result.kind, result.request_id), None)
+        seconds = 0.0
         if started_s is not None:
-            self._totals[f"{result.kind}_seconds"] += time.monotonic() - started_s
+            seconds = time.monotonic() - started_s
+            self._totals[f"{result.kind}_seconds"] += seconds
             self._totals[f"{result.kind}_count"] += 1
         if result.kind == "save":
             keys = self._save_keys.pop(result.request_id, None)
@@ -412,7 +465,7 @@ class KVTransfer:
         # loaded (or missed): the blocks need no pin now
         self.release(pending.lease_id, pending.source)
         ok = result.error is None and result.num_blocks == pending.num_blocks
-        return TransferDone(result.request_id, "load", ok, keys, result.layers)
+        return TransferDone(result.request_id, "load", ok, keys, result.layers, seconds=seconds)
 
     def release(self, lease_id: int | None, source: str = "") -> None:
         if lease_id:

@@ -346,8 +346,22 @@ class Worker:
             max_num_used_blocks=engine.block_manager.max_num_used_blocks,
             is_idle=self.is_idle,
             cpu_path=_cpu_path(engine),
+            kv_tiers=_kv_tiers(engine, kv_transfer),
             **_moe_load(engine),
         )
+
+
+def _kv_tiers(engine, kv_transfer: KVTransfer | None) -> dict[str, float]:
+    """WorkerStatus.kv_tiers: the pool's own hits, the host tier's numbers, the store's."""
+    tiers = {"device_hit_tokens": float(getattr(engine.scheduler, "num_device_hit_tokens", 0))}
+    offload = getattr(engine, "kv_offload", None)
+    if offload is not None:
+        tiers.update(offload.as_status())
+    if kv_transfer is not None:
+        totals = kv_transfer.totals()
+        tiers["store_hit_tokens"] = totals["store_hit_tokens"]
+        tiers["store_read_bytes"] = totals["store_read_bytes"]
+    return tiers
 
 
 def _cpu_path(engine) -> dict[str, str]:

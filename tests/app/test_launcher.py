@@ -123,10 +123,12 @@ def test_cpu_workers_get_cores_of_their_own(monkeypatch) -> None:
         launcher.plan(_args("--prefill-max-prefills-per-step", "-1"), "/m", gpus=[])
     assert "GOMP_CPU_AFFINITY" not in workers["decode-0"].env  # one core: nothing to keep
     # colocated: the worker keeps its first core to its main thread (OpenMP thread 0 bound
-    # there), the router and the worker's ZeroMQ I/O thread run on its other one
+    # there), the router, the store (the tier below its host DRAM) and the worker's ZeroMQ
+    # I/O thread run on its other one
     colocated = launcher.plan(_args("--device", "cpu", "--mode", "colocated"), "/m")
-    assert {c.role: c.cpus for c in colocated.children} == {"colocated-0": [0, 1],
+    assert {c.role: c.cpus for c in colocated.children} == {"store": [1], "colocated-0": [0, 1],
                                                             "router": [1]}
+    assert "--store" in _workers(colocated)["colocated-0"].argv
     env = _workers(colocated)["colocated-0"].env
     assert (env["GOMP_CPU_AFFINITY"], env["PDSERVE_IO_CORES"]) == ("0,1", "1")
     tp2 = launcher.plan(_args("--device", "cpu", "--mode", "colocated", "--prefill-tp", "2"),

@@ -21,11 +21,12 @@ BLOCK = 8
 
 
 def make_engine(model_dir, block_size: int = BLOCK, num_blocks: int = 64,
-                enable_prefix_caching: bool = True) -> Engine:
+                enable_prefix_caching: bool = True, kv_offload_bytes: int = 0) -> Engine:
     """A small engine over `model_dir`; a Worker gives it its role."""
     return Engine(ModelConfig(str(model_dir)),
                   CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_offload_bytes=kv_offload_bytes),
                   tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 

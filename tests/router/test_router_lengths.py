@@ -5,6 +5,7 @@ caps it). And the decode pick reserves what a request needs now, not its worst c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -143,3 +144,19 @@ def test_prefill_pick_takes_cache_then_load_and_ties_take_turns() -> None:
     assert policy.choose([b, a, busy], cached) is busy
     with pytest.raises(NoWorkerAvailable):
         policy.choose([], RouteContext(1))
+
+
+def test_prefill_pick_credits_own_prefix_over_the_store() -> None:
+    """A worker's own prefix (pool or host tier) counts in full; the store's beyond it at
+    the share of a prefill a store load saves there, as the worker measured it."""
+    policy = CacheAwarePrefill(load_penalty_tokens=0)
+    own, other = _Decoder("a", 0), _Decoder("b", 0)
+    # the store holds 400 of the prompt's tokens; worker a computed 300 of them itself
+    ctx = RouteContext(500, num_store_cached_tokens=400, num_worker_cached_tokens={"a": 300})
+    assert ctx.num_cached_tokens(own) == ctx.num_cached_tokens(other) == 400  # no report: 1
+    for worker in (own, other):
+        worker.status = dataclasses.replace(worker.status,
+                                            kv_tiers={"store_token_credit": 0.5})
+    assert ctx.num_cached_tokens(own) == 300 + 0.5 * 100
+    assert ctx.num_cached_tokens(other) == 0.5 * 400
+    assert policy.choose([other, own], ctx) is own

@@ -188,11 +188,15 @@ def test_worker_flags_make_the_cache_config() -> None:
     args = parser.parse_args(base)
     args.command = "decode"
     default = config_from_args(args)
-    assert default.cache == CacheConfig() and default.parallel.device is None
+    # a worker has a host DRAM tier below its pool unless told otherwise (the library: not)
+    assert default.cache == CacheConfig(kv_offload_bytes=2 * GIB)
+    assert default.parallel.device is None
     args = parser.parse_args(base + ["--device", "cpu", "--kv-cache-memory-gb", "1.5",
-                                     "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "9"])
+                                     "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "9",
+                                     "--kv-offload-gb", "0"])
     args.command = "prefill"
     config = config_from_args(args)
     assert config.parallel.device == "cpu"
     assert config.cache.kv_cache_memory_bytes == 3 * GIB // 2
     assert config.cache.gpu_memory_utilization == 0.5 and config.cache.num_blocks == 9
+    assert config.cache.kv_offload_bytes == 0

@@ -46,7 +46,7 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     placement = place_workers(args, slots, gpus, run_dir)
     cluster = Cluster()
     store = None
-    if args.mode == "disagg" and not args.no_store:
+    if not args.no_store:  # colocated too: the tier below each worker's host DRAM
         store = StoreAddresses(f"tcp://{LOOPBACK}:{args.store_port}",
                                f"tcp://{LOOPBACK}:{args.store_port + 1}")
         cluster.children.append(store_child(args, placement.service_cores))

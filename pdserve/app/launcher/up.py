@@ -94,7 +94,7 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV store master port (the data server takes the next one)")
     add("--no-store", action="store_true",
         help="run without the fleet KV store (prefill still hands its KV to decode directly; "
-             "no shared prefix tier)")
+             "below each worker's host DRAM tier there is no shared prefix tier)")
 
 
 def _add_placement_arguments(parser: argparse.ArgumentParser) -> None:
