@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-KEY_BYTES = 16  # blake2b-128: collisions need ~2^64 blocks
+# blake2b-128 keys: collisions need ~2^64 blocks (the wire validates the same length)
+from pdserve.protocol.worker import BLOCK_KEY_BYTES as KEY_BYTES
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 
 # (request id, segment, span of its first block, number of blocks, every layer staged)
 # -> whether it was announced
-OnStaged = Callable[[str, ShmSegment, ShmSpan, int, bool], bool]
+OnStaged = Callable[[str, ShmSegment, ShmSpan, list[bytes], bool], bool]
 
 CLOSE_DRAIN_S = 2.0  # the longest close() waits for queued jobs
 
@@ -147,7 +147,7 @@ class KVConnector:
         where saves land (the "node" transport; without it, "store"); `connect(address)`
         opens a client to another worker's node, the source of a load. `on_staged`: called
         (on the forward's thread) when a save starts staging in the node's segment: (request
-        id, segment, span of its first block, number of blocks, False); the staging's header
+        id, segment, span of its first block, the blocks' keys, False); the staging's header
         then counts the layers staged (ShmArena progress), for a decode worker to follow. If
         it returns False (not announced now), it is called again, with True, once every layer
         is staged."""
@@ -373,7 +373,7 @@ class KVConnector:
                 return
             save.span = spans[0]
         try:
-            announced = self._on_staged(request_id, segment, save.span, len(save.keys), staged)
+            announced = self._on_staged(request_id, segment, save.span, save.keys, staged)
         except Exception as e:  # only an optimisation: the hand-off still says where
             logger.warning("kv connector: announcing the staging of %s failed (%s)",
                            request_id, e)

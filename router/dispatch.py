@@ -25,6 +25,11 @@ A request of n > 1 sequences (best_of too) streams until each of its choices has
 Output.finish_reason per index); it moves like any request before its first output, and
 after one it fails with a clear error instead (its choices' outputs interleave, and
 resume_output_ids carries one sequence): nothing is left on any worker either way.
+
+A pool with no ready worker for now (its workers restarting) holds the request rather than
+refusing it: admission, a migration and the decode pick wait up to `pool_wait_s` for one
+(`wait_for_ready`), and only then is it HTTP 503. A worker restarted at the address that failed
+is a new process: a migration may go back to it.
 """
 
 from __future__ import annotations
@@ -60,8 +65,7 @@ logger = logging.getLogger(__name__)
 
 HANDOFF = "handoff"
 ROLE_SWITCH_TIMEOUT_S = 5.0  # a drained worker reports its new role within this
-POLL_S = 0.05
-
+POLL_S = 0.05  # how often a wait looks again (a drain; a pool's first ready worker)
 
 class RequestFailed(RuntimeError):
     """A worker reported an error, died, or went silent past its timeout."""
@@ -306,7 +310,7 @@ class Dispatcher:
         current = request
         for migration in itertools.count():
             if worker is None:
-                worker = self._pick(pool, tried, current)
+                worker = await self._pick_waiting(pool, tried, current)
             tried.add(worker.address)
             try:
                 async with aclosing(self._stream(worker, current, leg)) as stream:
@@ -319,7 +323,13 @@ class Dispatcher:
                 if not _worker_failed(exc) or migration >= self.config.max_migrations:
                     raise
                 if not any(w.accepting and w.address not in tried for w in pool):
-                    raise NoWorkerAvailable(f"no other {worker.role} worker is ready") from exc
+                    # the pool is empty for now (its workers restarting): wait for one, and
+                    # take a restarted one again, a new process at the same address
+                    if not await self.wait_for_ready([pool]):
+                        raise NoWorkerAvailable(f"no other {worker.role} worker is ready "
+                                                f"within {self.config.pool_wait_s:g}s") from exc
+                    tried = {a for a in tried
+                             if not any(w.address == a and w.accepting for w in pool)}
                 resumed = len(streamed) > num_given  # it streamed outputs: resume after them
                 if resumed and request.sampling.num_seqs > 1:  # choices' outputs interleave
                     raise RequestFailed(f"{worker.role} worker {worker.address} failed after "
@@ -341,6 +351,26 @@ class Dispatcher:
                 if self.on_migration is not None:
                     self.on_migration(worker.role, resumed)
                 worker = None
+
+    async def wait_for_ready(self, pools: Sequence[list[WorkerClient]]) -> bool:
+        """Wait until each of `pools` has a worker that takes requests, at most pool_wait_s
+        (a restart); False when one is still empty then."""
+        deadline = time.monotonic() + self.config.pool_wait_s
+        while not all(any(w.accepting for w in pool) for pool in pools):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
+
+    async def _pick_waiting(self, pool: list[WorkerClient], tried: set[str],
+                            request: GenerateRequest) -> WorkerClient:
+        """_pick, waiting for a ready worker where the pool has none now (wait_for_ready)."""
+        try:
+            return self._pick(pool, tried, request)
+        except NoWorkerAvailable:
+            if not await self.wait_for_ready([pool]):
+                raise
+            return self._pick(pool, tried, request)
 
     def _pick(self, pool: list[WorkerClient], tried: set[str], request: GenerateRequest
               ) -> WorkerClient:

@@ -134,6 +134,11 @@ class _WorkerCollector(Collector):
         tier_dropped = family(CounterMetricFamily, "pdserve:kv_tier_writes_dropped",
                               "Write-downs dropped (queue full, block evicted meanwhile)",
                               ["tier"])
+        handoff_bytes = family(CounterMetricFamily, "pdserve:kv_handoff_bytes",
+                               "KV bytes hand-offs moved into a decode worker's pool")
+        handoff_reused = family(CounterMetricFamily, "pdserve:kv_handoff_reused_bytes",
+                                "KV bytes of hand-offs not moved: the decode worker held those "
+                                "blocks (its pool or host tier)")
         tier_blocks = family(GaugeMetricFamily, "pdserve:kv_tier_blocks",
                              "Blocks a worker's host tier holds", ["tier"])
         tier_choices = family(CounterMetricFamily, "pdserve:kv_tier_load_decisions",
@@ -184,6 +189,9 @@ class _WorkerCollector(Collector):
             _tier_metrics(status.kv_tiers, key, tier_hits, tier_read, tier_written,
                           tier_evictions, tier_dropped, tier_blocks, tier_choices)
             totals = status.kv_transfer
+            if "handoff_bytes" in totals:
+                handoff_bytes.add_metric(key, totals["handoff_bytes"])
+                handoff_reused.add_metric(key, totals.get("handoff_reused_bytes", 0.0))
             for direction, verb in (("save", "saved"), ("load", "loaded")):
                 if f"{direction}_count" not in totals:
                     continue
@@ -193,7 +201,7 @@ class _WorkerCollector(Collector):
         yield from (running, waiting, usage, queries, hits, preemptions, kv_bytes, kv_seconds,
                     spec_drafts, spec_draft_tokens, spec_accepted, spec_per_pos, moe_tokens,
                     moe_dropped, tier_hits, tier_read, tier_written, tier_evictions,
-                    tier_dropped, tier_blocks, tier_choices)
+                    tier_dropped, tier_blocks, tier_choices, handoff_bytes, handoff_reused)
 
 
 def _tier_metrics(tiers: dict[str, float], key: list[str], hits, read, written, evictions,

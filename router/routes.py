@@ -299,7 +299,14 @@ async def _admit(serving: ServingContext, request_id: str, prompt_ids: list[int]
         if dispatcher.store_lookup is not None:
             metrics.labels(metrics.external_queries).inc(len(prompt_ids))
             metrics.labels(metrics.external_hits).inc(ctx.num_store_cached_tokens)
-        return dispatcher.admit(request_id, ctx, keys)
+        try:
+            return dispatcher.admit(request_id, ctx, keys)
+        except NoWorkerAvailable:  # a pool is empty for now (restarting): wait for a worker
+            pools = [dispatcher.first_pool] + ([dispatcher.decode]
+                                               if dispatcher.is_disaggregated else [])
+            if not await dispatcher.wait_for_ready(pools):
+                raise
+            return dispatcher.admit(request_id, ctx, keys)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     except Overloaded as exc:

@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-migrations", type=int, default=d["max_migrations"],
                         help="times one request may move off a worker that died or hung "
                              "(default %(default)s)")
+    parser.add_argument("--pool-wait-s", type=float, default=d["pool_wait_s"],
+                        help="a request whose pool has no ready worker (a restart) waits this "
+                             "long for one before HTTP 503; a migration too (default "
+                             "%(default)s; 0: refuse at once)")
     add_controller_arguments(parser)
     add_tracing_arguments(parser)
     add_tool_arguments(parser)
@@ -162,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_predicted_ttft_s=args.max_predicted_ttft_s,
         first_token_timeout_s=args.first_token_timeout_s, token_timeout_s=args.token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations,
+        pool_wait_s=args.pool_wait_s,
         controller=ControllerConfig(
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,

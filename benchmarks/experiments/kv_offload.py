@@ -11,8 +11,9 @@ pool (`--num-kv-blocks`) by the time its next turn comes. Each mode runs twice u
 `--no-prefix-caching` (every turn recomputed: the baseline). Prompts are fresh random tokens
 per run. It prints, per run, the cached prompt tokens the server reported against the ideal
 (every earlier turn of the conversation), the mean TTFT of turns 2..T and its ratio to the
-baseline, and per tier (device / host / store) the hit tokens the workers counted; writes
-kv_offload.json and a plot of mean TTFT per turn.
+baseline, per tier (device / host / store) the hit tokens the workers counted, and for the
+disaggregated runs the bytes hand-offs moved into decode against those decode already held
+(decode-side reuse); writes kv_offload.json and a plot of mean TTFT per turn.
 """
 
 from __future__ import annotations
@@ -113,12 +114,16 @@ def send(client: httpx.Client, model: str, prompt: list[int], output_len: int
 
 
 def tiers(client: httpx.Client) -> dict[str, float]:
-    """The workers' kv_tiers counters, summed over workers."""
+    """The workers' kv_tiers counters and hand-off bytes, summed over workers."""
     summed: dict[str, float] = {}
     for worker in client.get(f"http://127.0.0.1:{PORT}/status").json()["workers"]:
-        for name, value in (worker.get("kv_tiers") or {}).items():
+        counters = {**(worker.get("kv_tiers") or {}),
+                    **{k: v for k, v in (worker.get("kv_transfer") or {}).items()
+                       if k.startswith("handoff_")}}
+        for name, value in counters.items():
             if name.endswith(("_hit_tokens", "_read_bytes", "_written_bytes", "_evictions",
-                              "_writes_dropped", "_chosen")):
+                              "_writes_dropped", "_chosen", "handoff_bytes",
+                              "handoff_reused_bytes")):
                 summed[name] = summed.get(name, 0.0) + value
     return summed
 
@@ -170,6 +175,14 @@ def summarize(runs: list[dict[str, Any]]) -> None:
               f"{r['cached']:>7d} / {r['ideal']:>6d} = {share:4.2f} "
               f"{1e3 * r['mean_ttft_later_s']:8.1f}ms "
               f"{'' if ratio is None else f'{ratio:9.2f}x'}  {by_tier}")
+    for r in runs:  # decode-side reuse: what the hand-offs moved of the whole prompts
+        moved = r["tiers"].get("handoff_bytes", 0.0)
+        reused = r["tiers"].get("handoff_reused_bytes", 0.0)
+        if moved or reused:
+            print(f"{r['mode']} caching={'on' if r['caching'] else 'off'}: hand-offs moved "
+                  f"{moved / 2**20:.1f} MiB, reused {reused / 2**20:.1f} MiB held by decode, "
+                  f"of {(moved + reused) / 2**20:.1f} MiB of whole prompts "
+                  f"({moved / max(moved + reused, 1):.2f} moved)")
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> Path:

@@ -78,6 +78,8 @@ class KVHandoff:
 
 
 MAX_STAGED_BLOCKS = 1 << 20
+BLOCK_KEY_BYTES = 16
+"""A chained block key's length (kvstore/block_key.py: blake2b-128)."""
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,18 @@ class KVStaging:
     span: ShmSpan
     num_blocks: int
     kv_cache_dtype: str = ""
+    block_keys: list[bytes] = field(default_factory=list)
+    """The staged blocks' keys (empty: not said): a decode worker that holds the leading ones
+    already copies only the others."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_blocks, bool) or not 0 < self.num_blocks <= MAX_STAGED_BLOCKS:
             raise ValueError(f"num_blocks must be in [1, {MAX_STAGED_BLOCKS}]")
         if len(self.kv_cache_dtype) > 32:
             raise ValueError("kv_cache_dtype is a torch dtype name (at most 32 characters)")
+        if len(self.block_keys) > self.num_blocks or any(
+                len(key) != BLOCK_KEY_BYTES for key in self.block_keys):
+            raise ValueError(f"block_keys: at most num_blocks keys of {BLOCK_KEY_BYTES} bytes")
 
 
 @WORKER_PROTOCOL.message("generate")

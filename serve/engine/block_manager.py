@@ -148,6 +148,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}  # leading blocks of a table that have keys
         self._reserved: dict[str, list[int]] = {}  # blocks held for a request not yet in
+        self._reserved_hits: dict[str, int] = {}  # of those, leading prefix hits
         self._roots: dict[str | None, bytes] = {}
         self.max_num_used_blocks = 0
         """High-water mark of num_used_blocks (a shared block counts once)."""
@@ -289,20 +290,43 @@ class BlockManager:
         self._release(tail)
         return len(tail)
 
-    def reserve(self, request_id: str, num_blocks: int) -> list[int]:
-        """Take `num_blocks` fresh blocks for a request that is not here yet (decode role: its
-        KV is copied in while its prefill runs elsewhere); claim() gives them to it, and
-        unreserve() back."""
+    def reserve(self, request_id: str, num_blocks: int, prefix_keys: list[bytes] = ()
+                ) -> list[int]:
+        """Take `num_blocks` blocks for a request that is not here yet (decode role: its KV is
+        copied in while its prefill runs elsewhere); claim() gives them to it, and
+        unreserve() back. The first ones are this pool's blocks of the leading `prefix_keys`
+        it holds (shared, their KV already there: num_reserved_hits says how many; prefix
+        caching only), the rest fresh."""
         if request_id in self._reserved or request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has blocks")
-        if num_blocks > self.num_free_blocks:
+        hits: list[int] = []
+        if self.enable_prefix_caching:
+            for key in list(prefix_keys)[:num_blocks]:
+                block_id = self._key_to_block.get(key)
+                if block_id is None:
+                    break
+                hits.append(block_id)
+        num_available = self.num_free_blocks - sum(1 for b in hits if b in self._cached)
+        if num_blocks - len(hits) > num_available:
             raise NoFreeBlocksError(f"cannot reserve {num_blocks} blocks for {request_id!r}")
-        self._reserved[request_id] = self._take_blocks(num_blocks, None)
+        for block_id in hits:
+            block = self._blocks[block_id]
+            if block.ref_count == 0:
+                del self._cached[block_id]
+            block.ref_count += 1
+        self._reserved[request_id] = hits + self._take_blocks(
+            num_blocks - len(hits), hits[-1] if hits else None)
+        self._reserved_hits[request_id] = len(hits)
         self._note_used()
         return list(self._reserved[request_id])
 
+    def num_reserved_hits(self, request_id: str) -> int:
+        """Of a reservation, the leading blocks that were prefix hits (KV already there)."""
+        return self._reserved_hits.get(request_id, 0)
+
     def unreserve(self, request_id: str) -> None:
         """Free a reservation (idempotent)."""
+        self._reserved_hits.pop(request_id, None)
         self._release(self._reserved.pop(request_id, []))
 
     @property
@@ -322,7 +346,8 @@ class BlockManager:
                                  "as it is")
             del self._reserved[request.request_id]
             self._tables[request.request_id] = list(block_ids)
-            self._num_committed[request.request_id] = 0
+            self._num_committed[request.request_id] = self._reserved_hits.pop(
+                request.request_id, 0)
             return
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("block_ids has duplicates")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.serve.engine.block_manager import BlockManager
 from pdserve.serve.engine.request import Request
 
@@ -239,6 +240,7 @@ class KVOffload:
 
     def __init__(self, kv_caches: list[torch.Tensor], block_manager: BlockManager,
                  num_slots: int, write_down: WriteDown | None = None) -> None:
+        kv_caches = [fp8_as_bytes(cache) for cache in kv_caches]  # (CPU torch: no FP8 ops)
         first = kv_caches[0]  # [P, num_blocks, block_size, heads, head_dim] per layer
         self.kv_caches = kv_caches
         self.block_manager = block_manager
@@ -374,10 +376,12 @@ class KVOffload:
         if not self.costs.worth_loading("host", num * bm.block_size,
                                         num * self.tier.block_nbytes):
             return None
-        slots = self.tier.pin(keys[:num])
-        if not slots:
-            return None
-        return HostLoad(keys[:len(slots)], slots)
+        return self.pin(keys[:num])
+
+    def pin(self, keys: Sequence[bytes]) -> HostLoad | None:
+        """The leading `keys` this tier holds, pinned for load() (or cancel()); None: none."""
+        slots = self.tier.pin(keys)
+        return HostLoad(list(keys[:len(slots)]), slots) if slots else None
 
     def cancel(self, load: HostLoad) -> None:
         self.tier.unpin(load.slots)
@@ -393,12 +397,15 @@ class KVOffload:
         finally:
             self.tier.unpin(load.slots)
         cuda = self.device.type == "cuda"
-        if cuda:
-            blocks = blocks.pin_memory()
+        if cuda:  # one pinned, contiguous [L, n, P, ...] batch: a single async copy
+            staged = blocks.transpose(0, 1).contiguous().pin_memory().to(self.device,
+                                                                         non_blocking=True)
+            layers = [staged[layer].transpose(0, 1) for layer in range(len(self.kv_caches))]
+        else:
+            layers = [blocks[:, layer].transpose(0, 1) for layer in range(len(self.kv_caches))]
         targets = torch.tensor(list(block_ids), device=self.device)
-        for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, targets, blocks[:, layer].transpose(0, 1).to(
-                self.device, non_blocking=True))
+        for cache, layer_blocks in zip(self.kv_caches, layers, strict=True):
+            cache.index_copy_(1, targets, layer_blocks)
         if not cuda:  # (on CUDA the copy is still queued: the prior stands)
             self.costs.note_read("host", blocks.nbytes, time.perf_counter() - start_s)
         counters = self.counters["host"]

@@ -68,7 +68,7 @@ class StagingAnnouncer:
         messages would only take core time from this forward's thread there; after it, the
         copy overlaps the forward's tail instead."""
 
-    def __call__(self, request_id: str, segment: ShmSegment, span: ShmSpan, num_blocks: int,
+    def __call__(self, request_id: str, segment: ShmSegment, span: ShmSpan, keys: list[bytes],
                  staged: bool) -> bool:
         """A save started staging (`staged`: it is complete now). Returns whether it was
         said (False: ask again when every layer is staged)."""
@@ -78,8 +78,8 @@ class StagingAnnouncer:
         if self.borrowing_cores and not staged:
             return False
         kv_cache_dtype = engine.spec.kv_layout(engine.block_manager.block_size).dtype
-        self.send(Output(request_id, [], "", staging=KVStaging(segment, span, num_blocks,
-                                                                kv_cache_dtype)))
+        self.send(Output(request_id, [], "", staging=KVStaging(segment, span, len(keys),
+                                                                kv_cache_dtype, list(keys))))
         return True
 
 
@@ -91,6 +91,7 @@ class _Follow:
     progress: Callable[[], int]  # layers staged so far
     intact: Callable[[], bool]  # the staging is still the one named
     active_s: float  # when it last made progress
+    num_held: int = 0  # leading blocks this worker held already (not copied)
     num_copied: int = 0
 
 
@@ -133,13 +134,17 @@ class Followers:
         # not make the batch preempt)
         if bm.num_free_blocks - staging.num_blocks < len(self.engine.scheduler.running):
             return False
-        try:
-            block_ids = bm.reserve(request_id, staging.num_blocks)
-        except NoFreeBlocksError:
-            return False
+        held = self.kv_transfer.hold_prefix(request_id, staging.num_blocks, staging.block_keys)
+        if held is not None:  # the leading blocks are here already: copy only the others
+            block_ids, num_held = held
+        else:
+            try:
+                block_ids, num_held = bm.reserve(request_id, staging.num_blocks), 0
+            except NoFreeBlocksError:
+                return False
         layers, progress, intact = mapped
         self._follows[request_id] = _Follow(staging, block_ids, layers, progress, intact,
-                                            time.monotonic())
+                                            time.monotonic(), num_held)
         return True
 
     def copy_ready(self) -> None:
@@ -157,9 +162,11 @@ class Followers:
                 self.drop(request_id)
 
     def _copy(self, follow: _Follow, until: int) -> bool:
-        copied = follow.num_copied
+        copied, held = follow.num_copied, follow.num_held
         for layer in range(copied, until):
-            self.kv_transfer.install_layer(layer, follow.block_ids, follow.layers[layer])
+            blocks = follow.layers[layer][:, held:]
+            self.kv_transfer.install_layer(layer, follow.block_ids[held:], blocks)
+            self.kv_transfer.note_handoff_bytes(blocks.nbytes)
         follow.num_copied = max(copied, until)
         return follow.num_copied > copied
 

@@ -85,6 +85,9 @@ class RequestGateway:
         # and those loaded while no blocks were free.
         self._loading: dict[str, GenerateRequest] = {}
         self._waiting_for_blocks: deque[tuple[GenerateRequest, TransferDone]] = deque()
+        # decode: hand-offs loading only the blocks this worker lacks, and their reservation
+        # (KVTransfer.hold_prefix: the blocks, how many are held here)
+        self._holding: dict[str, tuple[list[int], int]] = {}
         # leases of hand-offs admitted in place (their blocks copied from a mapped segment),
         # given back one loop later, after the step that admitted them: at admission, the
         # release's round trip would compete with that step for the core
@@ -203,8 +206,19 @@ class RequestGateway:
             self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
             if self._admit_followed(message) or self._admit_in_place(message):
                 return
-            self.kv_transfer.start_load(message.request_id, list(handoff.block_keys),
-                                        handoff.lease_id, handoff.source_address)
+            keys = list(handoff.block_keys)
+            held = None if handoff.choice_first_tokens else self.kv_transfer.hold_prefix(
+                message.request_id, len(keys), keys)
+            if held is not None:  # only the blocks this worker lacks cross
+                self._holding[message.request_id] = held
+                keys = keys[held[1]:]
+                if not keys:  # every block is here
+                    self._releases.append((handoff.lease_id, handoff.source_address))
+                    self._admit_loaded(message, TransferDone(message.request_id, "load", True,
+                                                             []))
+                    return
+            self.kv_transfer.start_load(message.request_id, keys, handoff.lease_id,
+                                        handoff.source_address)
             self._loading[message.request_id] = message
             return
         if handoff.choice_first_tokens:  # n > 1: one parent, forked once its prompt is in
@@ -277,6 +291,8 @@ class RequestGateway:
     def abort(self, request_id: str) -> None:
         if self._followers is not None:
             self._followers.drop(request_id)
+        if self._holding.pop(request_id, None) is not None:
+            self.engine.block_manager.unreserve(request_id)
         self._held.pop(request_id, None)
         self._arrivals.pop(request_id, None)
         self._take_layer_save_s(request_id)
@@ -375,6 +391,8 @@ class RequestGateway:
             return
         first = [message.handoff.first_token_id]  # decode: the whole prompt
         choices = message.handoff.choice_first_tokens  # n > 1: forked (parallel_sampling)
+        if self._admit_holding(message, done):
+            return
         if done.ok and (not choices or len(message.prompt_token_ids) > 1):
             try:
                 if choices:  # all but the prompt's last token, which its first step computes
@@ -388,7 +406,9 @@ class RequestGateway:
                     raise
                 logger.info("no free KV blocks for %s; recomputing its prompt", request_id)
             else:
-                self.kv_transfer.install(block_ids, [t[:, :len(block_ids)] for t in done.staging])
+                staging = [t[:, :len(block_ids)] for t in done.staging]
+                self.kv_transfer.install(block_ids, staging)
+                self.kv_transfer.note_handoff_bytes(sum(t.nbytes for t in staging))
                 return
         elif not done.ok:
             logger.info("KV of %s not in the store; recomputing", request_id)
@@ -396,6 +416,36 @@ class RequestGateway:
             engine.parallel.add_continued(request_id, message.prompt_token_ids, params, choices)
             return
         engine.add_continued_request(request_id, message.prompt_token_ids, params, first)
+
+    def _admit_holding(self, message: GenerateRequest, done: TransferDone) -> bool:
+        """A hand-off whose leading blocks this worker holds (KVTransfer.hold_prefix: reserved
+        before its load, or now, for one mapped in place): the reservation joins the batch
+        with the moved blocks written after the held ones. False where none is held (or the
+        load missed: the reservation goes back and the request recomputes)."""
+        request_id, handoff = message.request_id, message.handoff
+        assert handoff is not None and self.kv_transfer is not None
+        held, skip = self._holding.pop(request_id, None), 0
+        if held is None and done.ok and done.staging and not handoff.choice_first_tokens:
+            held = self.kv_transfer.hold_prefix(request_id, len(done.keys), done.keys)
+            skip = held[1] if held is not None else 0  # (the staging has every block)
+        if held is None:
+            return False
+        block_ids, num_held = held
+        if not done.ok:
+            self.engine.block_manager.unreserve(request_id)
+            return False
+        try:
+            self.engine.add_prefilled_request(request_id, message.prompt_token_ids,
+                                              message.sampling, [handoff.first_token_id],
+                                              block_ids)
+        except Exception:  # the request's error (add reports it)
+            self.engine.block_manager.unreserve(request_id)
+            raise
+        if len(block_ids) > num_held:
+            staging = [t[:, skip:skip + len(block_ids) - num_held] for t in done.staging]
+            self.kv_transfer.install(block_ids[num_held:], staging)
+            self.kv_transfer.note_handoff_bytes(sum(t.nbytes for t in staging))
+        return True
 
     # ---- deltas out -------------------------------------------------------------------------
     def to_wire(self, output: RequestOutput) -> Output | None:

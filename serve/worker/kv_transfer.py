@@ -52,6 +52,7 @@ from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, OnStaged, TransferResult
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
 from pdserve.protocol.worker import KVHandoff, KVStaging
+from pdserve.serve.engine.block_manager import NoFreeBlocksError
 from pdserve.serve.engine.kv_tiers import KVOffload, TierCosts
 from pdserve.serve.engine.request import Request
 
@@ -186,7 +187,8 @@ class KVTransfer:
                         "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
                         "layerwise_save_count": 0.0, "in_place_count": 0.0,
                         "followed_count": 0.0, "store_hit_tokens": 0.0,
-                        "store_read_bytes": 0.0}
+                        "store_read_bytes": 0.0, "handoff_bytes": 0.0,
+                        "handoff_reused_bytes": 0.0}
         self.offload: KVOffload | None = None
         """The engine's host tier (serve/engine/kv_tiers.py), whose evictions this writes
         down to the store and whose cost rule it asks (make_kv_transfer sets it)."""
@@ -268,6 +270,37 @@ class KVTransfer:
         """Fetch or recompute, as the host tier's cost rule measures it (None: always fetch)."""
         offload = self.offload
         return offload.costs if offload is not None else None
+
+    # ---- decode side: the prompt blocks this worker holds already ---------------------------
+    def hold_prefix(self, request_id: str, num_blocks: int, keys: list[bytes]
+                    ) -> tuple[list[int], int] | None:
+        """Reserve `num_blocks` pool blocks for a hand-off whose blocks are named `keys`
+        (BlockManager.reserve): the leading ones this worker holds come from its own pool
+        (shared) or its host tier (copied in now), so only the rest need to move. Returns
+        (the reserved blocks, how many of them are held here), counted as reused bytes; None
+        when nothing is held or no blocks are free now (then every block moves, as before)."""
+        bm = self.block_manager
+        if not keys or not bm.enable_prefix_caching or not self.can_write_layers:
+            return None
+        try:
+            block_ids = bm.reserve(request_id, num_blocks, prefix_keys=keys)
+        except NoFreeBlocksError:
+            return None
+        held = bm.num_reserved_hits(request_id)
+        load = (self.offload.pin(keys[held:num_blocks]) if self.offload is not None
+                else None)
+        if load is not None:
+            self.offload.load(load, block_ids[held:held + len(load.keys)])
+            held += len(load.keys)
+        if held == 0:
+            bm.unreserve(request_id)
+            return None
+        self._totals["handoff_reused_bytes"] += held * self.connector.block_bytes
+        return block_ids, held
+
+    def note_handoff_bytes(self, nbytes: int) -> None:
+        """KV bytes a hand-off moved into this worker's pool (the rest it held)."""
+        self._totals["handoff_bytes"] += nbytes
 
     def attach_host_tier(self, offload: KVOffload | None) -> None:
         """Stand below the engine's host tier: its evictions go down to the store, and its

@@ -18,7 +18,9 @@ from pdserve import security
 
 @pytest.fixture(scope="module")
 def roles(llama_dir, tmp_path_factory):
-    roles = Roles(llama_dir, tmp_path_factory.mktemp("fault-logs"))
+    # a pool left empty refuses after 1 s here (the default holds requests 15 s, a restart)
+    roles = Roles(llama_dir, tmp_path_factory.mktemp("fault-logs"),
+                  router_args=("--pool-wait-s", "1"))
     roles.start_all()
     try:
         roles.wait_ready()

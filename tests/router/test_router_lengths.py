@@ -6,6 +6,7 @@ caps it). And the decode pick reserves what a request needs now, not its worst c
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -160,3 +161,27 @@ def test_prefill_pick_credits_own_prefix_over_the_store() -> None:
     assert ctx.num_cached_tokens(own) == 300 + 0.5 * 100
     assert ctx.num_cached_tokens(other) == 0.5 * 400
     assert policy.choose([other, own], ctx) is own
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_a_request_waits_for_a_pool_that_is_restarting(llama_dir: Path, comes_back) -> None:
+    """Its only worker not ready (restarting): the request is held, not refused, and served
+    once the worker is back; if none comes back within pool_wait_s, HTTP 503."""
+    config = RouterConfig(model=str(llama_dir), colocated_addrs=("tcp://127.0.0.1:1",),
+                          pool_wait_s=30.0 if comes_back else 0.2)
+    dispatcher = RecordingDispatcher(config, worker_max_model_len=100)
+    [worker] = dispatcher.workers
+    ready = worker.status
+    worker.status = dataclasses.replace(ready, is_ready=False)
+    back = threading.Timer(0.3, lambda: setattr(worker, "status", ready))
+    with TestClient(build_app(config, dispatcher)) as client:
+        if comes_back:
+            back.start()
+        r = client.post("/v1/completions", json={"prompt": _prompt_ids(5), "max_tokens": 2})
+    back.cancel()
+    if comes_back:
+        assert r.status_code == 200, r.text
+        assert len(dispatcher.sent) == 1
+    else:
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] and dispatcher.sent == []

@@ -37,11 +37,14 @@ def turns(vocab: int) -> list[list[int]]:
     return [a + [5], b + [6], c + [7], a + [9, 10, 11]]
 
 
-def test_an_evicted_prefix_comes_back_from_host_dram(llama_dir: Path) -> None:
-    with LLM(llama_dir, block_size=BLOCK, num_kv_blocks=10, enable_prefix_caching=False) as llm:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_an_evicted_prefix_comes_back_from_host_dram(llama_dir: Path, kv_cache_dtype) -> None:
+    with LLM(llama_dir, block_size=BLOCK, num_kv_blocks=10, enable_prefix_caching=False,
+             kv_cache_dtype=kv_cache_dtype) as llm:
         vocab = llm.engine.spec.vocab_size
         expected = run_turns(llm, turns(vocab))
-    with LLM(llama_dir, block_size=BLOCK, num_kv_blocks=10, kv_offload_bytes=64 << 20) as llm:
+    with LLM(llama_dir, block_size=BLOCK, num_kv_blocks=10, kv_offload_bytes=64 << 20,
+             kv_cache_dtype=kv_cache_dtype) as llm:
         prompts = turns(vocab)
         got = run_turns(llm, prompts[:3])
         offload = llm.engine.kv_offload
