@@ -23,8 +23,9 @@ request moves to another worker of the same pool, at most `max_migrations` times
                                           so it continues at the same draw
 A request of n > 1 sequences (best_of too) streams until each of its choices has ended (an
 Output.finish_reason per index); it moves like any request before its first output, and
-after one it fails with a clear error instead (its choices' outputs interleave, and
-resume_output_ids carries one sequence): nothing is left on any worker either way.
+after outputs with each unfinished choice's outputs so far (resume_choices: the new worker
+prefills the prompt once, forks, and each choice resumes after its own tokens; the choices
+that ended stay ended). Nothing is left on any worker either way.
 
 A pool with no ready worker for now (its workers restarting) holds the request rather than
 refusing it: admission, a migration and the decode pick wait up to `pool_wait_s` for one
@@ -247,7 +248,7 @@ class Dispatcher:
         pool = self.prefill if self.is_disaggregated else self.colocated
         follower: WorkerClient | None = None  # the decode worker following the prefill
         try:
-            async with aclosing(self._migrating(pool, first_worker, request, [],
+            async with aclosing(self._migrating(pool, first_worker, request, {},
                                                 phases.first)) as stream:
                 async for output in stream:
                     if output.staging is not None:
@@ -267,7 +268,7 @@ class Dispatcher:
             decode_request = dataclasses.replace(
                 request, handoff=carrier.handoff,
                 sampling=dataclasses.replace(request.sampling, prompt_logprobs=None))
-            first_tokens = [t for output in handed_off for t in output.token_ids]
+            first_tokens = {output.index: list(output.token_ids) for output in handed_off}
             # the follower (if any) gets the hand-off; from here the decode leg owns it
             decode_worker, follower = follower, None
             if decode_worker is not None and not decode_worker.accepting:
@@ -299,13 +300,15 @@ class Dispatcher:
         return follower
 
     async def _migrating(self, pool: list[WorkerClient], worker: WorkerClient | None,
-                         request: GenerateRequest, streamed: list[int], leg: WorkerLeg
-                         ) -> AsyncIterator[Output]:
+                         request: GenerateRequest, streamed: dict[int, list[int]],
+                         leg: WorkerLeg) -> AsyncIterator[Output]:
         """Stream `request` from `worker` (None: the pool's pick) and, when a worker dies or
-        hangs, from another of `pool` (see the module docstring). `streamed`: the output
-        tokens the client already has (a decode leg starts with prefill's first token)."""
-        streamed = list(streamed)
-        num_given = len(streamed)
+        hangs, from another of `pool` (see the module docstring). `streamed`: per choice
+        index, the output tokens the client already has (a decode leg starts with prefill's
+        first token of each choice it continues)."""
+        streamed = {index: list(tokens) for index, tokens in streamed.items()}
+        num_given = sum(len(tokens) for tokens in streamed.values())
+        open_choices = set(request.choice_indices)  # those that have not ended
         tried: set[str] = set()
         current = request
         for migration in itertools.count():
@@ -316,7 +319,9 @@ class Dispatcher:
                 async with aclosing(self._stream(worker, current, leg)) as stream:
                     async for output in stream:
                         if output.finish_reason != HANDOFF:
-                            streamed += output.token_ids
+                            streamed.setdefault(output.index, []).extend(output.token_ids)
+                            if output.finish_reason is not None:
+                                open_choices.discard(output.index)
                         yield output
                 return
             except RequestFailed as exc:
@@ -330,17 +335,19 @@ class Dispatcher:
                                                 f"within {self.config.pool_wait_s:g}s") from exc
                     tried = {a for a in tried
                              if not any(w.address == a and w.accepting for w in pool)}
-                resumed = len(streamed) > num_given  # it streamed outputs: resume after them
-                if resumed and request.sampling.num_seqs > 1:  # choices' outputs interleave
-                    raise RequestFailed(f"{worker.role} worker {worker.address} failed after "
-                                        "streaming outputs of a request with n or best_of > "
-                                        "1, which cannot move once its choices have "
-                                        f"outputs: {exc}") from exc
-                if resumed:
-                    current = dataclasses.replace(request, handoff=None,
-                                                  resume_output_ids=list(streamed))
+                num_streamed = sum(len(tokens) for tokens in streamed.values())
+                resumed = num_streamed > num_given  # it streamed outputs: resume after them
+                if resumed and request.sampling.num_seqs > 1:
+                    current = self._resume_choices(request, worker, streamed, open_choices,
+                                                   pool, exc)
                     logger.warning("%s worker %s failed after %d tokens of %s (%s); resuming "
-                                   "on another", worker.role, worker.address, len(streamed),
+                                   "its %d choices on another", worker.role, worker.address,
+                                   num_streamed, request.request_id, exc, len(open_choices))
+                elif resumed:
+                    current = dataclasses.replace(request, handoff=None,
+                                                  resume_output_ids=list(streamed[0]))
+                    logger.warning("%s worker %s failed after %d tokens of %s (%s); resuming "
+                                   "on another", worker.role, worker.address, num_streamed,
                                    request.request_id, exc)
                 else:
                     logger.warning("%s worker %s died before its first token of %s (%s); "
@@ -351,6 +358,21 @@ class Dispatcher:
                 if self.on_migration is not None:
                     self.on_migration(worker.role, resumed)
                 worker = None
+
+    def _resume_choices(self, request: GenerateRequest, worker: WorkerClient,
+                        streamed: dict[int, list[int]], open_choices: set[int],
+                        pool: list[WorkerClient], exc: Exception) -> GenerateRequest:
+        """A request of several sequences whose worker died after outputs: each choice that
+        has not ended resumes after its own (GenerateRequest.resume_choices). Not from a
+        prefill worker (its choices' first tokens leave with the hand-off's step), nor
+        before every open choice has an output; RequestFailed there."""
+        choices = {index: list(streamed.get(index, ())) for index in sorted(open_choices)}
+        if pool is self.prefill or not all(choices.values()):
+            raise RequestFailed(f"{worker.role} worker {worker.address} failed between the "
+                                "first outputs of a request with n or best_of > 1, which "
+                                f"cannot move then: {exc}") from exc
+        return dataclasses.replace(request, handoff=None, resume_output_ids=[],
+                                   resume_choices=choices)
 
     async def wait_for_ready(self, pools: Sequence[list[WorkerClient]]) -> bool:
         """Wait until each of `pools` has a worker that takes requests, at most pool_wait_s

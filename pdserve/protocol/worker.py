@@ -121,6 +121,11 @@ class GenerateRequest:
     """Migration: the output tokens another worker already streamed before it died or hung.
     This worker computes the prompt's and their KV (the prompt's prefix from the store where
     it has it), streams only what follows, and seeded sampling resumes at their count."""
+    resume_choices: dict[int, list[int]] = field(default_factory=dict)
+    """Migration of a request of several sequences (n, best_of): choice index -> the output
+    tokens another worker streamed for it, for every choice that had not ended. This worker
+    computes the prompt once, forks into these choices, and each resumes after its own
+    outputs (seeded draws at its own count)."""
 
     def __post_init__(self) -> None:
         if not self.request_id or not self.prompt_token_ids:
@@ -132,8 +137,16 @@ class GenerateRequest:
         if len(self.resume_output_ids) >= self.sampling.max_tokens:
             raise ValueError("nothing left to generate after the resumed outputs")
         if self.resume_output_ids and self.sampling.num_seqs > 1:
-            raise ValueError("a request of several sequences (n or best_of > 1) cannot "
-                             "resume after streamed outputs")
+            raise ValueError("a request of several sequences (n or best_of > 1) resumes "
+                             "by choice (resume_choices)")
+        if self.resume_choices:
+            if self.handoff is not None or self.resume_output_ids:
+                raise ValueError("resume_choices is a migration's alone")
+            if any(not 0 <= i < self.sampling.num_seqs or not outputs
+                   or len(outputs) >= self.sampling.max_tokens
+                   for i, outputs in self.resume_choices.items()):
+                raise ValueError("resume_choices: choice indices of the request's sequences, "
+                                 "each with outputs and room left to generate")
         if self.handoff is not None and any(i >= self.sampling.num_seqs
                                             for i in self.handoff.choice_first_tokens):
             raise ValueError("a hand-off names a choice index past the request's sequences")
@@ -143,6 +156,8 @@ class GenerateRequest:
         """The choices whose Outputs this request's worker streams (Output.index), each until
         its own finish_reason: all of them from the prompt; after a hand-off, those the
         prefill worker handed on."""
+        if self.resume_choices:
+            return sorted(self.resume_choices)
         if self.handoff is not None and self.handoff.choice_first_tokens:
             return sorted(self.handoff.choice_first_tokens)
         if self.handoff is not None:

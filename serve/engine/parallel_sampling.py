@@ -39,9 +39,10 @@ RequestOutput). Aborting the parent's id aborts the parent and every child: no b
 behind (BlockManager.check_integrity holds throughout). best_of > n picks its n choices by
 cumulative logprob where all choices meet: the router (router/choices.py), or LLM.generate.
 
-Migration (router/dispatch.py): a parent moves to another worker only before its first
-output; after one, the request fails with a clear error (its choices' outputs interleave,
-and resume_output_ids carries one sequence).
+Migration (router/dispatch.py): before its first output a parent moves as it is; after
+outputs it moves with each unfinished choice's outputs so far (GenerateRequest.resume_choices):
+the new worker prefills the prompt once, forks, and each child computes the KV of its own
+outputs before it samples the next token (seeded draws continue at its own count).
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ class ParentRequest:
     params: SamplingParams
     indices: list[int]
     """The choices it forks into (all of 0..num_seqs-1, or those a hand-off continues)."""
-    first_token_ids: dict[int, int] = field(default_factory=dict)
-    """Decode: the first token of each choice, sampled by prefill (empty: sample them)."""
+    given: dict[int, list[int]] = field(default_factory=dict)
+    """The outputs each choice has already (decode: the first token prefill sampled; a
+    migration: every token another worker streamed); empty: sample them here."""
     live: set[str] = field(default_factory=set)
     """Ids of the children that have not finished."""
     is_forked: bool = False
@@ -90,49 +92,51 @@ class ParallelSampling:
         self._parent_of: dict[str, str] = {}  # child id -> parent id
 
     # ---- parents in -----------------------------------------------------------------------
-    def track(self, request: Request, first_token_ids: dict[int, int] | None = None) -> None:
+    def track(self, request: Request, given: dict[int, list[int]] | None = None) -> None:
         """Register `request` (already in the scheduler) as a parent if it forks."""
-        if request.num_seqs <= 1 and not first_token_ids:
+        if request.num_seqs <= 1 and not given:
             return
         params = request.sampling_params
-        indices = sorted(first_token_ids) if first_token_ids else list(range(params.num_seqs))
+        indices = sorted(given) if given else list(range(params.num_seqs))
         self.parents[request.request_id] = ParentRequest(
-            request.request_id, params, indices, dict(first_token_ids or {}))
+            request.request_id, params, indices, {i: list(t) for i, t in (given or {}).items()})
 
     def add_continued(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, first_token_ids: dict[int, int]) -> Request:
-        """Decode without the prompt's KV: the parent recomputes its prompt, then forks into
-        the handed-off choices with their first tokens."""
-        request = self._make_parent(request_id, prompt_token_ids, params, first_token_ids)
+                      params: SamplingParams, given: dict[int, list[int]]) -> Request:
+        """The prompt's KV is not here (decode without it; a migration): the parent
+        recomputes its prompt, then forks into the given choices, each continuing after its
+        own outputs (a handed-off first token; all a dead worker streamed, whose KV the
+        child computes before it samples again)."""
+        request = self._make_parent(request_id, prompt_token_ids, params, given)
         engine = self.engine
         engine.scheduler.add_request(request)
         engine._start_tracking(request)
-        self.track(request, first_token_ids)
+        self.track(request, given)
         return request
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, first_token_ids: dict[int, int]) -> list[int]:
+                      params: SamplingParams, given: dict[int, list[int]]) -> list[int]:
         """Decode with the prompt's KV loaded: the parent joins the batch with every prompt
         token but the last computed; returns its blocks, into which the caller writes the
         KV of their positions before the next step (NoFreeBlocksError: none now)."""
-        request = self._make_parent(request_id, prompt_token_ids, params, first_token_ids)
+        request = self._make_parent(request_id, prompt_token_ids, params, given)
         if request.num_prompt_tokens < 2:
             raise ValueError("a one-token prompt has no KV to load")
         request.num_computed_tokens = request.num_prompt_tokens - 1
         engine = self.engine
         block_ids = engine.scheduler.add_running_request(request, None)
         engine._start_tracking(request)
-        self.track(request, first_token_ids)
+        self.track(request, given)
         return block_ids
 
     def _make_parent(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams, first_token_ids: dict[int, int]) -> Request:
-        if not first_token_ids:
-            raise ValueError("a handed-off parent needs its choices' first tokens")
-        if any(i >= params.num_seqs for i in first_token_ids):
+                     params: SamplingParams, given: dict[int, list[int]]) -> Request:
+        if not given or not all(given.values()):
+            raise ValueError("a continued parent needs its choices' outputs so far")
+        if any(i >= params.num_seqs for i in given):
             raise ValueError("a choice index is past the request's sequences")
         request = self.engine.make_request(prompt_token_ids, params, request_id)
-        request.num_seqs = len(first_token_ids)
+        request.num_seqs = len(given)
         return request
 
     # ---- the fork -----------------------------------------------------------------------
@@ -152,7 +156,7 @@ class ParallelSampling:
                 continue
             parent = self.parents[request.request_id]
             for child in self._fork(parent, request):
-                if child.index not in parent.first_token_ids:
+                if child.index not in parent.given:
                     rows.append(row)
                     requests.append(child)
         return requests, logits[rows]
@@ -167,10 +171,9 @@ class ParallelSampling:
         holds_blocks = not engine.role.ends_at_first_token
         children, copies = [], []
         for index in parent.indices:
-            first = parent.first_token_ids.get(index)
             child = engine.make_request(
                 request.prompt_token_ids, parent.params.for_child(index),
-                child_request_id(request.request_id, index), () if first is None else [first])
+                child_request_id(request.request_id, index), parent.given.get(index, ()))
             child.index, child.parent_id, child.prompt = index, request.request_id, request.prompt
             child.arrival_time_s = request.arrival_time_s
             child.first_scheduled_s = request.first_scheduled_s
@@ -178,12 +181,11 @@ class ParallelSampling:
             child.block_keys = list(request.block_keys)
             # The prompt's logprobs (computed once, by the parent) go out with the first
             # child's first output; a decode parent never computed them (prefill sent them).
-            is_first = index == parent.indices[0] and not parent.first_token_ids
-            child.prompt_logprobs = request.prompt_logprobs if is_first else None
             # prompt logprobs (serve/engine/prompt_logprobs.py): the parent computed them; its first
-            # child reports them, unless the prompt was prefilled elsewhere (a hand-off)
+            # child reports them, unless the prompt was prefilled elsewhere (a hand-off) or the
+            # client has them already (a migration)
             child.prompt_logprobs = (request.prompt_logprobs
-                                     if not children and not parent.first_token_ids else None)
+                                     if not children and not parent.given else None)
             scheduler.requests[child.request_id] = child
             if not holds_blocks:  # prefill: it ends at its first token, in this step
                 child.status = RequestStatus.RUNNING

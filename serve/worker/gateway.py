@@ -183,7 +183,12 @@ class RequestGateway:
 
     def _add_new(self, message: GenerateRequest) -> None:
         """From the prompt; or, migrated from a worker that died (resume_output_ids), from
-        the prompt and the outputs it streamed, recomputed after the prompt's stored prefix."""
+        the prompt and the outputs it streamed, recomputed after the prompt's stored prefix;
+        a request of several sequences by choice (resume_choices: one parent, forked)."""
+        if message.resume_choices:
+            self.engine.parallel.add_continued(message.request_id, message.prompt_token_ids,
+                                               message.sampling, message.resume_choices)
+            return
         request = self.engine.make_request(message.prompt_token_ids, message.sampling,
                                            message.request_id, message.resume_output_ids)
         # (prompt logprobs need the whole prompt computed here: no stored prefix)
@@ -223,7 +228,8 @@ class RequestGateway:
             return
         if handoff.choice_first_tokens:  # n > 1: one parent, forked once its prompt is in
             self.engine.parallel.add_continued(message.request_id, message.prompt_token_ids,
-                                               message.sampling, handoff.choice_first_tokens)
+                                               message.sampling,
+                                               _as_given(handoff.choice_first_tokens))
             return
         self.engine.add_continued_request(message.request_id, message.prompt_token_ids,
                                           message.sampling, [handoff.first_token_id])
@@ -390,7 +396,7 @@ class RequestGateway:
             engine.submit(request)  # the scheduler queues it until blocks are free
             return
         first = [message.handoff.first_token_id]  # decode: the whole prompt
-        choices = message.handoff.choice_first_tokens  # n > 1: forked (parallel_sampling)
+        choices = _as_given(message.handoff.choice_first_tokens)  # n > 1: forked
         if self._admit_holding(message, done):
             return
         if done.ok and (not choices or len(message.prompt_token_ids) > 1):
@@ -527,3 +533,7 @@ class RequestGateway:
         return (f"{len(self._held)} hand-offs saving, {len(self._loading)} loads, "
                 f"{len(self._waiting_for_blocks)} waiting for KV blocks")
 
+
+def _as_given(choice_first_tokens: dict[int, int]) -> dict[int, list[int]]:
+    """A hand-off's first token per choice as the outputs each choice has so far."""
+    return {index: [token] for index, token in choice_first_tokens.items()}

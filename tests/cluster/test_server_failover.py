@@ -89,17 +89,20 @@ def _restart(roles, name: str) -> None:
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0},
-                                      {"temperature": 1.0, "top_p": 0.9, "seed": 1234}],
-                         ids=["greedy", "seeded"])
+                                      {"temperature": 1.0, "top_p": 0.9, "seed": 1234},
+                                      {"temperature": 1.0, "seed": 99, "n": 2}],
+                         ids=["greedy", "seeded", "seeded-n2"])
 def test_stream_survives_its_decode_worker_killed_mid_stream(roles, sampling):
     """SIGKILL the decode worker after it streamed some tokens: the router resumes the
-    request on the other decode worker from prompt + those tokens, and the client's text is
-    the undisturbed run's, with no gap and no repeat (seeded sampling at the same draws)."""
+    request on the other decode worker from prompt + those tokens (n = 2: each choice after
+    its own), and the client's text is the undisturbed run's, with no gap and no repeat
+    (seeded sampling at the same draws)."""
     url = f"{roles.base_url}/v1/completions"
     body = {"prompt": "def fibonacci(n):", "max_tokens": 1200, "ignore_eos": True, **sampling}
-    reference = httpx.post(url, json=body, timeout=120).json()["choices"][0]["text"]
+    reference = [c["text"] for c in sorted(
+        httpx.post(url, json=body, timeout=120).json()["choices"], key=lambda c: c["index"])]
     before = _migrations(roles)
-    pieces: list[str] = []
+    pieces: dict[int, list[str]] = {}
     killed = None
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
@@ -108,8 +111,11 @@ def test_stream_survives_its_decode_worker_killed_mid_stream(roles, sampling):
                 continue
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
-            pieces.append(chunk["choices"][0]["text"])
-            if len(pieces) == 8 and killed is None:
+            if not chunk["choices"]:  # (a usage chunk)
+                continue
+            choice = chunk["choices"][0]
+            pieces.setdefault(choice["index"], []).append(choice["text"])
+            if sum(map(len, pieces.values())) == 8 * len(reference) and killed is None:
                 busy = [w["address"] for w in httpx.get(f"{roles.base_url}/status", timeout=5)
                         .json()["workers"] if w["role"] == "decode" and w["num_inflight"]]
                 assert len(busy) == 1, busy
@@ -117,7 +123,7 @@ def test_stream_survives_its_decode_worker_killed_mid_stream(roles, sampling):
                           else "decode")
                 roles.kill(killed)
     assert killed is not None
-    assert "".join(pieces) == reference
+    assert ["".join(pieces[i]) for i in sorted(pieces)] == reference
     assert _migrations(roles) == before + 1
     _restart(roles, killed)
     roles.assert_nothing_leaked()

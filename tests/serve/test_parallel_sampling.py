@@ -17,6 +17,8 @@ that disconnects mid-stream leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers.engine_util import prefill_engine, run_to_completion
 from transformers import AutoTokenizer
@@ -170,15 +172,33 @@ def test_prefill_samples_all_first_tokens_and_decode_forks(engines, with_kv):
     assert len(handoff.block_keys) == 2  # the prompt's full blocks, saved once
     assert list(saver.blocks) == ["p"]
     blocks = saver.blocks.pop("p")
+    given = {i: [token] for i, token in handoff.choice_first_tokens.items()}
     if with_kv:
-        block_ids = decode.parallel.add_prefilled("d", PROMPT, SEEDED,
-                                                  handoff.choice_first_tokens)
+        block_ids = decode.parallel.add_prefilled("d", PROMPT, SEEDED, given)
         decode.runner.write_kv_blocks(block_ids, [t[:, :len(block_ids)] for t in blocks])
     else:
-        decode.parallel.add_continued("d", PROMPT, SEEDED, handoff.choice_first_tokens)
+        decode.parallel.add_continued("d", PROMPT, SEEDED, given)
     decoded = choices(run_to_completion(decode)["d"])
     assert {i: [handoff.choice_first_tokens[i]] + decoded[i] for i in range(3)} == expected
     assert_empty(colocated, prefill, decode)
+
+
+@pytest.mark.parametrize("role", ["colocated", "decode"])
+def test_a_migrated_parent_resumes_each_choice_after_its_own_outputs(engines, role):
+    """A worker died after streaming outputs of an n = 3 seeded request: another one, given
+    each unfinished choice's tokens so far (resume_choices), prefills the prompt once, forks,
+    and every choice continues exactly as the undisturbed run did; an ended choice stays
+    ended."""
+    colocated, target = engines["colocated"], engines[role]
+    params = dataclasses.replace(SEEDED, max_tokens=8)
+    colocated.add_request(PROMPT, params, "whole")
+    expected = choices(run_to_completion(colocated)["whole"])
+    given = {0: expected[0][:3], 2: expected[2][:5]}  # choice 1 had ended: not resumed
+    target.parallel.add_continued("moved", PROMPT, params, given)
+    resumed = choices(run_to_completion(target)["moved"])
+    assert sorted(resumed) == [0, 2]
+    assert {i: given[i] + resumed[i] for i in (0, 2)} == {i: expected[i] for i in (0, 2)}
+    assert_empty(colocated, target)
 
 
 def test_a_parent_with_a_loaded_prefix_forks_too(engines):
@@ -418,8 +438,18 @@ def test_wire_fields_default_for_old_peers_and_are_checked():
     assert WORKER_PROTOCOL.decode(WORKER_PROTOCOL.encode(request)) == request
     assert GenerateRequest("r", [1], SamplingParams(n=2, best_of=3, max_tokens=4)
                            ).choice_indices == [0, 1, 2]
-    with pytest.raises(ValueError, match="cannot resume"):
+    with pytest.raises(ValueError, match="resumes by choice"):
         GenerateRequest("r", [1], SamplingParams(n=2, max_tokens=4), resume_output_ids=[3])
+    resumed = GenerateRequest("r", [1], SamplingParams(n=3, max_tokens=4),
+                              resume_choices={0: [3], 2: [4, 5]})
+    assert resumed.choice_indices == [0, 2]
+    assert WORKER_PROTOCOL.decode(WORKER_PROTOCOL.encode(resumed)) == resumed
+    for bad in ({3: [1]}, {0: []}, {0: [1, 2, 3, 4]}):  # past n, no outputs, no room left
+        with pytest.raises(ValueError, match="resume_choices"):
+            GenerateRequest("r", [1], SamplingParams(n=3, max_tokens=4), resume_choices=bad)
+    with pytest.raises(ValueError, match="migration's alone"):
+        GenerateRequest("r", [1], SamplingParams(n=3, max_tokens=4), handoff=handoff,
+                        resume_choices={0: [3]})
     with pytest.raises(ValueError):
         Output("r", [], "", index=16)
 
@@ -475,7 +505,8 @@ def _prefill_handoff_script() -> list:
 
 
 @pytest.mark.parametrize("after_outputs", [False, True], ids=["before", "after"])
-def test_router_moves_a_parent_only_before_its_outputs(llama_dir, monkeypatch, after_outputs):
+def test_router_moves_a_parent_before_and_after_its_outputs(llama_dir, monkeypatch,
+                                                            after_outputs):
     from pdserve.protocol.worker import Output
     from pdserve.router.worker_client import WorkerDied
 
@@ -485,15 +516,18 @@ def test_router_moves_a_parent_only_before_its_outputs(llama_dir, monkeypatch, a
                "decode": [[*died, WorkerDied("decode died")], finish]}
     client, dispatcher = _scripted_router(llama_dir, monkeypatch, scripts)
     with client:
-        r = client.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 2})
-    if after_outputs:
-        assert r.status_code == 503 and "cannot move" in r.json()["error"]["message"], r.text
+        r = client.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    moved = [w for w in dispatcher.decode if getattr(w, "sent", None)]
+    assert len(moved) == 2
+    if after_outputs:  # choice 1 had streamed [6, 7]: each choice resumes after its own
+        assert [c["text"] for c in r.json()["choices"]] == ["ad", "bce"]
+        [again] = [w.sent[0] for w in moved if w.sent[0].resume_choices]
+        assert again.handoff is None and again.resume_choices == {0: [5], 1: [6, 7]}
     else:
-        assert r.status_code == 200, r.text
         assert [c["text"] for c in r.json()["choices"]] == ["ad", "be"]
         assert r.json()["usage"]["completion_tokens"] == 4
-        moved = [w for w in dispatcher.decode if getattr(w, "sent", None)]
-        assert len(moved) == 2 and moved[1].sent[0].handoff.choice_first_tokens == {0: 5, 1: 6}
+        assert moved[1].sent[0].handoff.choice_first_tokens == {0: 5, 1: 6}
     assert all(w.num_inflight == 0 for w in dispatcher.workers)  # nothing held anywhere
 
 
