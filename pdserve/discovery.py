@@ -25,18 +25,26 @@ router, the workers, the store) may use it.
 from __future__ import annotations
 
 import argparse
-import base64
 import dataclasses
 import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from pdserve import etcd
+from pdserve.etcd import (  # noqa: F401 (the gateway's names, as the roles use them)
+    REQUEST_TIMEOUT_S,
+    WATCH_IDLE_S,
+    Compacted,
+    DiscoveryError,
+    EtcdAccess,
+    EtcdClient,
+    Event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +53,8 @@ DEFAULT_CLUSTER = "default"
 WORKER_ROLES = ("prefill", "decode", "colocated")
 ROLES = ("router", *WORKER_ROLES, "store-master", "store-data")
 DEFAULT_TTL_S = 10.0
-REQUEST_TIMEOUT_S = 5.0
-WATCH_IDLE_S = 2.0
-"""A watch stream that brings nothing for this long is reopened (from its next revision)."""
 RETRY_S = 0.5
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-
-
-class DiscoveryError(RuntimeError):
-    """etcd could not be reached, or answered with an error."""
 
 
 class RecordError(ValueError):
@@ -63,30 +64,57 @@ class RecordError(ValueError):
 # ---- where -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DiscoveryURL:
-    """etcd://HOST:PORT[/CLUSTER]: the etcd endpoint and the fleet's name inside it."""
+    """etcd://HOST:PORT[,HOST:PORT...][/CLUSTER], or etcd+https://[USER@]HOST:PORT[,...]
+    [/CLUSTER]: etcd's members (tried in turn, pdserve/etcd.py) and the fleet's name in it."""
 
     host: str
     port: int
     cluster: str = DEFAULT_CLUSTER
+    more_members: tuple[tuple[str, int], ...] = ()
+    """The members after the first (host, port)."""
+    tls: bool = False
+    user: str = ""
 
     @classmethod
     def parse(cls, url: str) -> DiscoveryURL:
-        match = re.fullmatch(r"etcd://([^/:\s]+|\[[0-9a-fA-F:]+\]):(\d+)(?:/([^/\s]*))?/?", url)
+        form = ("--discovery must look like etcd://HOST:PORT[,HOST:PORT...][/CLUSTER] or "
+                "etcd+https://[USER@]HOST:PORT[,...][/CLUSTER]")
+        match = re.fullmatch(r"etcd(\+https)?://(?:([A-Za-z0-9._-]{1,64})@)?([^/\s]+?)"
+                             r"(?:/([^/\s]*))?/?", url)
         if match is None:
-            raise ValueError(f"--discovery must look like etcd://HOST:PORT[/CLUSTER], got "
-                             f"{url[:80]!r}")
-        host, port, cluster = match.group(1), int(match.group(2)), match.group(3) or ""
-        if not 0 < port < 65536:
-            raise ValueError(f"--discovery port must be in 1..65535, got {port}")
+            raise ValueError(f"{form}, got {url[:80]!r}")
+        tls, user, members_text, cluster = (bool(match.group(1)), match.group(2) or "",
+                                            match.group(3), match.group(4) or "")
+        members = []
+        for member in members_text.split(","):
+            found = re.fullmatch(r"([^/:\s,@]+|\[[0-9a-fA-F:]+\]):(\d+)", member)
+            if found is None:
+                raise ValueError(f"{form}, got {url[:80]!r}")
+            port = int(found.group(2))
+            if not 0 < port < 65536:
+                raise ValueError(f"--discovery port must be in 1..65535, got {port}")
+            members.append((found.group(1), port))
         cluster = cluster or DEFAULT_CLUSTER
         if not _NAME.fullmatch(cluster):
             raise ValueError(f"cluster name {cluster!r} must be 1-63 letters, digits, '.', "
                              "'_' or '-'")
-        return cls(host, port, cluster)
+        (host, port), *more = members
+        return cls(host, port, cluster, tuple(more), tls, user)
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every member's base URL, the first first."""
+        scheme = "https" if self.tls else "http"
+        return [f"{scheme}://{host}:{port}"
+                for host, port in ((self.host, self.port), *self.more_members)]
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.endpoints[0]
+
+    def client(self) -> EtcdClient:
+        """A client of these members, with this process's access (etcd.configure)."""
+        return EtcdClient(self.endpoints, user=self.user or None)
 
     def prefix(self, role: str | None = None) -> str:
         """The key prefix of the whole fleet, or of one role in it."""
@@ -97,7 +125,9 @@ class DiscoveryURL:
         return f"{self.prefix(role)}{record_id}"
 
     def __str__(self) -> str:
-        return f"etcd://{self.host}:{self.port}/{self.cluster}"
+        members = ",".join(f"{h}:{p}" for h, p in ((self.host, self.port), *self.more_members))
+        user = f"{self.user}@" if self.user else ""
+        return f"etcd{'+https' if self.tls else ''}://{user}{members}/{self.cluster}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +135,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     role."""
     parser.add_argument("--discovery", default=None, metavar="etcd://HOST:PORT[/CLUSTER]",
                         help="register in this etcd under a lease, and find the other roles "
-                             "there (no worker, store or master addresses needed)")
+                             "there (no worker, store or master addresses needed); several "
+                             "members comma-separated (HOST:PORT,HOST:PORT), tried in turn; "
+                             "etcd+https://[USER@]HOST:PORT[,...][/CLUSTER] for TLS and a user")
+    parser.add_argument("--discovery-ca-file", default=None, metavar="PATH",
+                        help="etcd+https: the CA that signed the etcd members' certificates "
+                             "(default: the system's)")
+    parser.add_argument("--discovery-cert-file", default=None, metavar="PATH",
+                        help="etcd+https: this process's client certificate, for members "
+                             "that ask for one (with --discovery-key-file)")
+    parser.add_argument("--discovery-key-file", default=None, metavar="PATH",
+                        help="etcd+https: the client certificate's private key")
+    parser.add_argument("--discovery-password-file", default=None, metavar="PATH",
+                        help="the password of the discovery URL's USER, read from this file")
     parser.add_argument("--discovery-ttl-s", type=float, default=DEFAULT_TTL_S,
                         help="registry lease TTL: a process that dies leaves the registry "
                              "this long after (default %(default)s)")
@@ -114,6 +156,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "registry record and every address it hands its peers (default: "
                              "the --host it binds; for 0.0.0.0, this host's first "
                              "non-loopback address)")
+
+
+def configure_access(args: argparse.Namespace) -> None:
+    """Apply the --discovery-*-file flags to this process (ValueError names a bad one)."""
+    etcd.configure(etcd.EtcdAccess.from_files(
+        getattr(args, "discovery_ca_file", None), getattr(args, "discovery_cert_file", None),
+        getattr(args, "discovery_key_file", None),
+        getattr(args, "discovery_password_file", None)))
+
+
+def access_argv(args: argparse.Namespace) -> list[str]:
+    """The --discovery-*-file flags as given, for a child process (`pdserve up`)."""
+    argv = []
+    for flag in ("ca", "cert", "key", "password"):
+        value = getattr(args, f"discovery_{flag}_file", None)
+        if value is not None:
+            argv += [f"--discovery-{flag}-file", value]
+    return argv
 
 
 def check_ttl(ttl_s: float) -> None:
@@ -207,132 +267,6 @@ def parse_entry(url: DiscoveryURL, key: str, raw: bytes) -> Record | None:
     return record
 
 
-# ---- the etcd v3 JSON gateway ---------------------------------------------------------------
-def _b64(text: str | bytes) -> str:
-    raw = text.encode() if isinstance(text, str) else text
-    return base64.b64encode(raw).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
-def _prefix_end(prefix: str) -> str:
-    """etcd's range_end for every key starting with `prefix` (its last byte plus one)."""
-    raw = prefix.encode()
-    return _b64(raw[:-1] + bytes([raw[-1] + 1]))
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str
-    """put | delete."""
-    key: str
-    value: bytes
-    """The new value of a put (b"" for a delete)."""
-    revision: int
-
-
-class Compacted(DiscoveryError):
-    """A watch asked for a revision etcd has compacted away."""
-
-
-class EtcdClient:
-    """A few verbs of etcd's v3 API over its JSON gateway. Not shared between threads: each
-    thread that talks to etcd makes its own."""
-
-    def __init__(self, endpoint: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._http = httpx.Client(base_url=endpoint, timeout=timeout_s)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            response = self._http.post(path, json=body)
-        except httpx.HTTPError as exc:
-            raise DiscoveryError(f"etcd at {self.endpoint} unreachable: {exc}") from exc
-        if response.status_code != 200:
-            raise DiscoveryError(f"etcd {path} answered {response.status_code}: "
-                                 f"{response.text[:200]}")
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise DiscoveryError(f"etcd {path} answered non-JSON") from exc
-
-    def grant(self, ttl_s: float) -> int:
-        """A new lease of `ttl_s` seconds (rounded up to whole seconds)."""
-        reply = self._call("/v3/lease/grant", {"TTL": max(1, int(-(-ttl_s // 1)))})
-        if "ID" not in reply or reply.get("error"):
-            raise DiscoveryError(f"lease grant failed: {reply}")
-        return int(reply["ID"])
-
-    def keepalive(self, lease_id: int) -> int:
-        """Renew a lease once; its remaining TTL in seconds, 0 when it no longer exists."""
-        reply = self._call("/v3/lease/keepalive", {"ID": str(lease_id)})
-        return int(reply.get("result", {}).get("TTL", 0))
-
-    def revoke(self, lease_id: int) -> None:
-        self._call("/v3/lease/revoke", {"ID": str(lease_id)})
-
-    def put(self, key: str, value: bytes, lease_id: int | None = None) -> int:
-        """Store `value` at `key` (tied to the lease when given); the new revision."""
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease_id is not None:
-            body["lease"] = str(lease_id)
-        return int(self._call("/v3/kv/put", body)["header"]["revision"])
-
-    def delete(self, key: str) -> None:
-        self._call("/v3/kv/deleterange", {"key": _b64(key)})
-
-    def range_prefix(self, prefix: str) -> tuple[int, list[tuple[str, bytes]]]:
-        """Every (key, value) under `prefix`, and the store's revision they were read at."""
-        reply = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
-        entries = [(_unb64(kv["key"]).decode(errors="replace"), _unb64(kv.get("value", "")))
-                   for kv in reply.get("kvs", [])]
-        return int(reply["header"]["revision"]), entries
-
-    def watch(self, prefix: str, start_revision: int, idle_s: float = WATCH_IDLE_S
-              ) -> Iterator[Event]:
-        """The events under `prefix` from `start_revision` on, until the stream has been
-        quiet for `idle_s` (then it ends; the caller reopens from its next revision).
-        Raises Compacted when start_revision is gone, DiscoveryError when etcd fails."""
-        body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
-                                   "start_revision": str(start_revision)}}
-        timeout = httpx.Timeout(self.timeout_s, read=idle_s)
-        try:
-            with self._http.stream("POST", "/v3/watch", json=body, timeout=timeout) as stream:
-                if stream.status_code != 200:
-                    raise DiscoveryError(f"etcd watch answered {stream.status_code}")
-                for line in stream.iter_lines():
-                    if not line.strip():
-                        continue
-                    yield from _watch_events(json.loads(line))
-        except httpx.ReadTimeout:
-            return
-        except (httpx.HTTPError, ValueError) as exc:
-            raise DiscoveryError(f"etcd watch at {self.endpoint} failed: {exc}") from exc
-
-
-def _watch_events(message: dict[str, Any]) -> list[Event]:
-    if "error" in message:
-        raise DiscoveryError(f"etcd watch error: {message['error']}")
-    result = message.get("result", {})
-    if int(result.get("compact_revision", 0) or 0):
-        raise Compacted(f"revision compacted (now from {result['compact_revision']})")
-    if result.get("canceled"):
-        raise DiscoveryError(f"etcd cancelled the watch: {result.get('cancel_reason', '')}")
-    events = []
-    for event in result.get("events", []):
-        kv = event.get("kv", {})
-        events.append(Event("delete" if event.get("type") == "DELETE" else "put",
-                            _unb64(kv["key"]).decode(errors="replace"),
-                            _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0))))
-    return events
-
-
 # ---- registering -----------------------------------------------------------------------------
 class Registration:
     """One process's record, kept in the registry under a lease until `withdraw()`.
@@ -347,7 +281,7 @@ class Registration:
         self.url = url
         self.ttl_s = ttl_s
         self._record = record
-        self._client = EtcdClient(url.endpoint)
+        self._client = url.client()
         self._lock = threading.Lock()  # the client and the lease, between the two threads
         self._lease_id: int | None = None
         self._stop = threading.Event()
@@ -466,7 +400,7 @@ class RegistryWatch:
             return True
 
     def _run(self) -> None:
-        client = EtcdClient(self.url.endpoint)
+        client = self.url.client()
         prefix = self.url.prefix()
         next_revision = None
         try:
@@ -530,7 +464,7 @@ class RegistryWatch:
 
 def check_reachable(url: DiscoveryURL) -> None:
     """Raise DiscoveryError (naming the endpoint) unless etcd answers a read."""
-    client = EtcdClient(url.endpoint)
+    client = url.client()
     try:
         client.range_prefix(url.prefix())
     finally:
@@ -540,7 +474,7 @@ def check_reachable(url: DiscoveryURL) -> None:
 def find(url: DiscoveryURL, role: str, timeout_s: float) -> list[Record]:
     """The records of `role`, waiting up to `timeout_s` for at least one to appear (an empty
     list when none did; DiscoveryError when etcd could not be reached at all)."""
-    client = EtcdClient(url.endpoint)
+    client = url.client()
     deadline = time.monotonic() + timeout_s
     try:
         while True:

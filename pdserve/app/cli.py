@@ -88,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"pdserve {name}: {exc}", file=sys.stderr)
             return 2
+    if hasattr(args, "discovery_ca_file"):  # etcd's TLS files and password, read once
+        from pdserve import discovery
+
+        try:
+            discovery.configure_access(args)
+        except ValueError as exc:
+            print(f"pdserve {name}: {exc}", file=sys.stderr)
+            return 2
     if name in SECURED_ROLES:
         from pdserve import security
 

@@ -31,7 +31,8 @@ FOLDERS = {  # repository folder -> the package it installs as
 APP = "pdserve.app"
 PARTS = ("pdserve.serve", "pdserve.router", "pdserve.kvstore", "pdserve.kernels",
          "pdserve.planner", "pdserve.benchmarks", "pdserve.integrations", APP)
-BASE_MODULES = ("pdserve.protocol", "pdserve.security", "pdserve.discovery", "pdserve.addresses",
+BASE_MODULES = ("pdserve.protocol", "pdserve.security", "pdserve.discovery", "pdserve.etcd",
+                "pdserve.addresses",
                 "pdserve.envs", "pdserve.ports", "pdserve.lifecycle", "pdserve.structured_grammar")
 
 

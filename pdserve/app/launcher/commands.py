@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve import discovery
 from pdserve.app.launcher.placement import Placement, WorkerPlace, WorkerSlot, place_workers
 from pdserve.app.launcher.supervision import Child, Cluster
 from pdserve.router.server import controller_argv, max_tokens_argv, tool_argv, tracing_argv
@@ -62,7 +63,8 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
     if args.discovery is not None:  # every child registers too (pdserve/discovery.py)
         for child in cluster.children:
             child.argv += ["--discovery", args.discovery,
-                           "--discovery-ttl-s", str(args.discovery_ttl_s)]
+                           "--discovery-ttl-s", str(args.discovery_ttl_s),
+                           *discovery.access_argv(args)]
     if args.advertise_address is not None:  # one host: every child is reached there
         for child in cluster.children:
             child.argv += ["--advertise-address", args.advertise_address]
