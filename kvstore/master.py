@@ -96,6 +96,9 @@ class Master:
         self._nodes: dict[str, NodeInfo] = {}
         self._index: dict[bytes, dict[str, str]] = {}  # key -> {node_id: tier}
         self._lease_groups: dict[int, LeaseGroup] = {}
+        self._copies: dict[str, list[tuple[bytes, str]]] = {}
+        """Re-replication: source node -> (key, target node) copies it is to make, handed
+        out with its heartbeats (take_copies)."""
 
     # ---- membership -------------------------------------------------------------------------
     def join(self, node_id: str, address: str, usage: Usage | None = None) -> None:
@@ -131,13 +134,54 @@ class Master:
         node = self._nodes.pop(node_id, None)
         if node is None:
             return
+        self._copies.pop(node_id, None)
         for key in node.keys:
             holders = self._index.get(key)
             if holders is not None:
                 holders.pop(node_id, None)
                 if not holders:
                     del self._index[key]
-        logger.info("master: node %s left (%d blocks forgotten)", node_id, len(node.keys))
+        num_copies = self._plan_copies(node.keys)
+        logger.info("master: node %s left (%d blocks forgotten; %d copies to make, back to "
+                    "%d replicas)", node_id, len(node.keys), num_copies, self.replicas)
+
+    def _plan_copies(self, keys) -> int:
+        """Blocks that fell under `replicas` holders (but kept one): a copy from a holder to
+        each of the least full live nodes that lack them."""
+        if self.replicas == 1:
+            return 0
+        planned = 0
+        for key in keys:
+            holders = self._holders(key)
+            if not holders or len(holders) >= self.replicas:
+                continue
+            held = {node_id for node_id, _ in holders}
+            targets = sorted((n for n in self._nodes.values() if n.node_id not in held),
+                             key=lambda n: (n.fill(), n.num_placed, n.node_id))
+            for target in targets[:self.replicas - len(holders)]:
+                target.num_placed += 1
+                self._copies.setdefault(holders[0][0], []).append((key, target.node_id))
+                planned += 1
+        return planned
+
+    def take_copies(self, node_id: str, limit: int = 256) -> list[tuple[bytes, str]]:
+        """Up to `limit` copies `node_id` is to make now: (key, the target's address), those
+        still needed (the target alive and without it, the key still under `replicas`)."""
+        queue = self._copies.get(node_id)
+        taken: list[tuple[bytes, str]] = []
+        while queue and len(taken) < limit:
+            key, target = queue.pop(0)
+            holders = self._index.get(key, {})
+            if (target in self._nodes and target not in holders and node_id in holders
+                    and len(holders) < self.replicas):
+                taken.append((key, self._nodes[target].address))
+        if queue is not None and not queue:
+            del self._copies[node_id]
+        return taken
+
+    @property
+    def num_copies_pending(self) -> int:
+        return sum(len(queue) for queue in self._copies.values())
 
     def expire_nodes(self) -> list[str]:
         """Drop nodes whose last heartbeat is older than node_ttl_s, and lease groups past

@@ -6,8 +6,10 @@ block a client wrote is findable at the master within milliseconds; heartbeats c
 node's usage (capacity, blocks, bytes: placement spreads by it) every interval. If the
 master does not know the node (it restarted, or dropped the node after missed heartbeats),
 the node joins again and sends its whole inventory. On stop it says goodbye (`leave`), so
-the master forgets its blocks at once rather than after node_ttl_s. The messages are the
-master's verbs of pdserve/protocol/store/: join, heartbeat, update, leave.
+the master forgets its blocks at once rather than after node_ttl_s. A heartbeat's reply may
+name blocks to copy to other nodes (a holder left and they fell under the store's
+`--replicas`): the node writes them there itself, and the targets' reports index them. The
+messages are the master's verbs of pdserve/protocol/store/: join, heartbeat, update, leave.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
+import torch
 import zmq
 
 from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
+from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.master import Usage
 from pdserve.protocol.store.master import (
+    BlockCopy,
     HeartbeatReply,
     HeartbeatRequest,
     JoinReply,
@@ -46,7 +52,10 @@ class MasterReporter:
     def __init__(self, ctx: zmq.Context, master_address: str, node_id: str, data_address: str,
                  interval_s: float, timeout_s: float, inventory: Callable[[], list[Change]],
                  max_changes_per_message: int = 4096,
-                 usage: Callable[[], Usage] | None = None):
+                 usage: Callable[[], Usage] | None = None,
+                 read: Callable[[list[bytes]], list[Any]] | None = None):
+        """`read`: this node's blocks by key (None for a missing one), for the copies the
+        master asks for (re-replication)."""
         self._ctx = ctx
         self._master_address = master_address
         self._node_id = node_id
@@ -55,6 +64,8 @@ class MasterReporter:
         self._timeout_s = timeout_s
         self._inventory = inventory
         self._usage = usage
+        self._read = read
+        self._peers: dict[str, StoreClient] = {}  # target address -> client, for copies
         self._max_changes = max_changes_per_message
         self._changes: list[Change] = []
         self._lock = threading.Lock()
@@ -99,6 +110,8 @@ class MasterReporter:
             self._goodbye(channel)
         finally:
             channel.close()
+            for peer in self._peers.values():
+                peer.close()
 
     def _goodbye(self, channel: ControlChannel) -> None:
         """Leave the master: it forgets this node's blocks now, not after node_ttl_s."""
@@ -119,6 +132,8 @@ class MasterReporter:
             reply = channel.request(HeartbeatRequest, HeartbeatReply, node_id=self._node_id,
                                     usage=self._node_usage())
             self._joined = reply.known
+            if reply.copies:
+                self._copy(reply.copies)
         if not self._joined:
             channel.request(JoinRequest, JoinReply, node_id=self._node_id,
                             address=self._data_address, usage=self._node_usage())
@@ -129,6 +144,33 @@ class MasterReporter:
             with self._lock:
                 self._changes = inventory + self._changes
             self._joined = True
+
+    def _copy(self, copies: list[BlockCopy]) -> None:
+        """Re-replication: write the named blocks of this node to their targets (a target
+        that fails is skipped: the master plans again when the next holder leaves)."""
+        if self._read is None:
+            return
+        by_target: dict[str, list[bytes]] = {}
+        for copy in copies:
+            by_target.setdefault(copy.target, []).append(copy.key)
+        for target, keys in by_target.items():
+            found = [(k, b) for k, b in zip(keys, self._read(keys), strict=True) if b is not None]
+            if not found:
+                continue
+            try:
+                peer = self._peers.get(target)
+                if peer is None:
+                    peer = self._peers[target] = StoreClient(target, transport="zmq",
+                                                             timeout_s=self._timeout_s)
+                peer.put_many([k for k, _ in found],
+                              [b.view(-1).view(torch.uint8).numpy() if hasattr(b, "numpy")
+                               else b for _, b in found])
+            except Exception as e:  # a copy that fails leaves the block under its replicas
+                logger.warning("store node %s: copying %d blocks to %s failed (%s)",
+                               self._node_id, len(found), target, e)
+                peer = self._peers.pop(target, None)
+                if peer is not None:
+                    peer.close()
 
     def _send_changes(self, channel: ControlChannel) -> None:
         with self._lock:

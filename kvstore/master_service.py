@@ -32,6 +32,7 @@ from pdserve.protocol.store.base import (
     StatsRequest,
 )
 from pdserve.protocol.store.master import (
+    BlockCopy,
     HeartbeatReply,
     HeartbeatRequest,
     JoinReply,
@@ -104,6 +105,9 @@ class MasterService:
         with self._lock:
             if self._local_node_id is not None:  # before expiring: it is alive
                 self.master.heartbeat(self._local_node_id, usage)
+                # (the node in this process copies nothing: its share of re-replication
+                # is dropped, and those blocks stay under their replicas)
+                self.master.take_copies(self._local_node_id, limit=1 << 30)
             self.master.expire_nodes()
 
     def check_integrity(self) -> None:
@@ -122,7 +126,9 @@ class MasterService:
     def heartbeat(self, request: HeartbeatRequest, peer: Peer) -> Answer:
         with self._lock:
             known = self.master.heartbeat(request.node_id, _usage(request.usage))
-        return Answer(HeartbeatReply(request.request_id, known))
+            copies = self.master.take_copies(request.node_id) if known else []
+        return Answer(HeartbeatReply(request.request_id, known,
+                                     [BlockCopy(key, target) for key, target in copies]))
 
     def leave(self, request: LeaveRequest, peer: Peer) -> Answer:
         with self._lock:

@@ -139,7 +139,7 @@ class StoreServer:
                     self._ctx, config.master_address, config.node_id,
                     advertised(self.data_address), config.heartbeat_interval_s,
                     config.request_timeout_s, self.data_service.placements,
-                    usage=self.data_service.usage)
+                    usage=self.data_service.usage, read=self.data_service.store.get_many)
         logger.info("store: role=%s master=%s data=%s", config.role, self.master_address,
                     self.data_address)
 

@@ -258,10 +258,11 @@ def fleet(make_server, tmp_path):
     """An in-process master and two data-node processes, n0 and n1; (master, nodes)."""
     holder: dict = {}
 
-    def start(replicas: int = 1) -> tuple[StoreServer, DataNodes]:
+    def start(replicas: int = 1, num_nodes: int = 2) -> tuple[StoreServer, DataNodes]:
         master = make_server(role="master", replicas=replicas)
-        nodes = holder["nodes"] = DataNodes(tmp_path, master.master_address, 2)
-        assert wait_until(lambda: len(master.master.nodes()) == 2, 60), "nodes did not join"
+        nodes = holder["nodes"] = DataNodes(tmp_path, master.master_address, num_nodes)
+        assert wait_until(lambda: len(master.master.nodes()) == num_nodes, 60), \
+            "nodes did not join"
         return master, nodes
 
     yield start
@@ -286,6 +287,51 @@ def test_with_two_replicas_a_read_survives_killing_a_holder(fleet):
     client.check_integrity()
     stats = StoreClient(nodes.addresses["n0"], transport="zmq").stats()
     assert stats["num_leases"] == 0 and stats["num_pinned"] == 0
+    client.close()
+    master.check_integrity()
+
+
+def test_the_master_plans_copies_when_a_holder_leaves():
+    clock = FakeClock()
+    master = Master(node_ttl_s=10, clock=clock, replicas=2)
+    for node_id in ("a", "b", "c"):
+        master.join(node_id, f"tcp://{node_id}", Usage(8, 0, 0))
+    master.update("a", [(key(1), "dram"), (key(2), "dram")])
+    master.update("b", [(key(1), "dram"), (key(2), "dram")])
+    master.update("c", [(key(3), "dram")])
+    master.leave("b")  # keys 1 and 2 fall to one holder (a); key 3 never had two
+    assert master.num_copies_pending == 2
+    assert master.take_copies("c") == []
+    assert sorted(master.take_copies("a")) == [(key(1), "tcp://c"), (key(2), "tcp://c")]
+    master.update("c", [(key(1), "dram"), (key(2), "dram")])  # c's report indexes them
+    assert all(len(h) == 2 for h in master.locate([key(1), key(2)])[0])
+    master.leave("c")  # a copy whose target left meanwhile is not handed out
+    master.join("d", "tcp://d", Usage(8, 0, 0))
+    master.leave("d")
+    assert master.take_copies("a") == []
+    master.check_integrity()
+
+
+def test_a_killed_holder_is_re_replicated(fleet):
+    """replicas = 2 over three data nodes: SIGKILL a holder, and once the master drops it
+    every block it held has two holders again, copied by a surviving holder to the third
+    node, with the same bytes."""
+    master, nodes = fleet(replicas=2, num_nodes=3)
+    client = connect_store(nodes.addresses["n0"], transport="zmq", timeout_s=1.0)
+    keys, blocks = [key(i) for i in range(12)], [block(i) for i in range(12)]
+    assert client.put_many(keys, blocks) == [True] * 12
+    assert wait_until(lambda: all(len(h) == 2 for h in master.master.locate(keys)[0]), 10)
+    victim = "n1"
+    held_by_victim = [k for k, h in zip(keys, master.master.locate(keys)[0], strict=True)
+                      if victim in dict(h)]
+    assert held_by_victim
+    nodes.kill(victim)
+    assert wait_until(lambda: victim not in master.master.nodes(), 10)
+    assert wait_until(lambda: all(len(h) == 2 for h in master.master.locate(keys)[0]), 15), \
+        master.master.locate(keys)[0]
+    assert all(victim not in dict(h) for h in master.master.locate(keys)[0])
+    got = client.get_many(keys)
+    assert all(np.array_equal(g, b) for g, b in zip(got, blocks, strict=True))
     client.close()
     master.check_integrity()
 

@@ -32,6 +32,18 @@ from pdserve.protocol.store.base import (
 
 # ---- nested values ------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class BlockCopy:
+    """Copy block `key` to the data node at `target` (tcp://host:port)."""
+
+    key: bytes
+    target: str
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        check_str("target", self.target)
+
+
+@dataclass(frozen=True)
 class PlacementChange:
     """A block moved to `tier` on a data node, or left it (tier None)."""
 
@@ -111,6 +123,9 @@ class HeartbeatRequest(StoreRequest):
 class HeartbeatReply(StoreReply):
     known: bool
     """False: the master does not know the node (it must join again)."""
+    copies: list[BlockCopy] = field(default_factory=list)
+    """Blocks this node is to copy to other nodes: a holder left and they fell under the
+    store's replicas (the targets' own reports then index the copies)."""
 
 
 @STORE_PROTOCOL.message("leave")
