@@ -77,8 +77,8 @@ class DiscoveryURL:
 
     @classmethod
     def parse(cls, url: str) -> DiscoveryURL:
-        form = ("--discovery must look like etcd://HOST:PORT[,HOST:PORT...][/CLUSTER] or "
-                "etcd+https://[USER@]HOST:PORT[,...][/CLUSTER]")
+        form = ("--discovery must look like etcd://HOST:PORT[/CLUSTER] (several members: "
+                "HOST:PORT,HOST:PORT; TLS and a user: etcd+https://[USER@]HOST:PORT...)")
         match = re.fullmatch(r"etcd(\+https)?://(?:([A-Za-z0-9._-]{1,64})@)?([^/\s]+?)"
                              r"(?:/([^/\s]*))?/?", url)
         if match is None:

@@ -207,7 +207,8 @@ class EtcdClient:
             except httpx.HTTPError as exc:
                 failures.append(f"{self.endpoint}: {exc}")
                 self._next_member(exc)
-        raise DiscoveryError(f"etcd unreachable ({'; '.join(failures)})")
+        raise DiscoveryError(f"etcd at {', '.join(self.endpoints)} unreachable "
+                             f"({'; '.join(failures)})")
 
     # ---- verbs -------------------------------------------------------------------------------
     def grant(self, ttl_s: float) -> int:
