@@ -211,13 +211,30 @@ class BlockManager:
             return []
         # Keep at least one token to compute so the step produces logits to sample from.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        return self._blocks_of(self.update_block_keys(request)[:max_hit_blocks])
+
+    def _blocks_of(self, keys: list[bytes]) -> list[int]:
+        """The pool's blocks of the leading `keys` it holds."""
         hits: list[int] = []
-        for key in self.update_block_keys(request)[:max_hit_blocks]:
+        for key in keys:
             block_id = self._key_to_block.get(key)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _num_available_with(self, hits: list[int]) -> int:
+        """Blocks left to take once `hits` are held: a hit on a cached block takes that
+        block out of the evictable pool."""
+        return self.num_free_blocks - sum(1 for b in hits if b in self._cached)
+
+    def _hold(self, hits: list[int]) -> None:
+        """One more reference to each of `hits` (a cached one is no longer evictable)."""
+        for block_id in hits:
+            block = self._blocks[block_id]
+            if block.ref_count == 0:
+                del self._cached[block_id]
+            block.ref_count += 1
 
     def num_cached_tokens(self, request: Request) -> int:
         """Leading tokens of `request` whose KV is already in the pool (no side effects)."""
@@ -227,10 +244,7 @@ class BlockManager:
     def can_allocate(self, request: Request, num_tokens: int, reuse_prefix: bool = True) -> bool:
         """Can a request without blocks get a table covering positions [0, num_tokens)?"""
         hits = self._prefix_hits(request, reuse_prefix)
-        num_new = self.num_blocks_for(num_tokens) - len(hits)
-        # A hit on a cached block takes that block out of the evictable pool.
-        num_available = self.num_free_blocks - sum(1 for b in hits if b in self._cached)
-        return num_new <= num_available
+        return self.num_blocks_for(num_tokens) - len(hits) <= self._num_available_with(hits)
 
     def allocate(self, request: Request, num_tokens: int, reuse_prefix: bool = True) -> int:
         """Give a request without blocks a table covering [0, num_tokens), reusing its cached
@@ -241,11 +255,7 @@ class BlockManager:
             raise NoFreeBlocksError(f"cannot allocate {num_tokens} tokens for "
                                     f"{request.request_id!r}")
         hits = self._prefix_hits(request, reuse_prefix)
-        for block_id in hits:
-            block = self._blocks[block_id]
-            if block.ref_count == 0:
-                del self._cached[block_id]
-            block.ref_count += 1
+        self._hold(hits)
         # Room to grow: the blocks its prompt and max_tokens may still need past these
         num_new = self.num_blocks_for(num_tokens) - len(hits)
         room = self.num_blocks_for(request.num_prompt_tokens + request.max_tokens) \
@@ -299,21 +309,11 @@ class BlockManager:
         caching only), the rest fresh."""
         if request_id in self._reserved or request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has blocks")
-        hits: list[int] = []
-        if self.enable_prefix_caching:
-            for key in list(prefix_keys)[:num_blocks]:
-                block_id = self._key_to_block.get(key)
-                if block_id is None:
-                    break
-                hits.append(block_id)
-        num_available = self.num_free_blocks - sum(1 for b in hits if b in self._cached)
-        if num_blocks - len(hits) > num_available:
+        hits = (self._blocks_of(list(prefix_keys)[:num_blocks]) if self.enable_prefix_caching
+                else [])
+        if num_blocks - len(hits) > self._num_available_with(hits):
             raise NoFreeBlocksError(f"cannot reserve {num_blocks} blocks for {request_id!r}")
-        for block_id in hits:
-            block = self._blocks[block_id]
-            if block.ref_count == 0:
-                del self._cached[block_id]
-            block.ref_count += 1
+        self._hold(hits)
         self._reserved[request_id] = hits + self._take_blocks(
             num_blocks - len(hits), hits[-1] if hits else None)
         self._reserved_hits[request_id] = len(hits)
