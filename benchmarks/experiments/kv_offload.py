@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from pdserve.benchmarks import server_process
 from pdserve.benchmarks.output import add_output_dir, output_dir
 
 PORT = 18760
@@ -63,30 +62,7 @@ def start(model: Path, mode: str, caching: bool, args: argparse.Namespace, log: 
                "--num-kv-blocks", str(args.num_kv_blocks), *args.up_args.split()]
     if not caching:
         command.append("--no-prefix-caching")
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"pdserve up exited ({process.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop(process)
-    raise RuntimeError(f"pdserve up never became healthy; see {log}")
-
-
-def stop(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+    return server_process.start(command, log, f"http://127.0.0.1:{PORT}/health", 300)
 
 
 def send(client: httpx.Client, model: str, prompt: list[int], output_len: int
@@ -153,7 +129,7 @@ def run_one(model: Path, mode: str, caching: bool, args: argparse.Namespace, out
             time.sleep(1.5)  # a status heartbeat after the last request
             counted = tiers(client)
     finally:
-        stop(process)
+        server_process.stop(process)
     later = [r for r in rows if r["turn"] > 1]
     return {"mode": mode, "caching": caching, "rows": rows, "tiers": counted,
             "cached": sum(r["cached"] for r in later),

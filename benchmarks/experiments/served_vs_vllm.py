@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from pdserve.benchmarks import served_table
+from pdserve.benchmarks import served_table, server_process
 from pdserve.benchmarks.output import add_output_dir, output_dir
 
 PEER = "/work/shared/tools/vllm-peer"
@@ -62,21 +59,6 @@ def server_command(server: str, model: Path, name: str, args: argparse.Namespace
             *args.up_args.split()]
 
 
-def wait_healthy(process: subprocess.Popen, log: Path, timeout_s: float = 600.0) -> None:
-    """vLLM's CPU start takes 2-3 minutes; pdserve's builds its kernels on a first run."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited ({process.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server never became healthy; see {log}")
-
-
 def bench(args: argparse.Namespace, model: Path, name: str, rate: float, num_prompts: int,
           output_len: int, seed: int, save_as: Path | None) -> None:
     command = [args.peer, "bench", "--backend", "openai", "--base-url",
@@ -105,24 +87,18 @@ def run(args: argparse.Namespace) -> int:
     out = output_dir(args, "served_vs_vllm")
     out.mkdir(parents=True, exist_ok=True)
     for server in args.servers:
-        log = out / f"serve-{server}.log"
-        with open(log, "wb") as log_file:
-            process = subprocess.Popen(server_command(server, model, name, args),
-                                       stdout=log_file, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+        # vLLM's CPU start takes 2-3 minutes; pdserve's builds its kernels on a first run
+        process = server_process.start(server_command(server, model, name, args),
+                                       out / f"serve-{server}.log",
+                                       f"http://127.0.0.1:{PORT}/health", 600)
         try:
-            wait_healthy(process, log)
             bench(args, model, name, 4, 8, 8, 99991, None)  # the same unmeasured warm-up
             for rate in args.rates:
                 print(f"== {server} at {rate:g} req/s", flush=True)
                 bench(args, model, name, rate, args.num_prompts, args.output_len,
                       int(rate * 791900) + 1, out / f"{server}-rate{rate:g}.json")
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+            server_process.stop(process)
         time.sleep(3)
     return served_table.main([str(out)])
 

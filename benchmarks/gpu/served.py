@@ -16,13 +16,13 @@ import argparse
 import importlib.util
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from pdserve.benchmarks import server_process
 
 GPU_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
                  num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
@@ -38,34 +38,6 @@ def model_dir() -> Path:
     if not (target / "config.json").exists():
         build_random_model(target, "llama", seed=0, dtype="bfloat16", **GPU_MODEL)
     return target
-
-
-def start(command: list[str], log: Path, timeout_s: float) -> subprocess.Popen:
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{command[0]} exited with {process.returncode}: see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    stop(process)
-    raise RuntimeError(f"{command[0]} was not ready within {timeout_s:.0f} s: see {log}")
-
-
-def stop(process: subprocess.Popen) -> None:
-    import os
-
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 def bench(name: str, model: Path, rate: float, args: argparse.Namespace, out: Path) -> dict:
@@ -108,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                      "vllm": "vllm" in servers or "not installed here"}
     for name, command in servers.items():
         try:
-            process = start(command, work / f"{name}.log", args.timeout_s)
+            process = server_process.start(command, work / f"{name}.log",
+                                           f"http://127.0.0.1:{PORT}/v1/models", args.timeout_s,
+                                           poll_s=2)
         except RuntimeError as exc:
             summary[name] = {"error": str(exc)}
             continue
@@ -118,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         except (subprocess.SubprocessError, OSError, ValueError) as exc:
             summary[name] = {"error": str(exc)}
         finally:
-            stop(process)
+            server_process.stop(process, timeout_s=20)
     output.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary)[:2000])
     return 0

@@ -1,0 +1,46 @@
+"""A server a benchmark starts for itself (`pdserve up`, vLLM): started in a session of its
+own, waited for until a URL answers 200, and stopped with its whole process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+
+def start(command: list[str], log: Path, ready_url: str, timeout_s: float,
+          poll_s: float = 0.5) -> subprocess.Popen:
+    """Run `command` (its output to `log`) and wait until `ready_url` answers 200; stopped
+    again and RuntimeError (naming the log) when it exits or is not ready in `timeout_s`."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[0]} exited with {process.returncode}: see {log}")
+        try:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    stop(process)
+    raise RuntimeError(f"{command[0]} was not ready within {timeout_s:.0f} s: see {log}")
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it after `timeout_s`."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(10)
