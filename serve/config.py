@@ -205,6 +205,10 @@ class SchedulerConfig:
     """Prompts that get prefill tokens in one step (0: as many as the budget holds). Where a
     prefill is compute-bound (CPU), batching prompts buys no throughput, and one at a time
     gives the first its token a whole batch sooner: a prefill worker's lever on TTFT."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 and turn step N's tokens into text while step N runs
+    (serve/engine/overlap.py). None: on where the model runs on one CUDA device, off on CPU
+    (measured slower there: benchmarks/step_roofline.py)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

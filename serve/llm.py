@@ -45,7 +45,8 @@ class LLM:
                  speculative_config: dict[str, Any] | None = None,
                  kv_cache_dtype: str = "auto", pipeline_parallel_size: int = 1,
                  pipeline_micro_batches: int | None = None,
-                 context_parallel_size: int = 1, kv_offload_bytes: int = 0) -> None:
+                 context_parallel_size: int = 1, kv_offload_bytes: int = 0,
+                 async_scheduling: bool | None = None) -> None:
         """The KV pool: num_kv_blocks if given; else kv_cache_memory_bytes per rank if given
         (on CPU it defaults to 512 MiB); else, on CUDA, gpu_memory_utilization of each GPU
         less the weights and the largest step's activations (vLLM's rules; CacheConfig).
@@ -66,7 +67,10 @@ class LLM:
         --master-port P` (or serve/model_runner.serve_node) and join at master_port.
 
         speculative_config={"method": "mtp", "num_speculative_tokens": k}: the checkpoint's
-        multi-token-prediction module drafts k tokens a step (serve/engine/spec_decode.py)."""
+        multi-token-prediction module drafts k tokens a step (serve/engine/spec_decode.py).
+
+        async_scheduling: schedule the next step while one runs (serve/engine/overlap.py);
+        None: on a single CUDA device only."""
         from transformers import AutoTokenizer
 
         model_dir = str(model)
@@ -91,7 +95,8 @@ class LLM:
                            context_parallel_size=context_parallel_size),
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            enable_chunked_prefill=enable_chunked_prefill),
+                            enable_chunked_prefill=enable_chunked_prefill,
+                            async_scheduling=async_scheduling),
             tokenizer=self.tokenizer, speculative_config=speculative_config)
         # What __del__ would do, but run exactly once: on shutdown(), when the last reference
         # goes, or at interpreter exit; it holds the engine, never the LLM.
@@ -132,7 +137,9 @@ class LLM:
                 self.engine.submit(request)
             while self.engine.has_unfinished_requests():
                 deltas = self.engine.step()
-                if not deltas and not self.engine.scheduler.running:
+                if not deltas and not self.engine.scheduler.running and \
+                        self.engine.scheduler.waiting and (
+                        self.engine.overlap is None or self.engine.overlap.in_flight is None):
                     raise RuntimeError("the engine made no progress: waiting requests fit "
                                        "no free KV blocks")
                 for delta in deltas:

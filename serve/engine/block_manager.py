@@ -442,12 +442,16 @@ class BlockManager:
         block.epoch += 1
 
     # ---- after a step -------------------------------------------------------------------
-    def commit_computed(self, request: Request) -> None:
-        """Publish keys of the request's full blocks whose KV is now computed."""
+    def commit_computed(self, request: Request, num_tokens: int | None = None) -> None:
+        """Publish keys of the request's full blocks whose KV is now computed: its first
+        `num_tokens` tokens' (default: num_computed_tokens), whose ids are on the host."""
         if not self.enable_prefix_caching or request.request_id not in self._tables:
             return
         table = self._tables[request.request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
+        num_tokens = min(num_tokens, request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_tokens // self.block_size, len(table))
         start = self._num_committed[request.request_id]
         if num_full <= start:
             return

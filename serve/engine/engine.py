@@ -38,6 +38,7 @@ from pdserve.serve.engine.block_manager import BlockManager
 from pdserve.serve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.serve.engine.kv_tiers import KVOffload, WriteDown
 from pdserve.serve.engine.logit_controls import resolve_logit_controls
+from pdserve.serve.engine.overlap import Overlap
 from pdserve.serve.engine.parallel_sampling import ParallelSampling
 from pdserve.serve.engine.prompt_logprobs import (
     record_prompt_logprobs,
@@ -46,7 +47,7 @@ from pdserve.serve.engine.prompt_logprobs import (
 )
 from pdserve.serve.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from pdserve.serve.engine.roles import Role
-from pdserve.serve.engine.sampler import Sampler
+from pdserve.serve.engine.sampler import Sampler, SampleResult
 from pdserve.serve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.serve.engine.spec_decode import MTPSpeculator, SpeculativeConfig
 from pdserve.serve.engine.structured import StructuredOutputManager
@@ -153,6 +154,10 @@ class Engine:
         self.step_samples: deque[StepSample] = deque(maxlen=NUM_STEP_SAMPLES_KEPT)
         """The most recent steps' work and wall time, oldest first (seq increases from 1)."""
         self._num_steps = 0
+        self.overlap: Overlap | None = None
+        """Async scheduling (serve/engine/overlap.py), where it is on and can run."""
+        if self.scheduler_config.async_scheduling:
+            self.overlap = Overlap.build(self)
 
     def enable_kv_offload(self, write_down: WriteDown | None = None) -> KVOffload | None:
         """Put a host DRAM tier of cache_config.kv_offload_bytes below the pool (again, with
@@ -295,15 +300,21 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> postprocess: one forward over every scheduled chunk, then
-        sampling and stop checks for the chunks that end at a request's last token."""
+        sampling and stop checks for the chunks that end at a request's last token. Under
+        async scheduling (serve/engine/overlap.py) this schedules and launches the next step,
+        then returns the outputs of the one before it."""
+        if self.overlap is not None:
+            return self.overlap.step()
         start_s = time.perf_counter()
-        started_s = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        for request, _ in scheduled.scheduled:
-            if request.first_scheduled_s is None:
-                request.first_scheduled_s = started_s
+        return self.run_scheduled(scheduled, start_s)
+
+    def run_scheduled(self, scheduled: SchedulerOutput, start_s: float) -> list[RequestOutput]:
+        """Run -> postprocess a scheduled step on this thread (`start_s`: perf_counter() before
+        it was scheduled)."""
+        scheduled.mark_started()
         to_sample = [request for (request, _), chunk in
                      zip(scheduled.scheduled, scheduled.step.chunks, strict=True)
                      if chunk.need_logits]
@@ -324,12 +335,16 @@ class Engine:
             outputs = self._postprocess(to_sample, logits)
         if self.speculator is not None and not self.role.ends_at_first_token:
             self.speculator.propose(scheduled)
+        self.record_step(scheduled, time.perf_counter() - start_s)
+        return outputs
+
+    def record_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """Keep a step's work and wall time (step_samples; the host tier's recompute cost)."""
         self._num_steps += 1
-        sample = step_sample(scheduled, self._num_steps, time.perf_counter() - start_s)
+        sample = step_sample(scheduled, self._num_steps, seconds)
         self.step_samples.append(sample)
         if self.kv_offload is not None and not sample.num_decode_seqs:  # the recompute cost
             self.kv_offload.costs.note_prefill(sample.num_prefill_tokens, sample.seconds)
-        return outputs
 
     def _run(self, scheduled: SchedulerOutput, to_sample: list[Request], num_drafts: int = 0
              ) -> torch.Tensor:
@@ -352,8 +367,12 @@ class Engine:
         # A parent of n > 1 sequences whose prompt completed forks here into its children,
         # each sampling from its row (serve/engine/parallel_sampling.py).
         to_sample, logits = self.parallel.expand(to_sample, logits)
+        return self.take_samples(to_sample, self.sampler(logits, to_sample))
+
+    def take_samples(self, to_sample: list[Request], results: list[SampleResult]
+                     ) -> list[RequestOutput]:
+        """Append each request's sampled token, check its stops, make its output."""
         outputs = []
-        results = self.sampler(logits, to_sample)
         sampled_s = time.monotonic()
         for request, result in zip(to_sample, results, strict=True):
             request.append_output_token(result.token_id, result.logprobs)
@@ -497,9 +516,13 @@ class Engine:
             num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests in the scheduler, or a launched step whose outputs are still to come."""
+        return self.scheduler.has_unfinished_requests() or (
+            self.overlap is not None and self.overlap.in_flight is not None)
 
     def shutdown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
         for request_id in list(self.scheduler.requests):
             self.abort_request(request_id)
         if self.structured is not None:

@@ -5,7 +5,8 @@ tracks how many of them are in the KV cache:
 
     all_token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... o(k-1) ]
                       prompt (P)          output (k)
-    num_computed_tokens <= len(all_token_ids); the gap is what the next steps compute.
+    num_computed_tokens <= len(all_token_ids); the gap is what the next steps compute. Under
+    async scheduling one more token may be pending (sampled on the device, not yet here).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
+    """Tokens sampled by a step still in flight and not yet appended (async scheduling,
+    serve/engine/overlap.py): the scheduler counts them as known, their ids are on the
+    device."""
     num_cached_tokens: int | None = None
     """Prefix-cache hit of the first scheduling, in tokens (None until first scheduled)."""
     num_preemptions: int = 0
@@ -134,7 +139,7 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -123,17 +123,23 @@ class Sampler:
         return [SampleResult(token_id, row_logprobs) for token_id, row_logprobs
                 in zip(token_ids.tolist(), logprobs, strict=True)]
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               output_indices: list[int] | None = None
                ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         """The sampled ids, [B] long on the logits' device, and each row's logprobs (None where
-        not asked for; reading them is the only other transfer to the host)."""
+        not asked for; reading them is the only other transfer to the host).
+
+        output_indices: which output token each row samples (default: each request's next);
+        async scheduling samples past tokens still in flight (serve/engine/overlap.py)."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        if output_indices is None:
+            output_indices = [r.num_output_tokens for r in requests]
         logits = logits.float()
         params = [r.sampling_params for r in requests]
         wants_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
-        banned = self._banned_stops(requests)
+        banned = self._banned_stops(requests, output_indices)
         controls = any(p.has_logit_controls for p in params)
         if any(banned) or controls:  # both write in place: the caller's logits stay as they were
             logits = logits.clone()
@@ -152,7 +158,8 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             token_ids[sampled_rows] = self._draw(logits[sampled_rows],
-                                                 [requests[i] for i in sampled_rows])
+                                                 [requests[i] for i in sampled_rows],
+                                                 [output_indices[i] for i in sampled_rows])
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
             rows = [i for i, wants in enumerate(wants_logprobs) if wants]
@@ -163,14 +170,14 @@ class Sampler:
         return token_ids, logprobs
 
     @staticmethod
-    def _banned_stops(requests: list[Request]) -> list[list[int]]:
+    def _banned_stops(requests: list[Request], output_indices: list[int]) -> list[list[int]]:
         """Per row, the token ids that min_tokens holds back: eos and stop ids until then."""
         banned = []
-        for request in requests:
+        for request, index in zip(requests, output_indices, strict=True):
             params = request.sampling_params
             token_ids: list[int] = []
             # a grammar holds its own end tokens back (serve/engine/structured.py)
-            if request.num_output_tokens < params.min_tokens and request.grammar is None:
+            if index < params.min_tokens and request.grammar is None:
                 token_ids = list(params.stop_token_ids)
                 if not params.ignore_eos:
                     token_ids += list(request.eos_token_ids)
@@ -194,13 +201,15 @@ class Sampler:
             logits = apply_top_p(logits, row_values([p.top_p for p in params], logits))
         return torch.softmax(logits, dim=-1)
 
-    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, requests: list[Request], output_indices: list[int]
+              ) -> torch.Tensor:
         probs = self.sampling_probs(logits, requests)
         # every sampled row draws from the engine's generator, seeded or not, so that its
         # sequence does not depend on which rows are seeded
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        seeded = [(row, r.sampling_params.seed, r.num_output_tokens)
-                  for row, r in enumerate(requests) if r.sampling_params.seed is not None]
+        seeded = [(row, r.sampling_params.seed, index)
+                  for row, (r, index) in enumerate(zip(requests, output_indices, strict=True))
+                  if r.sampling_params.seed is not None]
         if seeded:
             rows = [row for row, _, _ in seeded]
             host_noise = torch.stack([exponential_noise(probs.shape[1], seed, index)

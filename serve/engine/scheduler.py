@@ -18,6 +18,7 @@ queue. Preempting most-recent-first and pushing to the front keeps arrival order
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ from pdserve.serve.engine.prompt_logprobs import num_prompt_logit_rows, wants_pr
 from pdserve.serve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+PENDING_TOKEN_ID = 0
+"""Stands in a chunk for a token sampled on the device and not yet on the host."""
 
 
 class RequestRejectedError(ValueError):
@@ -45,6 +49,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def mark_started(self) -> None:
+        """Stamp first_scheduled_s on the requests this is the first step of."""
+        now_s = time.monotonic()
+        for request, _ in self.scheduled:
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = now_s
 
 
 class Scheduler:
@@ -221,14 +232,18 @@ class Scheduler:
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
-            num_drafts = max(0, start + num_new - request.num_tokens)
+            num_known = request.num_tokens + request.num_pending_tokens
+            num_drafts = max(0, start + num_new - num_known)
+            known = request.all_token_ids[start:start + num_new - num_drafts]
             output.step.chunks.append(SeqChunk(
                 request_id=request_id,
-                token_ids=(request.all_token_ids[start:start + num_new]
+                # A pending token (async scheduling) is a placeholder here: the step takes its
+                # id from the step in flight's sampled ids on the device (overlap.py).
+                token_ids=(known + [PENDING_TOKEN_ID] * (num_new - num_drafts - len(known))
                            + request.spec_token_ids[:num_drafts]),
                 start_pos=start,
                 block_table=list(self.block_manager.block_table(request_id)),
-                need_logits=start + num_new - num_drafts == request.num_tokens,
+                need_logits=start + num_new - num_drafts == num_known,
                 num_prompt_logits=num_prompt_logit_rows(request, start, num_new),
                 num_draft_tokens=num_drafts,
             ))
@@ -253,6 +268,22 @@ class Scheduler:
                                              strict=True):
             request.num_computed_tokens += num_new - chunk.num_draft_tokens
             self.block_manager.commit_computed(request)
+
+    def advance(self, output: SchedulerOutput) -> list[int]:
+        """Async scheduling (serve/engine/overlap.py), as a step is launched: its tokens count
+        as computed for the next schedule; returns each request's computed count once the step
+        is done, for commit() (nothing is published before the KV exists)."""
+        ends = []
+        for request, num_new in output.scheduled:
+            request.num_computed_tokens += num_new
+            ends.append(request.num_computed_tokens)
+        return ends
+
+    def commit(self, output: SchedulerOutput, ends: list[int]) -> None:
+        """Async scheduling, once a launched step is done: publish the blocks it filled (up
+        to `ends`, what advance() returned: a later step may already be in flight)."""
+        for (request, _), end in zip(output.scheduled, ends, strict=True):
+            self.block_manager.commit_computed(request, end)
 
     # ---- leaving ------------------------------------------------------------------------
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:

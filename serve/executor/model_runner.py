@@ -209,8 +209,8 @@ class ModelRunner:
     def _workers(self) -> list[Any]:
         return self._procs.workers
 
-    def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
-                ) -> torch.Tensor:
+    def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [number of chunks with need_logits, vocab_size] on the model's
         device (the sampler samples there: only the sampled ids come back to the host), in
         chunk order, then the chunks' prompt-logprob rows (serve/engine/prompt_logprobs.py)
@@ -220,7 +220,12 @@ class ModelRunner:
         an MHA rank 0 holds only its own heads, so whole-head users (the KV hand-off) gather
         after the step instead (read_kv_blocks) and pass no callback. An MLA latent is whole
         on rank 0 at any TP degree. Under pipeline parallelism rank 0 holds only the first
-        stage's layers: no callback either."""
+        stage's layers: no callback either.
+
+        `input_ids` (one rank only): the step's token ids, int64 [num_tokens] on the device,
+        for a step whose chunks hold placeholders (async scheduling, serve/engine/overlap.py)."""
+        if input_ids is not None and self._world_size > 1:
+            raise ValueError("device input ids reach rank 0 only: one rank must hold the model")
         if layer_done is not None and self._tp_size > 1 and self._rank.layout.kind == "mha":
             raise ValueError("per-layer callbacks see only rank 0's heads: TP must be 1")
         if layer_done is not None and self._rank.cp.size > 1:
@@ -235,7 +240,7 @@ class ModelRunner:
         with self._collective():
             if self._world_size > 1:
                 self._procs.send(TP_PROTOCOL.encode(step))
-            logits = self._rank.execute(step, layer_done)
+            logits = self._rank.execute(step, layer_done, input_ids)
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=self.device)
         return logits.float()

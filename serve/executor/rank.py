@@ -45,6 +45,15 @@ LOGITS_ROWS_PER_CALL = 256
 logprobs): bounds that step's extra activation memory to this many rows x vocab."""
 
 
+def step_token_ids(step: StepInput) -> torch.Tensor:
+    """The step's token ids in chunk order, int64 [num_tokens] on the host."""
+    token_ids = np.fromiter(  # chain iterates in C: no Python work per token
+        itertools.chain.from_iterable(c.token_ids for c in step.chunks), dtype=np.int64,
+        count=step.num_tokens,
+    )
+    return torch.from_numpy(token_ids)
+
+
 class Rank:
     """One rank's model and KV pool, and the step it runs (identical on every rank)."""
 
@@ -161,13 +170,15 @@ class Rank:
                            self.device, self.layout.num_planes)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None
-                ) -> torch.Tensor | None:
-        return self.forward(step, self.pool.kv_caches, layer_done)
+    def execute(self, step: StepInput, layer_done: Callable[[int], None] | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.forward(step, self.pool.kv_caches, layer_done, input_ids)
 
     def forward(self, step: StepInput, kv_caches: list[torch.Tensor],
-                layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """The step's logit rows (None off the logits rank) over these caches."""
+                layer_done: Callable[[int], None] | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's logit rows (None off the logits rank) over these caches. input_ids: the
+        step's token ids already on the device (one rank only; default: the chunks')."""
         if self.cp.size > 1:  # this rank's share of the tokens, attention round the ring
             return run_context_parallel_step(self.model, step, kv_caches, self.block_size,
                                              self.cp, self.device,
@@ -177,7 +188,7 @@ class Rank:
             return run_pipelined_step(self, step, kv_caches, spec.hidden_size,
                                       spec.torch_dtype, len(logit_rows(step)), spec.vocab_size,
                                       self.pipeline_times)
-        out = self.run_model(step, kv_caches, layer_done)  # hidden [T, hidden]
+        out = self.run_model(step, kv_caches, layer_done, input_ids=input_ids)  # [T, hidden]
         if self.num_mtp_layers:
             self.last_hidden = out.hidden  # the MTP pass after sampling reads its rows
         if out.logits is not None and samples_every_row(step):  # the fused loop's, every row
@@ -186,16 +197,14 @@ class Rank:
 
     def run_model(self, step: StepInput, kv_caches: list[torch.Tensor],
                   layer_done: Callable[[int], None] | None = None,
-                  carried: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelOutput:
+                  carried: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  input_ids: torch.Tensor | None = None) -> ModelOutput:
         """The model over one step (or micro-batch): the final hidden states [T, hidden]
         (with their logits where the fused decode loop made them), or on a pipeline stage
         before the last, (hidden, residual) for the next stage."""
         meta = build_attention_metadata(step, self.block_size, self.device)
-        token_ids = np.fromiter(  # chain iterates in C: no Python work per token
-            itertools.chain.from_iterable(c.token_ids for c in step.chunks), dtype=np.int64,
-            count=step.num_tokens,
-        )
-        input_ids = torch.from_numpy(token_ids).to(self.device)
+        if input_ids is None:
+            input_ids = step_token_ids(step).to(self.device)
         return self.model(input_ids, kv_caches, meta, layer_done, carried)
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor | None:

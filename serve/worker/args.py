@@ -157,6 +157,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int,
                        default=sched.max_num_batched_tokens,
                        help="tokens one step computes at most (prompt chunks and decodes)")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=sched.async_scheduling,
+                       help="schedule the next step and detokenize the last while a step "
+                            "runs (default: on with one CUDA device, off on CPU)")
 
 
 def scheduler_argv(args: argparse.Namespace) -> list[str]:
@@ -271,7 +275,8 @@ def engine_configs_from_args(args: argparse.Namespace
         parallel_config_from_args(args),
         SchedulerConfig(max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_prefills_per_step=args.max_prefills_per_step),
+                        max_prefills_per_step=args.max_prefills_per_step,
+                        async_scheduling=args.async_scheduling),
     )
 
 
@@ -316,8 +321,8 @@ def _changed_argv(add_group: Callable[[argparse.ArgumentParser], None],
         if value == action.default:
             continue
         flag = action.option_strings[0]
-        if action.nargs == 0:  # store_true
-            argv.append(flag)
+        if action.nargs == 0:  # store_true, or --x / --no-x (BooleanOptionalAction)
+            argv.append(flag if value else action.option_strings[-1])
         elif isinstance(value, list):  # action="append"
             for item in value:
                 argv += [flag, str(item)]

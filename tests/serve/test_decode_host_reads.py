@@ -23,14 +23,21 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
+@pytest.mark.parametrize(("fused", "async_scheduling"), [("1", False), ("0", False),
+                                                       ("1", True)])
 def test_a_decode_step_reads_nothing_larger_than_its_batch(llama_dir, monkeypatch,
-                                                           fused: str) -> None:
+                                                           fused: str,
+                                                           async_scheduling: bool) -> None:
+    """Also with async scheduling (serve/engine/overlap.py): the step launched ahead takes
+    its input ids from the step before it on the device."""
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", fused)
-    with LLM(llama_dir, num_kv_blocks=128, block_size=16, device="cpu") as llm:
+    with LLM(llama_dir, num_kv_blocks=128, block_size=16, device="cpu",
+             async_scheduling=async_scheduling) as llm:
         engine = llm.engine
         for prompt, options in zip(random_prompts([9, 17, 4, 30, 12, 21], vocab_size=1000,
                                                   seed=2), OPTIONS, strict=True):
+            if async_scheduling:  # a penalty reads the output history: it never runs ahead
+                options = {k: v for k, v in options.items() if k != "repetition_penalty"}
             engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True,
                                                       **options))
         while engine.scheduler.waiting or any(r.num_output_tokens == 0
@@ -42,5 +49,7 @@ def test_a_decode_step_reads_nothing_larger_than_its_batch(llama_dir, monkeypatc
                 outputs = engine.step()
             assert len(outputs) == BATCH
             assert seen and all(numel <= BATCH for _, numel in seen), seen
+        if async_scheduling:
+            assert engine.overlap.num_launched >= 3
         while engine.has_unfinished_requests():
             engine.step()
