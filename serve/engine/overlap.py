@@ -106,7 +106,11 @@ class Overlap:
         elif setting and reason is not None:
             logger.warning("async scheduling is off: %s", reason)
             setting = False
-        return cls(engine, device) if setting else None
+        if not setting:
+            return None
+        logger.info("async scheduling on: each step is scheduled while the one before runs%s",
+                    "" if device.type == "cuda" else " (on a step thread)")
+        return cls(engine, device)
 
     @staticmethod
     def why_not(engine: Engine) -> str | None:

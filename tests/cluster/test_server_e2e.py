@@ -210,3 +210,30 @@ def test_tp_resharding_handoff_same_tokens(llama_dir, reference, tmp_path_factor
         cluster.assert_nothing_leaked()
     finally:
         assert cluster.stop() == 0, cluster.log()
+
+
+def test_async_scheduling_serves_the_reference_text(llama_dir, reference, tmp_path_factory):
+    """`pdserve up --async-scheduling` (disaggregated: the decode worker runs each step ahead of
+    the last one's outputs, serve/engine/overlap.py): HF's greedy text, streamed and not, a
+    stop string ending a stream mid-flight, and nothing left held."""
+    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("async-logs"), "--mode",
+                            "disagg", "--num-kv-blocks", "256", "--async-scheduling")
+    try:
+        for prompt in PROMPTS:
+            body = complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,
+                            temperature=0)
+            assert body["choices"][0]["text"] == reference[prompt]
+            chunks = stream_chunks(cluster.base_url, "/v1/completions",
+                                   {"prompt": prompt, "max_tokens": MAX_TOKENS,
+                                    "temperature": 0})
+            assert "".join(c["choices"][0]["text"] for c in chunks) == reference[prompt]
+        text = reference[PROMPTS[0]]
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        body = complete(cluster.base_url, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                        temperature=0, stop=[stop])
+        assert body["choices"][0]["text"] == text[:text.index(stop)]
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert "async scheduling on" in cluster.log()
+        cluster.assert_nothing_leaked()
+    finally:
+        assert cluster.stop() == 0, cluster.log()

@@ -9,7 +9,7 @@ from helpers.engine_util import prefill_engine, run_to_completion, token_ids
 from transformers import AutoTokenizer
 
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.serve.config import CacheConfig, ModelConfig
+from pdserve.serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.serve.engine.engine import Engine
 from pdserve.serve.engine.roles import make_role
 
@@ -25,10 +25,15 @@ def engines(llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     engines = {role: Engine(*_configs(llama_dir), tokenizer=tokenizer, role=make_role(role))
                for role in ("colocated", "decode")}
+    # a decode worker that schedules each step while the one before runs (overlap.py)
+    engines["decode-async"] = Engine(*_configs(llama_dir), None,
+                                     SchedulerConfig(async_scheduling=True),
+                                     tokenizer=tokenizer, role=make_role("decode"))
+    assert engines["decode-async"].overlap is not None
     engines["prefill"], engines["saver"] = prefill_engine(*_configs(llama_dir),
                                                           tokenizer=tokenizer)
     yield engines
-    for role in ("colocated", "prefill", "decode"):
+    for role in ("colocated", "prefill", "decode", "decode-async"):
         engines[role].shutdown()
 
 
@@ -37,8 +42,9 @@ def engines(llama_dir):
     SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=10),
 ], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("with_kv", [True, False], ids=["kv-copied", "recompute"])
-def test_handoff_continues_exactly(engines, params, with_kv):
-    colocated, prefill, decode = engines["colocated"], engines["prefill"], engines["decode"]
+@pytest.mark.parametrize("decode_engine", ["decode", "decode-async"])
+def test_handoff_continues_exactly(engines, params, with_kv, decode_engine):
+    colocated, prefill, decode = engines["colocated"], engines["prefill"], engines[decode_engine]
     saver = engines["saver"]
     for i, prompt in enumerate(PROMPTS):
         colocated.add_request(prompt, params, f"c{i}")
