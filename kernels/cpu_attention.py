@@ -108,7 +108,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """reference.write_kv_cache's contract: one row copy per token and KV head, no index
-    tensors built; slots are checked against the pool before any write."""
+    tensors built; slots are checked against the pool before any write, and a negative one
+    (padding) is skipped."""
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
     module = cpu_ops.load()
     assert module is not None, "call only when cpu_ops.load() succeeded"

@@ -4,7 +4,10 @@
 
 One program copies one token's [heads, dim] row (BLOCK_H heads at a time), converting to the
 cache's dtype (an FP8 cache: clamped to +-448, then rounded). The same kernel
-serves K, V and the latent cache (a latent row is a single "head" of R + P values).
+serves K, V and the latent cache (a latent row is a single "head" of R + P values). A token
+whose slot is negative is padding (a decode graph's bucket past the step's sequences,
+serve/executor/cuda_graphs.py) and writes nothing: the slot is read on the device, so a
+captured graph's padding rows need no host-side decision.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def _scatter_rows_kernel(
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (heads < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    row_heads = tl.where(slot >= 0, num_heads, 0)  # a padding row (slot < 0) has none to copy
+    mask = (heads < row_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = tl.load(src_ptr + token.to(tl.int64) * stride_src_token
                    + heads[:, None] * stride_src_head + offs_d[None, :], mask=mask)
     dst = (cache_ptr + (slot // page_size) * stride_block + (slot % page_size) * stride_slot

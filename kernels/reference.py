@@ -51,10 +51,22 @@ def _split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Ten
     return slot_mapping // block_size, slot_mapping % block_size
 
 
+def _skip_padding(slot_mapping: torch.Tensor, *rows: torch.Tensor) -> list[torch.Tensor]:
+    """[slot_mapping, *rows] without the padding rows: a negative slot marks a row that writes
+    nothing (a decode graph's bucket past the step's sequences, serve/executor/cuda_graphs.py),
+    in every backend. Indexed as it is, -1 would land in the pool's last block."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return [slot_mapping, *rows]
+    return [slot_mapping[keep], *(r[keep] for r in rows)]
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V rows ([T, Hkv, D]) into kv_cache at slot_mapping ([T])."""
+    """Scatter this step's K/V rows ([T, Hkv, D]) into kv_cache at slot_mapping ([T]); a row
+    whose slot is negative is skipped (padding)."""
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
+    slot_mapping, key, value = _skip_padding(slot_mapping, key, value)
     # Two-index advanced assignment writes in place whatever the cache's strides are.
     block_ids, offsets = _split_slots(slot_mapping, kv_cache.shape[2])
     kv_cache[0, block_ids, offsets] = to_cache_dtype(key, kv_cache.dtype)
@@ -63,8 +75,10 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """Scatter MLA latent rows ([T, R + P]) into latent_cache at slot_mapping ([T])."""
+    """Scatter MLA latent rows ([T, R + P]) into latent_cache at slot_mapping ([T]); a row
+    whose slot is negative is skipped (padding)."""
     check_latent_cache_write(latent, latent_cache, slot_mapping)
+    slot_mapping, latent = _skip_padding(slot_mapping, latent)
     block_ids, offsets = _split_slots(slot_mapping, latent_cache.shape[1])
     latent_cache[block_ids, offsets] = to_cache_dtype(latent, latent_cache.dtype)
 

@@ -74,6 +74,14 @@ def fused_decode() -> bool:
     return _flag("PDSERVE_FUSED_DECODE")
 
 
+def cuda_graphs_on_cpu() -> bool:
+    """PDSERVE_CUDA_GRAPHS_ON_CPU=1: a one-rank CPU worker runs its decode steps the way CUDA
+    graphs do, over the graphs' static, padded buffers, but eagerly (nothing is captured on
+    CPU; serve/executor/cuda_graphs.py), so tests prove the buffers and padding without a GPU
+    (default 0: on CPU a decode step takes the fused C++ loop or the modules)."""
+    return _flag("PDSERVE_CUDA_GRAPHS_ON_CPU", "0")
+
+
 def cpu_tuning() -> bool:
     """PDSERVE_CPU_TUNING=0 serves with the default CPU path instead of the one measured
     fastest on this machine (default 1: a one-rank CPU worker times every candidate path on

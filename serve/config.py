@@ -27,6 +27,10 @@ class ModelConfig:
     """Seed of the engine's default RNG (requests with their own seed use their own)."""
     served_model_name: str | None = None
     """The name clients use; None takes the checkpoint directory's base name."""
+    enforce_eager: bool = False
+    """Run every step eagerly, as vLLM's --enforce-eager: no CUDA graphs. By default a
+    one-rank CUDA worker captures its decode steps at a few batch sizes after the KV pool is
+    allocated and replays them (serve/executor/cuda_graphs.py); this turns that off."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -46,7 +46,7 @@ class LLM:
                  kv_cache_dtype: str = "auto", pipeline_parallel_size: int = 1,
                  pipeline_micro_batches: int | None = None,
                  context_parallel_size: int = 1, kv_offload_bytes: int = 0,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, enforce_eager: bool = False) -> None:
         """The KV pool: num_kv_blocks if given; else kv_cache_memory_bytes per rank if given
         (on CPU it defaults to 512 MiB); else, on CUDA, gpu_memory_utilization of each GPU
         less the weights and the largest step's activations (vLLM's rules; CacheConfig).
@@ -70,12 +70,16 @@ class LLM:
         multi-token-prediction module drafts k tokens a step (serve/engine/spec_decode.py).
 
         async_scheduling: schedule the next step while one runs (serve/engine/overlap.py);
-        None: on a single CUDA device only."""
+        None: on a single CUDA device only.
+
+        enforce_eager=True runs every step eagerly (vLLM's flag): a one-rank CUDA engine
+        otherwise replays its decode steps from CUDA graphs (serve/executor/cuda_graphs.py)."""
         from transformers import AutoTokenizer
 
         model_dir = str(model)
         self.model_config = ModelConfig(model=model_dir, dtype=dtype, seed=seed,
-                                        max_model_len=max_model_len)
+                                        max_model_len=max_model_len,
+                                        enforce_eager=enforce_eager)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,
                                    gpu_memory_utilization=gpu_memory_utilization,

@@ -8,7 +8,8 @@
 #   install   pdserve without its dependencies (the machine's torch and Triton stay), plus
 #             wheels from ./.whl where someone carried them (a machine with no registry)
 #   tests     the Triton kernels compiled against their torch references, the fused MoE, the
-#             device sampler and the decode step's host reads; then every @gpu test (tests.txt)
+#             device sampler, the decode step's host reads and the decode CUDA graphs; then
+#             every @gpu test (tests.txt)
 #   kernels   prefill / decode / MLA attention against SDPA and the copy bandwidth
 #             (bench_attention.json)
 #   engine    greedy tokens of the Triton backend equal the torch backend's, on CUDA
@@ -61,7 +62,8 @@ triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; 
 
 cd "$REPO"
 stage tests "$TEST_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider \
-    tests/kernels tests/serve/test_sampler_device.py tests/serve/test_decode_host_reads.py
+    tests/kernels tests/serve/test_sampler_device.py tests/serve/test_decode_host_reads.py \
+    tests/serve/test_cuda_graphs.py
 stage gpu-tests "$TEST_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$LOG" > "$OUT/tests.txt"
 

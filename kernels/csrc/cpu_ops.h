@@ -79,7 +79,8 @@ void rotary_neox_rows(float* x, int64_t s0, int64_t s1, int64_t T, int64_t H, co
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
                     torch::Tensor slot_mapping);
 // write_kv_cache's copy, fp32, with slots already checked: key / value rows [T, H, D] (strides
-// k0, k1 / v0, v1), the cache's K plane at kc and V plane at vc ([slots, H, D] each).
+// k0, k1 / v0, v1), the cache's K plane at kc and V plane at vc ([slots, H, D] each); a row
+// whose slot is negative (padding) is skipped.
 void write_kv_rows(const float* key, int64_t k0, int64_t k1, const float* value, int64_t v0,
                    int64_t v1, float* kc, float* vc, const int64_t* slots, int64_t T,
                    int64_t H, int64_t D, const Team* team = nullptr);

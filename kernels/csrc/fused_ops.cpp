@@ -131,7 +131,8 @@ void rotary_neox_rows(float* xp, int64_t s0, int64_t s1, int64_t T, int64_t H, c
 }
 
 // kv_cache [2, blocks, bs, Hkv, D] (contiguous); key/value [T, Hkv, D] (last dim contiguous);
-// token t goes to slot slot_mapping[t] = block * bs + offset.
+// token t goes to slot slot_mapping[t] = block * bs + offset. A negative slot is a padding
+// row (a decode graph's bucket, serve/executor/cuda_graphs.py): skipped, as every backend does.
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
                     torch::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() &&
@@ -146,7 +147,7 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
   TORCH_CHECK_VALUE(slots.numel() == T, "a slot per row: ", slots.numel(), " for ", T);
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK_VALUE(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
+    TORCH_CHECK_VALUE(sl[t] < num_slots, "slot out of range");
   const int64_t plane = num_slots * H * D, row = H * D;
   if (kv_cache.scalar_type() == torch::kFloat) {
     float* cache = kv_cache.data_ptr<float>();
@@ -160,6 +161,7 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
   const char* vp = static_cast<const char*>(value.data_ptr());
   const int64_t k0 = key.stride(0), k1 = key.stride(1), v0 = value.stride(0), v1 = value.stride(1);
   for (int64_t t = 0; t < T; ++t) {
+    if (sl[t] < 0) continue;
     for (int64_t h = 0; h < H; ++h) {
       std::memcpy(cache + (sl[t] * row + h * D) * elem, kp + (t * k0 + h * k1) * elem, D * elem);
       std::memcpy(cache + (plane + sl[t] * row + h * D) * elem, vp + (t * v0 + h * v1) * elem,
@@ -172,10 +174,12 @@ void write_kv_rows(const float* kp, int64_t k0, int64_t k1, const float* vp, int
                    int64_t v1, float* kc, float* vc, const int64_t* sl, int64_t T, int64_t H,
                    int64_t D, const Team* team) {
   split_for(0, T, std::max<int64_t>(1, 65536 / (2 * H * D * 4)), team, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t t = t0; t < t1; ++t) {
+      if (sl[t] < 0) continue;
       for (int64_t h = 0; h < H; ++h) {
         std::memcpy(kc + (sl[t] * H + h) * D, kp + t * k0 + h * k1, D * sizeof(float));
         std::memcpy(vc + (sl[t] * H + h) * D, vp + t * v0 + h * v1, D * sizeof(float));
       }
+    }
   });
 }

@@ -2,7 +2,8 @@
 can build measures the activations' peak (profile_memory), serve/executor/kv_cache.py turns
 that and the device's free memory into a plan, and the ranks agree on the smallest block
 count (plan_pool). On CPU the plan comes from the configuration, checked against the host's
-memory for every rank's pool together.
+memory for every rank's pool together. Where the rank will capture decode CUDA graphs
+(serve/executor/cuda_graphs.py), the profile also leaves room for their memory pool.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, SchedulerConfig
+from pdserve.serve.executor.cuda_graphs import DecodeGraphs
 from pdserve.serve.executor.kv_cache import (
     KVCachePlan,
     MemoryProfile,
@@ -85,10 +87,29 @@ def profile_memory(rank: Rank, scheduler_config: SchedulerConfig) -> MemoryProfi
     num_tokens = profile_run(rank, scheduler_config)
     torch.cuda.synchronize(rank.device)
     peak = torch.cuda.max_memory_allocated(rank.device) - baseline
+    if rank.wants_decode_graphs:  # held for good beside the pool, as well as a step's peak
+        peak += decode_graphs_bytes(rank, scheduler_config.max_num_seqs)
     free_after, _ = free_device_memory(rank.device) or (0, 0)
     profile = MemoryProfile(total, free_before, free_after, peak, num_tokens)
     logger.debug("rank %d memory profile: %s", rank.tp.rank, profile)
     return profile
+
+
+def decode_graphs_bytes(rank: Rank, max_num_seqs: int) -> int:
+    """CUDA: what the decode graphs keep once captured. They share one memory pool, which
+    holds the largest bucket's activations (the smaller ones reuse them), so: the peak of one
+    eager decode forward at the largest bucket over the graphs' own buffers (counted too),
+    plus the logits every smaller bucket's graph keeps as its output."""
+    scratch = rank.new_pool(1)  # every row is padding: it reads block 0 and writes nothing
+    torch.cuda.reset_peak_memory_stats(rank.device)
+    baseline = torch.cuda.memory_allocated(rank.device)
+    graphs = DecodeGraphs(rank.model, max_num_seqs, rank.spec.max_model_len, rank.block_size,
+                          rank.device)
+    logits = graphs.profile_forward(scratch.kv_caches)
+    torch.cuda.synchronize(rank.device)
+    peak = torch.cuda.max_memory_allocated(rank.device) - baseline
+    kept_rows = sum(graphs.batch_sizes[:-1])
+    return peak + kept_rows * logits.shape[1] * logits.element_size()
 
 
 def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,

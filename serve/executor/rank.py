@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from pdserve.serve.executor.context_parallel import (
     run_context_parallel_step,
     write_owned_blocks,
 )
+from pdserve.serve.executor.cuda_graphs import DecodeGraphs, eager_reason
 from pdserve.serve.executor.distributed import Rendezvous, TPGroup
 from pdserve.serve.executor.kv_cache import KVCachePlan, KVCachePool
 from pdserve.serve.executor.loader import ModelSpec, load_model
@@ -39,6 +41,8 @@ from pdserve.serve.executor.pipeline import (
 )
 from pdserve.serve.executor.pool_sizing import free_device_memory, plan_pool
 from pdserve.serve.models.base import ModelOutput
+
+logger = logging.getLogger(__name__)
 
 LOGITS_ROWS_PER_CALL = 256
 """Most rows of logits computed at once when a step asks for more than one per chunk (prompt
@@ -79,6 +83,8 @@ class Rank:
         # An MLA latent is replicated; GQA heads split (or replicate past num_kv_heads ranks).
         self.num_kv_heads_per_rank = (spec.num_kv_heads if self.layout.kind == "mla"
                                       else kv_heads_per_rank(spec.num_kv_heads, tp.size))
+        self.wants_decode_graphs = False  # plan_decode_graphs, before allocate_pool
+        self.decode_graphs: DecodeGraphs | None = None  # capture_decode_graphs, after it
 
     def add_mtp(self) -> None:
         """Build and load the checkpoint's MTP module (before allocate_pool, which then
@@ -146,6 +152,25 @@ class Rank:
                 drafts[i].append(int(token))
         return drafts
 
+    def plan_decode_graphs(self, enforce_eager: bool, is_one_rank: bool) -> None:
+        """Decide whether decode steps will replay CUDA graphs (serve/executor/cuda_graphs.py),
+        before allocate_pool, whose memory profile then leaves their pool room. Only a worker
+        of one rank: a TP or PP rank's graph would need its collectives captured (not built)."""
+        reason = eager_reason(self.model, self.device, default_backend_name(self.device),
+                              enforce_eager, is_one_rank, self.num_mtp_layers > 0)
+        self.wants_decode_graphs = reason is None
+        if reason is not None and self.device.type == "cuda":
+            logger.info("decode steps run eagerly, without CUDA graphs: %s", reason)
+
+    def capture_decode_graphs(self, max_num_seqs: int) -> None:
+        """After allocate_pool: the decode graphs over this rank's pool, where planned."""
+        if not self.wants_decode_graphs:
+            return
+        graphs = DecodeGraphs(self.model, max_num_seqs, self.spec.max_model_len,
+                              self.block_size, self.device)
+        if graphs.capture(self.pool.kv_caches):
+            self.decode_graphs = graphs
+
     def allocate_pool(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                       min_over_ranks: Callable[[int], int] = lambda n: n) -> None:
         """Plan the pool (serve/executor/pool_sizing.py: collectives, call on every rank
@@ -178,7 +203,8 @@ class Rank:
                 layer_done: Callable[[int], None] | None = None,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's logit rows (None off the logits rank) over these caches. input_ids: the
-        step's token ids already on the device (one rank only; default: the chunks')."""
+        step's token ids already on the device (one rank only; default: the chunks'). A decode step
+        over the pool the decode graphs were captured on replays one (one-rank workers)."""
         if self.cp.size > 1:  # this rank's share of the tokens, attention round the ring
             return run_context_parallel_step(self.model, step, kv_caches, self.block_size,
                                              self.cp, self.device,
@@ -188,6 +214,10 @@ class Rank:
             return run_pipelined_step(self, step, kv_caches, spec.hidden_size,
                                       spec.torch_dtype, len(logit_rows(step)), spec.vocab_size,
                                       self.pipeline_times)
+        graphs = self.decode_graphs  # only over the pool they were captured on
+        if (graphs is not None and kv_caches is graphs.kv_caches
+                and graphs.can_run(step, layer_done)):
+            return graphs.run(step, input_ids)
         out = self.run_model(step, kv_caches, layer_done, input_ids=input_ids)  # [T, hidden]
         if self.num_mtp_layers:
             self.last_hidden = out.hidden  # the MTP pass after sampling reads its rows

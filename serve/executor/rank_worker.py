@@ -115,9 +115,11 @@ def setup_rank(rank: int, model_config: ModelConfig, cache_config: CacheConfig,
         # block-count agreement, a step): loading may outlast a collective's timeout.
         rendezvous.arrive_and_wait("loaded", peers_alive)
     state.cp = cp
+    state.plan_decode_graphs(model_config.enforce_eager, is_one_rank=size == 1)
     state.allocate_pool(cache_config, scheduler_config,
                         (lambda n: _min_over_ranks(n, control)) if control is not None
                         else (lambda n: n))
+    state.capture_decode_graphs(scheduler_config.max_num_seqs)
     if cp.size > 1:  # the engine's pool spans the ranks: global block g on rank g % CP
         state.plan = dataclasses.replace(state.plan, num_blocks=state.num_blocks * cp.size)
         state.num_blocks = state.plan.num_blocks

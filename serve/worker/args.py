@@ -77,6 +77,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             '"num_speculative_tokens": 1}\' drafts with the checkpoint\'s '
                             "multi-token-prediction layer (DeepSeek-V3; a prefill worker "
                             "loads it for a role flip but never drafts)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly, without CUDA graphs (vLLM's flag; by "
+                            "default a one-rank CUDA worker replays its decode steps from "
+                            "graphs captured at start for batch sizes 1, 2, 4, then every 8 "
+                            "up to --max-num-seqs)")
 
 
 def model_argv(args: argparse.Namespace) -> list[str]:
@@ -265,7 +270,7 @@ def engine_configs_from_args(args: argparse.Namespace
     """The engine's four configs: what every node of a worker must be started with alike."""
     return (
         ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                    seed=args.seed),
+                    seed=args.seed, enforce_eager=args.enforce_eager),
         CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                     kv_cache_memory_bytes=_gib_to_bytes(args.kv_cache_memory_gb),
                     gpu_memory_utilization=args.gpu_memory_utilization,

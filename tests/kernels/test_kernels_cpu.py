@@ -545,6 +545,20 @@ def test_write_kv_cache_matches_reference(dtype):
         cpu_attention.write_kv_cache(key, value, cache_a, torch.tensor([0, 1, 2, 3, 24]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # both of its copy loops
+def test_write_kv_cache_skips_negative_slots(dtype):
+    """Padding rows (slot -1, a decode graph's bucket) write nothing, as in the reference."""
+    torch.manual_seed(6)
+    cache_a = torch.zeros(2, 6, 4, 2, 8, dtype=dtype)
+    cache_b = cache_a.clone()
+    key, value = torch.randn(5, 2, 8).to(dtype), torch.randn(5, 2, 8).to(dtype)
+    slots = torch.tensor([-1, 5, -1, 23, -1])
+    cpu_attention.write_kv_cache(key, value, cache_a, slots)
+    ref.write_kv_cache(key, value, cache_b, slots)
+    assert torch.equal(cache_a, cache_b)
+    assert int((cache_a != 0).sum()) == 2 * 2 * 2 * 8  # two rows of K and of V
+
+
 # ---- the whole engine: compiled CPU paths against the plain-torch engine -------------------
 def _greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     from pdserve.serve import LLM, SamplingParams

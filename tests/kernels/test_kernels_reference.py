@@ -136,6 +136,25 @@ def test_write_kv_cache_places_rows_by_slot():
     assert int((kv_cache != 0).sum()) == 2 * 3 * 2 * 8
 
 
+def test_a_negative_slot_writes_nothing():
+    """A padding row (a decode graph's bucket past its step's sequences) has slot -1: it goes
+    nowhere, not into the pool's last row where the index would wrap; a step of padding only
+    (the graphs' warm-up) writes nothing at all."""
+    kv_cache = torch.zeros(2, 4, 16, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    ref.write_kv_cache(key, value, kv_cache, torch.tensor([-1, 17, -1]))
+    torch.testing.assert_close(kv_cache[0, 1, 1], key[1])
+    torch.testing.assert_close(kv_cache[1, 1, 1], value[1])
+    assert int((kv_cache != 0).sum()) == 2 * 2 * 8
+    ref.write_kv_cache(key[:2], value[:2], kv_cache, torch.tensor([-1, -1]))
+    assert int((kv_cache != 0).sum()) == 2 * 2 * 8
+    latent_cache = torch.zeros(4, 16, 24)
+    latent = torch.randn(2, 24)
+    ref.write_latent_cache(latent, latent_cache, torch.tensor([-1, 33]))
+    torch.testing.assert_close(latent_cache[2, 1], latent[1])
+    assert int((latent_cache != 0).sum()) == 24
+
+
 def test_reference_keeps_query_dtype_bf16():
     case = make_paged_case([5], [9], 4, 2, 16, 16, dtype=torch.bfloat16)
     out = ref.prefill_attention(case.query, case.kv_cache, case.cu_seqlens_q, case.seq_lens,

@@ -198,6 +198,24 @@ def test_write_kv_cache_from_fused_qkv_views(dtype):
     assert torch.equal(actual, expected)
 
 
+def test_a_negative_slot_writes_nothing():
+    """Padding rows (slot -1, a decode graph's bucket past its step's sequences) are masked
+    out on the device: the cache keeps its bytes there, K, V and latent alike."""
+    key, value = torch.randn(4, 2, 16, device=DEVICE), torch.randn(4, 2, 16, device=DEVICE)
+    slots = torch.tensor([-1, 9, -1, 63], device=DEVICE)
+    expected = torch.randn(2, 4, 16, 2, 16, device=DEVICE)
+    actual = expected.clone()
+    expected[0, 0, 9], expected[1, 0, 9] = key[1], value[1]
+    expected[0, 3, 15], expected[1, 3, 15] = key[3], value[3]
+    triton_backend.write_kv_cache(key, value, actual, slots)
+    assert torch.equal(actual, expected)
+    latent_cache = torch.randn(4, 16, 72, device=DEVICE)
+    before = latent_cache.clone()
+    triton_backend.write_latent_cache(torch.randn(2, 72, device=DEVICE), latent_cache,
+                                      torch.tensor([-1, -1], device=DEVICE))
+    assert torch.equal(latent_cache, before)
+
+
 def test_write_latent_cache_matches_reference():
     latent = torch.randn(7, 72, device=DEVICE)  # R + P = 64 + 8: padded to 128 lanes
     slots = torch.tensor([0, 1, 31, 32, 47, 63, 5], device=DEVICE)

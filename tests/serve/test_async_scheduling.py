@@ -168,3 +168,21 @@ def test_a_rank_group_runs_synchronously(llama_dir) -> None:
         assert llm.engine.overlap is None
         out = llm.generate([PROMPTS[0]], params_of({"max_tokens": 3}))
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_decode_graphs_take_the_device_ids_of_the_step_before(llama_dir, monkeypatch) -> None:
+    """Async scheduling over the decode graphs' static buffers (their eager mode on CPU,
+    serve/executor/cuda_graphs.py): the placeholders' ids reach the graph's input buffer."""
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS_ON_CPU", "1")
+    monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
+    params = [params_of(o) for o in PLAIN[:5]]
+    expected, _ = run(llama_dir, PROMPTS[:5], params, async_scheduling=False,
+                      enforce_eager=True)
+    with LLM(llama_dir, block_size=8, num_kv_blocks=128, device="cpu",
+             async_scheduling=True) as llm:
+        got = llm.generate(PROMPTS[:5], params)
+        graphs = llm.engine.runner._rank.decode_graphs
+        assert graphs is not None and graphs.num_replays > 10
+        assert llm.engine.overlap.num_launched > 10
+        assert_idle(llm.engine)
+    assert summary(got) == summary(expected)
