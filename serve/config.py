@@ -212,7 +212,8 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
     """Schedule step N+1 and turn step N's tokens into text while step N runs
     (serve/engine/overlap.py). None: on where the model runs on one CUDA device, off on CPU
-    (measured slower there: benchmarks/step_roofline.py)."""
+    (measured 1.1-2.5x slower there: its step thread is a second OpenMP team on the cores;
+    docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

@@ -50,7 +50,6 @@ JSON into --output-dir (or next to --output), and prints the JSON object last.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -98,9 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time every decode point on every CPU path the engine could "
                              "have chosen (serve/cpu/tuning.py), and the default's ratio to "
                              "the best at each point")
-    parser.add_argument("--compare-async", action="store_true",
-                        help="also time every decode point on an engine with async scheduling "
-                             "(serve/engine/overlap.py), in the same rounds")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="pdserve's engine schedules each step while the one before runs "
+                             "(serve/engine/overlap.py; default: the engine's own default, off "
+                             "on CPU). Compare runs in separate processes: a second engine in "
+                             "one process adds a second OpenMP team to the cores")
     parser.add_argument("--output", default=None,
                         help="the JSON file (default: step_roofline.json in --output-dir)")
     add_output_dir(parser, "step_roofline")
@@ -244,16 +246,13 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
     settings = dict(block_size=args.block_size, num_kv_blocks=num_blocks,
                     max_num_seqs=max(args.batch_sizes), max_model_len=longest,
                     max_num_batched_tokens=budget, enable_prefix_caching=False)
-    with LLM(str(model_dir), **settings) as llm, contextlib.ExitStack() as stack:
-        overlapped = (stack.enter_context(LLM(str(model_dir), async_scheduling=True, **settings))
-                      if args.compare_async else None)
+    with LLM(str(model_dir), async_scheduling=args.async_scheduling, **settings) as llm:
         torch.set_num_threads(args.threads)  # the engine set its share; use the asked number
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=decode_tokens + head_start + 4,
                                 ignore_eos=True)
         llm.generate([fresh(32)], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         rounds: dict[tuple[int, int], list[float]] = {}
-        async_rounds: dict[tuple[int, int], list[float]] = {}
         reads: dict[tuple[int, int], list[float]] = {}
         parts: dict[tuple[int, int], list[list[float]]] = {}
         for _ in range(args.rounds):
@@ -268,13 +267,6 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
                             (seconds / args.decode_steps).tolist())
                     read = read_bandwidth_bytes_per_s(decode_bytes(facts, batch, context))
                     rounds.setdefault((batch, context), []).append(step_s)
-                    if overlapped is not None:
-                        async_s, _ = decode_point(overlapped.engine,
-                                                  [fresh(context) for _ in range(batch)],
-                                                  params, args)
-                        async_rounds.setdefault((batch, context), []).append(async_s)
-                        print(f"pdserve decode batch {batch} context {context}, async "
-                              f"scheduling: {async_s * 1e3:.2f} ms", flush=True)
                     reads.setdefault((batch, context), []).append(read / 1e9)
                     print(f"pdserve decode batch {batch} context {context}: "
                           f"{step_s * 1e3:.2f} ms (read {read / 1e9:.1f} GB/s "
@@ -282,10 +274,7 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
         decode = [{"batch": batch, "context": context,
                    "step_s": sorted(values)[len(values) // 2], "rounds_s": values,
                    "rounds_read_gb_s": reads[batch, context],
-                   **({"rounds_parts_s": parts[batch, context]} if parts else {}),
-                   **({"async_rounds_s": async_rounds[batch, context],
-                       "async_step_s": statistics.median(async_rounds[batch, context])}
-                      if async_rounds else {})}
+                   **({"rounds_parts_s": parts[batch, context]} if parts else {})}
                   for (batch, context), values in rounds.items()]
         one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for length in args.prefill_lengths:
@@ -484,11 +473,6 @@ def print_table(result: dict[str, Any]) -> None:
                 else f"{'-':>8} {'-':>6}")
         print(f"{r['tokens']:>6} | {r['seconds'] * 1e3:10.1f} {r['gflops_per_s']:8.1f} "
               f"{100 * r['fraction_of_peak']:6.0f}% | {peer}")
-    if any("async_step_s" in r for r in result["decode"]):
-        print(f"{'batch':>5} {'ctx':>5} | {'sync ms':>8} {'async ms':>8} {'async/sync':>10}")
-        for r in result["decode"]:
-            print(f"{r['batch']:>5} {r['context']:>5} | {r['step_s'] * 1e3:8.2f} "
-                  f"{r['async_step_s'] * 1e3:8.2f} {r['async_step_s'] / r['step_s']:10.2f}")
     if "paths_step_s" in result:
         points = list(result["default_vs_best_path"])
         print(f"\ndecode step ms per CPU path (default: {result['default_path']}, "
@@ -560,6 +544,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"machine": {"cpu_model": machine["cpu_model"], "cpu_flags": machine["cpu_flags"],
                           "caches": cache_sizes(), "cores": machine["cores"]},
               "model": {**facts, "dir": str(model_dir)}, "threads": args.threads,
+              "async_scheduling": args.async_scheduling,
               "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflops": peak / 1e9,
               **analyse(facts, peak, runs),
               **{key: value for key, value in runs["pdserve"].items()

@@ -13,11 +13,14 @@
 #   kernels   prefill / decode / MLA attention against SDPA and the copy bandwidth
 #             (bench_attention.json)
 #   engine    greedy tokens of the Triton backend equal the torch backend's, on CUDA
+#   decode-step  the decode step at batch 1 / 8 / 32: pdserve with CUDA graphs, eager
+#             (--enforce-eager), without async scheduling, and vLLM where installed
+#             (decode_step.json)
 #   served    `pdserve up` colocated and 1P+1D on one GPU (--allow-gpu-sharing), and vLLM's
 #             CUDA build where it is installed: TTFT / TPOT / goodput, 512 in / 128 out, a
 #             random ~1B Llama in bf16 (served.json)
-# Writes at most 6 files into $OUT: summary.json, tests.txt, bench_attention.json, served.json,
-# engine.txt, log.txt.
+# Writes at most 7 files into $OUT: summary.json, tests.txt, bench_attention.json,
+# decode_step.json, served.json, engine.txt, log.txt.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -27,6 +30,7 @@ TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-180}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-120}"
 ENGINE_TIMEOUT_S="${ENGINE_TIMEOUT_S:-90}"
 SERVED_TIMEOUT_S="${SERVED_TIMEOUT_S:-240}"
+STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-160}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/log.txt"
@@ -63,7 +67,7 @@ triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; 
 cd "$REPO"
 stage tests "$TEST_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/kernels tests/serve/test_sampler_device.py tests/serve/test_decode_host_reads.py \
-    tests/serve/test_cuda_graphs.py
+    tests/serve/test_cuda_graphs.py tests/serve/test_async_scheduling.py
 stage gpu-tests "$TEST_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$LOG" > "$OUT/tests.txt"
 
@@ -73,6 +77,9 @@ stage kernels "$BENCH_TIMEOUT_S" "$PY" -m pdserve.benchmarks.experiments.kernels
 stage engine "$ENGINE_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/kernels/test_kernels_engine.py
 grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -1 > "$OUT/engine.txt"
+
+stage decode-step "$STEP_TIMEOUT_S" "$PY" -m pdserve.benchmarks.gpu.decode_step \
+    --output "$OUT/decode_step.json" --timeout-s $((STEP_TIMEOUT_S / 4))
 
 stage served "$SERVED_TIMEOUT_S" "$PY" -m pdserve.benchmarks.gpu.served \
     --output "$OUT/served.json" --timeout-s $((SERVED_TIMEOUT_S / 3))
