@@ -172,7 +172,6 @@ def test_kernels_compile_for_sm90_and_sm80_without_spills():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the FP8 GEMM spills registers on sm90 (FP8_CASES)")
 def test_the_fp8_gemm_compiles_for_sm90_without_spills():
     results = _compile_in_child("fp8")
     assert [r["kernel"] for r in results] == [c[0] for c in FP8_CASES]
