@@ -12,7 +12,8 @@ from pdserve.benchmarks.gpu import decode_step
 def test_each_engine_reports_its_decode_step(llama_dir, tmp_path) -> None:
     output = tmp_path / "decode_step.json"
     decode_step.main(["--model", str(llama_dir), "--device", "cpu", "--batch-sizes", "1", "3",
-                      "--num-steps", "4", "--prompt-tokens", "16", "--output", str(output), "--timeout-s", "120"])
+                      "--num-steps", "4", "--prompt-tokens", "16", "--output", str(output),
+                      "--timeout-s", "120"])
     result = json.loads(output.read_text())
     engines = result["engines"]
     for name in ("pdserve", "pdserve-eager", "pdserve-no-async"):
