@@ -46,6 +46,7 @@ class NodeInfo:
     address: str  # the node's data-server control address, tcp://host:port
     last_seen_s: float
     keys: set[bytes] = field(default_factory=set)
+    joined_s: float = 0.0
     capacity_blocks: int = 0
     """All tiers together, as last reported (0: not reported yet)."""
     num_blocks: int = 0
@@ -53,6 +54,9 @@ class NodeInfo:
     num_bytes: int = 0
     num_placed: int = 0
     """Blocks placed on it since its last report (writes in flight: its load)."""
+    is_settled: bool = False
+    """Joined at least node_ttl_s ago: its inventory is in, and it may receive copies of the
+    blocks that fell under `replicas` before it came (Master.expire_nodes)."""
 
     def fill(self) -> float:
         return (self.num_blocks + self.num_placed) / max(1, self.capacity_blocks)
@@ -105,7 +109,8 @@ class Master:
         """Register a node (a re-join after a restart forgets what it held before)."""
         if node_id in self._nodes:
             self.leave(node_id)
-        self._nodes[node_id] = NodeInfo(node_id, address, self._clock())
+        self._nodes[node_id] = NodeInfo(node_id, address, self._clock(),
+                                        joined_s=self._clock())
         if usage is not None:
             self.report_usage(node_id, usage)
         logger.info("master: node %s joined at %s", node_id, address)
@@ -193,7 +198,27 @@ class Master:
             self.leave(node_id)
         for lease_id in [i for i, g in self._lease_groups.items() if g.expires_at_s <= now]:
             del self._lease_groups[lease_id]
+        self._settle_joined(now)
         return gone
+
+    def _settle_joined(self, now: float) -> None:
+        """A node that joined node_ttl_s ago (a restarted one, a new one) gets copies of the
+        blocks still under `replicas`: those whose holder left while it was away. Not at
+        join: its inventory (and, after a master restart, the other nodes') is not in yet,
+        and a block it already holds would be copied to it again."""
+        fresh = [n for n in self._nodes.values()
+                 if not n.is_settled and now - n.joined_s >= self.node_ttl_s]
+        if not fresh:
+            return
+        for node in fresh:
+            node.is_settled = True
+        if self.replicas > 1:
+            under = [key for key, holders in self._index.items()
+                     if len(holders) < self.replicas]
+            planned = self._plan_copies(under)
+            if planned:
+                logger.info("master: %d copies to make onto %s, back to %d replicas", planned,
+                            ", ".join(n.node_id for n in fresh), self.replicas)
 
     def nodes(self) -> dict[str, str]:
         """node_id -> address of every live node."""

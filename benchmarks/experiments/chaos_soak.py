@@ -1,18 +1,26 @@
-"""Chaos soak: mixed streaming load on `pdserve up` (2 prefill + 2 decode workers and the
-store, loopback only) while a worker or the store is SIGKILLed every 30-60 s and the
-launcher restarts it.
+"""Chaos soak: every role of a fleet SIGKILLed in turn under a mixed load, and nobody notices.
 
-    python -m pdserve.benchmarks.experiments.chaos_soak [--model DIR] [--duration-s 600] [--rate 2]
+    python -m pdserve.benchmarks.chaos_soak [--model DIR] [--duration-s 600]
+        [--capacity-fraction 0.7 | --rate R]
 
-What it shows: requests survive their workers. A decode worker killed mid-stream hands its
-streams to the other (router/dispatch.py migration: prompt + outputs so far, recomputed); a
-prefill worker killed mid-prompt has its requests retried on the other; a killed store costs
-prefix hits, not requests. It reports requests completed, migrated (the router's
-pdserve:request_migrations_total), failed (with their errors: there should be none while a
-worker of each pool is left), restarts (pdserve:process_restarts_total) and TTFT, and after
-the run checks that nothing leaked: every worker idle with all KV blocks free and no hand-off
-lease, the store holding no lease or pin, and the store's own integrity check passing.
-Prints a table, writes JSON and a timeline plot next to --output, and prints the JSON last.
+The fleet (benchmarks/experiments/chaos_fleet.py): a store master and two data nodes (each
+block on both), 2 prefill + 2 decode workers and 2 routers, each its own process. The benchmark
+is their supervisor: every --kill-every-s it SIGKILLs the next of prefill-0, decode-0, master,
+data-1, router-0 (in turn, round and round), starts it again --restart-after-s later (the
+launcher's backoff), and times it to ready.
+
+The load: Poisson arrivals at --capacity-fraction of the capacity measured first (a closed loop
+of --calibration-clients over the same mix for --calibration-s), each request one of plain
+completions, greedy streams, JSON-schema chat, seeded n = 2 streams and completions with
+logprobs, every prompt fresh. A client tries router-0 and, where the connection is refused,
+router-1 (as a load balancer in front of both would); a stream router-0 held when it was killed
+is lost with it, and counted apart.
+
+Reports: failed requests by cause; the greedy streams' text against the offline engine's greedy
+run of the same prompts; each kill's restart-to-ready time; goodput (requests that completed
+within --ttft-slo-ms and --tpot-slo-ms) per 5-second window, plotted with the kills; and after
+the run every KV block, hand-off lease, store lease and pin, and the store's integrity. Prints a
+table, writes JSON and the plot next to --output, and prints the JSON last.
 """
 
 from __future__ import annotations
@@ -20,10 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,233 +38,313 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
+from pdserve.benchmarks.experiments.chaos_fleet import ROUTERS, Fleet
 from pdserve.benchmarks.output import add_output_dir, output_path
 from pdserve.benchmarks.plots import pyplot, save_figure
 
-VICTIMS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "store")
+VICTIMS = ("prefill-0", "decode-0", "master", "data-1", "router-0")
+KINDS = ("plain", "stream", "json-schema", "n2", "logprobs")
+WINDOW_S = 5.0
+SCHEMA = {"type": "object", "required": ["name", "tags"], "properties": {
+    "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="checkpoint dir (default: the embedded tiny random model)")
     parser.add_argument("--duration-s", type=float, default=600.0)
-    parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
-    parser.add_argument("--kill-every-s", type=float, nargs=2, default=(30.0, 60.0),
-                        metavar=("MIN", "MAX"), help="seconds between kills, uniform")
-    parser.add_argument("--max-tokens", type=int, nargs=2, default=(16, 256),
+    parser.add_argument("--rate", type=float, default=None,
+                        help="Poisson arrivals per second (default: --capacity-fraction of the "
+                             "measured capacity)")
+    parser.add_argument("--capacity-fraction", type=float, default=0.7)
+    parser.add_argument("--calibration-s", type=float, default=40.0)
+    parser.add_argument("--calibration-clients", type=int, default=8)
+    parser.add_argument("--kill-every-s", type=float, default=45.0)
+    parser.add_argument("--first-kill-s", type=float, default=30.0)
+    parser.add_argument("--restart-after-s", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, nargs=2, default=(16, 128),
                         metavar=("MIN", "MAX"))
+    parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    parser.add_argument("--tpot-slo-ms", type=float, default=250.0)
     parser.add_argument("--base-port", type=int, default=19400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None,
                         help="the JSON file (default: chaos_soak.json in --output-dir)")
     add_output_dir(parser, "chaos_soak")
-    parser.add_argument("--log", default="/tmp/pdserve-chaos-soak.log",
-                        help="where `pdserve up` and its children log")
 
 
 @dataclass
 class Outcome:
+    kind: str
     start_s: float
-    ok: bool
+    end_s: float = 0.0
+    ok: bool = False
     ttft_s: float | None = None
     num_tokens: int = 0
+    router: int = 0
     error: str | None = None
+    prompt: str = ""
+    max_tokens: int = 0
+    text: str | None = None
+    """A greedy stream's text, compared with the offline engine's after the run."""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.num_tokens < 2:
+            return None
+        return (self.end_s - self.start_s - self.ttft_s) / (self.num_tokens - 1)
+
+
+@dataclass
+class Kill:
+    victim: str
+    at_s: float
+    restarted_at_s: float = 0.0
+    ready_after_s: float | None = None
+    """Restart to ready, seconds (None: not ready within the wait)."""
 
 
 @dataclass
 class Soak:
-    kills: list[tuple[float, str]] = field(default_factory=list)
+    kills: list[Kill] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
 
 
-# ---- the cluster ---------------------------------------------------------------------------
-def start_up(args: argparse.Namespace, run_dir: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pdserve.app.cli", "up", "--num-prefill", "2", "--num-decode",
-            "2", "--port", str(args.base_port), "--store-port", str(args.base_port + 10),
-            "--worker-base-port", str(args.base_port + 20), "--restart-backoff-s", "1",
-            "--cluster-key-file", str(run_dir / "cluster.key")]
-    if args.model:
-        argv += ["--model", args.model]
-    log = open(args.log, "wb")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+# ---- one request ---------------------------------------------------------------------------
+def make_request(kind: str, rng: random.Random, args: argparse.Namespace
+                 ) -> tuple[str, dict[str, Any]]:
+    """(path, body) of a fresh request of this kind."""
+    prompt = " ".join(f"w{rng.randrange(100_000)}" for _ in range(rng.randint(8, 120)))
+    max_tokens = rng.randint(*args.max_tokens)
+    if kind == "json-schema":
+        return "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    if kind in ("stream", "n2"):
+        body["stream"] = True
+    if kind == "n2":
+        body.update(n=2, temperature=1.0, seed=rng.randrange(1 << 30))
+    if kind == "logprobs":
+        body["logprobs"] = 2
+    return "/v1/completions", body
 
 
-def children(up_pid: int) -> dict[str, int]:
-    """The launcher's children by role name (prefill-0, ..., store, router) -> pid."""
-    found: dict[str, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+async def send(client: httpx.AsyncClient, urls: list[str], kind: str, path: str,
+               body: dict[str, Any], t0: float) -> Outcome:
+    outcome = Outcome(kind, time.monotonic() - t0, prompt=body.get("prompt", ""),
+                      max_tokens=body["max_tokens"])
+    pieces: list[str] = []
+    for router, url in enumerate(urls):  # the next router only where this one refuses
+        outcome.router = router
         try:
-            stat = Path(entry.path, "stat").read_text()
-            argv = Path(entry.path, "cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) != up_pid or "pdserve.app.cli" not in argv:
-            continue
-        role = argv[argv.index("pdserve.app.cli") + 1]
-        if "--worker-id" in argv:
-            role = argv[argv.index("--worker-id") + 1]
-        found[role] = int(entry.name)
-    return found
-
-
-def wait_ready(base_url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            workers = httpx.get(f"{base_url}/status", timeout=2).json()["workers"]
-            if len(workers) == 4 and all(w["is_ready"] for w in workers):
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f} s")
-
-
-def metric(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
-# ---- load and chaos ------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, t0: float,
-                      args: argparse.Namespace) -> Outcome:
-    words = " ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.randint(8, 200)))
-    body = {"prompt": words, "max_tokens": rng.randint(*args.max_tokens), "stream": True,
-            "temperature": 0, "ignore_eos": True}
-    start = time.monotonic()
-    outcome = Outcome(start - t0, ok=False)
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                outcome.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return outcome
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    outcome.error = str(chunk["error"].get("message", chunk["error"]))[:200]
-                    return outcome
-                if outcome.ttft_s is None:
-                    outcome.ttft_s = time.monotonic() - start
-                outcome.num_tokens += 1
-        outcome.ok = outcome.num_tokens == body["max_tokens"]
-        if not outcome.ok:
-            outcome.error = f"stream ended after {outcome.num_tokens}/{body['max_tokens']}"
-    except httpx.HTTPError as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+            await _send_to(client, f"{url}{path}", body, outcome, pieces, t0)
+            break
+        except httpx.ConnectError as exc:
+            outcome.error = f"ConnectError: {exc}"[:200]
+        except httpx.HTTPError as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+            break
+    outcome.end_s = time.monotonic() - t0
+    if outcome.ok and kind == "stream":
+        outcome.text = "".join(pieces)
     return outcome
 
 
-async def load(base_url: str, args: argparse.Namespace, soak: Soak, t0: float) -> None:
+async def _send_to(client: httpx.AsyncClient, url: str, body: dict[str, Any], outcome: Outcome,
+                   pieces: list[str], t0: float) -> None:
+    start = time.monotonic()
+    if not body.get("stream"):
+        r = await client.post(url, json=body)
+        if r.status_code != 200:
+            outcome.error = f"HTTP {r.status_code}: {r.text[:160]}"
+            return
+        usage = r.json()["usage"]
+        outcome.ttft_s = time.monotonic() - start  # the whole answer: its first token too
+        outcome.num_tokens = usage["completion_tokens"]
+        outcome.ok, outcome.error = True, None
+        return
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            outcome.error = f"HTTP {r.status_code}: {(await r.aread())[:160]!r}"
+            return
+        finished = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                outcome.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+                return
+            for choice in chunk.get("choices", []):
+                text = choice.get("text", choice.get("delta", {}).get("content"))
+                if text:
+                    if outcome.ttft_s is None:
+                        outcome.ttft_s = time.monotonic() - start
+                    outcome.num_tokens += 1
+                    pieces.append(text)
+                finished += choice.get("finish_reason") is not None
+    expected = body.get("n", 1)
+    outcome.ok = finished == expected
+    outcome.error = None if outcome.ok else f"stream ended with {finished}/{expected} finished"
+
+
+# ---- load, calibration, chaos --------------------------------------------------------------
+async def calibrate(urls: list[str], args: argparse.Namespace) -> float:
+    """Completed requests per second of a closed loop of --calibration-clients over the mix."""
+    rng = random.Random(args.seed + 7)
+    done = 0
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() - t0 < args.calibration_s:
+                kind = rng.choice(KINDS)
+                outcome = await send(client, urls, kind, *make_request(kind, rng, args), t0)
+                done += outcome.ok
+        await asyncio.gather(*(loop() for _ in range(args.calibration_clients)))
+    return done / (time.monotonic() - t0)
+
+
+async def load(urls: list[str], rate: float, args: argparse.Namespace, soak: Soak,
+               t0: float) -> None:
     rng = random.Random(args.seed)
-    url = f"{base_url}/v1/completions"
     tasks: list[asyncio.Task] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
         while time.monotonic() - t0 < args.duration_s:
-            tasks.append(asyncio.create_task(one_request(client, url, rng, t0, args)))
-            await asyncio.sleep(rng.expovariate(args.rate))
+            kind = KINDS[len(tasks) % len(KINDS)]
+            tasks.append(asyncio.create_task(
+                send(client, urls, kind, *make_request(kind, rng, args), t0)))
+            await asyncio.sleep(rng.expovariate(rate))
         soak.outcomes = list(await asyncio.gather(*tasks))
 
 
-async def chaos(up_pid: int, args: argparse.Namespace, soak: Soak, t0: float) -> None:
-    rng = random.Random(args.seed + 1)
-    while True:
-        await asyncio.sleep(rng.uniform(*args.kill_every_s))
-        if time.monotonic() - t0 >= args.duration_s - 10:
-            return
-        victim = rng.choice(VICTIMS)
-        pid = children(up_pid).get(victim)
-        if pid is None:
-            continue  # still restarting from the last kill
-        os.kill(pid, signal.SIGKILL)
-        soak.kills.append((time.monotonic() - t0, victim))
-        print(f"[{time.monotonic() - t0:6.0f} s] SIGKILL {victim} (pid {pid})", flush=True)
+async def chaos(fleet: Fleet, args: argparse.Namespace, soak: Soak, t0: float) -> None:
+    """Kill, restart, wait until ready, then the next victim, until the run's last stretch."""
+    await asyncio.sleep(args.first_kill_s)
+    turn = 0
+    while time.monotonic() - t0 < args.duration_s - args.kill_every_s / 2:
+        victim = VICTIMS[turn % len(VICTIMS)]
+        turn += 1
+        kill = Kill(victim, time.monotonic() - t0)
+        await asyncio.to_thread(fleet.kill, victim)
+        soak.kills.append(kill)
+        print(f"[{kill.at_s:6.0f} s] SIGKILL {victim}", flush=True)
+        await asyncio.sleep(args.restart_after_s)
+        fleet.start(victim)
+        kill.restarted_at_s = time.monotonic() - t0
+        try:
+            kill.ready_after_s = await asyncio.to_thread(fleet.wait_ready, [victim], 120.0)
+        except TimeoutError:
+            print(f"  {victim} not ready within 120 s", flush=True)
+        print(f"  {victim} ready {kill.ready_after_s} s after its restart", flush=True)
+        await asyncio.sleep(max(0.0, kill.at_s + args.kill_every_s - (time.monotonic() - t0)))
 
 
-async def soak_run(base_url: str, up_pid: int, args: argparse.Namespace) -> Soak:
+async def soak_run(fleet: Fleet, rate: float, args: argparse.Namespace) -> Soak:
     soak, t0 = Soak(), time.monotonic()
-    chaos_task = asyncio.create_task(chaos(up_pid, args, soak, t0))
-    await load(base_url, args, soak, t0)
-    chaos_task.cancel()
+    chaos_task = asyncio.create_task(chaos(fleet, args, soak, t0))
+    await load(fleet.router_urls, rate, args, soak, t0)
+    await chaos_task
     return soak
 
 
 # ---- after the run -------------------------------------------------------------------------
-def leak_check(base_url: str, key_path: Path, store_port: int, timeout_s: float = 60.0
-               ) -> dict[str, Any]:
+def greedy_reference(model: str, outcomes: list[Outcome]) -> dict[int, str]:
+    """The offline engine's greedy text of every completed greedy stream, by outcome index."""
+    from pdserve.serve import LLM, SamplingParams
+
+    picked = [(i, o) for i, o in enumerate(outcomes) if o.text is not None]
+    if not picked:
+        return {}
+    with LLM(model) as llm:
+        outs = llm.generate([o.prompt for _, o in picked],
+                            [SamplingParams(temperature=0, max_tokens=o.max_tokens,
+                                            ignore_eos=True) for _, o in picked])
+    return {i: out.outputs[0].text for (i, _), out in zip(picked, outs, strict=True)}
+
+
+def leak_check(fleet: Fleet, timeout_s: float = 60.0) -> dict[str, Any]:
     from pdserve import security
     from pdserve.kvstore.client import StoreClient
 
     deadline = time.monotonic() + timeout_s
     workers: list[dict] = []
     while time.monotonic() < deadline:
-        workers = httpx.get(f"{base_url}/status", timeout=5).json()["workers"]
+        workers = httpx.get(f"{fleet.router_urls[1]}/status", timeout=5).json()["workers"]
         if all(w["is_alive"] and w["num_inflight"] == 0
                and w["num_free_blocks"] == w["num_total_blocks"]
                and w.get("kv_transfer", {}).get("num_handoff_leases", 0) == 0 for w in workers):
             break
         time.sleep(1.0)
-    with security.using(security.ClusterKey.load(key_path)):
-        store = StoreClient(f"tcp://127.0.0.1:{store_port + 1}",
-                            f"tcp://127.0.0.1:{store_port}", transport="zmq", timeout_s=10)
-    try:
-        while True:
-            stats = store.stats()
-            if (stats["num_leases"] == 0 and stats["num_pinned"] == 0) \
-                    or time.monotonic() > deadline:
-                break
-            time.sleep(1.0)
-        integrity = "ok"
-        try:
-            store.check_integrity()
-        except Exception as exc:  # the point is to report it
-            integrity = f"failed: {exc}"
-    finally:
-        store.close()
-    return {
-        "workers_idle": all(w["is_alive"] and w["num_inflight"] == 0 for w in workers),
-        "blocks_held": sum(w["num_total_blocks"] - w["num_free_blocks"] for w in workers),
-        "handoff_leases": sum(w.get("kv_transfer", {}).get("num_handoff_leases", 0)
-                              for w in workers),
-        "store_leases": stats["num_leases"], "store_pinned": stats["num_pinned"],
-        "store_integrity": integrity,
-    }
+    store: dict[str, Any] = {}
+    with security.using(security.ClusterKey.load(fleet.key_path)):
+        for name in ("data-0", "data-1", "master"):
+            client = (StoreClient(None, fleet.address(name), transport="zmq", timeout_s=10)
+                      if name == "master" else
+                      StoreClient(fleet.address(name), transport="zmq", timeout_s=10))
+            try:
+                stats = client.stats()
+                while name != "master" and (stats["num_leases"] or stats["num_pinned"]) \
+                        and time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    stats = client.stats()
+                try:
+                    client.check_integrity()
+                    integrity = "ok"
+                except AssertionError as exc:  # the point is to report it
+                    integrity = f"failed: {exc}"
+                store[name] = {"integrity": integrity, **{
+                    k: stats[k] for k in ("num_leases", "num_pinned", "num_lease_groups")
+                    if k in stats}}
+            finally:
+                client.close()
+    return {"workers_idle": all(w["is_alive"] and w["num_inflight"] == 0 for w in workers),
+            "blocks_held": sum(w["num_total_blocks"] - w["num_free_blocks"] for w in workers),
+            "handoff_leases": sum(w.get("kv_transfer", {}).get("num_handoff_leases", 0)
+                                  for w in workers),
+            "store": store}
 
 
-def failure_cause(error: str) -> str:
-    """A failure's kind: no worker of a pool was left (what the issue allows), or another."""
-    if "no other" in error or "worker is ready" in error:
-        return "no worker of the pool left"
-    if error.startswith("HTTP "):
-        return error.split(":", 1)[0]
-    if error.startswith("stream ended"):
-        return "stream ended early"
-    return error.split(":", 1)[0]
+def held_by_killed_router(outcome: Outcome, kills: list[Kill]) -> bool:
+    """A request router-0 held when it was killed (lost with it, as the issue allows)."""
+    return outcome.router == 0 and any(
+        k.victim == ROUTERS[0] and outcome.start_s <= k.at_s <= outcome.end_s for k in kills)
 
 
-def summarise(soak: Soak, base_url: str, leaks: dict[str, Any], args: argparse.Namespace
-              ) -> dict[str, Any]:
-    done = [o for o in soak.outcomes if o.ok]
+def goodput_windows(outcomes: list[Outcome], args: argparse.Namespace) -> list[float]:
+    """Requests per second completed within both SLOs, per WINDOW_S window of completion."""
+    windows = [0.0] * (int(args.duration_s // WINDOW_S) + 1)
+    for o in outcomes:
+        tpot = o.tpot_s
+        if o.ok and o.ttft_s is not None and o.ttft_s * 1e3 <= args.ttft_slo_ms and (
+                tpot is None or tpot * 1e3 <= args.tpot_slo_ms):
+            index = min(int(o.end_s // WINDOW_S), len(windows) - 1)
+            windows[index] += 1 / WINDOW_S
+    return windows
+
+
+def summarise(soak: Soak, reference: dict[int, str], leaks: dict[str, Any], rate: float,
+              capacity: float | None, args: argparse.Namespace) -> dict[str, Any]:
     failed = [o for o in soak.outcomes if not o.ok]
-    ttfts = np.array([o.ttft_s for o in done if o.ttft_s is not None]) * 1e3
+    lost = [o for o in failed if held_by_killed_router(o, soak.kills)]
+    other = [o for o in failed if o not in lost]
+    mismatched = [i for i, text in reference.items() if soak.outcomes[i].text != text]
     return {
-        "duration_s": args.duration_s, "rate": args.rate,
-        "requests": len(soak.outcomes), "completed": len(done), "failed": len(failed),
-        "migrated": metric(base_url, "pdserve:request_migrations_total"),
-        "restarts": metric(base_url, "pdserve:process_restarts_total"),
-        "kills": [{"at_s": round(t, 1), "victim": v} for t, v in soak.kills],
-        "ttft_ms": {"mean": float(ttfts.mean()) if ttfts.size else None,
-                    "p50": float(np.percentile(ttfts, 50)) if ttfts.size else None,
-                    "p99": float(np.percentile(ttfts, 99)) if ttfts.size else None},
-        "failed_by_cause": dict(Counter(failure_cause(o.error or "") for o in failed)),
-        "errors": [{"at_s": round(o.start_s, 1), "error": o.error} for o in failed][:50],
-        "log": args.log,
+        "duration_s": args.duration_s, "rate": rate, "capacity_req_s": capacity,
+        "capacity_fraction": None if capacity is None else rate / capacity,
+        "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+        "requests": len(soak.outcomes), "by_kind": dict(Counter(o.kind for o in soak.outcomes)),
+        "completed": len(soak.outcomes) - len(failed), "failed": len(other),
+        "lost_with_killed_router": len(lost),
+        "failed_by_kind": dict(Counter(o.kind for o in other)),
+        "errors": [{"at_s": round(o.start_s, 1), "kind": o.kind, "error": o.error}
+                   for o in other][:50],
+        "greedy_streams_compared": len(reference), "greedy_streams_differing": len(mismatched),
+        "kills": [asdict(k) for k in soak.kills],
+        "goodput_window_s": WINDOW_S, "goodput_per_window": goodput_windows(soak.outcomes, args),
         "after_the_run": leaks,
         "outcomes": [asdict(o) for o in soak.outcomes],
     }
@@ -267,60 +352,61 @@ def summarise(soak: Soak, base_url: str, leaks: dict[str, Any], args: argparse.N
 
 def plot(result: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4))
-    outcomes = result["outcomes"]
-    ok = [(o["start_s"], o["ttft_s"] * 1e3) for o in outcomes if o["ok"] and o["ttft_s"]]
-    bad = [o["start_s"] for o in outcomes if not o["ok"]]
-    if ok:
-        ax.scatter(*zip(*ok, strict=True), s=8, label="completed: TTFT", color="tab:blue")
-    top = max((t for _, t in ok), default=1000.0)
-    if bad:
-        ax.scatter(bad, [top] * len(bad), marker="x", color="tab:red", label="failed")
+    fig, ax = plt.subplots(figsize=(11, 4))
+    windows = result["goodput_per_window"]
+    times = [(i + 0.5) * result["goodput_window_s"] for i in range(len(windows))]
+    ax.plot(times, windows, color="tab:blue", label="goodput (req/s within SLOs)")
+    ax.axhline(result["rate"], color="tab:gray", linestyle="--", label="offered rate")
     for kill in result["kills"]:
-        ax.axvline(kill["at_s"], color="gray", linestyle=":")
-        ax.text(kill["at_s"], 0.02, kill["victim"], rotation=90, fontsize=7, va="bottom",
+        ax.axvline(kill["at_s"], color="tab:red", linestyle=":")
+        ready = kill["ready_after_s"]
+        label = f"{kill['victim']} ({ready:.1f} s)" if ready is not None else kill["victim"]
+        ax.text(kill["at_s"], 0.98, label, rotation=90, fontsize=7, va="top",
                 transform=ax.get_xaxis_transform())
-    ax.set_xlabel("request start (s)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_yscale("log")
-    ax.set_title(f"chaos soak: {result['completed']}/{result['requests']} completed, "
-                 f"{result['migrated']:.0f} migrated, {len(result['kills'])} kills")
-    ax.legend(loc="lower right")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("requests / s")
+    ax.set_title(f"chaos soak: {result['failed']} failed of {result['requests']}, "
+                 f"{result['greedy_streams_differing']} of {result['greedy_streams_compared']} "
+                 "greedy streams differ")
+    ax.legend(loc="lower left")
     return save_figure(fig, plt, path)
 
 
 def print_table(result: dict[str, Any]) -> None:
-    ttft = result["ttft_ms"]
-    print(f"requests {result['requests']}  completed {result['completed']}  failed "
-          f"{result['failed']}  migrated {result['migrated']:.0f}  kills {len(result['kills'])}"
-          f"  restarts {result['restarts']:.0f}")
-    if ttft["mean"] is not None:
-        print(f"TTFT ms: mean {ttft['mean']:.0f}  p50 {ttft['p50']:.0f}  p99 {ttft['p99']:.0f}")
-    print("failed by cause:", json.dumps(result["failed_by_cause"]))
+    print(f"rate {result['rate']:.2f} req/s (capacity {result['capacity_req_s']}), "
+          f"{result['requests']} requests {result['by_kind']}")
+    print(f"completed {result['completed']}  failed {result['failed']}  lost with the killed "
+          f"router {result['lost_with_killed_router']}  greedy streams differing "
+          f"{result['greedy_streams_differing']}/{result['greedy_streams_compared']}")
+    for kill in result["kills"]:
+        print(f"  {kill['at_s']:6.0f} s  {kill['victim']:<10} ready "
+              f"{kill['ready_after_s']} s after its restart")
     for error in result["errors"][:5]:
-        print(f"  failed at {error['at_s']} s: {error['error']}")
+        print(f"  failed at {error['at_s']} s ({error['kind']}): {error['error']}")
     print("after the run:", json.dumps(result["after_the_run"]))
 
 
 def run(args: argparse.Namespace) -> int:
-    base_url = f"http://127.0.0.1:{args.base_port}"
-    with tempfile.TemporaryDirectory(prefix="pdserve-soak-") as tmp:
-        run_dir = Path(tmp)
-        up = start_up(args, run_dir)
+    from pdserve.serve.default_model import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as tmp:
+        fleet = Fleet(model, Path(tmp), args.base_port)
         try:
-            wait_ready(base_url, 600)
-            print(f"cluster ready: {children(up.pid)}; soaking for {args.duration_s:.0f} s",
-                  flush=True)
-            soak = asyncio.run(soak_run(base_url, up.pid, args))
-            wait_ready(base_url, 120)  # the last victim back
-            leaks = leak_check(base_url, run_dir / "cluster.key", args.base_port + 10)
-            result = summarise(soak, base_url, leaks, args)
+            fleet.start_all()
+            capacity = None
+            rate = args.rate
+            if rate is None:
+                capacity = asyncio.run(calibrate(fleet.router_urls, args))
+                rate = args.capacity_fraction * capacity
+                print(f"capacity {capacity:.2f} req/s: load at {rate:.2f} req/s", flush=True)
+            soak = asyncio.run(soak_run(fleet, rate, args))
+            fleet.wait_ready(list(fleet.processes), 120)  # the last victim back
+            leaks = leak_check(fleet)
         finally:
-            os.killpg(up.pid, signal.SIGINT)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+            fleet.stop()
+    reference = greedy_reference(model, soak.outcomes)
+    result = summarise(soak, reference, leaks, rate, capacity, args)
     output = output_path(args, "chaos_soak", "chaos_soak.json", args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     print_table(result)

@@ -178,15 +178,20 @@ NUM_BLOCKS = 256
 class Roles:
     """Store, `num_prefill` prefill workers, `num_decode` decode workers and a router, each its
     own `pdserve <role>` process, as in a real cluster (names: store, prefill, prefill-1, ...,
-    decode, decode-1, ..., router)."""
+    decode, decode-1, ..., router). With `num_data_nodes` the store is a master process
+    ("master", placing each block on `replicas` nodes) and that many data nodes ("data-0",
+    "data-1", ...; the workers' --store is data-0) instead of one process of both."""
 
     def __init__(self, model_dir, log_dir, num_decode: int = 1,
-                 router_args: tuple[str, ...] = (), num_prefill: int = 1) -> None:
+                 router_args: tuple[str, ...] = (), num_prefill: int = 1,
+                 num_data_nodes: int = 0, replicas: int = 1) -> None:
         self.model_dir, self.log_dir = str(model_dir), log_dir
-        base = free_port_block(12)
+        base = free_port_block(12 + num_data_nodes)
         self.router_port, self.master_port, self.data_port = base, base + 1, base + 2
         self.prefill_ports = [base + 3 + i for i in range(num_prefill)]
         self.decode_ports = [base + 3 + num_prefill + i for i in range(num_decode)]
+        self.data_ports = [self.data_port] + [base + 12 + i for i in range(num_data_nodes - 1)]
+        self.num_data_nodes, self.replicas = num_data_nodes, replicas
         self.router_args = router_args
         self.key_path = security.ClusterKey.generate().save(log_dir / f"cluster-{base}.key")
         self.processes: dict[str, subprocess.Popen] = {}
@@ -227,9 +232,30 @@ class Roles:
                    "--store-master", f"tcp://127.0.0.1:{self.master_port}",
                    "--store-timeout-s", "2", "--kv-lease-ttl-s", str(LEASE_TTL_S))
 
+    def start_store(self, name: str) -> None:
+        """Start (again) the store process `name`: store, master, or data-i."""
+        if name == "store":
+            self.start("store", "store", "--role", "all", "--master-port",
+                       str(self.master_port), "--data-port", str(self.data_port),
+                       "--transport", "zmq")
+        elif name == "master":
+            self.start("master", "store", "--role", "master", "--master-port",
+                       str(self.master_port), "--replicas", str(self.replicas),
+                       "--node-ttl-s", "4", "--transport", "zmq")
+        else:
+            index = int(name.partition("-")[2])
+            self.start(name, "store", "--role", "data", "--data-port",
+                       str(self.data_ports[index]), "--node-id", f"store-{index}",
+                       "--master-address", f"tcp://127.0.0.1:{self.master_port}",
+                       "--heartbeat-interval-s", "0.5", "--transport", "zmq")
+
     def start_all(self) -> None:
-        self.start("store", "store", "--role", "all", "--master-port", str(self.master_port),
-                   "--data-port", str(self.data_port), "--transport", "zmq")
+        if self.num_data_nodes:
+            self.start_store("master")
+            for i in range(self.num_data_nodes):
+                self.start_store(f"data-{i}")
+        else:
+            self.start_store("store")
         worker_args = []
         for role, ports in (("prefill", self.prefill_ports), ("decode", self.decode_ports)):
             for i, port in enumerate(ports):
@@ -247,10 +273,11 @@ class Roles:
         """assert_nothing_leaked for this cluster. Workers killed on purpose are left out and
         every other must be alive and idle; the store is checked unless it was killed, as
         nothing is then left to ask (the workers alone are checked)."""
-        store = None if "store" in self.killed else self.store_client()
+        store_names = {"store", "master"} | {f"data-{i}" for i in range(self.num_data_nodes)}
+        store = None if self.killed & {"store", "master", "data-0"} else self.store_client()
         try:
             killed_addresses = [self.worker_address(name) for name in self.killed
-                                if name != "store"]
+                                if name not in store_names]
             assert_nothing_leaked(self.base_url, store, timeout_s, killed_addresses)
         finally:
             if store is not None:

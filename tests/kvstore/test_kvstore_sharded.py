@@ -312,6 +312,35 @@ def test_the_master_plans_copies_when_a_holder_leaves():
     master.check_integrity()
 
 
+def test_a_node_that_joins_gets_copies_of_what_fell_under_replicas_once_settled():
+    """Both holders but a left while no third node was there: nothing to copy to. A node that
+    joins (a restarted one) receives those copies once it has been in for node_ttl_s (its
+    own inventory in first), and not the blocks it reported holding itself."""
+    clock = FakeClock()
+    master = Master(node_ttl_s=10, clock=clock, replicas=2)
+    for node_id in ("a", "b"):
+        master.join(node_id, f"tcp://{node_id}", Usage(8, 0, 0))
+    clock.now_s += 10
+    master.expire_nodes()  # both settled (and not yet past their TTL)
+    master.update("a", [(key(1), "dram"), (key(2), "dram"), (key(3), "dram")])
+    master.update("b", [(key(1), "dram"), (key(2), "dram"), (key(3), "dram")])
+    master.leave("b")  # no other node: keys 1-3 stay at one holder, nothing planned
+    assert master.num_copies_pending == 0
+    master.join("b", "tcp://b", Usage(8, 0, 0))  # back, empty but for key 3 (its disk)
+    master.update("b", [(key(3), "disk")])
+    clock.now_s += 5
+    master.expire_nodes()
+    assert master.num_copies_pending == 0  # not settled yet
+    clock.now_s += 6
+    master.heartbeat("a")
+    master.heartbeat("b")
+    master.expire_nodes()
+    assert sorted(master.take_copies("a")) == [(key(1), "tcp://b"), (key(2), "tcp://b")]
+    master.expire_nodes()  # planned once per join
+    assert master.num_copies_pending == 0
+    master.check_integrity()
+
+
 def test_a_killed_holder_is_re_replicated(fleet):
     """replicas = 2 over three data nodes: SIGKILL a holder, and once the master drops it
     every block it held has two holders again, copied by a surviving holder to the third

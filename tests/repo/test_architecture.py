@@ -84,8 +84,13 @@ OFFLINE_BENCHMARKS = {
                                 "pdserve.benchmarks.plots", "pdserve.benchmarks"),
     # benchmarks/gpu/run.sh's served stage builds its random ~1B Llama as the default model is
     "pdserve.benchmarks.gpu.served": ("pdserve.serve.default_model",),
-    # a loopback `pdserve up` under SIGKILLs; its leak check reads the store's own counters
-    "pdserve.benchmarks.experiments.chaos_soak": ("pdserve.kvstore",),
+    # the GPU script's decode step: each engine's offline LLM, pdserve's and vLLM's
+    "pdserve.benchmarks.gpu.decode_step": ("pdserve.serve",),
+    # a fleet of role processes under SIGKILLs: its leak check reads the store's own counters,
+    # and the offline engine gives the greedy streams' reference text
+    "pdserve.benchmarks.experiments.chaos_soak": ("pdserve.kvstore", "pdserve.serve"),
+    # the chaos soak's fleet: each store process's readiness is its stats verb
+    "pdserve.benchmarks.experiments.chaos_fleet": ("pdserve.kvstore",),
     # arithmetic only: the communication model of a layout (no engine runs)
     "pdserve.benchmarks.experiments.comm_table": ("pdserve.serve.executor.comm_model",
                                                   "pdserve.serve.default_model"),

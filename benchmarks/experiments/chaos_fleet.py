@@ -1,0 +1,154 @@
+"""The fleet of benchmarks/experiments/chaos_soak.py: every role its own `pdserve <role>`
+process on loopback, as on hosts of their own, and the benchmark as their supervisor.
+
+    master ── data-0, data-1          the store: each block on both nodes (--replicas 2)
+    prefill-0, prefill-1              home data node: data-0, data-1 (reads try it first)
+    decode-0, decode-1
+    router-0, router-1                each knows every worker; clients try router-0 first
+
+Each process logs to RUN_DIR/<name>.log (appended across restarts) and talks CurveZMQ under
+one cluster key. On a host of few cores every worker takes one thread, waiting passively (more
+processes than cores: a spinning OpenMP thread would take a core from another process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve import security
+
+STORE = ("master", "data-0", "data-1")
+WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+ROUTERS = ("router-0", "router-1")
+NAMES = STORE + WORKERS + ROUTERS
+
+
+class Fleet:
+    def __init__(self, model: str, run_dir: Path, base_port: int, num_kv_blocks: int = 256
+                 ) -> None:
+        self.model, self.run_dir, self.num_kv_blocks = model, run_dir, num_kv_blocks
+        self.ports = {name: base_port + i for i, name in enumerate(NAMES)}
+        self.key_path = security.ClusterKey.generate().save(run_dir / "cluster.key")
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def address(self, name: str) -> str:
+        scheme = "http" if name.startswith("router") else "tcp"
+        return f"{scheme}://127.0.0.1:{self.ports[name]}"
+
+    @property
+    def router_urls(self) -> list[str]:
+        return [self.address(name) for name in ROUTERS]
+
+    def argv(self, name: str) -> list[str]:
+        role, _, index = name.partition("-")
+        if name == "master":
+            return ["store", "--role", "master", "--master-port", str(self.ports[name]),
+                    "--replicas", "2", "--node-ttl-s", "4", "--transport", "zmq"]
+        if role == "data":
+            return ["store", "--role", "data", "--data-port", str(self.ports[name]),
+                    "--node-id", name, "--master-address", self.address("master"),
+                    "--heartbeat-interval-s", "0.5", "--transport", "zmq"]
+        if role in ("prefill", "decode"):
+            return [role, "--model", self.model, "--port", str(self.ports[name]),
+                    "--worker-id", name, "--num-kv-blocks", str(self.num_kv_blocks),
+                    "--cpu-threads", "1", "--store", self.address(f"data-{index}"),
+                    "--store-master", self.address("master"), "--store-timeout-s", "2"]
+        workers = [arg for worker in WORKERS for arg in
+                   (f"--{worker.partition('-')[0]}", self.address(worker))]
+        return ["router", "--model", self.model, "--port", str(self.ports[name]), *workers,
+                "--heartbeat-timeout-s", "3"]
+
+    def start(self, name: str) -> None:
+        env = dict(os.environ, PDSERVE_CLUSTER_KEY_FILE=str(self.key_path),
+                   PDSERVE_LOG_LEVEL="INFO", OMP_WAIT_POLICY="PASSIVE")
+        log = open(self.run_dir / f"{name}.log", "ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.app.cli", *self.argv(name)], stdout=log,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a crash would."""
+        process = self.processes[name]
+        process.kill()
+        process.wait(10)
+
+    def is_ready(self, name: str) -> bool:
+        """Ready as the fleet sees it: a router answers /health and sees every worker ready;
+        a worker is ready in a live router's view; a store process answers, and the master
+        has both data nodes registered."""
+        if self.processes[name].poll() is not None:
+            return False
+        if name in ROUTERS:
+            return self.router_sees_every_worker(name)
+        if name in WORKERS:
+            return any(self.worker_ready_at(router, name) for router in ROUTERS)
+        stats = self.store_stats(name)
+        return stats is not None and (self.store_stats("master") or {}).get("num_nodes") == 2
+
+    def store_stats(self, name: str) -> dict | None:
+        from pdserve.kvstore.client import StoreClient
+
+        with security.using(security.ClusterKey.load(self.key_path)):
+            client = (StoreClient(None, self.address(name), transport="zmq", timeout_s=2)
+                      if name == "master" else
+                      StoreClient(self.address(name), transport="zmq", timeout_s=2))
+        try:
+            return client.stats()
+        except Exception:  # down or starting: not ready, whatever the error
+            return None
+        finally:
+            client.close()
+
+    def router_status(self, router: str) -> list[dict] | None:
+        try:
+            if httpx.get(f"{self.address(router)}/health", timeout=2).status_code != 200:
+                return None
+            return httpx.get(f"{self.address(router)}/status", timeout=2).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    def worker_ready_at(self, router: str, worker: str) -> bool:
+        workers = self.router_status(router) or []
+        port = f":{self.ports[worker]}"
+        return any(w["address"].endswith(port) and w["is_ready"] for w in workers)
+
+    def router_sees_every_worker(self, name: str) -> bool:
+        workers = self.router_status(name)
+        return workers is not None and len(workers) == len(WORKERS) and all(
+            w["is_ready"] for w in workers)
+
+    def wait_ready(self, names: tuple[str, ...] | list[str], timeout_s: float) -> float:
+        """Seconds until every one of `names` answers ready (TimeoutError past timeout_s)."""
+        start = time.monotonic()
+        waiting = list(names)
+        while waiting:
+            waiting = [name for name in waiting if not self.is_ready(name)]
+            if waiting and time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"not ready within {timeout_s:.0f} s: {waiting}")
+            if waiting:
+                time.sleep(0.1)
+        return time.monotonic() - start
+
+    def start_all(self, timeout_s: float = 600.0) -> None:
+        for name in NAMES:
+            self.start(name)
+        self.wait_ready(NAMES, timeout_s)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
