@@ -100,6 +100,8 @@ class Outcome:
 class Kill:
     victim: str
     at_s: float
+    dead_at_s: float = 0.0
+    """When the process was gone (SIGKILL sent at at_s, reaped by then)."""
     restarted_at_s: float = 0.0
     ready_after_s: float | None = None
     """Restart to ready, seconds (None: not ready within the wait)."""
@@ -230,6 +232,7 @@ async def chaos(fleet: Fleet, args: argparse.Namespace, soak: Soak, t0: float) -
         turn += 1
         kill = Kill(victim, time.monotonic() - t0)
         await asyncio.to_thread(fleet.kill, victim)
+        kill.dead_at_s = time.monotonic() - t0
         soak.kills.append(kill)
         print(f"[{kill.at_s:6.0f} s] SIGKILL {victim}", flush=True)
         await asyncio.sleep(args.restart_after_s)
@@ -309,9 +312,11 @@ def leak_check(fleet: Fleet, timeout_s: float = 60.0) -> dict[str, Any]:
 
 
 def held_by_killed_router(outcome: Outcome, kills: list[Kill]) -> bool:
-    """A request router-0 held when it was killed (lost with it, as the issue allows)."""
+    """A request router-0 held when it was killed (lost with it, as the issue allows): sent
+    to it before it was gone, and not over before the SIGKILL."""
     return outcome.router == 0 and any(
-        k.victim == ROUTERS[0] and outcome.start_s <= k.at_s <= outcome.end_s for k in kills)
+        k.victim == ROUTERS[0] and outcome.start_s <= max(k.dead_at_s, k.at_s)
+        and outcome.end_s >= k.at_s for k in kills)
 
 
 def goodput_windows(outcomes: list[Outcome], args: argparse.Namespace) -> list[float]:

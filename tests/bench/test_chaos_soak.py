@@ -41,18 +41,20 @@ def test_goodput_counts_requests_within_both_slos_where_they_completed() -> None
 
 def test_failures_are_split_from_the_streams_the_killed_router_held() -> None:
     args = _args(duration_s=60.0)
-    kills = [Kill("router-0", at_s=10.0, ready_after_s=2.0), Kill("decode-0", at_s=30.0)]
+    kills = [Kill("router-0", at_s=10.0, dead_at_s=10.2, ready_after_s=2.0),
+             Kill("decode-0", at_s=30.0)]
     outcomes = [
         Outcome("stream", 5.0, end_s=10.5, router=0, error="RemoteProtocolError"),  # lost
+        Outcome("plain", 10.1, end_s=10.2, router=0, error="ReadError"),  # lost: sent as it died
         Outcome("stream", 5.0, end_s=10.5, router=1, error="ReadError"),  # another router
         Outcome("n2", 28.0, end_s=33.0, router=0, error="HTTP 503"),  # a real failure
         Outcome("stream", 40.0, end_s=41.0, ok=True, ttft_s=0.1, num_tokens=5, text="a b"),
         Outcome("stream", 42.0, end_s=43.0, ok=True, ttft_s=0.1, num_tokens=5, text="x"),
     ]
     soak = Soak(kills=kills, outcomes=outcomes)
-    result = chaos_soak.summarise(soak, {3: "a b", 4: "y"}, {}, rate=1.0, capacity=2.0,
+    result = chaos_soak.summarise(soak, {4: "a b", 5: "y"}, {}, rate=1.0, capacity=2.0,
                                   args=args)
-    assert result["lost_with_killed_router"] == 1
+    assert result["lost_with_killed_router"] == 2
     assert result["failed"] == 2
     assert result["failed_by_kind"] == {"stream": 1, "n2": 1}
     assert result["greedy_streams_compared"] == 2
