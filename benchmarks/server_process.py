@@ -44,3 +44,17 @@ def stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
         except ProcessLookupError:
             pass
         process.wait(10)
+
+
+def stop_all(processes: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for each, SIGKILL past `timeout_s`
+    (all asked first: they shut down side by side)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)

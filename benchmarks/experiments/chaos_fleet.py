@@ -14,7 +14,6 @@ processes than cores: a spinning OpenMP thread would take a core from another pr
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from pdserve import security
+from pdserve.benchmarks import server_process
 
 STORE = ("master", "data-0", "data-1")
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
@@ -143,12 +143,4 @@ class Fleet:
         self.wait_ready(NAMES, timeout_s)
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+        server_process.stop_all(list(self.processes.values()), timeout_s=20)

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.benchmarks import server_process
 from pdserve.benchmarks.output import add_output_dir, output_path
 
 READY_TIMEOUT_S = 300.0
@@ -69,15 +69,7 @@ class Processes:
                 raise RuntimeError(f"{name} exited ({process.returncode}):\n{log}")
 
     def stop(self) -> None:
-        for process in reversed(list(self.children.values())):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.children.values():
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
+        server_process.stop_all(list(reversed(self.children.values())))
 
 
 def _wait(predicate, processes: Processes, what: str, timeout_s: float = READY_TIMEOUT_S
