@@ -2,7 +2,7 @@
 
 Walking a decoder's layers as nn.Modules costs Python time per layer (module calls, views,
 argument checks), which on a small model is more than its matmuls. On CUDA a captured graph
-removes that; on CPU, kernels/csrc/decode_step.cpp runs the loop in C++, calling the very
+removes that (serve/executor/cuda_graphs.py); on CPU, kernels/csrc/decode_step.cpp runs the loop in C++, calling the very
 kernels the module path calls (add_rms_norm, panel_linear or skinny_linear, rotary_neox_,
 write_kv_cache, the paged decode attention, silu_and_mul; a bf16 checkpoint's panels on AMX
 from as many rows as the "amx" linear op sends there, kernels/cpu_linear.py), in the same
