@@ -6,9 +6,9 @@ removes that (serve/executor/cuda_graphs.py); on CPU, kernels/csrc/decode_step.c
 in C++, calling the very kernels the module path calls (add_rms_norm, panel_linear or
 skinny_linear, rotary_neox_, write_kv_cache, the paged decode attention, silu_and_mul; a bf16
 checkpoint's panels on AMX from as many rows as the "amx" linear op sends there,
-kernels/cpu_linear.py), in the same order on the same tensors: its hidden states are bit-
-identical to the module path's (tests/serve/test_fused_decode.py compares them), which stays the
-reference and the path for everything else. Where every product has panels and the cache is
+kernels/cpu_linear.py), in the same order on the same tensors: its hidden states are
+bit-identical to the module path's (tests/serve/test_fused_decode.py compares them), which stays
+the reference and the path for everything else. Where every product has panels and the cache is
 fp32, the whole loop is one OpenMP region (a barrier between ops instead of a region per op).
 The loop also applies the model's final norm and, in that region, the LM head: the model's
 forward then returns those logits with its hidden states (serve/models/base.py ModelOutput).
