@@ -141,9 +141,10 @@ class LLM:
                 self.engine.submit(request)
             while self.engine.has_unfinished_requests():
                 deltas = self.engine.step()
-                if not deltas and not self.engine.scheduler.running and \
-                        self.engine.scheduler.waiting and (
-                        self.engine.overlap is None or self.engine.overlap.in_flight is None):
+                overlap = self.engine.overlap
+                if not deltas and not self.engine.scheduler.running and (
+                        overlap is None or overlap.in_flight is None) and \
+                        self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine made no progress: waiting requests fit "
                                        "no free KV blocks")
                 for delta in deltas:
