@@ -30,7 +30,7 @@ TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-180}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-120}"
 ENGINE_TIMEOUT_S="${ENGINE_TIMEOUT_S:-90}"
 SERVED_TIMEOUT_S="${SERVED_TIMEOUT_S:-240}"
-STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-160}"
+STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-300}"  # vLLM's first start on a bare machine compiles
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/log.txt"
@@ -79,7 +79,7 @@ stage engine "$ENGINE_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider \
 grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -1 > "$OUT/engine.txt"
 
 stage decode-step "$STEP_TIMEOUT_S" "$PY" -m pdserve.benchmarks.gpu.decode_step \
-    --output "$OUT/decode_step.json" --timeout-s $((STEP_TIMEOUT_S / 4))
+    --output "$OUT/decode_step.json" --timeout-s $((STEP_TIMEOUT_S / 3))
 
 stage served "$SERVED_TIMEOUT_S" "$PY" -m pdserve.benchmarks.gpu.served \
     --output "$OUT/served.json" --timeout-s $((SERVED_TIMEOUT_S / 3))
