@@ -154,10 +154,9 @@ class Engine:
         self.step_samples: deque[StepSample] = deque(maxlen=NUM_STEP_SAMPLES_KEPT)
         """The most recent steps' work and wall time, oldest first (seq increases from 1)."""
         self._num_steps = 0
-        self.overlap: Overlap | None = None
-        """Async scheduling (serve/engine/overlap.py), where it is on and can run."""
-        if self.scheduler_config.async_scheduling:
-            self.overlap = Overlap.build(self)
+        self.overlap: Overlap | None = Overlap.build(self)
+        """Async scheduling (serve/engine/overlap.py), where it is on (asked for, or by default
+        on one CUDA device) and can run."""
 
     def enable_kv_offload(self, write_down: WriteDown | None = None) -> KVOffload | None:
         """Put a host DRAM tier of cache_config.kv_offload_bytes below the pool (again, with

@@ -144,10 +144,46 @@ def test_an_abort_while_a_step_is_in_flight_frees_everything(llama_dir) -> None:
         assert_idle(engine)
 
 
-def test_async_scheduling_follows_the_setting(llama_dir) -> None:
-    """None (the default) is off on CPU; asked for, it runs; a rank group cannot have it."""
+def test_async_scheduling_follows_the_setting(llama_dir, monkeypatch) -> None:
+    """None (the default) is off on CPU, decided by Overlap.build like any other setting (the
+    engine asks it whatever the setting: None is on for one CUDA device, below)."""
+    from pdserve.serve.engine.overlap import Overlap
+
+    asked = []
+    build = Overlap.build.__func__
+    monkeypatch.setattr(Overlap, "build", classmethod(
+        lambda cls, engine: asked.append(engine.scheduler_config.async_scheduling)
+        or build(cls, engine)))
     with LLM(llama_dir, num_kv_blocks=16, device="cpu") as llm:
         assert llm.engine.overlap is None
+    assert asked == [None]
+
+
+@pytest.mark.parametrize(("device", "setting", "tp", "is_on"), [
+    ("cuda", None, 1, True),  # the default on one CUDA device
+    ("cpu", None, 1, False),  # ... and off on CPU
+    ("cpu", True, 1, True),
+    ("cuda", False, 1, False),
+    ("cuda", None, 2, False),  # a TP group cannot fill placeholders
+    ("cuda", True, 2, False),
+])
+def test_the_default_is_on_for_one_cuda_device(device, setting, tp, is_on) -> None:
+    """Overlap.build decides from the setting, the runner's device and its ranks (what the
+    engine calls at start, whatever the setting): a stand-in engine, nothing runs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pdserve.serve.config import SchedulerConfig
+    from pdserve.serve.engine.overlap import Overlap
+
+    runner = SimpleNamespace(device=torch.device(device), tensor_parallel_size=tp)
+    engine = SimpleNamespace(scheduler_config=SchedulerConfig(async_scheduling=setting),
+                             runner=runner, speculator=None)
+    overlap = Overlap.build(engine)
+    assert (overlap is not None) == is_on
+    if overlap is not None:
+        overlap.close()
 
 
 @pytest.mark.parametrize("fused", ["1", "0"])
