@@ -109,8 +109,8 @@ class Master:
         """Register a node (a re-join after a restart forgets what it held before)."""
         if node_id in self._nodes:
             self.leave(node_id)
-        self._nodes[node_id] = NodeInfo(node_id, address, self._clock(),
-                                        joined_s=self._clock())
+        now = self._clock()
+        self._nodes[node_id] = NodeInfo(node_id, address, now, joined_s=now)
         if usage is not None:
             self.report_usage(node_id, usage)
         logger.info("master: node %s joined at %s", node_id, address)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -93,13 +94,18 @@ class Fleet:
         stats = self.store_stats(name)
         return stats is not None and (self.store_stats("master") or {}).get("num_nodes") == 2
 
-    def store_stats(self, name: str) -> dict | None:
+    def store_client(self, name: str, timeout_s: float) -> Any:
+        """A StoreClient of the store process `name` (the master's verbs, or a data node's)."""
         from pdserve.kvstore.client import StoreClient
 
+        address = self.address(name)
         with security.using(security.ClusterKey.load(self.key_path)):
-            client = (StoreClient(None, self.address(name), transport="zmq", timeout_s=2)
-                      if name == "master" else
-                      StoreClient(self.address(name), transport="zmq", timeout_s=2))
+            if name == "master":
+                return StoreClient(None, address, transport="zmq", timeout_s=timeout_s)
+            return StoreClient(address, transport="zmq", timeout_s=timeout_s)
+
+    def store_stats(self, name: str) -> dict | None:
+        client = self.store_client(name, timeout_s=2)
         try:
             return client.stats()
         except Exception:  # down or starting: not ready, whatever the error

@@ -270,9 +270,6 @@ def greedy_reference(model: str, outcomes: list[Outcome]) -> dict[int, str]:
 
 
 def leak_check(fleet: Fleet, timeout_s: float = 60.0) -> dict[str, Any]:
-    from pdserve import security
-    from pdserve.kvstore.client import StoreClient
-
     deadline = time.monotonic() + timeout_s
     workers: list[dict] = []
     while time.monotonic() < deadline:
@@ -283,27 +280,24 @@ def leak_check(fleet: Fleet, timeout_s: float = 60.0) -> dict[str, Any]:
             break
         time.sleep(1.0)
     store: dict[str, Any] = {}
-    with security.using(security.ClusterKey.load(fleet.key_path)):
-        for name in ("data-0", "data-1", "master"):
-            client = (StoreClient(None, fleet.address(name), transport="zmq", timeout_s=10)
-                      if name == "master" else
-                      StoreClient(fleet.address(name), transport="zmq", timeout_s=10))
-            try:
+    for name in ("data-0", "data-1", "master"):
+        client = fleet.store_client(name, timeout_s=10)
+        try:
+            stats = client.stats()
+            while name != "master" and (stats["num_leases"] or stats["num_pinned"]) \
+                    and time.monotonic() < deadline:
+                time.sleep(1.0)
                 stats = client.stats()
-                while name != "master" and (stats["num_leases"] or stats["num_pinned"]) \
-                        and time.monotonic() < deadline:
-                    time.sleep(1.0)
-                    stats = client.stats()
-                try:
-                    client.check_integrity()
-                    integrity = "ok"
-                except AssertionError as exc:  # the point is to report it
-                    integrity = f"failed: {exc}"
-                store[name] = {"integrity": integrity, **{
-                    k: stats[k] for k in ("num_leases", "num_pinned", "num_lease_groups")
-                    if k in stats}}
-            finally:
-                client.close()
+            try:
+                client.check_integrity()
+                integrity = "ok"
+            except AssertionError as exc:  # the point is to report it
+                integrity = f"failed: {exc}"
+            store[name] = {"integrity": integrity, **{
+                k: stats[k] for k in ("num_leases", "num_pinned", "num_lease_groups")
+                if k in stats}}
+        finally:
+            client.close()
     return {"workers_idle": all(w["is_alive"] and w["num_inflight"] == 0 for w in workers),
             "blocks_held": sum(w["num_total_blocks"] - w["num_free_blocks"] for w in workers),
             "handoff_leases": sum(w.get("kv_transfer", {}).get("num_handoff_leases", 0)

@@ -262,20 +262,19 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The step ran: its tokens' KV is in the cache; publish newly full blocks. Drafts
-        count once verified (the engine's speculative decoding, serve/engine/spec_decode.py)."""
+        """The step ran: its tokens' KV is in the cache; publish newly full blocks."""
+        self.commit(output, self.advance(output))
+
+    def advance(self, output: SchedulerOutput) -> list[int]:
+        """The step's tokens count as computed (drafts only once verified: the engine's
+        speculative decoding, serve/engine/spec_decode.py); returns each request's computed
+        count, for commit(). Async scheduling (serve/engine/overlap.py) advances as it launches
+        a step, for the next schedule, and commits once the step is done (nothing is published
+        before its KV exists)."""
+        ends = []
         for (request, num_new), chunk in zip(output.scheduled, output.step.chunks,
                                              strict=True):
             request.num_computed_tokens += num_new - chunk.num_draft_tokens
-            self.block_manager.commit_computed(request)
-
-    def advance(self, output: SchedulerOutput) -> list[int]:
-        """Async scheduling (serve/engine/overlap.py), as a step is launched: its tokens count
-        as computed for the next schedule; returns each request's computed count once the step
-        is done, for commit() (nothing is published before the KV exists)."""
-        ends = []
-        for request, num_new in output.scheduled:
-            request.num_computed_tokens += num_new
             ends.append(request.num_computed_tokens)
         return ends
 

@@ -29,7 +29,6 @@ padding and the buffers without a GPU.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from torch import nn
 from pdserve import envs
 from pdserve.protocol.tp import StepInput
 from pdserve.serve.engine.prompt_logprobs import samples_every_row
-from pdserve.serve.executor.attention import AttentionMetadata
+from pdserve.serve.executor.attention import AttentionMetadata, padded_block_tables
 
 logger = logging.getLogger(__name__)
 
@@ -240,13 +239,10 @@ class DecodeGraphs:
         self._ids[:n] = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
         self._positions[:n] = positions
         self._lens[:n] = positions + 1
-        lengths = np.fromiter((min(len(c.block_table), width) for c in chunks),
-                              dtype=np.int64, count=n)
         tables = self._tables[:size]
         tables.fill(0)
-        tables[:n][np.arange(width) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(c.block_table[:width] for c in chunks),
-            dtype=np.int32, count=int(lengths.sum()))
+        padded = padded_block_tables(chunks, np.int32)[:, :width]
+        tables[:n, :padded.shape[1]] = padded
         self._slots[:n] = (tables[np.arange(n), positions // bs].astype(np.int64) * bs
                            + positions % bs)
         self._ids[n:size] = 0

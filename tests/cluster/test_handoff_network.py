@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from helpers.cluster_util import Roles, start_cluster, wait_until
+from helpers.cluster_util import Roles, complete, start_cluster, wait_until
 
 from pdserve.serve import LLM, SamplingParams
 
@@ -34,10 +34,8 @@ def _served_over_the_network(model_dir, log_dir, expected: list[str], *flags: st
                             "--handoff-dram-gb", "0.25", *flags)
     try:
         for prompt, text in zip(PROMPTS, expected, strict=True):
-            r = httpx.post(f"{cluster.base_url}/v1/completions", timeout=60,
-                           json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == text
+            body = complete(cluster.base_url, prompt=prompt, max_tokens=10, temperature=0)
+            assert body["choices"][0]["text"] == text
 
         def loads() -> dict:
             (decode,) = [w for w in cluster.status()["workers"] if w["role"] == "decode"]
