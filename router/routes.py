@@ -44,6 +44,7 @@ from pdserve.router.structured_request import check_structured_outputs
 from pdserve.router.tools import ToolPlan, check_history, template_message
 from pdserve.router.tracing import RequestTracer, start_trace
 from pdserve.router.worker_client import WorkerClient
+from pdserve.tokenizer import load_tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) max_tokens of a /v1/completions request that sets none."""
@@ -59,14 +60,12 @@ class ModelFacts:
     """What the router knows of the served model: name, tokenizer, context length."""
 
     def __init__(self, config: RouterConfig) -> None:
-        from transformers import AutoTokenizer  # tokenizers only; no model code
-
         model_dir = Path(config.model)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json: not a checkpoint directory")
         hf_config = json.loads((model_dir / "config.json").read_text())
         self.name = config.served_model_name or model_dir.name
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = int(hf_config.get("vocab_size", len(self.tokenizer)))
         self.max_model_len = int(config.max_model_len or
                                  hf_config.get("max_position_embeddings", 2048))

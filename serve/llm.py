@@ -74,7 +74,7 @@ class LLM:
 
         enforce_eager=True runs every step eagerly (vLLM's flag): a one-rank CUDA engine
         otherwise replays its decode steps from CUDA graphs (serve/executor/cuda_graphs.py)."""
-        from transformers import AutoTokenizer
+        from pdserve.tokenizer import load_tokenizer
 
         model_dir = str(model)
         self.model_config = ModelConfig(model=model_dir, dtype=dtype, seed=seed,
@@ -86,7 +86,7 @@ class LLM:
                                    kv_cache_dtype=kv_cache_dtype,
                                    enable_prefix_caching=enable_prefix_caching,
                                    kv_offload_bytes=kv_offload_bytes)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.engine = Engine(
             self.model_config, cache_config,
             ParallelConfig(tensor_parallel_size=tensor_parallel_size, device=device,

@@ -489,9 +489,8 @@ def drain_then_stop(worker: Worker, registration: discovery.Registration | None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from pdserve.serve.engine.engine import Engine
+    from pdserve.tokenizer import load_tokenizer
 
     if args.node_rank > 0:
         return run_node(args)
@@ -501,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
         if config.borrow_idle_cores:  # before the engine starts threads (see CoreBorrower)
             borrower = CoreBorrower(config.borrow_idle_cores,
                                     main_on_lent=config.role == "decode")
-        tokenizer = AutoTokenizer.from_pretrained(config.model.model)
+        tokenizer = load_tokenizer(config.model.model)
         engine = Engine(config.model, config.cache, config.parallel, config.scheduler,
                         tokenizer=tokenizer, speculative_config=config.speculative)
     except (ValueError, FileNotFoundError, OSError, discovery.DiscoveryError,

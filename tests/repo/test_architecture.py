@@ -33,7 +33,8 @@ PARTS = ("pdserve.serve", "pdserve.router", "pdserve.kvstore", "pdserve.kernels"
          "pdserve.planner", "pdserve.benchmarks", "pdserve.integrations", APP)
 BASE_MODULES = ("pdserve.protocol", "pdserve.security", "pdserve.discovery", "pdserve.etcd",
                 "pdserve.addresses",
-                "pdserve.envs", "pdserve.ports", "pdserve.lifecycle", "pdserve.structured_grammar")
+                "pdserve.envs", "pdserve.ports", "pdserve.lifecycle", "pdserve.structured_grammar",
+                "pdserve.tokenizer")
 
 
 def _but(*allowed: str) -> tuple[str, ...]:
@@ -89,8 +90,9 @@ OFFLINE_BENCHMARKS = {
     # a fleet of role processes under SIGKILLs: its leak check reads the store's own counters,
     # and the offline engine gives the greedy streams' reference text
     "pdserve.benchmarks.experiments.chaos_soak": ("pdserve.kvstore", "pdserve.serve"),
-    # the chaos soak's fleet: each store process's readiness is its stats verb
-    "pdserve.benchmarks.experiments.chaos_fleet": ("pdserve.kvstore",),
+    # the chaos soak's fleet: each store process's readiness is its stats verb; supervised as
+    # the launcher supervises (spawn, standbys)
+    "pdserve.benchmarks.experiments.chaos_fleet": ("pdserve.kvstore", "pdserve.app.launcher"),
     # arithmetic only: the communication model of a layout (no engine runs)
     "pdserve.benchmarks.experiments.comm_table": ("pdserve.serve.executor.comm_model",
                                                   "pdserve.serve.default_model"),
