@@ -129,8 +129,14 @@ class MasterReporter:
 
     def _beat(self, channel: ControlChannel) -> None:
         if self._joined:
-            reply = channel.request(HeartbeatRequest, HeartbeatReply, node_id=self._node_id,
-                                    usage=self._node_usage())
+            # A few intervals, not the request timeout: a heartbeat sent to a master that died
+            # is never answered, and the node joins the restarted one only after giving up.
+            channel.timeout_s = min(self._timeout_s, max(1.0, 4 * self._interval_s))
+            try:
+                reply = channel.request(HeartbeatRequest, HeartbeatReply,
+                                        node_id=self._node_id, usage=self._node_usage())
+            finally:
+                channel.timeout_s = self._timeout_s
             self._joined = reply.known
             if reply.copies:
                 self._copy(reply.copies)
