@@ -7,15 +7,16 @@ process on loopback, as on hosts of their own, and the benchmark as their superv
     router-0, router-1                each knows every worker; clients try router-0 first
 
 Each process logs to RUN_DIR/<name>.log (appended across restarts) and talks CurveZMQ under
-one cluster key. On a host of few cores every worker takes one thread, waiting passively (more
-processes than cores: a spinning OpenMP thread would take a core from another process).
+one cluster key. As `pdserve up` does, the fleet keeps a standby of each process once it is
+ready (pdserve/app/standby.py: its imports done, waiting), and a restart runs it. On a host of
+few cores every worker takes one thread, waiting passively (more processes than cores: a
+spinning OpenMP thread would take a core from another process).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 import httpx
 
 from pdserve import security
+from pdserve.app.launcher import activate, spawn, stop_standby
+from pdserve.app.launcher.supervision import STANDBY_STAGGER_S
 from pdserve.benchmarks import server_process
 
 STORE = ("master", "data-0", "data-1")
@@ -38,6 +41,7 @@ class Fleet:
         self.ports = {name: base_port + i for i, name in enumerate(NAMES)}
         self.key_path = security.ClusterKey.generate().save(run_dir / "cluster.key")
         self.processes: dict[str, subprocess.Popen] = {}
+        self.standbys: dict[str, subprocess.Popen] = {}
 
     def address(self, name: str) -> str:
         scheme = "http" if name.startswith("router") else "tcp"
@@ -67,13 +71,23 @@ class Fleet:
                 "--heartbeat-timeout-s", "3"]
 
     def start(self, name: str) -> None:
+        """Run `name`'s standby if one waits, else start a fresh process."""
+        standby = self.standbys.pop(name, None)
+        if activate(standby):
+            self.processes[name] = standby
+            return
+        if standby is not None:
+            stop_standby(standby)
+        self.processes[name] = self._spawn(name, standby=False)
+
+    def prepare_standby(self, name: str) -> None:
+        self.standbys[name] = self._spawn(name, standby=True)
+
+    def _spawn(self, name: str, standby: bool) -> subprocess.Popen:
         env = dict(os.environ, PDSERVE_CLUSTER_KEY_FILE=str(self.key_path),
                    PDSERVE_LOG_LEVEL="INFO", OMP_WAIT_POLICY="PASSIVE")
-        log = open(self.run_dir / f"{name}.log", "ab")
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.app.cli", *self.argv(name)], stdout=log,
-            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
+        with open(self.run_dir / f"{name}.log", "ab") as log:
+            return spawn(self.argv(name), env, standby=standby, stdout=log.fileno())
 
     def kill(self, name: str) -> None:
         """SIGKILL, as a crash would."""
@@ -144,9 +158,17 @@ class Fleet:
         return time.monotonic() - start
 
     def start_all(self, timeout_s: float = 600.0) -> None:
+        """Start every process, wait until all are ready, then their standbys (one at a
+        time, STANDBY_STAGGER_S apart, as the launcher does)."""
         for name in NAMES:
             self.start(name)
         self.wait_ready(NAMES, timeout_s)
+        for name in NAMES:
+            self.prepare_standby(name)
+            time.sleep(STANDBY_STAGGER_S)
 
     def stop(self) -> None:
+        for standby in self.standbys.values():
+            stop_standby(standby)
+        self.standbys.clear()
         server_process.stop_all(list(self.processes.values()), timeout_s=20)

@@ -7,7 +7,7 @@ The fleet (benchmarks/experiments/chaos_fleet.py): a store master and two data n
 block on both), 2 prefill + 2 decode workers and 2 routers, each its own process. The benchmark
 is their supervisor: every --kill-every-s it SIGKILLs the next of prefill-0, decode-0, master,
 data-1, router-0 (in turn, round and round), starts it again --restart-after-s later (the
-launcher's backoff), and times it to ready.
+launcher's backoff: its standby, as `pdserve up` runs it), and times it to ready.
 
 The load: Poisson arrivals at --capacity-fraction of the capacity measured first (a closed loop
 of --calibration-clients over the same mix for --calibration-s), each request one of plain
@@ -243,6 +243,7 @@ async def chaos(fleet: Fleet, args: argparse.Namespace, soak: Soak, t0: float) -
         except TimeoutError:
             print(f"  {victim} not ready within 120 s", flush=True)
         print(f"  {victim} ready {kill.ready_after_s} s after its restart", flush=True)
+        fleet.prepare_standby(victim)  # for its next kill, as the launcher would
         await asyncio.sleep(max(0.0, kill.at_s + args.kill_every_s - (time.monotonic() - t0)))
 
 

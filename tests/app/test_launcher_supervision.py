@@ -1,6 +1,7 @@
 """`pdserve up` supervises its children: the restart policy step by step (stand-in
-processes), then a real cluster whose decode worker is SIGKILLed (restarted, counted in
-/metrics, serving again) and whose launcher is then SIGKILLed (no child outlives it)."""
+processes), then a real cluster whose decode worker is SIGKILLed (restarted from its standby,
+counted in /metrics, serving again) and whose launcher is then SIGKILLed (no child, standby
+or not, outlives it)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,19 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []
+
+
+def _standby_of(role: str, launcher_pid: int) -> int | None:
+    """The pid of the launcher's standby for `role`, if one is waiting."""
+    return next((pid for pid in _children(launcher_pid)
+                 if _cmdline(pid)[2:4] == ["pdserve.app.standby", role]), None)
+
+
 def _is_running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -156,6 +170,9 @@ def test_killed_decode_worker_is_restarted_and_children_die_with_the_launcher(
             for line in cluster.log().splitlines()
             if line.strip().startswith("decode-0") and "starting (pid" in line
         )
+        # once ready, each child gets a standby (one every 2 s); the restart runs decode's
+        assert wait_until(lambda: _standby_of("decode", cluster.process.pid) is not None, 60)
+        standby_pid = _standby_of("decode", cluster.process.pid)
         os.kill(decode_pid, signal.SIGKILL)
 
         def restarted_and_ready() -> bool:
@@ -173,8 +190,15 @@ def test_killed_decode_worker_is_restarted_and_children_die_with_the_launcher(
         assert cluster.process.poll() is None  # the launcher kept the rest serving
         cluster.assert_nothing_leaked()
 
-        children = _children(cluster.process.pid)
-        assert len(children) == 4 and decode_pid not in children  # store, 2 workers, router
+        restarted_pid = next(
+            int(line.split("pid ")[1].split(",")[0])
+            for line in cluster.log().splitlines()
+            if line.strip().startswith("decode-0") and "restarted (pid" in line
+        )
+        assert restarted_pid == standby_pid  # decode's standby became decode-0
+        children = _children(cluster.process.pid)  # the 4 roles, and the standbys waiting
+        assert decode_pid not in children and restarted_pid in children
+        assert len(children) >= 4
         cluster.process.kill()  # as an OOM kill or a CI timeout would
         cluster.process.wait(10)
         assert wait_until(lambda: not any(_is_running(pid) for pid in children), 30), [

@@ -7,7 +7,7 @@ processes on loopback, and supervises them until Ctrl-C. Each role is an ordinar
     up.py           the command: its flags, the run that starts and watches the cluster
     commands.py     each child's command line, from the flags (plan)
     placement.py    which GPUs and cores each worker gets
-    supervision.py  the children, restarts (RestartPolicy, Supervisor), stop and kill
+    supervision.py  the children, restarts (RestartPolicy, Supervisor), standbys, stop and kill
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from pdserve.app.launcher.supervision import (
     RestartPolicy,
     RoleKeepsFailing,
     Supervisor,
+    activate,
+    spawn,
+    stop_standby,
 )
 from pdserve.app.launcher.up import add_arguments, provide_cluster_key, run
 
@@ -36,6 +39,7 @@ __all__ = [
     "RestartPolicy",
     "RoleKeepsFailing",
     "Supervisor",
+    "activate",
     "add_arguments",
     "assign_gpus",
     "lend_idle_cores",
@@ -44,6 +48,8 @@ __all__ = [
     "provide_cluster_key",
     "run",
     "share_with_services",
+    "spawn",
     "split_cores",
+    "stop_standby",
     "visible_gpus",
 ]

@@ -2,9 +2,12 @@
 
 A child that dies is restarted after a backoff (logged, and counted in the router's /metrics
 as pdserve:process_restarts_total) while the others keep serving; a role that keeps failing
-at start stops the cluster (RestartPolicy). Each child runs in a session of its own and dies
-with the launcher even when the launcher is SIGKILLed (pdserve/lifecycle.py); on stop, each
-role gets a few seconds to drain, then is killed with its whole process group.
+at start stops the cluster (RestartPolicy). Once a child is ready the supervisor starts its
+standby (pdserve/app/standby.py: the same command with its imports done, waiting), one child
+at a time, and a restart runs the standby instead of a fresh interpreter. Each child runs in
+a session of its own and dies with the launcher even when the launcher is SIGKILLed
+(pdserve/lifecycle.py); on stop, each role gets a few seconds to drain, then is killed with
+its whole process group.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.app.standby import GO
 from pdserve.lifecycle import parent_death_preexec
 
 STOP_GRACE_S = 5.0
 """How long each group of children may drain after SIGTERM before it is killed."""
+STANDBY_STAGGER_S = 2.0
+"""Standbys start one at a time, this far apart: each is a second or two of imports, taken
+from a host that is serving."""
 
 logger = logging.getLogger(__name__)
 
@@ -49,20 +56,39 @@ class Child:
     restart_at_s: float | None = None
     """When a dead child is due to start again (None: not waiting to)."""
 
+    standby: subprocess.Popen | None = None
+    """The next incarnation, waiting with its imports done (None: none started)."""
+
     def start(self) -> None:
-        # A session of its own: Ctrl-C reaches only the launcher, which stops the children
-        # in order (router, workers, store), so none waits on a peer that is already gone.
-        # The parent-death signal and PDSERVE_LAUNCHER_PID make it die with the launcher.
-        cpus = self.cpus
-        # pinned before the child starts any thread (torch's pool is sized at import)
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.app.cli", *self.argv], start_new_session=True,
-            env={**os.environ, **self.env, "PDSERVE_LAUNCHER_PID": str(os.getpid())},
-            preexec_fn=parent_death_preexec(os.getpid(), pin))
+        """Run the standby if one is waiting, else start a fresh process."""
+        if activate(self.standby):
+            self.process = self.standby
+        else:
+            self.drop_standby()
+            self.process = spawn(self.argv, self.environment(), self.cpus)
+        self.standby = None
         self.started_s = time.monotonic()
         self.state = "starting"
         self.restart_at_s = None
+
+    def environment(self) -> dict[str, str]:
+        # PDSERVE_LAUNCHER_PID and the parent-death signal (spawn) make it die with the
+        # launcher.
+        return {**os.environ, **self.env, "PDSERVE_LAUNCHER_PID": str(os.getpid())}
+
+    def prepare_standby(self) -> None:
+        self.drop_standby()
+        self.standby = spawn(self.argv, self.environment(), self.cpus, standby=True)
+
+    @property
+    def has_standby(self) -> bool:
+        return self.standby is not None and self.standby.poll() is None
+
+    def drop_standby(self) -> None:
+        """End the standby, if any: the end of its input makes it exit."""
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            stop_standby(standby)
 
     @property
     def exited(self) -> bool:
@@ -87,6 +113,50 @@ class RestartPolicy:
             raise ValueError("need start_window_s >= 0 and max_start_failures >= 1")
 
 
+def spawn(argv: list[str], env: dict[str, str], cpus: list[int] | None = None,
+          standby: bool = False, stdout: int | None = None) -> subprocess.Popen:
+    """Start `pdserve <argv>` (or, `standby`, the process that will run it when activated)
+    as a supervised child: in a session of its own, so Ctrl-C reaches only the supervisor,
+    which stops the children in order (router, workers, store) and none waits on a peer
+    already gone; with the parent-death signal armed; on `cpus` (pinned before it starts a
+    thread: torch sizes its pool at import). `stdout`: a file descriptor for its output and
+    errors (default: the supervisor's)."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    module = "pdserve.app.standby" if standby else "pdserve.app.cli"
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *argv], start_new_session=True, env=env,
+        stdin=subprocess.PIPE if standby else None, stdout=stdout,
+        stderr=subprocess.STDOUT if stdout is not None else None,
+        preexec_fn=parent_death_preexec(os.getpid(), pin))
+
+
+def activate(standby: subprocess.Popen | None) -> bool:
+    """Make a waiting standby run its role: False if there is none, or it is gone."""
+    if standby is None or standby.poll() is not None or standby.stdin is None \
+            or standby.stdin.closed:  # told already
+        return False
+    try:
+        standby.stdin.write(GO)
+        standby.stdin.close()
+    except OSError:  # it died meanwhile (a broken pipe)
+        return False
+    return True
+
+
+def stop_standby(standby: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """Close a standby's input (it exits), and kill it if it has not within timeout_s."""
+    if standby.stdin is not None:
+        try:
+            standby.stdin.close()
+        except OSError:
+            pass
+    try:
+        standby.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        standby.kill()
+        standby.wait(5)
+
+
 class RoleKeepsFailing(RuntimeError):
     """A role failed at start RestartPolicy.max_start_failures times in a row."""
 
@@ -101,11 +171,14 @@ class Supervisor:
 
     def __init__(self, cluster: Cluster, policy: RestartPolicy, state_path: Path,
                  say: Callable[[str], None],
-                 kill_group: Callable[[int], None] | None = None) -> None:
+                 kill_group: Callable[[int], None] | None = None,
+                 standbys: bool = False) -> None:
         """`kill_group(pid)` ends what a dead child left in its process group (default:
-        SIGKILL to the group)."""
+        SIGKILL to the group). `standbys`: keep a standby for each ready child."""
         self.cluster, self.policy, self.state_path, self.say = cluster, policy, state_path, say
         self.kill_group = kill_group or kill_group_of
+        self.standbys = standbys
+        self._next_standby_s = 0.0
         self.write_state()
 
     def check(self, now_s: float) -> None:
@@ -140,6 +213,12 @@ class Supervisor:
             child.state = "restarting"
             self.say(f"pdserve up: {child.role} exited with code {code} after {ran_s:.1f} s; "
                      f"restarting in {delay_s:.1f} s")
+        if self.standbys and now_s >= self._next_standby_s:
+            waiting = [c for c in self.cluster.children if c.state == "ready"
+                       and c.restart_at_s is None and not c.has_standby]
+            if waiting:
+                waiting[0].prepare_standby()
+                self._next_standby_s = now_s + STANDBY_STAGGER_S
 
     def write_state(self) -> None:
         """Replaced whole (os.replace), so a reader never sees half a file."""
@@ -157,6 +236,14 @@ class Cluster:
         """SIGTERM the children in reverse start order, each group waited for in turn; a
         child still running grace_s later is killed with its whole process group (its TP
         ranks too)."""
+        standbys = [c.standby for c in self.children if c.standby is not None]
+        for child in self.children:
+            child.standby = None
+        for standby in standbys:  # all told at once: each exits once its imports are done
+            if standby.stdin is not None:
+                standby.stdin.close()
+        for standby in standbys:
+            stop_standby(standby)
         groups = [[c for c in self.children if c.role == "router"],
                   [c for c in self.children if c.role not in ("router", "store")],
                   [c for c in self.children if c.role == "store"]]

@@ -150,6 +150,10 @@ def _add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-start-failures", type=int, default=policy.max_start_failures,
                        help="stop the cluster when one role fails at start this many times "
                             "in a row")
+    group.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep a standby process for each ready child, its imports done, "
+                            "that a restart runs at once (pdserve/app/standby.py; each holds "
+                            "an interpreter with torch imported)")
 
 
 def _poll_states(cluster: Cluster, base_url: str, headers: dict[str, str]) -> None:
@@ -226,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         state_path = Path(run_dir) / "supervisor.json"
         router = next(c for c in cluster.children if c.role == "router")
         router.argv += ["--supervisor-state-file", str(state_path)]
-        return _supervise(args, cluster, Supervisor(cluster, policy, state_path, _say))
+        return _supervise(args, cluster, Supervisor(cluster, policy, state_path, _say,
+                                                    standbys=args.standby))
 
 
 def provide_cluster_key(args: argparse.Namespace, run_dir: Path) -> None:

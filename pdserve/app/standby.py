@@ -1,0 +1,72 @@
+"""A process started ahead of need: the next incarnation of one supervised child.
+
+Most of a role's start is imports: torch alone is over a second of CPU, and on a host busy
+serving a restarted worker waits several seconds for it. So a supervisor (`pdserve up`, the
+chaos benchmark's fleet) keeps a standby for each child once the child is ready: a process
+with the child's command line, environment and cores that imports what the role imports
+(PRELOAD, and the model's tokenizer backend), then waits on its stdin. When the child dies
+the supervisor writes GO and the standby runs the role at once; the end of its input (the
+supervisor closed the pipe, or died) makes it exit without serving. Nothing is forked: a
+standby is an ordinary process that did its imports early, so nothing depends on what is
+safe to fork, and an environment read at import (OMP_*, CUDA_*) is the child's own.
+
+    python -m pdserve.app.standby <command> [options]     (the child's own arguments)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from pdserve.app import cli
+
+GO = b"go\n"
+"""What the supervisor writes to make the standby run its role."""
+
+_WORKER = ("pdserve.serve.engine.engine", "pdserve.serve.executor.loader")
+PRELOAD: dict[str, tuple[str, ...]] = {
+    "router": ("uvicorn", "pdserve.router.app"),
+    "prefill": _WORKER,
+    "decode": _WORKER,
+    "colocated": _WORKER,
+    "store": (),
+}
+"""The commands a standby can take and, beyond the command's module, what its run imports.
+UCX is left out on purpose: ucxx reads UCX_* when imported, which the roles set first."""
+
+
+def preload(argv: list[str]) -> None:
+    """Import what `pdserve <argv>` will; raises ValueError for a command with no standby."""
+    if not argv or argv[0] not in PRELOAD:
+        raise ValueError(f"no standby for {argv[:1]}: one of {', '.join(PRELOAD)}")
+    module, parser = cli.make_parser(argv[0])
+    for name in PRELOAD[argv[0]]:
+        importlib.import_module(name)
+    args, _ = parser.parse_known_args(argv[1:])
+    if getattr(args, "model", None):
+        from pdserve.tokenizer import import_backend
+
+        import_backend(args.model)
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    try:
+        preload(argv)
+    except ValueError as exc:
+        print(f"pdserve standby: {exc}", file=sys.stderr)
+        return 2
+    # No timeout: waiting is a standby's whole job, and it ends with the supervisor (end of
+    # input, and the parent-death signal the supervisor arms).
+    if sys.stdin.buffer.readline() != GO:
+        return 0  # the supervisor closed the pipe or went away: nothing to serve
+    devnull = os.open(os.devnull, os.O_RDONLY)  # the role's stdin, as a started child's
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.argv = [sys.argv[0], *argv]
+    return cli.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

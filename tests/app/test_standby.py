@@ -1,0 +1,109 @@
+"""Standbys (pdserve/app/standby.py): a supervised child's next incarnation, its imports done,
+waiting. It serves nothing until told; told, it is the role (same process); its input ended,
+it exits without serving; the supervisor keeps one per ready child and restarts from it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.cluster_util import free_port_block, wait_until
+
+from pdserve.app.launcher import (
+    Child,
+    Cluster,
+    RestartPolicy,
+    Supervisor,
+    activate,
+    spawn,
+    stop_standby,
+)
+from pdserve.kvstore.client import StoreClient
+from pdserve.ports import PortInUse, check_port_free
+
+
+def store_argv(port: int) -> list[str]:
+    return ["store", "--role", "all", "--master-port", str(port), "--data-port", "0",
+            "--transport", "zmq", "--insecure-plaintext"]
+
+
+def answers(port: int) -> bool:
+    client = StoreClient(None, f"tcp://127.0.0.1:{port}", transport="zmq", timeout_s=1.0)
+    try:
+        return "num_nodes" in client.stats()
+    except Exception:  # not listening (yet)
+        return False
+    finally:
+        client.close()
+
+
+def is_free(port: int) -> bool:
+    try:
+        check_port_free("127.0.0.1", port)
+    except PortInUse:
+        return False
+    return True
+
+
+@pytest.fixture(autouse=True)
+def plaintext(monkeypatch):
+    monkeypatch.setenv("PDSERVE_INSECURE_PLAINTEXT", "1")
+
+
+def test_a_standby_serves_only_once_told_and_is_then_the_role(tmp_path):
+    port = free_port_block(1)
+    with open(tmp_path / "store.log", "ab") as log:
+        standby = spawn(store_argv(port), dict(os.environ), standby=True, stdout=log.fileno())
+    try:
+        assert not wait_until(lambda: not is_free(port) or standby.poll() is not None, 3.0)
+        assert activate(standby)
+        assert wait_until(lambda: answers(port), 60), (tmp_path / "store.log").read_text()
+        assert standby.poll() is None  # the standby itself serves: no other process
+        assert not activate(standby)  # told once; its input is closed
+    finally:
+        standby.terminate()
+        standby.wait(20)
+    assert standby.returncode == 0
+
+
+def test_a_standby_whose_input_ends_exits_without_serving(tmp_path):
+    port = free_port_block(1)
+    standby = spawn(store_argv(port), dict(os.environ), standby=True)
+    stop_standby(standby, timeout_s=60)
+    assert standby.returncode == 0 and is_free(port)
+
+
+def test_a_command_without_a_standby_is_refused():
+    out = subprocess.run([sys.executable, "-m", "pdserve.app.standby", "bench", "--help"],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "no standby for ['bench']" in out.stderr
+
+
+def test_the_supervisor_restarts_a_ready_child_from_its_standby(tmp_path):
+    port = free_port_block(1)
+    child = Child("store", store_argv(port))
+    cluster = Cluster([child])
+    said: list[str] = []
+    supervisor = Supervisor(cluster, RestartPolicy(backoff_s=0.0), tmp_path / "state.json",
+                            said.append, standbys=True)
+    try:
+        child.start()
+        assert wait_until(lambda: answers(port), 60)
+        supervisor.check(0.0)
+        assert child.standby is None  # not ready yet (the launcher's poll says when)
+        child.state = "ready"
+        supervisor.check(0.0)
+        standby_pid = child.standby.pid
+        assert child.has_standby and standby_pid != child.process.pid
+        child.process.kill()
+        child.process.wait(10)
+        supervisor.check(100.0)  # dead: restart due at once (backoff 0)
+        supervisor.check(100.0)
+        assert child.process.pid == standby_pid and child.standby is None
+        assert wait_until(lambda: answers(port), 60)
+        assert "store        restarted" in said[-1]
+    finally:
+        cluster.stop()
+    assert child.process.returncode == 0
