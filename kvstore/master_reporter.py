@@ -62,6 +62,10 @@ class MasterReporter:
         self._data_address = data_address
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        # Heartbeats and updates wait a few intervals, not the request timeout: one sent to a
+        # master that died is never answered, and the node joins the restarted master only
+        # once it gives up (an update lost so is no loss: the join resends the inventory).
+        self._beat_timeout_s = min(timeout_s, max(1.0, 4 * interval_s))
         self._inventory = inventory
         self._usage = usage
         self._read = read
@@ -88,7 +92,7 @@ class MasterReporter:
         self._thread.join(timeout=timeout_s)
 
     def _loop(self) -> None:
-        channel = ControlChannel(self._ctx, self._master_address, self._timeout_s)
+        channel = ControlChannel(self._ctx, self._master_address, self._beat_timeout_s)
         next_beat_s = 0.0
         try:
             while not self._stop.is_set():
@@ -101,7 +105,7 @@ class MasterReporter:
                     logger.warning("store node %s: master unreachable (%s)", self._node_id, e)
                     self._joined = False
                     channel.close()
-                    channel = ControlChannel(self._ctx, self._master_address, self._timeout_s)
+                    channel = ControlChannel(self._ctx, self._master_address, self._beat_timeout_s)
                     self._stop.wait(self._interval_s)
                     continue
                 self._wake.wait(max(0.0, next_beat_s - time.monotonic()))
@@ -129,20 +133,18 @@ class MasterReporter:
 
     def _beat(self, channel: ControlChannel) -> None:
         if self._joined:
-            # A few intervals, not the request timeout: a heartbeat sent to a master that died
-            # is never answered, and the node joins the restarted one only after giving up.
-            channel.timeout_s = min(self._timeout_s, max(1.0, 4 * self._interval_s))
-            try:
-                reply = channel.request(HeartbeatRequest, HeartbeatReply,
-                                        node_id=self._node_id, usage=self._node_usage())
-            finally:
-                channel.timeout_s = self._timeout_s
+            reply = channel.request(HeartbeatRequest, HeartbeatReply, node_id=self._node_id,
+                                    usage=self._node_usage())
             self._joined = reply.known
             if reply.copies:
                 self._copy(reply.copies)
         if not self._joined:
-            channel.request(JoinRequest, JoinReply, node_id=self._node_id,
-                            address=self._data_address, usage=self._node_usage())
+            channel.timeout_s = self._timeout_s  # a master just started may be slow to answer
+            try:
+                channel.request(JoinRequest, JoinReply, node_id=self._node_id,
+                                address=self._data_address, usage=self._node_usage())
+            finally:
+                channel.timeout_s = self._beat_timeout_s
             # Outside self._lock: the inventory takes the store's lock, and the store calls
             # record() under it. Replaying buffered changes after the snapshot ends in the
             # current state, since each key's last change is the newest.
