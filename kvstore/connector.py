@@ -95,6 +95,10 @@ class TransferResult:
     """Save: the node's shared memory segment, when the saved blocks lie in it..."""
     shm_spans: list[ShmSpan] | None = None
     """...and where each of them does (a decode worker on this host maps them in place)."""
+    write_back: Callable[[], None] | None = None
+    """Save: the copy into the fleet store, for the caller to start (`run_job`) once the
+    hand-off is out: run at once it would take the CPU and the GIL from the step that samples
+    the first token and from sending it."""
 
 
 @dataclass
@@ -391,9 +395,9 @@ class KVConnector:
         return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, pin_memory=pinned)
 
     def _put(self, request_id: str, save: _Save) -> None:
-        """Offer the staged blocks where decode reads them (the transport's), pinned; then
-        the transport's write-back, after the result is out (off the hand-off's critical
-        path)."""
+        """Offer the staged blocks where decode reads them (the transport's), pinned; the
+        transport's write-back goes with the result, for the caller to start once the
+        hand-off is out (off its critical path)."""
         try:
             for event in save.copy_done:
                 event.synchronize()
@@ -407,10 +411,13 @@ class KVConnector:
         with self._lock:
             self._results.append(TransferResult(
                 request_id, "save", offer.num_stored, offer.error, offer.lease_id,
-                offer.source, shm_segment=offer.shm_segment, shm_spans=offer.shm_spans))
+                offer.source, shm_segment=offer.shm_segment, shm_spans=offer.shm_spans,
+                write_back=offer.write_back))
         self._wake()
-        if offer.write_back is not None:
-            self._jobs.put(offer.write_back)
+
+    def run_job(self, job: Callable[[], None]) -> None:
+        """Run `job` on the connector's job thread (a save's write-back)."""
+        self._jobs.put(job)
 
     def release(self, lease_id: int, source: str = "") -> None:
         """Give a save's lease back to the node holding it (asynchronously); a failure

@@ -25,13 +25,16 @@ is published; changed, it is dropped.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.kvstore.memory_tier import fp8_as_bytes
@@ -230,6 +233,17 @@ WriteDown = Callable[[list[bytes], list[torch.Tensor]], bool]
 """Hands blocks evicted from the host tier to the fleet store; False: dropped (busy)."""
 
 
+def _lowest_priority() -> None:
+    """Run the calling thread at nice 19 (Linux sets it per thread): its copies take a core
+    the engine leaves idle rather than slowing a step, or the send of a first token that a
+    prompt's write-down would otherwise race. A busy core still gives it a little (CFS), and
+    a backlog past MAX_PENDING is dropped and counted."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: it competes as any thread does
+        pass
+
+
 class KVOffload:
     """The host tier behind one engine's pool: the write-down thread, and the loads the
     scheduler plans (see the module docstring). Only where one process holds the whole pool
@@ -237,6 +251,8 @@ class KVOffload:
 
     MAX_PENDING = 1024
     """Write-downs queued at most; past it a block is dropped (counted)."""
+    MAX_BATCH = 256
+    """Queued write-downs copied together at most."""
 
     def __init__(self, kv_caches: list[torch.Tensor], block_manager: BlockManager,
                  num_slots: int, write_down: WriteDown | None = None) -> None:
@@ -251,6 +267,9 @@ class KVOffload:
         self.costs = TierCosts()
         self.counters = {tier: TierCounters() for tier in TIERS[1:]}
         """host: hits, reads, write-downs, evictions; store: what the write-down sent there."""
+        if not first.is_cuda:  # byte views of the pool and the tier, for the write-down
+            self._cache_bytes = [c.view(torch.uint8).numpy() for c in kv_caches]
+            self._tier_bytes = self.tier.data.view(torch.uint8).numpy()
         self._queue: queue.Queue = queue.Queue(self.MAX_PENDING)
         self._stream = torch.cuda.Stream(self.device) if first.is_cuda else None
         self._stop = threading.Event()
@@ -297,50 +316,80 @@ class KVOffload:
             self.counters["host"].writes_dropped += 1
 
     def _run(self) -> None:
+        _lowest_priority()
         while not self._stop.is_set():
             try:
                 item = self._queue.get(timeout=0.5)
             except queue.Empty:
                 self._idle.set()
                 continue
-            if item is None:
-                break
+            batch = [item]
+            while item is not None and len(batch) < self.MAX_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                batch.append(item)
+            stop = batch[-1] is None
             try:
-                self._write(*item)
+                self._write([entry for entry in batch if entry is not None])
             except Exception as exc:  # never lose the thread: a block not written is a miss
                 logger.warning("host KV tier: a write-down failed (%s)", exc)
-                self.counters["host"].writes_dropped += 1
+                self.counters["host"].writes_dropped += len(batch) - stop
+            if stop:
+                break
             if self._queue.empty():
                 self._idle.set()
 
-    def _write(self, block_id: int, key: bytes, epoch: int, event) -> None:
-        bm = self.block_manager
-        if bm.block_epoch(block_id) != epoch or key in self.tier:  # evicted already, or held
-            self.counters["host"].writes_dropped += key not in self.tier
+    def _write(self, items: list[tuple[int, bytes, int, Any]]) -> None:
+        """Copy the queued blocks still cached into host slots. On CPU, one gather per layer
+        for the whole batch (a prompt's blocks come together) through numpy views: a plain
+        copy that releases the GIL and runs on this thread alone. One small torch copy per
+        block and layer took the GIL hundreds of times for a long prompt, and a batched
+        torch copy would start a second OpenMP team beside the engine's (libgomp then
+        throttles the engine's spin-waits): either delayed the engine's thread. A batch
+        larger than the tier goes in the tier's size at a time, so its later blocks evict its
+        earlier ones (to the store), as one block at a time would."""
+        size = max(1, self.tier.num_slots)
+        for start in range(0, len(items), size):
+            self._write_batch(items[start:start + size])
+
+    def _write_batch(self, items: list[tuple[int, bytes, int, Any]]) -> None:
+        bm, counters = self.block_manager, self.counters["host"]
+        taken: list[tuple[int, bytes, int, int, Any]] = []  # block, key, epoch, slot, event
+        for block_id, key, epoch, event in items:
+            if bm.block_epoch(block_id) != epoch or key in self.tier:  # evicted, or held
+                counters.writes_dropped += key not in self.tier
+                continue
+            slot_and_evicted = self.tier.take_slot()
+            if slot_and_evicted is None:
+                counters.writes_dropped += 1
+                continue
+            slot, evicted = slot_and_evicted
+            if evicted is not None:
+                self._evict_below(evicted, slot)
+            taken.append((block_id, key, epoch, slot, event))
+        if not taken:
             return
-        taken = self.tier.take_slot()
-        if taken is None:
-            self.counters["host"].writes_dropped += 1
-            return
-        slot, evicted = taken
-        if evicted is not None:
-            self._evict_below(evicted, slot)
-        target = self.tier.data[slot]
         if self._stream is not None:
-            self._stream.wait_event(event)
-            with torch.cuda.stream(self._stream):
-                for layer, cache in enumerate(self.kv_caches):
-                    target[layer].copy_(cache[:, block_id], non_blocking=True)
+            for block_id, _, _, slot, event in taken:
+                self._stream.wait_event(event)
+                with torch.cuda.stream(self._stream):
+                    for layer, cache in enumerate(self.kv_caches):
+                        self.tier.data[slot, layer].copy_(cache[:, block_id], non_blocking=True)
             self._stream.synchronize()
         else:
-            for layer, cache in enumerate(self.kv_caches):
-                target[layer].copy_(cache[:, block_id])
-        if bm.block_epoch(block_id) != epoch:  # evicted during the copy: it may be torn
-            self.tier.give_back(slot)
-            self.counters["host"].writes_dropped += 1
-            return
-        self.tier.publish(key, slot)
-        self.counters["host"].written_bytes += self.tier.block_nbytes
+            block_ids = np.array([t[0] for t in taken])
+            slots = np.array([t[3] for t in taken])
+            for layer, cache in enumerate(self._cache_bytes):  # [P, n, ...] -> [n, P, ...]
+                self._tier_bytes[slots, layer] = cache[:, block_ids].swapaxes(0, 1)
+        for block_id, key, epoch, slot, _ in taken:
+            if bm.block_epoch(block_id) != epoch:  # evicted during the copy: it may be torn
+                self.tier.give_back(slot)
+                counters.writes_dropped += 1
+                continue
+            self.tier.publish(key, slot)
+            counters.written_bytes += self.tier.block_nbytes
 
     def _evict_below(self, key: bytes, slot: int) -> None:
         """The LRU block leaves the host tier: a copy goes to the store, if there is one."""

@@ -93,6 +93,7 @@ class RequestGateway:
         # release's round trip would compete with that step for the core
         self._releases: list[tuple[int, str]] = []
         self._releases_due: list[tuple[int, str]] = []
+        self._write_backs: list[Callable[[], None] | None] = []  # started at the next poll
         # request id -> (time.monotonic() it arrived here, whether it was handed off to this
         # worker), until its first Output reports its phases
         self._arrivals: dict[str, tuple[float, bool]] = {}
@@ -126,7 +127,7 @@ class RequestGateway:
     def is_busy(self) -> bool:
         """Something is held, loading or waiting for blocks."""
         return bool(self._held or self._loading or self._waiting_for_blocks or self._releases
-                    or self._releases_due or self._followers)
+                    or self._releases_due or self._write_backs or self._followers)
 
     @property
     def copy_early(self) -> bool:
@@ -149,7 +150,8 @@ class RequestGateway:
         (engine steps free them), a lease waits to be given back, or a save failed in this
         thread. The loop must not sleep;
         for transfers in flight it sleeps on `wakeup_fd`."""
-        return bool(self._waiting_for_blocks or self._releases or self._releases_due) or (
+        return bool(self._waiting_for_blocks or self._releases or self._releases_due
+                    or self._write_backs) or (
             self.kv_transfer is not None and self.kv_transfer.has_failed)
 
     @property
@@ -321,6 +323,9 @@ class RequestGateway:
         for lease_id, source in self._releases_due:
             self.kv_transfer.release(lease_id, source)
         self._releases_due, self._releases = self._releases, []
+        for job in self._write_backs:  # their hand-offs went out after the last poll
+            self.kv_transfer.start_write_back(job)
+        self._write_backs = []
         outputs = self._admit_waiting()
         for done in self.kv_transfer.poll():
             if done.kind == "save":
@@ -328,8 +333,12 @@ class RequestGateway:
                 if output is not None and done.ok:
                     outputs.append(self._wire_output(output, done.keys, done.lease_id,
                                                      done.source, done))
+                    # the store's copy once the hand-off is sent: before, its CPU would be
+                    # taken from this loop's turn that sends it
+                    self._write_backs.append(done.write_back)
                 else:  # finished at its first token, aborted, or the save failed
                     self.kv_transfer.release(done.lease_id, done.source)
+                    self.kv_transfer.start_write_back(done.write_back)
                     if output is not None:
                         outputs.append(self._wire_output(output, [], None))
                 continue

@@ -165,6 +165,9 @@ class TransferDone:
     """Save: the node's shared memory segment, when the blocks lie in it..."""
     shm_spans: list[ShmSpan] | None = None
     """...and where each of them does (the hand-off names them)."""
+    write_back: Callable[[], None] | None = None
+    """Save: the copy into the fleet store, to start once the hand-off is out
+    (start_write_back)."""
 
 
 class KVTransfer:
@@ -486,11 +489,12 @@ class KVTransfer:
             keys = self._save_keys.pop(result.request_id, None)
             if keys is None:  # aborted meanwhile: nobody will load these blocks
                 self.release(result.lease_id, result.source)
+                self.start_write_back(result.write_back)
                 return None
             ok = result.error is None and result.num_blocks == len(keys)
             return TransferDone(result.request_id, "save", ok, keys, lease_id=result.lease_id,
                                 source=result.source, shm_segment=result.shm_segment,
-                                shm_spans=result.shm_spans)
+                                shm_spans=result.shm_spans, write_back=result.write_back)
         entry = self._loads.pop(result.request_id, None)
         if entry is None:
             return None
@@ -499,6 +503,12 @@ class KVTransfer:
         self.release(pending.lease_id, pending.source)
         ok = result.error is None and result.num_blocks == pending.num_blocks
         return TransferDone(result.request_id, "load", ok, keys, result.layers, seconds=seconds)
+
+    def start_write_back(self, job: Callable[[], None] | None) -> None:
+        """A save's copy into the fleet store (a later request's prefix), on the connector's
+        job thread."""
+        if job is not None:
+            self.connector.run_job(job)
 
     def release(self, lease_id: int | None, source: str = "") -> None:
         if lease_id:

@@ -302,8 +302,9 @@ def test_round_trip_with_a_cuda_pool():
 @pytest.mark.parametrize("transport", ["zmq", "ucx"])
 def test_direct_handoff_from_the_prefill_node_then_fallback_to_the_store(transport):
     """Prefill saves into its own hand-off node (pinned, one hop for decode) and writes a copy
-    back to the fleet store; decode reads from the node named by the result's `source` and
-    releases the lease there. With the node gone, decode loads the write-back copy."""
+    back to the fleet store when told (after the hand-off is out); decode reads from the node
+    named by the result's `source` and releases the lease there. With the node gone, decode
+    loads the write-back copy."""
     from pdserve.kvstore.handoff_node import HandoffNode
 
     if transport == "ucx":
@@ -328,7 +329,10 @@ def test_direct_handoff_from_the_prefill_node_then_fallback_to_the_store(transpo
         [saved] = wait_results(prefill, 1)
         assert (saved.num_blocks, saved.source) == (3, node.address) and saved.lease_id
         assert node.num_leases == 1 and node.num_pinned_blocks == 3
-        assert wait_until_true(lambda: all(fleet_client.exists(keys)))  # the write-back
+        # the write-back waits for the caller (a worker: once the hand-off is sent)
+        assert not any(fleet_client.exists(keys)) and saved.write_back is not None
+        prefill.run_job(saved.write_back)
+        assert wait_until_true(lambda: all(fleet_client.exists(keys)))
         dst = make_pool(6)
         decode.start_load("h", keys, [1, 3, 5], dst, source=saved.source)
         [loaded] = wait_results(decode, 1)

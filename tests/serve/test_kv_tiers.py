@@ -85,6 +85,39 @@ def test_no_prefix_caching_means_no_host_tier(llama_dir: Path) -> None:
         assert llm.generate(prompts[3], GREEDY)[0].num_cached_tokens == 0
 
 
+def test_a_batch_of_write_downs_copies_each_block_into_its_slot() -> None:
+    """Blocks queued together are copied with one gather per layer: each slot holds its own
+    block's every layer, whatever the order of the block ids."""
+    from pdserve.kvstore.block_key import KVLayout
+    from pdserve.serve.engine.block_manager import BlockManager
+    from pdserve.serve.engine.kv_tiers import KVOffload
+    from pdserve.serve.engine.request import Request
+
+    layout = KVLayout(kind="mha", num_layers=2, num_kv_heads=1, head_dim=4, block_size=4,
+                      dtype="float32")
+    bm = BlockManager(8, 4, "m", layout)
+    torch.manual_seed(0)
+    caches = [torch.randn(2, 8, 4, 1, 4) for _ in range(2)]
+    offload = KVOffload(caches, bm, num_slots=8)
+    bm.on_cached = None  # the test queues the batch itself
+    try:
+        request = Request("r", list(range(17)), GREEDY, max_tokens=8)
+        bm.allocate(request, 17)
+        request.num_computed_tokens = 17
+        bm.commit_computed(request)
+        table = bm.block_table("r")[:4]
+        items = [(b, request.block_keys[i], bm.block_epoch(b), None)
+                 for i, b in reversed(list(enumerate(table)))]
+        offload._write(items)
+        for block_id, key, _, _ in items:
+            slot = offload.tier.pin([key])[0]
+            for layer, cache in enumerate(caches):
+                assert torch.equal(offload.tier.data[slot, layer], cache[:, block_id])
+        assert offload.counters["host"].written_bytes == 4 * offload.tier.block_nbytes
+    finally:
+        offload.close()
+
+
 def test_a_block_evicted_during_its_write_down_is_dropped() -> None:
     """The write-down's epoch check: a copy of a block the engine evicted meanwhile is
     never published."""
@@ -110,7 +143,7 @@ def test_a_block_evicted_during_its_write_down_is_dropped() -> None:
         bm.free(request)
         bm.reset_prefix_cache()  # evicts both blocks (their keys go)
         assert bm.block_epoch(block_id) == epoch + 1
-        offload._write(block_id, key, epoch, None)
+        offload._write([(block_id, key, epoch, None)])
         assert key not in offload.tier
         assert offload.counters["host"].writes_dropped >= 1
     finally:
