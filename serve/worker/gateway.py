@@ -127,7 +127,7 @@ class RequestGateway:
     def is_busy(self) -> bool:
         """Something is held, loading or waiting for blocks."""
         return bool(self._held or self._loading or self._waiting_for_blocks or self._releases
-                    or self._releases_due or self._write_backs or self._followers)
+                    or self._releases_due or self._followers)
 
     @property
     def copy_early(self) -> bool:
@@ -147,8 +147,8 @@ class RequestGateway:
     @property
     def must_poll(self) -> bool:
         """poll() has work now, without a transfer finishing: a loaded request waits for blocks
-        (engine steps free them), a lease waits to be given back, or a save failed in this
-        thread. The loop must not sleep;
+        (engine steps free them), a lease waits to be given back, a sent hand-off's write-back
+        waits to start, or a save failed in this thread. The loop must not sleep;
         for transfers in flight it sleeps on `wakeup_fd`."""
         return bool(self._waiting_for_blocks or self._releases or self._releases_due
                     or self._write_backs) or (
