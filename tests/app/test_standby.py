@@ -107,3 +107,32 @@ def test_the_supervisor_restarts_a_ready_child_from_its_standby(tmp_path):
     finally:
         cluster.stop()
     assert child.process.returncode == 0
+
+
+def test_a_child_whose_standby_keeps_exiting_gets_no_more(tmp_path):
+    """A standby that exits unasked (here: a command with none) is noted; after
+    MAX_STANDBY_FAILURES the supervisor stops starting them for that child, and says so."""
+    from pdserve.app.launcher.supervision import MAX_STANDBY_FAILURES
+
+    child = Child("bench", ["bench"])  # no standby for it: each exits with code 2
+    child.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    child.state = "ready"
+    said: list[str] = []
+    supervisor = Supervisor(Cluster([child]), RestartPolicy(), tmp_path / "state.json",
+                            said.append, standbys=True)
+    try:
+        now_s = 0.0
+        for _ in range(MAX_STANDBY_FAILURES):
+            supervisor.check(now_s)
+            assert child.standby is not None
+            child.standby.wait(60)
+            now_s += 10.0
+        supervisor.check(now_s)
+        assert child.num_standby_failures == MAX_STANDBY_FAILURES and child.standby is None
+        assert said[-1].endswith(f"standby exited (code 2) {MAX_STANDBY_FAILURES} times: "
+                                 "its restarts start afresh")
+        supervisor.check(now_s + 10.0)
+        assert child.standby is None and len(said) == 1
+    finally:
+        child.process.kill()
+        child.process.wait(10)

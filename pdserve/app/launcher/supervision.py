@@ -31,6 +31,8 @@ STOP_GRACE_S = 5.0
 STANDBY_STAGGER_S = 2.0
 """Standbys start one at a time, this far apart: each is a second or two of imports, taken
 from a host that is serving."""
+MAX_STANDBY_FAILURES = 3
+"""A child whose standby exits unasked this many times gets no more (each start costs CPU)."""
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ class Child:
 
     standby: subprocess.Popen | None = None
     """The next incarnation, waiting with its imports done (None: none started)."""
+    num_standby_failures: int = 0
+    """Standbys that exited without being asked to run."""
 
     def start(self) -> None:
         """Run the standby if one is waiting, else start a fresh process."""
@@ -213,12 +217,28 @@ class Supervisor:
             child.state = "restarting"
             self.say(f"pdserve up: {child.role} exited with code {code} after {ran_s:.1f} s; "
                      f"restarting in {delay_s:.1f} s")
-        if self.standbys and now_s >= self._next_standby_s:
-            waiting = [c for c in self.cluster.children if c.state == "ready"
-                       and c.restart_at_s is None and not c.has_standby]
-            if waiting:
-                waiting[0].prepare_standby()
-                self._next_standby_s = now_s + STANDBY_STAGGER_S
+        if self.standbys:
+            self._check_standbys(now_s)
+
+    def _check_standbys(self, now_s: float) -> None:
+        """Note the standbys that exited unasked (a child that cannot keep one stops trying
+        after MAX_STANDBY_FAILURES, said once), then start the next one that is due."""
+        for child in self.cluster.children:
+            if child.standby is not None and child.standby.poll() is not None:
+                code = child.standby.returncode
+                child.drop_standby()
+                child.num_standby_failures += 1
+                if child.num_standby_failures == MAX_STANDBY_FAILURES:
+                    self.say(f"pdserve up: {child.role}'s standby exited (code {code}) "
+                             f"{MAX_STANDBY_FAILURES} times: its restarts start afresh")
+        if now_s < self._next_standby_s:
+            return
+        waiting = [c for c in self.cluster.children if c.state == "ready"
+                   and c.restart_at_s is None and c.standby is None
+                   and c.num_standby_failures < MAX_STANDBY_FAILURES]
+        if waiting:
+            waiting[0].prepare_standby()
+            self._next_standby_s = now_s + STANDBY_STAGGER_S
 
     def write_state(self) -> None:
         """Replaced whole (os.replace), so a reader never sees half a file."""
