@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from pdserve import security
-from pdserve.app.launcher import activate, spawn, stop_standby
+from pdserve.app.launcher import spawn, start_from, stop_standby
 from pdserve.app.launcher.supervision import STANDBY_STAGGER_S
 from pdserve.benchmarks import server_process
 
@@ -72,22 +72,18 @@ class Fleet:
 
     def start(self, name: str) -> None:
         """Run `name`'s standby if one waits, else start a fresh process."""
-        standby = self.standbys.pop(name, None)
-        if activate(standby):
-            self.processes[name] = standby
-            return
-        if standby is not None:
-            stop_standby(standby)
-        self.processes[name] = self._spawn(name, standby=False)
+        with open(self.run_dir / f"{name}.log", "ab") as log:
+            self.processes[name] = start_from(self.standbys.pop(name, None), self.argv(name),
+                                              self._env(), stdout=log.fileno())
 
     def prepare_standby(self, name: str) -> None:
-        self.standbys[name] = self._spawn(name, standby=True)
-
-    def _spawn(self, name: str, standby: bool) -> subprocess.Popen:
-        env = dict(os.environ, PDSERVE_CLUSTER_KEY_FILE=str(self.key_path),
-                   PDSERVE_LOG_LEVEL="INFO", OMP_WAIT_POLICY="PASSIVE")
         with open(self.run_dir / f"{name}.log", "ab") as log:
-            return spawn(self.argv(name), env, standby=standby, stdout=log.fileno())
+            self.standbys[name] = spawn(self.argv(name), self._env(), standby=True,
+                                        stdout=log.fileno())
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ, PDSERVE_CLUSTER_KEY_FILE=str(self.key_path),
+                    PDSERVE_LOG_LEVEL="INFO", OMP_WAIT_POLICY="PASSIVE")
 
     def kill(self, name: str) -> None:
         """SIGKILL, as a crash would."""

@@ -40,7 +40,7 @@ def preload(argv: list[str]) -> None:
     """Import what `pdserve <argv>` will; raises ValueError for a command with no standby."""
     if not argv or argv[0] not in PRELOAD:
         raise ValueError(f"no standby for {argv[:1]}: one of {', '.join(PRELOAD)}")
-    module, parser = cli.make_parser(argv[0])
+    _, parser = cli.make_parser(argv[0])  # (imports the command's module)
     for name in PRELOAD[argv[0]]:
         importlib.import_module(name)
     args, _ = parser.parse_known_args(argv[1:])

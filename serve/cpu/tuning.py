@@ -24,6 +24,7 @@ measured again, never trusted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -384,16 +385,17 @@ def tune_rank(rank: Rank, scheduler_config: SchedulerConfig, use_cache: bool = T
     step_points = points(scheduler_config.max_num_seqs, rank.spec.max_model_len,
                          scheduler_config.max_num_batched_tokens)
     steps = {p: point_step(p, rank.block_size, rank.spec.vocab_size) for p in step_points}
-    scratch = []  # the pool, made at the first point timed: a cached choice times nothing
+
+    @functools.cache
+    def scratch_caches() -> list[torch.Tensor]:
+        """The scratch pool (zeroed, as every pool is), made at the first point timed: a
+        cached choice times nothing."""
+        num_blocks = max(sum(len(c.block_table) for c in s.chunks) for s in steps.values())
+        return rank.new_pool(num_blocks).kv_caches
 
     @torch.inference_mode()
     def run_point(point: Point) -> float:
-        if not scratch:
-            num_blocks = max(sum(len(c.block_table) for c in s.chunks) for s in steps.values())
-            scratch.append(rank.new_pool(num_blocks))
-            for cache in scratch[0].kv_caches:
-                cache.zero_()
-        return time_step(lambda: rank.forward(steps[point], scratch[0].kv_caches))
+        return time_step(lambda: rank.forward(steps[point], scratch_caches()))
 
     kernels = ops.cpu_kernels() is not None
     has_panels = kernels and cpu_linear.panel_width() > 0

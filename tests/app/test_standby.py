@@ -96,7 +96,7 @@ def test_the_supervisor_restarts_a_ready_child_from_its_standby(tmp_path):
         child.state = "ready"
         supervisor.check(0.0)
         standby_pid = child.standby.pid
-        assert child.has_standby and standby_pid != child.process.pid
+        assert child.standby.poll() is None and standby_pid != child.process.pid
         child.process.kill()
         child.process.wait(10)
         supervisor.check(100.0)  # dead: restart due at once (backoff 0)

@@ -29,6 +29,7 @@ from pdserve.app.launcher.supervision import (
     Supervisor,
     activate,
     spawn,
+    start_from,
     stop_standby,
 )
 from pdserve.app.launcher.up import add_arguments, provide_cluster_key, run
@@ -49,6 +50,7 @@ __all__ = [
     "run",
     "share_with_services",
     "spawn",
+    "start_from",
     "split_cores",
     "stop_standby",
     "visible_gpus",

@@ -65,12 +65,8 @@ class Child:
 
     def start(self) -> None:
         """Run the standby if one is waiting, else start a fresh process."""
-        if activate(self.standby):
-            self.process = self.standby
-        else:
-            self.drop_standby()
-            self.process = spawn(self.argv, self.environment(), self.cpus)
-        self.standby = None
+        standby, self.standby = self.standby, None
+        self.process = start_from(standby, self.argv, self.environment(), self.cpus)
         self.started_s = time.monotonic()
         self.state = "starting"
         self.restart_at_s = None
@@ -83,10 +79,6 @@ class Child:
     def prepare_standby(self) -> None:
         self.drop_standby()
         self.standby = spawn(self.argv, self.environment(), self.cpus, standby=True)
-
-    @property
-    def has_standby(self) -> bool:
-        return self.standby is not None and self.standby.poll() is None
 
     def drop_standby(self) -> None:
         """End the standby, if any: the end of its input makes it exit."""
@@ -145,6 +137,17 @@ def activate(standby: subprocess.Popen | None) -> bool:
     except OSError:  # it died meanwhile (a broken pipe)
         return False
     return True
+
+
+def start_from(standby: subprocess.Popen | None, argv: list[str], env: dict[str, str],
+               cpus: list[int] | None = None, stdout: int | None = None) -> subprocess.Popen:
+    """The process that runs `pdserve <argv>` now: `standby`, activated, if it still waits;
+    else (it ended) a fresh one from spawn."""
+    if activate(standby):
+        return standby
+    if standby is not None:
+        stop_standby(standby)
+    return spawn(argv, env, cpus, stdout=stdout)
 
 
 def stop_standby(standby: subprocess.Popen, timeout_s: float = 5.0) -> None:
