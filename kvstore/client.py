@@ -39,6 +39,8 @@ from pdserve.protocol.store.data import (
     EvictRequest,
     ExistsReply,
     ExistsRequest,
+    GetLayersReply,
+    GetLayersRequest,
     GetReply,
     GetRequest,
     HelloReply,
@@ -183,13 +185,7 @@ class StoreClient:
             return [b for i in range(0, len(keys), step)
                     for b in self.get_many(keys[i:i + step])]
         channel = self._data_channel()
-        if self._hello_pending:
-            self._hello_pending = False
-            try:
-                self._hello(False, "", True)
-            except StoreUnavailable:  # the get below says so
-                pass
-            self._name_transport()
+        self._hello_once()
         shm = self._shm is not None
         with channel.lock:
             if self._ucx is None:
@@ -219,6 +215,45 @@ class StoreClient:
             raise ValueError("get: the server sent a different number of blocks than found")
         it = iter(payloads)
         return [next(it) if ok else None for ok in found]
+
+    def _hello_once(self) -> None:
+        """A client that said no hello at start (it reads a segment where it can) says it
+        before its first read."""
+        if self._hello_pending:
+            self._hello_pending = False
+            try:
+                self._hello(False, "", True)
+            except StoreUnavailable:  # the read that follows says so
+                pass
+            self._name_transport()
+
+    def get_layers(self, staging_id: int, keys: Sequence[bytes], first_block: int,
+                   first_layer: int, num_layers: int, layer_bytes: int, wait_s: float
+                   ) -> tuple[int, np.ndarray | None, bool]:
+        """Layers `first_layer` on of blocks `keys` of a prompt the node's worker is staging
+        now (GetLayersRequest): (how many layers came, their bytes [len(keys), layers,
+        layer_bytes] flat, whether the staging is gone). (0, None, False): none was staged
+        within `wait_s`."""
+        channel = self._data_channel()
+        self._hello_once()
+        fields = dict(staging_id=staging_id, keys=list(keys), first_block=first_block,
+                      first_layer=first_layer, num_layers=num_layers, wait_s=wait_s)
+        with channel.lock:
+            tag = None if self._ucx is None else self._next_tag(1)
+            reply, frames = channel.request_locked(GetLayersRequest, GetLayersReply,
+                                                   ucx_tag=tag, **fields)
+            if not reply.num_layers:
+                return 0, None, reply.gone
+            nbytes = len(keys) * reply.num_layers * layer_bytes
+            if reply.num_layers > num_layers - first_layer or reply.nbytes != nbytes:
+                raise ValueError("get_layers: the server sent other layers than asked for")
+            if self._ucx is None:
+                if len(frames) != 1 or len(frames[0].buffer) != nbytes:
+                    raise ValueError("get_layers: one payload frame of the stated size")
+                return reply.num_layers, np.frombuffer(frames[0].buffer, np.uint8), False
+            payload = np.empty(nbytes, dtype=np.uint8)
+            self._ucx.wait([self._ucx.recv(payload, tag)], self.timeout_s)
+        return reply.num_layers, payload, False
 
     def _copy_shm(self, reply: GetReply, found: list[bool]) -> list[np.ndarray | None]:
         """The found blocks, copied out of the server's segment where its reply says they

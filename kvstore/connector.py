@@ -38,6 +38,7 @@ the blocks it did place, possibly none, and the engine recomputes the rest.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -57,6 +58,7 @@ from pdserve.kvstore.handoff_transport import (
     Offer,
     make_handoff_transport,
 )
+from pdserve.kvstore.layer_pull import LayerPull
 from pdserve.kvstore.memory_tier import (
     BytesLike,
     as_uint8_tensor,
@@ -69,9 +71,26 @@ from pdserve.protocol.store.data import ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
 
-# (request id, segment, span of its first block, number of blocks, every layer staged)
-# -> whether it was announced
-OnStaged = Callable[[str, ShmSegment, ShmSpan, list[bytes], bool], bool]
+
+@dataclass(frozen=True)
+class StagingPlace:
+    """Where a save is staging a prompt while the forward runs: what a decode worker needs to
+    follow it layer by layer."""
+
+    keys: list[bytes]
+    source: str
+    """The worker's hand-off node: a decode worker elsewhere pulls each layer from it as it
+    lands (GetLayersRequest, kvstore/live_staging.py)..."""
+    staging_id: int
+    """...naming the staging so."""
+    segment: ShmSegment | None = None
+    """Same host: the node's shared memory segment, when the staging lies in it, whose
+    allocation header at `span` counts the layers staged (None: pull only)."""
+    span: ShmSpan | None = None
+
+
+# (request id, where, every layer staged) -> whether it was announced
+OnStaged = Callable[[str, StagingPlace, bool], bool]
 
 CLOSE_DRAIN_S = 2.0  # the longest close() waits for queued jobs
 
@@ -120,6 +139,7 @@ class _Save:
     copy_done: list[Any] = field(default_factory=list)  # CUDA events of the async copies
     span: ShmSpan | None = None  # where the staging lies in the node's segment
     announce_when_staged: bool = False  # on_staged declined at the start: ask once all are
+    staging_id: int = 0  # in the node's live stagings (0: not there, no node)
 
 
 def block_nbytes(layout: KVLayout) -> int:
@@ -150,11 +170,11 @@ class KVConnector:
         `release(lease_id)`). `handoff_node`: this worker's own data node (a HandoffNode),
         where saves land (the "node" transport; without it, "store"); `connect(address)`
         opens a client to another worker's node, the source of a load. `on_staged`: called
-        (on the forward's thread) when a save starts staging in the node's segment: (request
-        id, segment, span of its first block, the blocks' keys, False); the staging's header
-        then counts the layers staged (ShmArena progress), for a decode worker to follow. If
-        it returns False (not announced now), it is called again, with True, once every layer
-        is staged."""
+        (on the forward's thread) when a save into a node starts staging: (request id, its
+        StagingPlace, False); the node's live stagings (and the staging's header, where it
+        lies in the node's segment) then count the layers staged, for a decode worker to
+        follow. If it returns False (not announced now), it is called again, with True, once
+        every layer is staged."""
         self._heads = layout.rank_heads(tp_rank, tp_size)  # raises on a bad rank or split
         self.backend = backend
         self.transport: HandoffTransport = make_handoff_transport(
@@ -173,6 +193,7 @@ class KVConnector:
         self._saves: dict[str, _Save] = {}
         self._results: list[TransferResult] = []
         self._num_write_downs = 0
+        self._staging_ids = itertools.count(1)
         self._lock = threading.Lock()
         # a byte is written for each completion, and poll() empties the pipe
         self._wake_read, self._wake_write = os.pipe()
@@ -335,7 +356,12 @@ class KVConnector:
                 started = True
             else:
                 started = False
+        node = self.transport.node
         if started:
+            if node is not None:  # pulled layer by layer by a decode worker elsewhere
+                save.staging_id = next(self._staging_ids)
+                node.stagings.begin(save.staging_id, save.keys, save.staging,
+                                    self.layout.num_layers)
             self._announce(request_id, save)
         if list(keys) != save.keys or layer in save.layers_saved:
             raise ValueError(f"save_layer: keys changed or layer {layer} saved twice")
@@ -345,13 +371,17 @@ class KVConnector:
             save.staging[start:stop, layer].copy_(
                 kv_cache[:, first:first + stop - start].transpose(0, 1),
                 non_blocking=kv_cache.is_cuda)
+        event = None
         if kv_cache.is_cuda:
             event = torch.cuda.Event()
             event.record()
             save.copy_done.append(event)
         save.layers_saved.add(layer)
-        if save.span is not None and layer + 1 == len(save.layers_saved):  # in order so far
-            self.transport.set_progress(save.span, layer + 1)  # after the data it counts
+        if layer + 1 == len(save.layers_saved):  # in order so far: count it, after its data
+            if save.span is not None:
+                self.transport.set_progress(save.span, layer + 1)
+            if save.staging_id:
+                node.stagings.progress(save.staging_id, layer + 1, event)
             if save.announce_when_staged and layer + 1 == self.layout.num_layers:
                 self._announce(request_id, save, staged=True)
         if len(save.layers_saved) == self.layout.num_layers:
@@ -365,19 +395,20 @@ class KVConnector:
                 self._jobs.put(lambda: self._put(request_id, save))
 
     def _announce(self, request_id: str, save: _Save, staged: bool = False) -> None:
-        """A save staging in the node's segment: say where (on_staged), so that a decode
-        worker on this host can copy each layer as its progress counts it (`staged`: the
-        second call, every layer is)."""
-        segment = self.transport.staging_segment
-        if self._on_staged is None or segment is None:
+        """A save staging in the node: say where (on_staged), so that a decode worker can
+        copy each layer as it is counted, from the node's segment on this host or pulled
+        from the node elsewhere (`staged`: the second call, every layer is)."""
+        node = self.transport.node
+        if self._on_staged is None or node is None:
             return
-        if save.span is None:
+        segment = self.transport.staging_segment
+        if save.span is None and segment is not None:
             spans = self.transport.locate([save.staging.view(-1)])
-            if spans is None:  # staged outside the segment (it was full)
-                return
-            save.span = spans[0]
+            save.span = spans[0] if spans is not None else None  # (None: it was full)
+        place = StagingPlace(save.keys, node.address, save.staging_id,
+                             segment if save.span is not None else None, save.span)
         try:
-            announced = self._on_staged(request_id, segment, save.span, save.keys, staged)
+            announced = self._on_staged(request_id, place, staged)
         except Exception as e:  # only an optimisation: the hand-off still says where
             logger.warning("kv connector: announcing the staging of %s failed (%s)",
                            request_id, e)
@@ -406,6 +437,7 @@ class KVConnector:
         else:
             blocks = [save.staging[i].view(-1).view(torch.uint8) for i in range(len(save.keys))]
             offer = self.transport.offer(save.keys, blocks, self.lease_ttl_s)
+        self._end_staging(save)  # (a pull reads what is left from the node's store now)
         if offer.error is not None:
             logger.warning("kv connector: save of %s failed (%s)", request_id, offer.error)
         with self._lock:
@@ -414,6 +446,32 @@ class KVConnector:
                 offer.source, shm_segment=offer.shm_segment, shm_spans=offer.shm_spans,
                 write_back=offer.write_back))
         self._wake()
+
+    # ---- pull (decode, following a prefill on another host) --------------------------------
+    def start_pull(self, source: str, staging_id: int, keys: list[bytes],
+                   first_block: int) -> LayerPull:
+        """Pull the layers of a prompt the node at `source` is staging now (its blocks `keys`,
+        from the staging's block `first_block` on) as they land, in the background: the
+        returned pull's `take` gives them, per layer, and the wake-up fd says when."""
+        pull = LayerPull(source, staging_id, keys, first_block, self.block_shape, self.dtype,
+                         self._pulled_layers)
+        self._jobs.put(lambda: self._pull(pull))
+        return pull
+
+    def _pull(self, pull: LayerPull) -> None:
+        if pull.cancelled.is_set():
+            return
+        go_on = self.transport.pull_layers(pull)
+        self._wake()
+        if go_on:  # behind the jobs queued meanwhile
+            self._jobs.put(lambda: self._pull(pull))
+
+    def _pulled_layers(self, payload: torch.Tensor, num_blocks: int,
+                       num_layers: int) -> list[torch.Tensor]:
+        """[n, layers, P, block_size, H, D] (flat bytes) -> per layer [P, n, block_size, this
+        rank's h, D], views."""
+        data = payload.view(self.dtype).view(num_blocks, num_layers, *self.block_shape[1:])
+        return [data[:, j, :, :, self._heads].transpose(0, 1) for j in range(num_layers)]
 
     def run_job(self, job: Callable[[], None]) -> None:
         """Run `job` on the connector's job thread (a save's write-back)."""
@@ -450,10 +508,16 @@ class KVConnector:
                     self._loads.pop(r.request_id, None)
         return results
 
+    def _end_staging(self, save: _Save) -> None:
+        if save.staging_id and self.transport.node is not None:
+            self.transport.node.stagings.end(save.staging_id)
+
     def abort(self, request_id: str) -> None:
         """Forget a request's partial save (a finished load is freed by poll)."""
         with self._lock:
-            self._saves.pop(request_id, None)
+            save = self._saves.pop(request_id, None)
+        if save is not None:
+            self._end_staging(save)
 
     @property
     def handoff_node(self) -> Any:

@@ -4,6 +4,8 @@
     put get exists evict prefetch    blocks (bytes as ZeroMQ frames, over UCX by tag, or,
                                      for a client on this host, where they lie in the
                                      node's shared memory segment: kvstore/shm_segment.py)
+    get_layers                       a hand-off node's prompt being staged, layer by layer
+                                     as it lands (kvstore/live_staging.py)
     pin renew release                pins held by leases with deadlines
     lookup_prefix                    how much of a prefix this node holds
     node_info                        its name and its master (a client pointed at a data
@@ -15,9 +17,10 @@ its blocks, so a crashed client never pins forever. A UCX get replies first and 
 blocks after the reply is handed on (its Answer's `after_reply`): the client posts its
 receives only once it knows their sizes.
 
-Threads: put, get, prefetch, hello and bye (`offloaded`) run on the server's worker threads,
-since they may wait on the disk, on UCX transfers or on the address prober; every other verb
-runs on the socket loop. Three locks, each held briefly:
+Threads: put, get, get_layers, prefetch, hello and bye (`offloaded`) run on the server's
+worker threads, since they may wait on the disk, on UCX transfers, on a staging's next layer
+or on the address prober; every other verb runs on the socket loop. Three locks, each held
+briefly:
 
     _lease_lock                  the LeaseTable, with the pins its leases hold (taken before
                                  the store's lock: a lease and its pins change together)
@@ -39,6 +42,7 @@ import numpy as np
 
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.lease import Lease, LeaseTable
+from pdserve.kvstore.live_staging import LiveStagings, read_layers
 from pdserve.kvstore.master import Usage
 from pdserve.kvstore.memory_tier import back_to_back_runs, run_view
 from pdserve.kvstore.service import Answer, Peer, answer_check
@@ -61,6 +65,8 @@ from pdserve.protocol.store.data import (
     EvictRequest,
     ExistsReply,
     ExistsRequest,
+    GetLayersReply,
+    GetLayersRequest,
     GetReply,
     GetRequest,
     HelloReply,
@@ -97,8 +103,8 @@ class DataService:
         self.master_address: str | None = config.master_address
         """The master indexing this node (the server sets it in role all), told to clients
         that ask (node_info)."""
-        self.offloaded = frozenset({PutRequest, GetRequest, PrefetchRequest, HelloRequest,
-                                    ByeRequest})
+        self.offloaded = frozenset({PutRequest, GetRequest, GetLayersRequest, PrefetchRequest,
+                                    HelloRequest, ByeRequest})
         self._lease_lock = threading.Lock()
         self._ucx_lock = threading.Lock()
         self._ucx: UcxDataPlane | None = None
@@ -120,11 +126,14 @@ class DataService:
             except OSError as e:
                 logger.warning("store: no shared memory segment (%s); clients on this host "
                                "read over UCX", e)
+        self.stagings = LiveStagings()
+        """Prompts this process is staging now (a hand-off node's worker: get_layers)."""
         self._ucx_clients: dict[bytes, tuple[int, int]] = {}  # zmq identity -> (client_no, ep)
         self._next_client_no = 1
         self.handlers = {
             HelloRequest: self.hello, ByeRequest: self.bye, PutRequest: self.put,
-            GetRequest: self.get, ExistsRequest: self.exists, PinRequest: self.pin,
+            GetRequest: self.get, GetLayersRequest: self.get_layers, ExistsRequest: self.exists,
+            PinRequest: self.pin,
             RenewRequest: self.renew, ReleaseRequest: self.release, EvictRequest: self.evict,
             PrefetchRequest: self.prefetch, StatsRequest: self.stats, CheckRequest: self.check,
             LookupPrefixRequest: self.lookup_prefix, NodeInfoRequest: self.node_info,
@@ -150,6 +159,12 @@ class DataService:
                 logger.info("store: lease %d of %s expired; unpinning %d blocks",
                             lease.lease_id, lease.holder, len(lease.keys))
                 self._unpin(lease)
+
+    def start_prober_early(self) -> None:
+        """A node whose first clients wait briefly (a worker's hand-off node: decode workers
+        give it PEER_TIMEOUT_S) starts its UCX address prober now."""
+        if self._prober is not None:
+            self._prober.start_early()
 
     def check_integrity(self) -> None:
         """Store invariants hold and every pin is held by exactly one live lease."""
@@ -259,6 +274,20 @@ class DataService:
         reply = GetReply(request.request_id, found, sizes,
                          runs=[stop - start for start, stop in runs])
         tag = request.ucx_tag
+        return Answer(reply, after_reply=lambda: self._send_over_ucx(peer, tag, arrays))
+
+    def get_layers(self, request: GetLayersRequest, peer: Peer) -> Answer:
+        if request.ucx_tag is not None:
+            with self._ucx_lock:  # refuse a stranger's tag before reading anything
+                self._ucx_endpoint(peer, request.ucx_tag)
+        num_layers, payload, gone = read_layers(self.stagings, self.store.get_many, request)
+        reply = GetLayersReply(request.request_id, num_layers,
+                               0 if payload is None else payload.nbytes, gone)
+        if payload is None:
+            return Answer(reply)
+        if request.ucx_tag is None:
+            return Answer(reply, [payload.reshape(-1)])
+        tag, arrays = request.ucx_tag, [payload.reshape(-1)]
         return Answer(reply, after_reply=lambda: self._send_over_ucx(peer, tag, arrays))
 
     def _send_over_ucx(self, peer: Peer, tag: int, arrays: list[np.ndarray]) -> None:

@@ -14,6 +14,10 @@ reads them again: the fleet store keeps the prefix), so their memory is reused w
 worker's connector calls it in process: a put adopts the staged blocks (no copy) and a pin
 goes through the data service's own handler and locks.
 
+While a prompt is staged its layers can be pulled as they land (get_layers, by a decode
+worker following the prefill from another host: kvstore/live_staging.py); a long poll holds
+one of the node's threads, hence four.
+
 With `shm_bytes` the node stages prompts in a shared memory segment (kvstore/shm_segment.py,
 `allocate_staging`), and a decode worker on the same host copies them straight out of it: one
 user-space copy, no UCX rendezvous, no kernel copy. A staging that does not fit there (or a
@@ -33,6 +37,7 @@ import torch
 
 from pdserve.addresses import advertised_host
 from pdserve.kvstore.config import StoreConfig
+from pdserve.kvstore.live_staging import LiveStagings
 from pdserve.kvstore.memory_tier import BytesLike
 from pdserve.kvstore.server import StoreServer
 from pdserve.kvstore.service import Peer
@@ -60,15 +65,22 @@ class HandoffNode:
         config = StoreConfig(role="data", host=host, data_port=port, node_id=name,
                              dram_capacity_blocks=capacity_blocks, transport=transport,
                              lease_ttl_s=lease_ttl_s, request_timeout_s=timeout_s,
-                             num_data_threads=2, shm_bytes=shm_bytes, drop_released=True)
+                             num_data_threads=4, shm_bytes=shm_bytes, drop_released=True)
         self.name = name
         self._server = StoreServer(config).start()
         assert self._server.data_service is not None and self._server.data_address
         self._service = self._server.data_service
+        self._service.start_prober_early()
         self.address: str = advertised(self._server.data_address)
         """Where decode workers reach it: a wildcard bind is named by this host's address."""
         logger.info("hand-off node %s: %d blocks of DRAM at %s", name, capacity_blocks,
                     self.address)
+
+    @property
+    def stagings(self) -> LiveStagings:
+        """The prompts this worker is staging now, which decode workers on other hosts pull
+        layer by layer (kvstore/live_staging.py)."""
+        return self._service.stagings
 
     def allocate_staging(self, nbytes: int) -> torch.Tensor | None:
         """`nbytes` (uint8) in the node's shared memory segment, for a save to stage a prompt

@@ -6,6 +6,8 @@ The connector (kvstore/connector.py) needs three verbs of a hand-off, whatever c
                             where decode reads them (`source`, the lease, shared memory spans)
     fetch(keys, source)     decode: the leading blocks, from the named data node, else the
                             fleet store (each failure logged and passed over)
+    pull_layers(pull)       decode, following a prefill elsewhere: the layers its node has
+                            staged since the last call (kvstore/layer_pull.py)
     release(lease, source)  decode, once loaded (or a prefill whose hand-off was dropped)
 
 Two implementations, by name (TRANSPORTS):
@@ -38,6 +40,7 @@ from pdserve.protocol.store.data import ShmSegment, ShmSpan
 
 if TYPE_CHECKING:
     from pdserve.kvstore.handoff_node import HandoffNode
+    from pdserve.kvstore.layer_pull import LayerPull
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class HandoffTransport(Protocol):
               lease_ttl_s: float | None) -> Offer: ...
     def fetch(self, keys: list[bytes], source: str, block_bytes: int) -> list[BytesLike]: ...
     def release(self, lease_id: int, source: str) -> None: ...
+    def pull_layers(self, pull: LayerPull) -> bool: ...
     def allocate_staging(self, nbytes: int) -> torch.Tensor | None: ...
     @property
     def staging_segment(self) -> ShmSegment | None: ...
@@ -209,6 +213,23 @@ class StoreHandoff:
             if len(best) == len(keys):
                 break
         return best
+
+    def pull_layers(self, pull: LayerPull) -> bool:
+        """One round trip of a layer pull (kvstore/layer_pull.py) from its node; whether to
+        ask again. A node that does not answer is passed over as fetch passes it over (its
+        hand-off then loads from the fleet store)."""
+        if self.peers.recently_failed(pull.source):
+            pull.failed = True
+            return False
+        try:
+            return pull.step(self.peers.backend_for(pull.source))
+        except Exception as e:  # only an early start: the hand-off loads the usual way
+            logger.warning("kv connector: pulling staging %d from %s failed (%s)",
+                           pull.staging_id, pull.source, e)
+            pull.failed = True
+            if isinstance(e, TimeoutError):  # (StoreUnavailable is one)
+                self.peers.failed(pull.source)
+            return False
 
     def release(self, lease_id: int, source: str) -> None:
         """Give a lease back to the node holding it; a failure leaves it to expire."""

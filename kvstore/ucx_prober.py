@@ -96,6 +96,16 @@ class UcxAddressProber:
                 self._cache.popitem(last=False)
             return verdict
 
+    def start_early(self) -> None:
+        """Start the child now, on a thread of its own, rather than at the first hello (which
+        then waits for it: a peer with a short timeout could give up)."""
+        def start() -> None:
+            with self._lock:
+                if self._child is None and not self._is_closed:
+                    self._start_child()
+
+        threading.Thread(target=start, name="ucx-prober-start", daemon=True).start()
+
     def close(self) -> None:
         with self._lock:
             self._is_closed = True

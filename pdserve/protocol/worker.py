@@ -84,19 +84,24 @@ BLOCK_KEY_BYTES = 16
 
 @dataclass(frozen=True)
 class KVStaging:
-    """Where a prefill worker is staging a prompt's KV while its forward runs: the prompt's
-    `num_blocks` blocks back to back from span.offset in the worker's shared memory segment,
-    whose allocation header counts the layers staged so far (kvstore/shm_segment.py). A
-    decode worker on that host copies each layer into blocks it reserved as soon as it is
-    counted, so the hand-off that follows finds the prompt in place."""
+    """Where a prefill worker is staging a prompt's KV while its forward runs, for a decode
+    worker to copy each layer into blocks it reserved as soon as it is staged, so the
+    hand-off that follows finds the prompt in place: on the prefill worker's host out of its
+    shared memory segment (the prompt's `num_blocks` blocks back to back from span.offset,
+    whose allocation header counts the layers staged), elsewhere pulled from its hand-off
+    node (`source_address`, GetLayersRequest for `staging_id`)."""
 
-    segment: ShmSegment
-    span: ShmSpan
+    segment: ShmSegment | None
+    """None: the staging is not in a segment (none, or full); pull it."""
+    span: ShmSpan | None
     num_blocks: int
     kv_cache_dtype: str = ""
     block_keys: list[bytes] = field(default_factory=list)
     """The staged blocks' keys (empty: not said): a decode worker that holds the leading ones
-    already copies only the others."""
+    already copies only the others; a pull names the blocks by them."""
+    source_address: str = ""
+    """The prefill worker's hand-off node, tcp://host:port ("": no pull)."""
+    staging_id: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_blocks, bool) or not 0 < self.num_blocks <= MAX_STAGED_BLOCKS:
@@ -106,6 +111,15 @@ class KVStaging:
         if len(self.block_keys) > self.num_blocks or any(
                 len(key) != BLOCK_KEY_BYTES for key in self.block_keys):
             raise ValueError(f"block_keys: at most num_blocks keys of {BLOCK_KEY_BYTES} bytes")
+        if (self.segment is None) != (self.span is None):
+            raise ValueError("a staging in a segment names both the segment and its span")
+        if self.source_address and not _DATA_ADDRESS.fullmatch(self.source_address):
+            raise ValueError(f"source_address must be tcp://host:port, got "
+                             f"{self.source_address[:80]!r}")
+        if isinstance(self.staging_id, bool) or not 0 <= self.staging_id < 1 << 63:
+            raise ValueError("staging_id must be an integer in [0, 2**63)")
+        if self.segment is None and not (self.source_address and self.staging_id):
+            raise ValueError("a staging names its segment, or its node and staging id")
 
 
 @WORKER_PROTOCOL.message("generate")

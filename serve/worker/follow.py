@@ -1,5 +1,6 @@
-"""A decode worker follows a prefill on its host layer by layer (the decode side of
-FollowPrefill, protocol/worker.py).
+"""A decode worker follows a prefill layer by layer (the decode side of FollowPrefill,
+protocol/worker.py): on the prefill worker's host out of its shared memory segment, from
+another host by pulling each layer from its hand-off node (kvstore/layer_pull.py).
 
 Without it a hand-off's blocks are copied into the decode pool when the hand-off arrives: on
 one core that copy is the whole wait between the prefill's last layer and the request joining
@@ -14,6 +15,12 @@ the batch. With it:
     save put, lease, hand-off Output ------> GenerateRequest(handoff): copy what is left (the
                                                last layer), check the serial, claim the
                                                reserved blocks: in the batch (finish)
+
+From another host (or where the segment cannot be mapped) the same reservation is filled by a
+pull: the connector's job thread asks the prefill worker's node for the layers staged since
+its last ask (the node answers as soon as one lands) and each loop turn copies what came. A
+hand-off that arrives with layers still crossing waits for them (`pending`); a pull that
+fails gives its reservation back, and the hand-off loads the usual way.
 
 The decode worker only ever reads the prefill's memory and writes its own blocks, so nothing
 the prefill does can corrupt it: a staging freed meanwhile (the prefill aborted it, or its
@@ -41,8 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvstore.connector import StagingPlace
+from pdserve.kvstore.layer_pull import LayerPull
 from pdserve.kvstore.shm_segment import TOTAL_STORE_ORDER
-from pdserve.protocol.store.data import ShmSegment, ShmSpan
 from pdserve.protocol.worker import FollowPrefill, KVHandoff, KVStaging, Output
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
 
@@ -68,8 +76,7 @@ class StagingAnnouncer:
         messages would only take core time from this forward's thread there; after it, the
         copy overlaps the forward's tail instead."""
 
-    def __call__(self, request_id: str, segment: ShmSegment, span: ShmSpan, keys: list[bytes],
-                 staged: bool) -> bool:
+    def __call__(self, request_id: str, place: StagingPlace, staged: bool) -> bool:
         """A save started staging (`staged`: it is complete now). Returns whether it was
         said (False: ask again when every layer is staged)."""
         engine = self.engine
@@ -78,8 +85,9 @@ class StagingAnnouncer:
         if self.borrowing_cores and not staged:
             return False
         kv_cache_dtype = engine.spec.kv_layout(engine.block_manager.block_size).dtype
-        self.send(Output(request_id, [], "", staging=KVStaging(segment, span, len(keys),
-                                                                kv_cache_dtype, list(keys))))
+        self.send(Output(request_id, [], "", staging=KVStaging(
+            place.segment, place.span, len(place.keys), kv_cache_dtype, list(place.keys),
+            place.source, place.staging_id)))
         return True
 
 
@@ -87,12 +95,15 @@ class StagingAnnouncer:
 class _Follow:
     staging: KVStaging
     block_ids: list[int]
-    layers: list[torch.Tensor]  # the staging, per layer, mapped read-only
-    progress: Callable[[], int]  # layers staged so far
-    intact: Callable[[], bool]  # the staging is still the one named
     active_s: float  # when it last made progress
     num_held: int = 0  # leading blocks this worker held already (not copied)
     num_copied: int = 0
+    # on the prefill's host:
+    layers: list[torch.Tensor] | None = None  # the staging, per layer, mapped read-only
+    progress: Callable[[], int] | None = None  # layers staged so far
+    intact: Callable[[], bool] = lambda: True  # the staging is still the one named
+    # elsewhere:
+    pull: LayerPull | None = None
 
 
 class Followers:
@@ -115,7 +126,7 @@ class Followers:
         """A followed prefill still has layers to come, to copy now (the worker loop wakes
         for them)."""
         return self.copy_early and TOTAL_STORE_ORDER and any(
-            f.num_copied < self.num_layers for f in self._follows.values())
+            f.pull is None and f.num_copied < self.num_layers for f in self._follows.values())
 
     def start(self, message: FollowPrefill, kv_cache_dtype: str) -> bool:
         """Reserve blocks for the request and map its staging; False where it cannot be
@@ -127,8 +138,9 @@ class Followers:
                 or staging.num_blocks != bm.num_blocks_for(message.num_prompt_tokens)
                 or (staging.kv_cache_dtype and staging.kv_cache_dtype != kv_cache_dtype)):
             return False
-        mapped = self.kv_transfer.map_staging(staging)
-        if mapped is None:
+        mapped = None if staging.segment is None else self.kv_transfer.map_staging(staging)
+        if mapped is None and not (staging.source_address
+                                   and len(staging.block_keys) == staging.num_blocks):
             return False
         # (with a block to spare for each running request's next token: a reservation must
         # not make the batch preempt)
@@ -142,9 +154,14 @@ class Followers:
                 block_ids, num_held = bm.reserve(request_id, staging.num_blocks), 0
             except NoFreeBlocksError:
                 return False
-        layers, progress, intact = mapped
-        self._follows[request_id] = _Follow(staging, block_ids, layers, progress, intact,
-                                            time.monotonic(), num_held)
+        follow = self._follows[request_id] = _Follow(staging, block_ids, time.monotonic(),
+                                                     num_held)
+        if mapped is not None:
+            follow.layers, follow.progress, follow.intact = mapped
+        elif num_held < staging.num_blocks:
+            follow.pull = self.kv_transfer.start_pull(staging, num_held)
+        else:  # every block is here already
+            follow.num_copied = self.num_layers
         return True
 
     def copy_ready(self) -> None:
@@ -152,7 +169,13 @@ class Followers:
         module docstring); drop follows idle for FOLLOW_IDLE_S."""
         now = time.monotonic()
         for request_id, follow in list(self._follows.items()):
-            if TOTAL_STORE_ORDER and follow.num_copied < self.num_layers:
+            if follow.pull is not None:
+                if self._take_pulled(follow):
+                    follow.active_s = now
+                if follow.pull.failed:
+                    self.drop(request_id)  # (its hand-off loads the usual way)
+                    continue
+            elif TOTAL_STORE_ORDER and follow.num_copied < self.num_layers:
                 staged = min(follow.progress(), self.num_layers)
                 if (self.copy_early or staged == self.num_layers) and self._copy(follow, staged):
                     follow.active_s = now
@@ -161,7 +184,32 @@ class Followers:
                                "back", request_id, FOLLOW_IDLE_S)
                 self.drop(request_id)
 
+    def _take_pulled(self, follow: _Follow) -> bool:
+        """Copy the layers a pull received since the last call; whether any came."""
+        assert follow.pull is not None
+        taken = follow.pull.take()
+        for first, layers in taken:
+            for j, blocks in enumerate(layers):
+                self.kv_transfer.install_layer(first + j, follow.block_ids[follow.num_held:],
+                                               blocks)
+                self.kv_transfer.note_handoff_bytes(blocks.nbytes)
+            follow.num_copied = first + len(layers)
+        return bool(taken)
+
+    def pending(self, request_id: str, handoff: KVHandoff) -> bool:
+        """The hand-off of a pulled follow arrived while layers are still crossing (finish
+        once they came: the worker's loop asks again every turn)."""
+        follow = self._follows.get(request_id)
+        if follow is None or follow.pull is None or follow.pull.failed:
+            return False
+        if not self.kv_transfer.names_staging(handoff, follow.staging):
+            return False  # (finish drops it)
+        if self._take_pulled(follow):
+            follow.active_s = time.monotonic()
+        return follow.num_copied < self.num_layers and not follow.pull.failed
+
     def _copy(self, follow: _Follow, until: int) -> bool:
+        assert follow.layers is not None
         copied, held = follow.num_copied, follow.num_held
         for layer in range(copied, until):
             blocks = follow.layers[layer][:, held:]
@@ -171,11 +219,12 @@ class Followers:
         return follow.num_copied > copied
 
     def finish(self, request_id: str, handoff: KVHandoff
-               ) -> tuple[list[int], Callable[[], bool]] | None:
+               ) -> tuple[list[int], Callable[[], bool], bool] | None:
         """The hand-off of a followed request arrived: copy the layers left, and return the
-        reserved blocks (now holding the prompt's KV; for the engine to claim) and the check
-        to make before they count. None: not followed, or the hand-off names other blocks
-        (its reservation went back; the usual path takes it)."""
+        reserved blocks (now holding the prompt's KV; for the engine to claim), the check to
+        make before they count, and whether they were pulled. None: not followed, or the
+        hand-off names other blocks, or the pull failed (its reservation went back; the
+        usual path takes it)."""
         follow = self._follows.get(request_id)
         if follow is None:
             return None
@@ -183,11 +232,20 @@ class Followers:
                 handoff, follow.staging):
             self.drop(request_id)
             return None
+        if follow.pull is not None:
+            self._take_pulled(follow)
+            if follow.num_copied < self.num_layers:  # (the pull failed: load instead)
+                self.drop(request_id)
+                return None
+        else:
+            self._copy(follow, self.num_layers)
         del self._follows[request_id]
-        self._copy(follow, self.num_layers)
-        return follow.block_ids, follow.intact
+        return follow.block_ids, follow.intact, follow.pull is not None
 
     def drop(self, request_id: str) -> None:
         """Give a follow's reserved blocks back (abort, a hand-off elsewhere); idempotent."""
-        if self._follows.pop(request_id, None) is not None:
+        follow = self._follows.pop(request_id, None)
+        if follow is not None:
+            if follow.pull is not None:
+                follow.pull.cancelled.set()
             self.engine.block_manager.unreserve(request_id)

@@ -94,6 +94,8 @@ class RequestGateway:
         self._releases: list[tuple[int, str]] = []
         self._releases_due: list[tuple[int, str]] = []
         self._write_backs: list[Callable[[], None] | None] = []  # started at the next poll
+        # decode: hand-offs of pulled follows whose last layers are still crossing
+        self._follow_waiting: dict[str, GenerateRequest] = {}
         # request id -> (time.monotonic() it arrived here, whether it was handed off to this
         # worker), until its first Output reports its phases
         self._arrivals: dict[str, tuple[float, bool]] = {}
@@ -127,7 +129,7 @@ class RequestGateway:
     def is_busy(self) -> bool:
         """Something is held, loading or waiting for blocks."""
         return bool(self._held or self._loading or self._waiting_for_blocks or self._releases
-                    or self._releases_due or self._followers)
+                    or self._releases_due or self._followers or self._follow_waiting)
 
     @property
     def copy_early(self) -> bool:
@@ -168,7 +170,8 @@ class RequestGateway:
             try:
                 self._add_handed_off(message)
             finally:  # a follow the hand-off did not take (no keys, refused, ...) lets go
-                if self._followers is not None:
+                if (self._followers is not None
+                        and message.request_id not in self._follow_waiting):
                     self._followers.drop(message.request_id)
         else:
             self._add_new(message)
@@ -242,10 +245,13 @@ class RequestGateway:
         handoff = message.handoff
         assert handoff is not None and self._followers is not None
         start_s = time.monotonic()
+        if self._followers.pending(message.request_id, handoff):  # its last layers cross
+            self._follow_waiting[message.request_id] = message
+            return True
         followed = self._followers.finish(message.request_id, handoff)
         if followed is None:
             return False
-        block_ids, intact = followed
+        block_ids, intact, pulled = followed
         lease = (handoff.lease_id, handoff.source_address)
         self._releases.append(lease)  # read or not, the lease goes back
         try:
@@ -256,7 +262,8 @@ class RequestGateway:
             self.engine.block_manager.unreserve(message.request_id)
             raise
         self._recompute_unless(intact, message)
-        self.kv_transfer.note_in_place(time.monotonic() - start_s, followed=True)
+        self.kv_transfer.note_in_place(time.monotonic() - start_s, followed=True,
+                                       pulled=pulled)
         return True
 
     def _admit_in_place(self, message: GenerateRequest) -> bool:
@@ -297,6 +304,7 @@ class RequestGateway:
         self._admit_loaded(message, TransferDone(message.request_id, "load", False, []))
 
     def abort(self, request_id: str) -> None:
+        self._follow_waiting.pop(request_id, None)
         if self._followers is not None:
             self._followers.drop(request_id)
         if self._holding.pop(request_id, None) is not None:
@@ -318,15 +326,17 @@ class RequestGateway:
         requests whose KV arrived (into the engine; an error Output if that fails)."""
         if self.kv_transfer is None:
             return []
+        outputs: list[Output] = []
         if self._followers:
             self._followers.copy_ready()
+            outputs += self._admit_pulled()
         for lease_id, source in self._releases_due:
             self.kv_transfer.release(lease_id, source)
         self._releases_due, self._releases = self._releases, []
         for job in self._write_backs:  # their hand-offs went out after the last poll
             self.kv_transfer.start_write_back(job)
         self._write_backs = []
-        outputs = self._admit_waiting()
+        outputs += self._admit_waiting()
         for done in self.kv_transfer.poll():
             if done.kind == "save":
                 output = self._held.pop(done.request_id, None)
@@ -349,6 +359,25 @@ class RequestGateway:
                 self._waiting_for_blocks.append((message, done))
                 continue
             outputs += self._try_admit(message, done)
+        return outputs
+
+    def _admit_pulled(self) -> list[Output]:
+        """Hand-offs whose pulled layers were still crossing: those whose pull completed (or
+        failed: then they load the usual way) go on."""
+        outputs: list[Output] = []
+        for request_id, message in list(self._follow_waiting.items()):
+            assert message.handoff is not None and self._followers is not None
+            if self._followers.pending(request_id, message.handoff):
+                continue
+            del self._follow_waiting[request_id]
+            try:
+                self._add_handed_off(message)
+            except Exception as exc:  # this request's error, as add() would have raised it
+                logger.warning("could not admit %s: %s", request_id, exc)
+                self._arrivals.pop(request_id, None)
+                outputs.append(Output(request_id, [], "", "error", error=str(exc)))
+            finally:
+                self._followers.drop(request_id)
         return outputs
 
     def _admit_waiting(self) -> list[Output]:

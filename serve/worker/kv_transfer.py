@@ -21,9 +21,10 @@ Which hand-off a worker runs is chosen here, once, from its flags and the enviro
                       loads it from there (two hops through the store server)
     shm        the node stages prompts in a shared memory segment, and a decode worker on its
                host copies them straight out of it (PDSERVE_HANDOFF_SHM, default on)
-    follow     with shm, a prefill worker announces each staging as its forward starts it, and
-               a decode worker on its host copies the layers as they land (serve/worker/
-               follow.py; PDSERVE_HANDOFF_FOLLOW, default on)
+    follow     with a node, a prefill worker announces each staging as its forward starts it,
+               and a decode worker copies the layers as they land: out of the segment on its
+               host, pulled from the node elsewhere (serve/worker/follow.py;
+               PDSERVE_HANDOFF_FOLLOW, default on)
 
 Nothing else in the worker reads those flags or variables: the gateway, the roles and the
 connector get what was chosen through their constructors.
@@ -50,6 +51,7 @@ import torch
 from pdserve import envs
 from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import KVConnector, OnStaged, TransferResult
+from pdserve.kvstore.layer_pull import LayerPull
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
 from pdserve.protocol.worker import KVHandoff, KVStaging
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
@@ -74,7 +76,8 @@ class HandoffChoice:
     """Same host: the node stages prompts in shared memory, and this worker reads the
     segments of the nodes it loads from."""
     follow: bool = True
-    """Same host, with shm: a prefill announces its stagings, for decode workers to follow."""
+    """With a node: a prefill announces its stagings, for decode workers to follow (on its
+    host out of the segment, elsewhere by pulling each layer from the node)."""
 
     def __post_init__(self) -> None:
         from pdserve.kvstore.handoff_transport import TRANSPORTS
@@ -189,7 +192,7 @@ class KVTransfer:
         self._totals = {"saved_bytes": 0.0, "loaded_bytes": 0.0, "save_seconds": 0.0,
                         "load_seconds": 0.0, "save_count": 0.0, "load_count": 0.0,
                         "layerwise_save_count": 0.0, "in_place_count": 0.0,
-                        "followed_count": 0.0, "store_hit_tokens": 0.0,
+                        "followed_count": 0.0, "pulled_count": 0.0, "store_hit_tokens": 0.0,
                         "store_read_bytes": 0.0, "handoff_bytes": 0.0,
                         "handoff_reused_bytes": 0.0}
         self.offload: KVOffload | None = None
@@ -424,16 +427,26 @@ class KVTransfer:
 
     def map_staging(self, staging: KVStaging
                     ) -> tuple[list[torch.Tensor], Callable[[], int], Callable[[], bool]] | None:
-        """A prompt that a prefill worker on this host is staging now (serve/worker/follow.py): per
+        """A prompt a prefill worker on this host is staging now (serve/worker/follow.py): per
         layer, the number of layers staged so far, and the check to make once copied; None
         where it cannot be mapped."""
         return self.connector.segments.map_staging(staging.segment, staging.span,
                                                    staging.num_blocks)
 
     def names_staging(self, handoff: KVHandoff, staging: KVStaging) -> bool:
-        """Whether a hand-off names the blocks of that staging (what map_staging mapped)."""
+        """Whether a hand-off names the blocks of that staging (what map_staging mapped, or
+        start_pull pulls)."""
+        if staging.segment is None or staging.span is None:
+            return (handoff.source_address == staging.source_address
+                    and handoff.block_keys == staging.block_keys)
         return (handoff.shm_segment == staging.segment and handoff.shm_spans
                 == self.connector.segments.staging_spans(staging.span, staging.num_blocks))
+
+    def start_pull(self, staging: KVStaging, first_block: int) -> LayerPull:
+        """Pull the layers of a staging on another host as they land, its blocks from
+        `first_block` on (serve/worker/follow.py; kvstore/layer_pull.py)."""
+        return self.connector.start_pull(staging.source_address, staging.staging_id,
+                                         staging.block_keys[first_block:], first_block)
 
     @property
     def can_write_layers(self) -> bool:
@@ -445,13 +458,16 @@ class KVTransfer:
         self.runner.write_kv_layer(layer, block_ids, blocks)
         self._totals["loaded_bytes"] += blocks.nbytes
 
-    def note_in_place(self, seconds: float, followed: bool = False) -> None:
+    def note_in_place(self, seconds: float, followed: bool = False,
+                      pulled: bool = False) -> None:
         """A hand-off was admitted from its mapped blocks (map_handoff): a load, in place;
-        `followed`: copied layer by layer while its prefill ran (serve/worker/follow.py)."""
+        `followed`: copied layer by layer while its prefill ran (serve/worker/follow.py), out
+        of the segment or, `pulled`, from the prefill worker's node (not in place then)."""
         self._totals["load_seconds"] += seconds
         self._totals["load_count"] += 1
-        self._totals["in_place_count"] += 1
+        self._totals["in_place_count"] += not pulled
         self._totals["followed_count"] += followed
+        self._totals["pulled_count"] += pulled
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank)."""

@@ -27,6 +27,10 @@ EXAMPLES = [
     data.PutReply(9, stored=[True, False]),
     data.GetRequest(9, keys=[KEY], ucx_tag=(3 << 32) | 17),
     data.GetReply(9, found=[True, False], sizes=[4096, 0]),
+    data.GetLayersRequest(9, staging_id=3, keys=[KEY], first_block=2, first_layer=1,
+                          num_layers=8, wait_s=0.05, ucx_tag=(3 << 32) | 18),
+    data.GetLayersReply(9, num_layers=2, nbytes=8192),
+    data.GetLayersReply(9, num_layers=0, nbytes=0, gone=True),
     data.ExistsRequest(9, keys=[KEY]),
     data.ExistsReply(9, found=[True]),
     data.EvictRequest(9, keys=[KEY]),
@@ -132,6 +136,14 @@ def raw(type_: str, **fields) -> bytes:
     raw("get_reply", request_id=1, found=[True, True], sizes=[4, 4], runs=[1]),  # 1 of 2
     raw("get_reply", request_id=1, found=[True], sizes=[4], runs=[0, 1]),  # an empty message
     raw("get_reply", request_id=1, found=[True], sizes=[4], runs=[-1, 2]),
+    raw("get_layers", request_id=1, staging_id=1, keys=[], first_block=0, first_layer=0,
+        num_layers=8, wait_s=0.0, ucx_tag=None),  # no blocks
+    raw("get_layers", request_id=1, staging_id=1, keys=[KEY], first_block=0, first_layer=8,
+        num_layers=8, wait_s=0.0, ucx_tag=None),  # past the last layer
+    raw("get_layers", request_id=1, staging_id=1, keys=[KEY], first_block=0, first_layer=0,
+        num_layers=8, wait_s=5.0, ucx_tag=None),  # holds a node's thread too long
+    raw("get_layers_reply", request_id=1, num_layers=1, nbytes=0),  # layers without bytes
+    raw("get_layers_reply", request_id=1, num_layers=1, nbytes=4, gone=True),
     raw("stats", request_id=1, extra=0),  # unknown field
     raw("stats_reply", request_id=1, stats={"n": -1}),
     raw("lookup_prefix_reply", request_id=1, num_blocks=2, holders=[]),

@@ -7,8 +7,8 @@ one request and one reply type; a refused request is answered with an ErrorReply
 
     base.py    the protocol, the bounds on fields, the bases, ErrorReply, decode_store_message,
                and the verbs both services answer: stats check lookup_prefix
-    data.py    the data server: hello bye put get exists pin renew release evict prefetch
-               node_info
+    data.py    the data server: hello bye put get get_layers exists pin renew release evict
+               prefetch node_info
     master.py  the master: join heartbeat leave update nodes place locate lease_group
                take_lease_group
 

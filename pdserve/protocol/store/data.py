@@ -1,6 +1,6 @@
 """Client <-> data server messages: a session's data paths, the block verbs and the leases.
 
-    hello bye put get exists evict prefetch pin renew release node_info
+    hello bye put get get_layers exists evict prefetch pin renew release node_info
     (and base.py's stats check lookup_prefix, which the master answers too)
 
 A data server holds blocks in its tiers (a hand-off node, kvstore/handoff_node.py, is one
@@ -26,6 +26,11 @@ from pdserve.protocol.store.base import (
     check_uint,
     check_uints,
 )
+
+MAX_LAYERS = 1 << 12
+"""No model has more layers: bounds a GetLayersRequest."""
+MAX_LAYER_WAIT_S = 1.0
+"""The longest a GetLayersRequest waits for a layer (it holds one of the node's threads)."""
 
 
 # ---- data server: session ---------------------------------------------------------------------
@@ -187,6 +192,62 @@ class GetReply(StoreReply):
             raise ValueError("get: runs must be positive and cover the found blocks")
         if self.shm_spans and (len(self.shm_spans) != sum(self.found) or self.runs):
             raise ValueError("get: one shm span per found block, and no UCX runs with them")
+
+
+@STORE_PROTOCOL.message("get_layers")
+@dataclass(frozen=True)
+class GetLayersRequest(StoreRequest):
+    """A decode worker follows a prompt that this node's worker is staging now (a hand-off
+    node only; its Output.staging named `staging_id`): the layers of blocks `keys` (the
+    staging's blocks from index `first_block` on) from `first_layer` on that are staged,
+    waiting at most `wait_s` for the first of them. They follow the reply as one payload,
+    [len(keys), layers, one layer of a block] back to back: a ZeroMQ frame, or one UCX
+    message with tag ucx_tag. A staging that ended is read from the blocks its save put."""
+
+    staging_id: int
+    keys: list[bytes]
+    first_block: int
+    first_layer: int
+    num_layers: int
+    """The model's layers: a stored block is that many equal parts, one per layer."""
+    wait_s: float
+    ucx_tag: int | None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_keys(self.keys)
+        for name in ("staging_id", "first_block", "first_layer"):
+            check_uint(name, getattr(self, name))
+        if (not self.keys or isinstance(self.num_layers, bool)
+                or not isinstance(self.num_layers, int)
+                or not self.first_layer < self.num_layers <= MAX_LAYERS):
+            raise ValueError(f"get_layers: keys must not be empty and first_layer < "
+                             f"num_layers <= {MAX_LAYERS}")
+        if (not isinstance(self.wait_s, (int, float)) or isinstance(self.wait_s, bool)
+                or not 0 <= self.wait_s <= MAX_LAYER_WAIT_S):
+            raise ValueError(f"wait_s must be in [0, {MAX_LAYER_WAIT_S}]")
+        if self.ucx_tag is not None:
+            check_uint("ucx_tag", self.ucx_tag)
+
+
+@STORE_PROTOCOL.message("get_layers_reply")
+@dataclass(frozen=True)
+class GetLayersReply(StoreReply):
+    num_layers: int
+    """Layers from first_layer on in the payload (0: none staged within wait_s; no payload)."""
+    nbytes: int
+    """The payload's size: len(keys) x num_layers x a block's layer bytes."""
+    gone: bool = False
+    """Neither the staging nor its blocks are here (aborted, or read and dropped): stop."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_uint("num_layers", self.num_layers)
+        check_uint("nbytes", self.nbytes)
+        if not isinstance(self.gone, bool):
+            raise TypeError("gone must be a bool")
+        if (self.num_layers == 0) != (self.nbytes == 0) or (self.gone and self.num_layers):
+            raise ValueError("get_layers: a payload exactly when layers follow, none if gone")
 
 
 @STORE_PROTOCOL.message("exists")

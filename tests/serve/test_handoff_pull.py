@@ -1,0 +1,220 @@
+"""A decode worker follows a prefill on another host layer by layer (serve/worker/follow.py,
+kvstore/layer_pull.py): with no shared memory anywhere (PDSERVE_HANDOFF_SHM=0, as between two
+hosts), the prefill announces its staging with its hand-off node's address, the decode worker
+reserves the prompt's blocks and pulls each layer from the node as it is staged, so each
+layer is in decode's blocks before the next one is computed; the hand-off then claims them.
+Tokens are a colocated engine's; reservations, leases, pins and live stagings all end free;
+an abort on either side frees everything. The two workers' components driven in one process
+(tests/helpers/handoff_util.py), the node served on its own port as in a worker."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers.handoff_util import (
+    GREEDY,
+    PROMPT,
+    assert_all_free,
+    drive,
+    finished,
+    handoff_pair,
+)
+
+from pdserve.kvstore.live_staging import LiveStagings, read_layers
+from pdserve.protocol.store.data import GetLayersRequest
+from pdserve.protocol.worker import FollowPrefill, GenerateRequest, Output
+
+NUM_BLOCKS = 4  # 25 tokens in blocks of 8
+
+
+@pytest.fixture
+def network_handoffs(llama_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")
+    with handoff_pair(llama_dir, 0) as handoffs:
+        assert handoffs[2].shm_segment is None
+        yield handoffs
+
+
+def _follow(decode, request_id: str = "r"):
+    return decode._followers._follows.get(request_id)
+
+
+def _wait_for(condition, decode, timeout_s: float = 10.0) -> bool:
+    """Turn the decode loop until `condition()` (its pull lands in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        decode.poll()
+        time.sleep(0.001)
+    return True
+
+
+def _prefill_followed(prefill, decode, monkeypatch, after_layer=None) -> Output:
+    """Prefill PROMPT while decode follows (the announcement goes to decode.follow, the
+    router's part); after each layer the prefill stages, `after_layer(layer)` runs."""
+    announced: list[Output] = []
+
+    def send(output: Output) -> None:
+        announced.append(output)
+        decode.follow(FollowPrefill(output.request_id, len(PROMPT), output.staging))
+
+    prefill.announcer.send = send
+    connector = prefill.kv_transfer.connector
+    save_layer = connector.save_layer
+
+    def save_then(request_id, layer, *args, **kwargs):
+        save_layer(request_id, layer, *args, **kwargs)
+        if after_layer is not None:
+            after_layer(layer)
+
+    monkeypatch.setattr(connector, "save_layer", save_then)
+    prefill.add(GenerateRequest("r", PROMPT, GREEDY))
+    outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
+    [first] = [o for o in outputs if o.finish_reason == "handoff"]
+    [staging] = [o.staging for o in announced]
+    assert staging.segment is None and staging.source_address == prefill.kv_transfer.connector \
+        .handoff_node.address and staging.staging_id > 0
+    assert staging.block_keys == first.handoff.block_keys and not first.handoff.shm_spans
+    return first
+
+
+def test_each_layer_reaches_decode_before_the_next_is_computed(
+        network_handoffs, handoff_expected, monkeypatch):
+    prefill, decode, node = network_handoffs
+    copied: list[int] = []
+
+    def layer_in_decode(layer: int) -> None:
+        # the forward waits here until decode holds this layer: it crossed while the
+        # prefill could go on
+        assert _wait_for(lambda: _follow(decode) is not None
+                         and _follow(decode).num_copied > layer, decode), layer
+        copied.append(_follow(decode).num_copied)
+
+    first = _prefill_followed(prefill, decode, monkeypatch, layer_in_decode)
+    num_layers = decode._followers.num_layers
+    assert copied == list(range(1, num_layers + 1))
+    assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
+    assert len(node.stagings) == 0  # the save ended: its blocks are the node's now
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert decode.engine.block_manager.num_reserved_blocks == 0  # claimed by the request
+    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
+                     and not prefill.is_busy)
+    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
+    assert tokens == handoff_expected
+    totals = decode.kv_transfer.totals()
+    assert totals["pulled_count"] == totals["followed_count"] == totals["load_count"] == 1
+    assert totals["in_place_count"] == 0
+    saved = prefill.kv_transfer.totals()["saved_bytes"]
+    assert totals["handoff_bytes"] == totals["loaded_bytes"] == saved > 0
+    assert_all_free(prefill, decode, node)
+
+
+def test_a_hand_off_ahead_of_its_last_layers_waits_for_them(
+        network_handoffs, handoff_expected, monkeypatch):
+    """The hand-off comes before the pull brought every layer: the request waits (no load
+    starts, nothing is copied twice) and joins once they came, from the node's store."""
+    prefill, decode, node = network_handoffs
+    connector = decode.kv_transfer.connector
+
+    def stop_the_pull(layer: int) -> None:
+        if layer == 0:
+            _follow(decode).pull.cancelled.set()  # the pull stops where it is...
+
+    first = _prefill_followed(prefill, decode, monkeypatch, stop_the_pull)
+    follow = _follow(decode)
+    assert _wait_for(lambda: connector.drain(5.0), decode)
+    num_copied = follow.num_copied
+    assert num_copied < decode._followers.num_layers
+    follow.pull.cancelled.clear()  # ...and goes on only once the hand-off is here
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert "r" in decode._follow_waiting and not decode._loading
+    connector.run_job(lambda: connector._pull(follow.pull))
+    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
+                     and not prefill.is_busy)
+    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
+    assert tokens == handoff_expected
+    totals = decode.kv_transfer.totals()
+    assert totals["pulled_count"] == 1 and totals["loaded_bytes"] == prefill.kv_transfer \
+        .totals()["saved_bytes"]
+    assert_all_free(prefill, decode, node)
+
+
+def test_a_decode_abort_mid_pull_frees_everything(network_handoffs, monkeypatch):
+    prefill, decode, node = network_handoffs
+
+    def abort_at_the_last_layer(layer: int) -> None:
+        if layer == decode._followers.num_layers - 1:
+            assert _wait_for(lambda: _follow(decode).num_copied >= 1, decode)
+            decode.abort("r")  # the client left, or the router moved the request
+            assert decode.engine.block_manager.num_reserved_blocks == 0
+            aborted.append(layer)
+
+    aborted: list[int] = []
+    first = _prefill_followed(prefill, decode, monkeypatch, abort_at_the_last_layer)
+    assert aborted and not decode.is_busy
+    prefill.kv_transfer.release(first.handoff.lease_id, first.handoff.source_address)
+    drive([prefill, decode], lambda outs: not decode.is_busy and not prefill.is_busy)
+    assert_all_free(prefill, decode, node)
+    assert len(node.stagings) == 0
+
+
+def test_a_staging_gone_mid_pull_frees_the_reservation_and_the_hand_off_loads(
+        network_handoffs, handoff_expected, monkeypatch):
+    """The staging ends under the pull with its blocks nowhere (as when the prefill's save
+    fails): the pull hears it is gone, the reservation goes back, and the hand-off that comes
+    loads the usual way."""
+    prefill, decode, node = network_handoffs
+
+    def drop_the_staging(layer: int) -> None:
+        if layer == 0:
+            node.stagings.end(_follow(decode).staging.staging_id)
+            assert _wait_for(lambda: _follow(decode) is None, decode)
+            assert decode.engine.block_manager.num_reserved_blocks == 0
+            dropped.append(layer)
+
+    dropped: list[int] = []
+    first = _prefill_followed(prefill, decode, monkeypatch, drop_the_staging)
+    assert dropped
+    outputs = drive([prefill, decode], lambda outs: not prefill.is_busy)  # (its save's result)
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert "r" in decode._loading
+    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
+                     and not prefill.is_busy)
+    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
+    assert tokens == handoff_expected
+    totals = decode.kv_transfer.totals()
+    assert totals["pulled_count"] == 0 and totals["load_count"] == 1
+    assert_all_free(prefill, decode, node)
+
+
+def test_live_stagings_serve_what_is_staged_then_the_stored_blocks():
+    """The node's side alone: a pull gets the layers staged so far (waiting for the first),
+    then, once the save ended, the rest from the stored blocks: the same bytes; an unknown
+    staging is gone."""
+    num_layers, layer_bytes, keys = 4, 16, [bytes([i]) * 16 for i in range(3)]
+    blocks = torch.arange(3 * num_layers * layer_bytes, dtype=torch.int32).to(torch.uint8)
+    staging = blocks.view(3, num_layers * layer_bytes)
+    stagings, stored = LiveStagings(), {}
+
+    def ask(first_layer: int, first_block: int = 1, wait_s: float = 0.0):
+        request = GetLayersRequest(1, staging_id=7, keys=keys[first_block:],
+                                   first_block=first_block, first_layer=first_layer,
+                                   num_layers=num_layers, wait_s=wait_s, ucx_tag=None)
+        return read_layers(stagings, lambda ks: [stored.get(k) for k in ks], request)
+
+    stagings.begin(7, keys, staging, num_layers)
+    assert ask(0) == (0, None, False)  # nothing staged within wait_s
+    stagings.progress(7, 2)
+    count, payload, gone = ask(0, wait_s=0.5)
+    expected = blocks.view(3, num_layers, layer_bytes).numpy()
+    assert count == 2 and not gone and np.array_equal(payload, expected[1:, :2])
+    stored.update({k: staging[i].numpy() for i, k in enumerate(keys)})
+    stagings.end(7)
+    count, payload, gone = ask(2)
+    assert count == 2 and np.array_equal(payload, expected[1:, 2:])
+    stored.clear()
+    assert ask(2) == (0, None, True)
