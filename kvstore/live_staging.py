@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
+from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor, back_to_back_runs, run_view
 from pdserve.protocol.store.data import GetLayersRequest
 
 MAX_LIVE_STAGINGS = 4096  # a worker stages one per prompt in its batch; far more is a leak
@@ -121,16 +121,16 @@ def read_layers(stagings: LiveStagings, get_many, request: GetLayersRequest
 
 
 def _layers_of(stored: Sequence[BytesLike], num_layers: int, first: int) -> np.ndarray | None:
-    """Layers `first` on of whole stored blocks, [n, layers, layer bytes] (None: a block
-    that is not num_layers equal parts)."""
-    block_bytes = as_uint8_tensor(stored[0]).numel()
-    if block_bytes % num_layers:
+    """Layers `first` on of whole stored blocks, [n, layers, layer bytes]: a view where they
+    lie back to back and every layer is asked for (a save's blocks do: sent as they lie),
+    else one gather (None: a block that is not num_layers equal parts)."""
+    blocks = [as_uint8_tensor(block) for block in stored]
+    block_bytes = blocks[0].numel()
+    if block_bytes % num_layers or any(block.numel() != block_bytes for block in blocks):
         return None
-    layer_bytes = block_bytes // num_layers
-    payload = np.empty((len(stored), num_layers - first, layer_bytes), dtype=np.uint8)
-    for i, block in enumerate(stored):
-        data = as_uint8_tensor(block)
-        if data.numel() != block_bytes:
-            return None
-        payload[i] = data.numpy().reshape(num_layers, layer_bytes)[first:]
-    return payload
+    if len(back_to_back_runs(blocks)) == 1:
+        whole = run_view(blocks).numpy().reshape(len(blocks), num_layers, -1)
+    else:
+        whole = np.stack([block.numpy() for block in blocks]).reshape(len(blocks), num_layers,
+                                                                      -1)
+    return np.ascontiguousarray(whole[:, first:])
