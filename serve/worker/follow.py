@@ -237,7 +237,7 @@ class Followers:
             if follow.num_copied < self.num_layers:  # (the pull failed: load instead)
                 self.drop(request_id)
                 return None
-        else:
+        elif follow.layers is not None:
             self._copy(follow, self.num_layers)
         del self._follows[request_id]
         return follow.block_ids, follow.intact, follow.pull is not None

@@ -136,9 +136,11 @@ def _read_under_way(roles, prompt: str, pool) -> tuple[object, str]:
 
 
 def test_a_prefill_killed_while_decode_reads_leaves_nothing_held(llama_dir, roles):
-    """The prefill SIGKILLed under the decode worker's read: the read fails, decode takes the
-    prompt from the store's write-back copy or recomputes it; the text is the undisturbed
-    run's, and no block, reservation, lease or pin is left."""
+    """The prefill SIGKILLed under the decode worker's read (its pull of the layers, which it
+    started as the follower: the hand-off came before any layer had crossed): the pull
+    fails, the reservation goes back, decode takes the prompt from the store's write-back
+    copy or recomputes it; the text is the undisturbed run's, and no block, reservation,
+    lease or pin is left."""
     import concurrent.futures
 
     prompt = "alpha " * 200
@@ -149,6 +151,8 @@ def test_a_prefill_killed_while_decode_reads_leaves_nothing_held(llama_dir, role
         r = pending.result()
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == _reference(llama_dir, prompt)
+    logs = "".join(p.read_text(errors="replace") for p in roles.log_dir.glob("decode*.log"))
+    assert "pulling staging" in logs  # the read under way was the follower's pull
     roles.start_worker("prefill")
     assert wait_until(lambda: _all_ready(roles), 120)
     roles.assert_nothing_leaked()

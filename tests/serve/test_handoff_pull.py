@@ -218,3 +218,32 @@ def test_live_stagings_serve_what_is_staged_then_the_stored_blocks():
     assert count == 2 and np.array_equal(payload, expected[1:, 2:])
     stored.clear()
     assert ask(2) == (0, None, True)
+
+
+def test_a_prompt_decode_holds_whole_is_followed_with_nothing_to_pull(
+        network_handoffs, monkeypatch):
+    """The second time a prompt of whole blocks comes, decode holds every block: the follow
+    reserves them from its pool and pulls nothing, and the hand-off claims them."""
+    prefill, decode, node = network_handoffs
+    prompt = PROMPT[:24]  # three whole blocks
+    prefill.announcer.send = lambda output: decode.follow(
+        FollowPrefill(output.request_id, len(prompt), output.staging))
+    texts = []
+    for request_id in ("a", "b"):
+        prefill.add(GenerateRequest(request_id, prompt, GREEDY))
+        [first] = [o for o in drive([prefill, decode], lambda outs: any(
+            o.finish_reason == "handoff" for o in outs)) if o.finish_reason == "handoff"]
+        if request_id == "b":
+            follow = _follow(decode, "b")
+            assert follow.pull is None and follow.num_held == 3
+        decode.add(GenerateRequest(request_id, prompt, GREEDY, handoff=first.handoff))
+        outputs = drive([prefill, decode], lambda outs: any(
+            o.request_id == request_id and o.finish_reason not in (None, "handoff")
+            for o in outs) and not decode.is_busy and not prefill.is_busy)
+        assert all(o.error is None for o in outputs)
+        texts.append(first.token_ids + [t for o in outputs for t in o.token_ids])
+    assert texts[0] == texts[1]
+    totals = decode.kv_transfer.totals()
+    assert totals["followed_count"] == 2 and totals["pulled_count"] == 1
+    assert totals["handoff_reused_bytes"] == totals["handoff_bytes"] > 0
+    assert_all_free(prefill, decode, node)

@@ -2,7 +2,7 @@
 each turn's prompt extends the last, a decode worker that still holds the earlier turn's
 blocks (its pool, or its host tier) takes only the blocks it lacks from the prefill. Over
 each hand-off path (the network load, the in-place copy out of the prefill's segment, the
-layer-by-layer follow): the tokens are a colocated engine's, `handoff_bytes` counts exactly
+layer-by-layer follow out of the segment, and pulled from the prefill's node across hosts): the tokens are a colocated engine's, `handoff_bytes` counts exactly
 the blocks decode lacked and `handoff_reused_bytes` the rest, and everything ends free."""
 
 from __future__ import annotations
@@ -58,22 +58,24 @@ def turn(prefill, decode, request_id: str, prompt: list[int], follow: bool) -> l
                               for t in o.token_ids]
 
 
-@pytest.mark.parametrize("path", ["network", "in-place", "follow"])
+@pytest.mark.parametrize("path", ["network", "in-place", "follow", "pull"])
 def test_decode_moves_only_the_blocks_it_lacks(llama_dir, monkeypatch, path):
-    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0" if path == "network" else "1")
-    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "1" if path == "follow" else "0")
+    shm = path in ("in-place", "follow")
+    follow = path in ("follow", "pull")
+    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "1" if shm else "0")
+    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "1" if follow else "0")
     want = expected(llama_dir)
-    with handoff_pair(llama_dir, 0 if path == "network" else 8 << 20) as (prefill, decode,
-                                                                           node):
+    with handoff_pair(llama_dir, 8 << 20 if shm else 0) as (prefill, decode, node):
         block_bytes = block_nbytes(decode.engine.spec.kv_layout(BLOCK))
         totals = decode.kv_transfer.totals
-        assert turn(prefill, decode, "t0", TURN_1, path == "follow") == want[0]
+        assert turn(prefill, decode, "t0", TURN_1, follow) == want[0]
         assert totals()["handoff_bytes"] == 4 * block_bytes  # nothing held: all of it
         assert totals()["handoff_reused_bytes"] == 0
         # turn 2: decode holds turn 1's three full blocks (cached in its pool)
-        assert turn(prefill, decode, "t1", TURN_2, path == "follow") == want[1]
+        assert turn(prefill, decode, "t1", TURN_2, follow) == want[1]
         assert totals()["handoff_reused_bytes"] == 3 * block_bytes
         assert totals()["handoff_bytes"] == (4 + 2) * block_bytes  # blocks 3 and 4 of turn 2
-        if path == "follow":
+        if follow:
             assert totals()["followed_count"] == 2
+            assert totals()["pulled_count"] == (2 if path == "pull" else 0)
         assert_all_free(prefill, decode, node)
