@@ -237,8 +237,8 @@ def test_a_prompt_decode_holds_whole_is_followed_with_nothing_to_pull(
             follow = _follow(decode, "b")
             assert follow.pull is None and follow.num_held == 3
         decode.add(GenerateRequest(request_id, prompt, GREEDY, handoff=first.handoff))
-        outputs = drive([prefill, decode], lambda outs: any(
-            o.request_id == request_id and o.finish_reason not in (None, "handoff")
+        outputs = drive([prefill, decode], lambda outs, rid=request_id: any(
+            o.request_id == rid and o.finish_reason not in (None, "handoff")
             for o in outs) and not decode.is_busy and not prefill.is_busy)
         assert all(o.error is None for o in outputs)
         texts.append(first.token_ids + [t for o in outputs for t in o.token_ids])

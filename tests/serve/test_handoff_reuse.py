@@ -2,8 +2,9 @@
 each turn's prompt extends the last, a decode worker that still holds the earlier turn's
 blocks (its pool, or its host tier) takes only the blocks it lacks from the prefill. Over
 each hand-off path (the network load, the in-place copy out of the prefill's segment, the
-layer-by-layer follow out of the segment, and pulled from the prefill's node across hosts): the tokens are a colocated engine's, `handoff_bytes` counts exactly
-the blocks decode lacked and `handoff_reused_bytes` the rest, and everything ends free."""
+layer-by-layer follow out of the segment, and pulled from the prefill's node across hosts):
+the tokens are a colocated engine's, `handoff_bytes` counts exactly the blocks decode lacked
+and `handoff_reused_bytes` the rest, and everything ends free."""
 
 from __future__ import annotations
 
