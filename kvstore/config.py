@@ -50,6 +50,10 @@ class StoreConfig:
     num_data_threads: int = 4
     """Worker threads of the data service for the verbs that may block (put, get, prefetch,
     hello, bye): disk reads and UCX transfers run there, off the socket loop."""
+    data_thread_nice: int = 0
+    """The data threads' nice value (Linux: per thread). A worker's hand-off node runs them
+    at 19: they send the layers decode pulls while the prefill computes, and on a busy core
+    the forward goes first."""
     max_keys_per_message: int = 4096
     """Largest batch one control message may carry; larger ones are rejected."""
     max_block_bytes: int = 256 * 1024 * 1024

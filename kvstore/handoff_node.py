@@ -16,7 +16,9 @@ goes through the data service's own handler and locks.
 
 While a prompt is staged its layers can be pulled as they land (get_layers, by a decode
 worker following the prefill from another host: kvstore/live_staging.py); a long poll holds
-one of the node's threads, hence four.
+one of the node's threads, hence four. They run at nice 19: the sends over TCP cost the
+sender's CPU, and on a busy core the prefill's forward goes first (its TTFT unchanged, the
+layers crossing as it leaves room; docs/benchmarks.md has the numbers).
 
 With `shm_bytes` the node stages prompts in a shared memory segment (kvstore/shm_segment.py,
 `allocate_staging`), and a decode worker on the same host copies them straight out of it: one
@@ -65,7 +67,8 @@ class HandoffNode:
         config = StoreConfig(role="data", host=host, data_port=port, node_id=name,
                              dram_capacity_blocks=capacity_blocks, transport=transport,
                              lease_ttl_s=lease_ttl_s, request_timeout_s=timeout_s,
-                             num_data_threads=4, shm_bytes=shm_bytes, drop_released=True)
+                             num_data_threads=4, data_thread_nice=19,
+                             shm_bytes=shm_bytes, drop_released=True)
         self.name = name
         self._server = StoreServer(config).start()
         assert self._server.data_service is not None and self._server.data_address

@@ -84,6 +84,10 @@ class StagingAnnouncer:
             return True  # (nothing to say, ever)
         if self.borrowing_cores and not staged:
             return False
+        if self.borrowing_cores and place.segment is None:
+            # a pull now would take cores from the sampling and the hand-off's send, and
+            # gain a millisecond or two: decode reads the prompt once it is handed off
+            return True
         kv_cache_dtype = engine.spec.kv_layout(engine.block_manager.block_size).dtype
         self.send(Output(request_id, [], "", staging=KVStaging(
             place.segment, place.span, len(place.keys), kv_cache_dtype, list(place.keys),

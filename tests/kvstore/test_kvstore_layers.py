@@ -79,3 +79,22 @@ def test_a_reply_of_another_size_than_asked_is_refused(node_and_client):
     with pytest.raises(ValueError, match="other layers"):  # the client thinks layers are larger
         client.get_layers(1, KEYS, 0, 0, NUM_LAYERS, 2 * LAYER_BYTES, 0.0)
     node.stagings.end(1)
+
+
+def test_the_nodes_data_threads_yield_to_the_forward():
+    """A hand-off node's data threads (the sends of pulled layers) run at nice 19: on a busy
+    core the prefill's forward goes first."""
+    import os
+
+    before = set(threading.enumerate())
+    node = HandoffNode("prefill-p", "127.0.0.1", 16, 30.0, 5.0)
+    try:
+        threads = [t for t in set(threading.enumerate()) - before
+                   if t.name.startswith("store-data-")]
+        assert len(threads) == 4
+        deadline = time.monotonic() + 5.0  # (each sets its own as it starts)
+        while not all(os.getpriority(os.PRIO_PROCESS, t.native_id) == 19 for t in threads):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        node.close()

@@ -119,20 +119,16 @@ def test_a_hand_off_ahead_of_its_last_layers_waits_for_them(
     starts, nothing is copied twice) and joins once they came, from the node's store."""
     prefill, decode, node = network_handoffs
     connector = decode.kv_transfer.connector
-
-    def stop_the_pull(layer: int) -> None:
-        if layer == 0:
-            _follow(decode).pull.cancelled.set()  # the pull stops where it is...
-
-    first = _prefill_followed(prefill, decode, monkeypatch, stop_the_pull)
-    follow = _follow(decode)
-    assert _wait_for(lambda: connector.drain(5.0), decode)
-    num_copied = follow.num_copied
-    assert num_copied < decode._followers.num_layers
-    follow.pull.cancelled.clear()  # ...and goes on only once the hand-off is here
+    pull_layers = connector._pull
+    held: list = []
+    monkeypatch.setattr(connector, "_pull", held.append)  # the pull waits to start...
+    first = _prefill_followed(prefill, decode, monkeypatch)
+    [pull] = held
+    assert _follow(decode).num_copied == 0
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert "r" in decode._follow_waiting and not decode._loading
-    connector.run_job(lambda: connector._pull(follow.pull))
+    monkeypatch.setattr(connector, "_pull", pull_layers)  # ...until the hand-off is here
+    connector.run_job(lambda: connector._pull(pull))
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
@@ -246,4 +242,25 @@ def test_a_prompt_decode_holds_whole_is_followed_with_nothing_to_pull(
     totals = decode.kv_transfer.totals()
     assert totals["followed_count"] == 2 and totals["pulled_count"] == 1
     assert totals["handoff_reused_bytes"] == totals["handoff_bytes"] > 0
+    assert_all_free(prefill, decode, node)
+
+
+def test_a_prefill_on_borrowed_cores_announces_no_pull(network_handoffs, handoff_expected):
+    """A prefill on an idle decode worker's cores (serve/cpu/core_share.py) says nothing of a
+    staging decode would have to pull: the pull would take cores from its sampling and send;
+    the hand-off loads the usual way."""
+    prefill, decode, node = network_handoffs
+    announced: list[Output] = []
+    prefill.announcer.send = announced.append
+    prefill.announcer.borrowing_cores = True
+    prefill.add(GenerateRequest("r", PROMPT, GREEDY))
+    [first] = [o for o in drive([prefill], lambda outs: any(
+        o.finish_reason == "handoff" for o in outs)) if o.finish_reason == "handoff"]
+    assert announced == []
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert "r" in decode._loading
+    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
+                     and not prefill.is_busy)
+    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
+    assert tokens == handoff_expected
     assert_all_free(prefill, decode, node)
