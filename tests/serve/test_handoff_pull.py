@@ -38,6 +38,14 @@ def network_handoffs(llama_dir, monkeypatch):
         yield handoffs
 
 
+def _finish(prefill, decode, first: Output) -> list[int]:
+    """Run both loops until the handed-off request finished: all of its tokens."""
+    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
+                     and not prefill.is_busy)
+    assert all(o.error is None for o in outputs)
+    return first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
+
+
 def _follow(decode, request_id: str = "r"):
     return decode._followers._follows.get(request_id)
 
@@ -101,10 +109,7 @@ def test_each_layer_reaches_decode_before_the_next_is_computed(
     assert len(node.stagings) == 0  # the save ended: its blocks are the node's now
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert decode.engine.block_manager.num_reserved_blocks == 0  # claimed by the request
-    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
-                     and not prefill.is_busy)
-    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == handoff_expected
+    assert _finish(prefill, decode, first) == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["pulled_count"] == totals["followed_count"] == totals["load_count"] == 1
     assert totals["in_place_count"] == 0
@@ -129,10 +134,7 @@ def test_a_hand_off_ahead_of_its_last_layers_waits_for_them(
     assert "r" in decode._follow_waiting and not decode._loading
     monkeypatch.setattr(connector, "_pull", pull_layers)  # ...until the hand-off is here
     connector.run_job(lambda: connector._pull(pull))
-    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
-                     and not prefill.is_busy)
-    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == handoff_expected
+    assert _finish(prefill, decode, first) == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["pulled_count"] == 1 and totals["loaded_bytes"] == prefill.kv_transfer \
         .totals()["saved_bytes"]
@@ -175,13 +177,10 @@ def test_a_staging_gone_mid_pull_frees_the_reservation_and_the_hand_off_loads(
     dropped: list[int] = []
     first = _prefill_followed(prefill, decode, monkeypatch, drop_the_staging)
     assert dropped
-    outputs = drive([prefill, decode], lambda outs: not prefill.is_busy)  # (its save's result)
+    drive([prefill, decode], lambda outs: not prefill.is_busy)  # (its save's result)
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert "r" in decode._loading
-    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
-                     and not prefill.is_busy)
-    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == handoff_expected
+    assert _finish(prefill, decode, first) == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["pulled_count"] == 0 and totals["load_count"] == 1
     assert_all_free(prefill, decode, node)
@@ -259,8 +258,5 @@ def test_a_prefill_on_borrowed_cores_announces_no_pull(network_handoffs, handoff
     assert announced == []
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert "r" in decode._loading
-    outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
-                     and not prefill.is_busy)
-    tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
-    assert tokens == handoff_expected
+    assert _finish(prefill, decode, first) == handoff_expected
     assert_all_free(prefill, decode, node)
