@@ -85,6 +85,12 @@ class WriteKV:
     """Rank 0 broadcasts these whole-head blocks; every rank writes its own heads."""
 
     block_ids: list[int]
+    layer: int = -1
+    """-1: every layer; else that layer alone (a followed hand-off, a layer as it lands)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer, bool) or not -1 <= self.layer < 1 << 16:
+            raise ValueError("layer must be -1 (every layer) or a layer index")
 
 
 @TP_PROTOCOL.message("ping")

@@ -286,7 +286,7 @@ class KVOffload:
         (off, no prefix caching, or the pool spread over several processes)."""
         if nbytes <= 0 or not block_manager.enable_prefix_caching:
             return None
-        if not getattr(runner, "can_write_kv_layers", False):
+        if not getattr(runner, "holds_whole_pool", False):
             logger.info("host KV tier off: the pool is spread over this worker's ranks")
             return None
         caches = runner.kv_caches

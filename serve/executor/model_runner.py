@@ -301,16 +301,33 @@ class ModelRunner:
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     @property
-    def can_write_kv_layers(self) -> bool:
-        """One rank holds every layer and head: a layer's blocks go straight into its pool."""
+    def holds_whole_pool(self) -> bool:
+        """One process holds every layer and head of the pool (the host KV tier needs it)."""
         return self._world_size == 1
+
+    @property
+    def can_write_kv_layers(self) -> bool:
+        """A layer's blocks can be written alone: one rank holds every layer and head (they
+        go straight into its pool), or TP ranks each hold every layer (each takes its heads
+        of a broadcast layer); not across pipeline stages or context-parallel owners."""
+        return self._world_size == 1 or (self._pp_size == 1 and self._rank.cp.size == 1)
 
     def write_kv_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
         """write_kv_blocks of one layer, [P, n, block_size, num_kv_heads, head_dim]; only
-        where can_write_kv_layers."""
+        where can_write_kv_layers. With TP, every rank keeps its own heads of it (a TP-m
+        prefill's hand-off re-laid out for this TP-n decode, a layer at a time)."""
         if not self.can_write_kv_layers:
-            raise RuntimeError("a layer at a time needs one rank holding the whole pool")
-        self._rank.pool.write_layer_blocks(layer, list(block_ids), blocks)
+            raise RuntimeError("a layer at a time needs every rank to hold every layer")
+        if self._world_size == 1:
+            self._rank.pool.write_layer_blocks(layer, list(block_ids), blocks)
+            return
+        full = blocks.to(self.spec.kv_torch_dtype).cpu().contiguous()
+        self._check_kv_split()
+        procs = self._procs
+        with self._collective(), procs.send_lock:
+            procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids), layer)))
+            dist.broadcast(fp8_as_bytes(full), src=0, group=procs.control)
+        self._rank.write_kv_layer(layer, list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:
         if self._rank.layout.kind == "mha" and self.spec.num_kv_heads % self._tp_size:

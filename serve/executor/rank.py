@@ -284,6 +284,11 @@ class Rank:
                     self.layout.rank_heads(self.tp.rank, self.tp.size)]
         self.pool.write_blocks(block_ids, list(mine.unbind(0)))
 
+    def write_kv_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """write_kv of one layer, [P, n, bs, heads, dim] (no pipeline or context split)."""
+        heads = self.layout.rank_heads(self.tp.rank, self.tp.size)
+        self.pool.write_layer_blocks(layer, block_ids, blocks[:, :, :, heads])
+
     def serve_kv_command(self, command: ReadKV | WriteKV, control: Any) -> None:
         """A non-zero rank's part of ModelRunner.read_kv_blocks / write_kv_blocks."""
         if isinstance(command, ReadKV):
@@ -291,11 +296,15 @@ class Rank:
                         group=control)
         else:
             spec, layout = self.spec, self.layout
-            full = torch.empty(spec.num_layers, layout.num_planes, len(command.block_ids),
+            num_layers = spec.num_layers if command.layer < 0 else 1
+            full = torch.empty(num_layers, layout.num_planes, len(command.block_ids),
                                self.block_size, spec.num_kv_heads, spec.head_dim,
                                dtype=spec.kv_torch_dtype)
             dist.broadcast(fp8_as_bytes(full), src=0, group=control)
-            self.write_kv(command.block_ids, full.to(self.device))
+            if command.layer < 0:
+                self.write_kv(command.block_ids, full.to(self.device))
+            else:
+                self.write_kv_layer(command.layer, command.block_ids, full[0].to(self.device))
 
     def validate(self, step: StepInput) -> None:
         """Reject a step rank 0 cannot run before any rank starts it (no half-done steps)."""

@@ -450,7 +450,8 @@ class KVTransfer:
 
     @property
     def can_write_layers(self) -> bool:
-        """The pool takes a layer at a time (install_layer): one rank holds all of it."""
+        """The pool takes a layer at a time (install_layer): one rank holds all of it, or
+        each TP rank every layer (not a pipeline or context-parallel pool)."""
         return bool(getattr(self.runner, "can_write_kv_layers", False))
 
     def install_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:

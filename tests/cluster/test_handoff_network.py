@@ -1,9 +1,8 @@
 """The KV hand-off over the network path, as between two hosts: every shared-memory path off
 (PDSERVE_HANDOFF_SHM=0, UCX over TCP only), so decode reads each prompt from the prefill
-worker's hand-off node over the wire: a decode worker whose one rank holds its pool pulls
-each layer as the prefill stages it (kvstore/layer_pull.py), one with TP > 1 reads the prompt
-once handed off. Different TP degrees on the two sides (each decode rank
-takes its own heads; an MLA latent goes whole to every rank) give the offline engine's text,
+worker's hand-off node over the wire, pulling each layer as the prefill stages it
+(kvstore/layer_pull.py). Different TP degrees on the two sides (each decode rank keeps its own
+heads of each layer; an MLA latent goes whole to every rank) give the offline engine's text,
 nothing is copied in place, and nothing is left held. A kill of either side while decode
 reads (the prefill frozen under the read, then one of the two SIGKILLed) loses no request and
 leaves no block, reservation, lease or pin."""
@@ -31,10 +30,9 @@ def network_path(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self")
 
 
-def _served_over_the_network(model_dir, log_dir, expected: list[str], pulled: bool,
-                             *flags: str) -> None:
-    """`pulled`: decode follows each prefill by pulling its layers as they are staged (one
-    rank holds its whole pool); else it reads each prompt once handed off."""
+def _served_over_the_network(model_dir, log_dir, expected: list[str], *flags: str) -> None:
+    """Decode follows each prefill, pulling its layers as they are staged (each of its TP
+    ranks keeping its own heads of each layer)."""
     cluster = start_cluster(model_dir, log_dir, "--mode", "disagg", "--num-kv-blocks", "128",
                             "--handoff-dram-gb", "0.25", *flags)
     try:
@@ -48,7 +46,7 @@ def _served_over_the_network(model_dir, log_dir, expected: list[str], pulled: bo
 
         assert wait_until(lambda: loads().get("load_count") == len(PROMPTS)), loads()
         assert loads().get("in_place_count", 0) == 0  # none out of the prefill's segment
-        assert loads().get("pulled_count", 0) == (len(PROMPTS) if pulled else 0)
+        assert loads().get("pulled_count", 0) == len(PROMPTS)
         assert loads()["loaded_bytes"] > 0
         cluster.assert_nothing_leaked()
     finally:
@@ -61,8 +59,7 @@ def test_tp_relayout_over_the_network_path(llama_dir, tmp_path_factory, network_
     with LLM(llama_dir, num_kv_blocks=128) as llm:
         expected = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)]
     _served_over_the_network(llama_dir, tmp_path_factory.mktemp("net-tp-logs"), expected,
-                             decode_tp == "1", "--prefill-tp", prefill_tp,
-                             "--decode-tp", decode_tp)
+                             "--prefill-tp", prefill_tp, "--decode-tp", decode_tp)
 
 
 def test_mla_latent_over_the_network_path(make_model_dir, tmp_path_factory, network_path):
@@ -70,7 +67,7 @@ def test_mla_latent_over_the_network_path(make_model_dir, tmp_path_factory, netw
     with LLM(model_dir, num_kv_blocks=128) as llm:
         expected = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)]
     _served_over_the_network(model_dir, tmp_path_factory.mktemp("net-mla-logs"), expected,
-                             True, "--prefill-tp", "2", "--decode-tp", "1")
+                             "--prefill-tp", "2", "--decode-tp", "1")
 
 
 # ---- a kill while decode reads the prompt over the network ----------------------------------

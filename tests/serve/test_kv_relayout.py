@@ -1,6 +1,7 @@
 """KV blocks move between different TP degrees: a TP=2 prefill hands off to a TP=1 decode
 (whole-head blocks gathered from both ranks; an MLA latent, one plane and one "head", is whole
-on rank 0), and the greedy tokens equal a TP=1 colocated run."""
+on rank 0), and the greedy tokens equal a TP=1 colocated run; a TP=2 pool written whole or a
+layer at a time reads back as written."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ def test_tp2_prefill_hands_off_to_tp1_decode(architecture, make_model_dir):
         fresh = [torch.randn_like(b[:, :3]) for b in blocks]
         prefill.runner.write_kv_blocks(ids, fresh)
         for a, b in zip(prefill.runner.read_kv_blocks(ids), fresh, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # ...and so does one written a layer at a time (a followed hand-off's layers as they
+        # land), each rank keeping its heads of each layer, the other blocks untouched
+        assert prefill.runner.can_write_kv_layers and not prefill.runner.holds_whole_pool
+        others = prefill.runner.read_kv_blocks([3, 4])
+        layered = [torch.randn_like(b[:, :3]) for b in blocks]
+        for layer, layer_blocks in enumerate(layered):
+            prefill.runner.write_kv_layer(layer, [5, 1, 2], layer_blocks)
+        for a, b in zip(prefill.runner.read_kv_blocks([5, 1, 2]), layered, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(prefill.runner.read_kv_blocks([3, 4]), others, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
         for engine in (prefill, decode, colocated):
