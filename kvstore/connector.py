@@ -24,12 +24,14 @@ path, and a decode worker that cannot reach the source loads from it instead. Wi
 saves go to the fleet store directly (two hops). A node with a shared memory segment stages
 saves in it, and a decode worker on the same host maps them (kvstore/handoff_staging.py).
 
-Loads and saves run on one background thread (but a save into this worker's own node, in
-process, runs as its last layer is staged); the engine polls for completions, and a loop
-with nothing else to do sleeps on `wakeup_fd`, readable once a completion waits (a loop that
-spun would take the core from the load it waits for). The KV
-cache is a cache: a load that fails (store down, timeout, missing or malformed block) reports
-the blocks it did place, possibly none, and the engine recomputes the rest.
+Loads, saves, pulls and releases run on one background thread (but a save into this worker's
+own node, in process, runs as its last layer is staged), and the fills of the fleet store (a
+save's write-back, the host tier's write-downs) on a second one at the lowest priority; the
+engine polls for completions, and a loop with nothing else to do sleeps on `wakeup_fd`,
+readable once a completion waits (a loop that spun would take the core from the load it
+waits for). The KV cache is a cache: a load that fails (store down, timeout, missing or
+malformed block) reports the blocks it did place, possibly none, and the engine recomputes
+the rest.
 
     lookup(keys) -> n          start_load(req, keys[:n], block_ids, kv_caches, source)
     wait_for_layer_load(req, l)   save_layer(req, l, keys, block_ids, kv_caches[l])
@@ -44,6 +46,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +70,7 @@ from pdserve.kvstore.memory_tier import (
     run_view,
 )
 from pdserve.kvstore.tiered_store import TieredStore
+from pdserve.lifecycle import lower_thread_priority
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
@@ -115,7 +119,7 @@ class TransferResult:
     shm_spans: list[ShmSpan] | None = None
     """...and where each of them does (a decode worker on this host maps them in place)."""
     write_back: Callable[[], None] | None = None
-    """Save: the copy into the fleet store, for the caller to start (`run_job`) once the
+    """Save: the copy into the fleet store, for the caller to start (`fill`) once the
     hand-off is out: run at once it would take the CPU and the GIL from the step that samples
     the first token and from sending it."""
 
@@ -200,8 +204,14 @@ class KVConnector:
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._run_jobs, name="kv-connector", daemon=True)
-        self._worker.start()
+        self._fills: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._run_jobs, args=(self._jobs, False),
+                             name="kv-connector", daemon=True),
+            threading.Thread(target=self._run_jobs, args=(self._fills, True),
+                             name="kv-store-fill", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     # ---- lookup -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -255,7 +265,7 @@ class KVConnector:
                 with self._lock:
                     self._num_write_downs -= 1
 
-        self._jobs.put(job)
+        self._fills.put(job)
         return True
 
     # ---- load -------------------------------------------------------------------------------
@@ -474,8 +484,14 @@ class KVConnector:
         return [data[:, j, :, :, self._heads].transpose(0, 1) for j in range(num_layers)]
 
     def run_job(self, job: Callable[[], None]) -> None:
-        """Run `job` on the connector's job thread (a save's write-back)."""
+        """Run `job` on the connector's job thread."""
         self._jobs.put(job)
+
+    def fill(self, job: Callable[[], None]) -> None:
+        """Run a store fill (a save's write-back) on the fill thread: at the lowest priority,
+        beside the job thread, so that a cache copy never holds up a load, a pull or the
+        hand-off node's send of a prompt decode waits for."""
+        self._fills.put(job)
 
     def release(self, lease_id: int, source: str = "") -> None:
         """Give a save's lease back to the node holding it (asynchronously); a failure
@@ -527,30 +543,40 @@ class KVConnector:
     @property
     def num_in_flight(self) -> int:
         with self._lock:
-            return len(self._loads) + len(self._saves) + self._jobs.qsize()
+            return (len(self._loads) + len(self._saves) + self._jobs.qsize()
+                    + self._fills.qsize())
 
     def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until every queued job ran; False on timeout."""
-        done = threading.Event()
-        self._jobs.put(done.set)
-        return done.wait(self.timeout_s if timeout_s is None else timeout_s)
+        """Wait until every queued job and fill ran; False on timeout."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for jobs in (self._jobs, self._fills):
+            done = threading.Event()
+            jobs.put(done.set)
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
     def close(self) -> None:
         """Finish queued jobs (write-backs, releases) for at most CLOSE_DRAIN_S: they are best
         effort, and a worker told to stop must stop within seconds."""
         self.drain(min(self.timeout_s, CLOSE_DRAIN_S))
-        self._jobs.put(None)
-        self._worker.join(timeout=CLOSE_DRAIN_S)
+        for jobs in (self._jobs, self._fills):
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=CLOSE_DRAIN_S)
         self.transport.close_peers()
         self.segments.close()
-        if not self._worker.is_alive() and self._wake_write >= 0:  # (a running job may write)
+        if not self._threads[0].is_alive() and self._wake_write >= 0:  # (a job may write)
             os.close(self._wake_read)
             os.close(self._wake_write)
             self._wake_write = -1
 
-    def _run_jobs(self) -> None:
+    @staticmethod
+    def _run_jobs(jobs: queue.Queue[Callable[[], None] | None], fills: bool) -> None:
+        if fills:
+            lower_thread_priority()
         while True:
-            job = self._jobs.get()  # in-process queue; close() enqueues None to end this thread
+            job = jobs.get()  # in-process queue; close() enqueues None to end this thread
             if job is None:
                 return
             job()

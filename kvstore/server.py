@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import signal
 import sys
@@ -274,11 +273,7 @@ class StoreServer:
     def _work(self) -> None:
         """Serve offloaded requests until stopped; replies go back through the loop."""
         if self.config.data_thread_nice:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                               self.config.data_thread_nice)
-            except (AttributeError, OSError):  # not Linux: they compete as any thread does
-                pass
+            lifecycle.lower_thread_priority(self.config.data_thread_nice)
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         # The loop drains the channel every turn; a full one means the loop is gone.

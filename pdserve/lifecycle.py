@@ -12,7 +12,9 @@ Two mechanisms, since neither covers every case alone:
   and hosts without prctl.
 
 And once a role has started, `freeze_startup_heap` keeps Python's cyclic garbage collector
-off what startup built (modules, the model's and tokenizer's objects).
+off what startup built (modules, the model's and tokenizer's objects). Its background threads
+whose work can wait (copies to a lower tier, the sends of a hand-off node) lower their own
+priority (`lower_thread_priority`), so that on a busy core the engine's step goes first.
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ def exit_with_launcher(
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def lower_thread_priority(nice: int = 19) -> None:
+    """Run the calling thread at `nice` (Linux sets it per thread): on a busy core it gets
+    what the others leave (CFS still gives it a little), on an idle one it runs at once. Not
+    Linux: it competes as any thread does."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
 
 
 def freeze_startup_heap(role: str) -> int:

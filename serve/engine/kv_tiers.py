@@ -25,7 +25,6 @@ is published; changed, it is dropped.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 from pdserve.kvstore.memory_tier import fp8_as_bytes
+from pdserve.lifecycle import lower_thread_priority
 from pdserve.serve.engine.block_manager import BlockManager
 from pdserve.serve.engine.request import Request
 
@@ -233,17 +233,6 @@ WriteDown = Callable[[list[bytes], list[torch.Tensor]], bool]
 """Hands blocks evicted from the host tier to the fleet store; False: dropped (busy)."""
 
 
-def _lowest_priority() -> None:
-    """Run the calling thread at nice 19 (Linux sets it per thread): its copies take a core
-    the engine leaves idle rather than slowing a step, or the send of a first token that a
-    prompt's write-down would otherwise race. A busy core still gives it a little (CFS), and
-    a backlog past MAX_PENDING is dropped and counted."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux: it competes as any thread does
-        pass
-
-
 class KVOffload:
     """The host tier behind one engine's pool: the write-down thread, and the loads the
     scheduler plans (see the module docstring). Only where one process holds the whole pool
@@ -316,7 +305,10 @@ class KVOffload:
             self.counters["host"].writes_dropped += 1
 
     def _run(self) -> None:
-        _lowest_priority()
+        # its copies take a core the engine leaves idle rather than slowing a step, or the
+        # send of a first token that a prompt's write-down would otherwise race; a backlog
+        # past MAX_PENDING is dropped and counted
+        lower_thread_priority()
         while not self._stop.is_set():
             try:
                 item = self._queue.get(timeout=0.5)

@@ -523,9 +523,9 @@ class KVTransfer:
 
     def start_write_back(self, job: Callable[[], None] | None) -> None:
         """A save's copy into the fleet store (a later request's prefix), on the connector's
-        job thread."""
+        fill thread."""
         if job is not None:
-            self.connector.run_job(job)
+            self.connector.fill(job)
 
     def release(self, lease_id: int | None, source: str = "") -> None:
         if lease_id:

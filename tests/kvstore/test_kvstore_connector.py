@@ -133,6 +133,33 @@ def test_wakeup_fd_is_readable_while_a_completion_waits():
         os.fstat(fd)
 
 
+def test_store_fills_run_beside_the_jobs_at_the_lowest_priority():
+    """A write-back (connector.fill) runs on its own thread at nice 19, so a job queued
+    behind it (a load, a pull, a release) does not wait for it; drain waits for both."""
+    import os
+    import threading
+
+    connector = make_in_process_connector(LAYOUT, 8)
+    try:
+        in_fill, release_fill, seen = threading.Event(), threading.Event(), {}
+
+        def fill() -> None:
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            in_fill.set()
+            release_fill.wait(10)
+
+        connector.fill(fill)
+        assert in_fill.wait(10) and seen["nice"] == 19
+        job_ran = threading.Event()
+        connector.run_job(job_ran.set)
+        assert job_ran.wait(10)  # not behind the fill
+        assert not connector.drain(0.2)  # the fill is still running
+        release_fill.set()
+        assert connector.drain(10) and connector.num_in_flight == 0
+    finally:
+        connector.close()
+
+
 def test_tp2_reader_takes_its_heads():
     store_side = make_in_process_connector(LAYOUT, dram_capacity_blocks=4)
     pool = make_pool(2, seed=1)
