@@ -458,23 +458,34 @@ class KVConnector:
         self._wake()
 
     # ---- pull (decode, following a prefill on another host) --------------------------------
-    def start_pull(self, source: str, staging_id: int, keys: list[bytes],
-                   first_block: int) -> LayerPull:
+    def start_pull(self, source: str, staging_id: int, keys: list[bytes], first_block: int,
+                   paused: bool = False) -> LayerPull:
         """Pull the layers of a prompt the node at `source` is staging now (its blocks `keys`,
         from the staging's block `first_block` on) as they land, in the background: the
-        returned pull's `take` gives them, per layer, and the wake-up fd says when."""
+        returned pull's `take` gives them, per layer, and the wake-up fd says when.
+        `paused`: not before resume_pull."""
         pull = LayerPull(source, staging_id, keys, first_block, self.block_shape, self.dtype,
                          self._pulled_layers)
-        self._jobs.put(lambda: self._pull(pull))
+        if paused:
+            pull.pause()
+        else:
+            self.resume_pull(pull)
         return pull
 
+    def resume_pull(self, pull: LayerPull) -> None:
+        """Go on with a paused pull (a no-op for one under way)."""
+        if pull.resume():
+            self._jobs.put(lambda: self._pull(pull))
+
     def _pull(self, pull: LayerPull) -> None:
-        if pull.cancelled.is_set():
+        if not pull.may_step():
             return
         go_on = self.transport.pull_layers(pull)
         self._wake()
         if go_on:  # behind the jobs queued meanwhile
             self._jobs.put(lambda: self._pull(pull))
+        else:
+            pull.stopped()
 
     def _pulled_layers(self, payload: torch.Tensor, num_blocks: int,
                        num_layers: int) -> list[torch.Tensor]:

@@ -12,6 +12,9 @@ One request per round trip and the node answers as soon as a layer is there, so 
 crosses while the next one computes; a pull never holds the job thread longer than one
 WAIT_S, so loads and releases queued behind it wait at most that long. A pull whose node
 fails or says the staging is gone stops (`failed`): its hand-off then loads the usual way.
+While the decode worker lends its idle cores to a prefill on its host (serve/cpu/
+core_share.py) its pull is paused: receiving and copying there would stall that prefill's
+threads; it goes on when the worker takes its cores back, or when the hand-off comes.
 """
 
 from __future__ import annotations
@@ -47,6 +50,38 @@ class LayerPull:
         self._received: deque[tuple[int, list[torch.Tensor]]] = deque()
         self.failed = False
         self.cancelled = threading.Event()
+        self._lock = threading.Lock()  # paused and scheduled change together
+        self._paused = False
+        self._scheduled = False  # a step is queued or running
+
+    # ---- pausing (the decode worker lends its cores to the prefill meanwhile) ---------------
+    def pause(self) -> None:
+        """Ask no more until resumed (the step under way, if any, ends as it is)."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> bool:
+        """Go on; whether the caller must queue a step (none is queued or running)."""
+        with self._lock:
+            self._paused = False
+            if self._scheduled or self.done or self.failed or self.cancelled.is_set():
+                return False
+            self._scheduled = True
+            return True
+
+    def may_step(self) -> bool:
+        """The job thread, before a step: False (and no step queued any more) while paused
+        or cancelled."""
+        with self._lock:
+            if self._paused or self.cancelled.is_set():
+                self._scheduled = False
+                return False
+            return True
+
+    def stopped(self) -> None:
+        """The job thread queued no next step (done, failed or cancelled)."""
+        with self._lock:
+            self._scheduled = False
 
     @property
     def done(self) -> bool:

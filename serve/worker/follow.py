@@ -118,9 +118,26 @@ class Followers:
         self.kv_transfer = kv_transfer
         self._follows: dict[str, _Follow] = {}
         self.num_layers = kv_transfer.connector.layout.num_layers
-        self.copy_early = True
+        self._copy_early = True
+
+    @property
+    def copy_early(self) -> bool:
         """Copy layers as they land (False: this worker lends its idle cores to the prefill
-        now, which the copies would stall; they wait until every layer is staged)."""
+        now, which the copies would stall; they wait until every layer is staged, and pulls
+        are paused until the worker takes its cores back or the hand-off comes)."""
+        return self._copy_early
+
+    @copy_early.setter
+    def copy_early(self, value: bool) -> None:
+        if value == self._copy_early:
+            return
+        self._copy_early = value
+        for follow in self._follows.values():
+            if follow.pull is not None:
+                if value:
+                    self.kv_transfer.resume_pull(follow.pull)
+                else:
+                    follow.pull.pause()
 
     def __len__(self) -> int:
         return len(self._follows)
@@ -163,7 +180,8 @@ class Followers:
         if mapped is not None:
             follow.layers, follow.progress, follow.intact = mapped
         elif num_held < staging.num_blocks:
-            follow.pull = self.kv_transfer.start_pull(staging, num_held)
+            follow.pull = self.kv_transfer.start_pull(staging, num_held,
+                                                      paused=not self.copy_early)
         else:  # every block is here already
             follow.num_copied = self.num_layers
         return True
@@ -208,6 +226,7 @@ class Followers:
             return False
         if not self.kv_transfer.names_staging(handoff, follow.staging):
             return False  # (finish drops it)
+        self.kv_transfer.resume_pull(follow.pull)  # (paused while lending: it is wanted now)
         if self._take_pulled(follow):
             follow.active_s = time.monotonic()
         return follow.num_copied < self.num_layers and not follow.pull.failed

@@ -442,11 +442,16 @@ class KVTransfer:
         return (handoff.shm_segment == staging.segment and handoff.shm_spans
                 == self.connector.segments.staging_spans(staging.span, staging.num_blocks))
 
-    def start_pull(self, staging: KVStaging, first_block: int) -> LayerPull:
+    def start_pull(self, staging: KVStaging, first_block: int, paused: bool = False
+                   ) -> LayerPull:
         """Pull the layers of a staging on another host as they land, its blocks from
-        `first_block` on (serve/worker/follow.py; kvstore/layer_pull.py)."""
+        `first_block` on (serve/worker/follow.py; kvstore/layer_pull.py); `paused`: not
+        before resume_pull."""
         return self.connector.start_pull(staging.source_address, staging.staging_id,
-                                         staging.block_keys[first_block:], first_block)
+                                         staging.block_keys[first_block:], first_block, paused)
+
+    def resume_pull(self, pull: LayerPull) -> None:
+        self.connector.resume_pull(pull)
 
     @property
     def can_write_layers(self) -> bool:

@@ -260,3 +260,29 @@ def test_a_prefill_on_borrowed_cores_announces_no_pull(network_handoffs, handoff
     assert "r" in decode._loading
     assert _finish(prefill, decode, first) == handoff_expected
     assert_all_free(prefill, decode, node)
+
+
+def test_a_decode_worker_lending_its_cores_pulls_only_once_the_hand_off_comes(
+        network_handoffs, handoff_expected, monkeypatch):
+    """A decode worker that lends its idle cores to a prefill on its host (serve/cpu/
+    core_share.py) reserves the blocks but asks for no layer while it lends (receiving and
+    copying would stall the prefill's threads there); the hand-off resumes the pull."""
+    prefill, decode, node = network_handoffs
+    decode.copy_early = False  # lending
+
+    def nothing_asked(layer: int) -> None:
+        decode.poll()
+        assert _follow(decode).pull.next_layer == 0 and _follow(decode).num_copied == 0
+        checked.append(layer)
+
+    checked: list[int] = []
+    first = _prefill_followed(prefill, decode, monkeypatch, nothing_asked)
+    assert checked == list(range(decode._followers.num_layers))
+    assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert _finish(prefill, decode, first) == handoff_expected
+    totals = decode.kv_transfer.totals()
+    assert totals["pulled_count"] == 1 and totals["loaded_bytes"] == prefill.kv_transfer \
+        .totals()["saved_bytes"]
+    decode.copy_early = True  # (takes its cores back: nothing left to resume)
+    assert_all_free(prefill, decode, node)
