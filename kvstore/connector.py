@@ -62,6 +62,7 @@ from pdserve.kvstore.handoff_transport import (
     make_handoff_transport,
 )
 from pdserve.kvstore.layer_pull import LayerPull
+from pdserve.kvstore.live_staging import StagingPlace
 from pdserve.kvstore.memory_tier import (
     BytesLike,
     as_uint8_tensor,
@@ -74,23 +75,6 @@ from pdserve.lifecycle import lower_thread_priority
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StagingPlace:
-    """Where a save is staging a prompt while the forward runs: what a decode worker needs to
-    follow it layer by layer."""
-
-    keys: list[bytes]
-    source: str
-    """The worker's hand-off node: a decode worker elsewhere pulls each layer from it as it
-    lands (GetLayersRequest, kvstore/live_staging.py)..."""
-    staging_id: int
-    """...naming the staging so."""
-    segment: ShmSegment | None = None
-    """Same host: the node's shared memory segment, when the staging lies in it, whose
-    allocation header at `span` counts the layers staged (None: pull only)."""
-    span: ShmSpan | None = None
 
 
 # (request id, where, every layer staged) -> whether it was announced

@@ -7,6 +7,7 @@ pull layer by layer while the prefill runs (GetLayersRequest, the network follow
     save done: its blocks put in the node            staged, gather those layers of the
       (adopted, no copy), then end(id)               asked blocks into one buffer, send it
 
+A save announces where it stages (StagingPlace, sent on as protocol/worker.py's KVStaging).
 A staging is read only up to the layers its progress counts, which are written before it is
 counted and never written again. Once it ended, its blocks are in the node's store under the
 same keys (pinned by the hand-off's lease until decode releases it), and a pull reads what is
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor, back_to_back_runs, run_view
-from pdserve.protocol.store.data import GetLayersRequest
+from pdserve.protocol.store.data import GetLayersRequest, ShmSegment, ShmSpan
 
 MAX_LIVE_STAGINGS = 4096  # a worker stages one per prompt in its batch; far more is a leak
 
@@ -38,6 +39,23 @@ class _Staging:
     blocks: torch.Tensor  # [n, num_layers, layer bytes] uint8, host memory
     num_staged: int = 0  # leading layers staged
     events: list[Any] = field(default_factory=list)  # CUDA: each staged layer's copy
+
+
+@dataclass(frozen=True)
+class StagingPlace:
+    """Where a save is staging a prompt while the forward runs: what a decode worker needs to
+    follow it layer by layer."""
+
+    keys: list[bytes]
+    source: str
+    """The worker's hand-off node: a decode worker elsewhere pulls each layer from it as it
+    lands (GetLayersRequest, kvstore/live_staging.py)..."""
+    staging_id: int
+    """...naming the staging so."""
+    segment: ShmSegment | None = None
+    """Same host: the node's shared memory segment, when the staging lies in it, whose
+    allocation header at `span` counts the layers staged (None: pull only)."""
+    span: ShmSpan | None = None
 
 
 class LiveStagings:

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kvstore.connector import StagingPlace
 from pdserve.kvstore.layer_pull import LayerPull
+from pdserve.kvstore.live_staging import StagingPlace
 from pdserve.kvstore.shm_segment import TOTAL_STORE_ORDER
 from pdserve.protocol.worker import FollowPrefill, KVHandoff, KVStaging, Output
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
@@ -60,10 +60,11 @@ FOLLOW_IDLE_S = 60.0  # no progress and no hand-off for this long: the reservati
 
 
 class StagingAnnouncer:
-    """The prefill side: when a save starts staging in the worker's segment, say where at
-    once (mid-forward, on its thread), for the router to forward to a decode worker on this
-    host. The connector calls it (KVConnector on_staged) where following is chosen
-    (serve/worker/kv_transfer.py choose_handoff)."""
+    """The prefill side: when a save starts staging in the worker's node, say where at once
+    (mid-forward, on its thread: the node, the staging, and its place in the segment if it
+    lies there), for the router to forward to the decode worker it picks. The connector calls
+    it (KVConnector on_staged) where following is chosen (serve/worker/kv_transfer.py
+    choose_handoff)."""
 
     def __init__(self, engine, send: Callable[[Output], None]) -> None:
         """`send`: sends an Output at once (the worker's)."""
