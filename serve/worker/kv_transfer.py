@@ -495,10 +495,13 @@ class KVTransfer:
         return bool(self._failed)
 
     def totals(self) -> dict[str, float]:
-        """Bytes moved and time spent since start (the worker reports them as metrics), and
-        the leases its hand-off node holds now (hand-offs not yet read by decode)."""
+        """Bytes moved and time spent since start (the worker reports them as metrics), the
+        leases its hand-off node holds now (hand-offs not yet read by decode) and the saves
+        it is staging there (pulled by decode workers elsewhere)."""
+        node = self.connector.handoff_node
         return {**self._totals,
-                "num_handoff_leases": float(self.connector.transport.num_leases)}
+                "num_handoff_leases": float(self.connector.transport.num_leases),
+                "num_live_stagings": float(len(node.stagings)) if node is not None else 0.0}
 
     def _finish(self, result: TransferResult) -> TransferDone | None:
         started_s = self._started_s.pop((result.kind, result.request_id), None)

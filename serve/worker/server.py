@@ -177,11 +177,12 @@ class Worker:
     @property
     def is_idle(self) -> bool:
         """Holds no request: none owned, none in the engine, none held for a save, loading,
-        or leased on its hand-off node for a decode worker to read."""
+        or leased or staged on its hand-off node for a decode worker to read."""
         kv_transfer = self.handoff.kv_transfer
-        leases = kv_transfer.totals().get("num_handoff_leases", 0) if kv_transfer else 0
+        totals = kv_transfer.totals() if kv_transfer else {}
         return (not self._owners and not self.engine.has_unfinished_requests()
-                and not self.handoff.is_busy and not leases)
+                and not self.handoff.is_busy and not totals.get("num_handoff_leases", 0)
+                and not totals.get("num_live_stagings", 0))
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()

@@ -108,6 +108,7 @@ def assert_all_free(prefill: RequestGateway, decode: RequestGateway, node: Hando
     gc.collect()
     assert node.num_leases == 0 and node.num_pinned_blocks == 0
     assert node.num_shm_allocations == 0  # dropped at release: the memory is reused warm
+    assert len(node.stagings) == 0  # every save ended or was aborted
     node.check_integrity()
     for handoff in (prefill, decode):
         handoff.engine.block_manager.check_integrity()
