@@ -285,9 +285,10 @@ class DataService:
                                0 if payload is None else payload.nbytes, gone)
         if payload is None:
             return Answer(reply)
+        arrays = [payload.reshape(-1)]
         if request.ucx_tag is None:
-            return Answer(reply, [payload.reshape(-1)])
-        tag, arrays = request.ucx_tag, [payload.reshape(-1)]
+            return Answer(reply, arrays)
+        tag = request.ucx_tag
         return Answer(reply, after_reply=lambda: self._send_over_ucx(peer, tag, arrays))
 
     def _send_over_ucx(self, peer: Peer, tag: int, arrays: list[np.ndarray]) -> None:

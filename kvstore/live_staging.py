@@ -148,7 +148,5 @@ def _layers_of(stored: Sequence[BytesLike], num_layers: int, first: int) -> np.n
         return None
     if len(back_to_back_runs(blocks)) == 1:
         whole = run_view(blocks).numpy().reshape(len(blocks), num_layers, -1)
-    else:
-        whole = np.stack([block.numpy() for block in blocks]).reshape(len(blocks), num_layers,
-                                                                      -1)
-    return np.ascontiguousarray(whole[:, first:])
+        return np.ascontiguousarray(whole[:, first:])
+    return np.stack([block.numpy().reshape(num_layers, -1)[first:] for block in blocks])

@@ -293,11 +293,7 @@ class ModelRunner:
             self._rank.pool.write_blocks(list(block_ids), blocks)
             return
         full = torch.stack([b.to(self.spec.kv_torch_dtype) for b in blocks]).cpu().contiguous()
-        self._check_kv_split()
-        procs = self._procs
-        with self._collective(), procs.send_lock:
-            procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids))))
-            dist.broadcast(fp8_as_bytes(full), src=0, group=procs.control)
+        self._broadcast_kv(WriteKV(list(block_ids)), full)
         self._rank.write_kv(list(block_ids), full.to(self.device))
 
     @property
@@ -322,12 +318,17 @@ class ModelRunner:
             self._rank.pool.write_layer_blocks(layer, list(block_ids), blocks)
             return
         full = blocks.to(self.spec.kv_torch_dtype).cpu().contiguous()
+        self._broadcast_kv(WriteKV(list(block_ids), layer), full)
+        self._rank.write_kv_layer(layer, list(block_ids), full.to(self.device))
+
+    def _broadcast_kv(self, command: WriteKV, full: torch.Tensor) -> None:
+        """Send the other ranks `command` and the whole-head blocks it writes (each keeps its
+        own heads; rank 0 writes its part after)."""
         self._check_kv_split()
         procs = self._procs
         with self._collective(), procs.send_lock:
-            procs.send_locked(TP_PROTOCOL.encode(WriteKV(list(block_ids), layer)))
+            procs.send_locked(TP_PROTOCOL.encode(command))
             dist.broadcast(fp8_as_bytes(full), src=0, group=procs.control)
-        self._rank.write_kv_layer(layer, list(block_ids), full.to(self.device))
 
     def _check_kv_split(self) -> None:
         if self._rank.layout.kind == "mha" and self.spec.num_kv_heads % self._tp_size:

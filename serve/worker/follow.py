@@ -212,11 +212,7 @@ class Followers:
         assert follow.pull is not None
         taken = follow.pull.take()
         for first, layers in taken:
-            for j, blocks in enumerate(layers):
-                self.kv_transfer.install_layer(first + j, follow.block_ids[follow.num_held:],
-                                               blocks)
-                self.kv_transfer.note_handoff_bytes(blocks.nbytes)
-            follow.num_copied = first + len(layers)
+            self._install(follow, first, layers)
         return bool(taken)
 
     def pending(self, request_id: str, handoff: KVHandoff) -> bool:
@@ -235,12 +231,18 @@ class Followers:
     def _copy(self, follow: _Follow, until: int) -> bool:
         assert follow.layers is not None
         copied, held = follow.num_copied, follow.num_held
-        for layer in range(copied, until):
-            blocks = follow.layers[layer][:, held:]
-            self.kv_transfer.install_layer(layer, follow.block_ids[held:], blocks)
-            self.kv_transfer.note_handoff_bytes(blocks.nbytes)
-        follow.num_copied = max(copied, until)
+        self._install(follow, copied, [follow.layers[layer][:, held:]
+                                       for layer in range(copied, until)])
         return follow.num_copied > copied
+
+    def _install(self, follow: _Follow, first: int, layers: list[torch.Tensor]) -> None:
+        """Layers `first`, `first` + 1, ... of the blocks this worker lacks ([P, n, block_size,
+        heads, head_dim] each) into the follow's reserved blocks after the held ones."""
+        for layer, blocks in enumerate(layers, start=first):
+            self.kv_transfer.install_layer(layer, follow.block_ids[follow.num_held:], blocks)
+            self.kv_transfer.note_handoff_bytes(blocks.nbytes)
+        if layers:
+            follow.num_copied = max(follow.num_copied, first + len(layers))
 
     def finish(self, request_id: str, handoff: KVHandoff
                ) -> tuple[list[int], Callable[[], bool], bool] | None:
