@@ -40,52 +40,53 @@ def log_level() -> str:
 def cpu_prepack() -> bool:
     """PDSERVE_CPU_PREPACK=0 keeps linear weights in torch's plain layout on CPU (default 1:
     a packed copy too, pdserve's panels on AVX-512 and oneDNN's layout elsewhere; see
-    serve/executor/parallel.py prepack)."""
+    pdserve/serve/executor/parallel.py prepack)."""
     return _flag("PDSERVE_CPU_PREPACK")
 
 
 def handoff_shm() -> bool:
     """PDSERVE_HANDOFF_SHM=0 sends every hand-off over UCX (default 1: a prefill worker's
     hand-off node stages prompts in a shared memory segment, and a decode worker on the same
-    host copies them straight out of it, kvstore/shm_segment.py). Read by the one function
-    that picks a worker's hand-off (serve/worker/kv_transfer.py choose_handoff)."""
+    host copies them straight out of it, pdserve/kvstore/shm_segment.py). Read by the one function
+    that picks a worker's hand-off (pdserve/serve/worker/kv_transfer.py choose_handoff)."""
     return _flag("PDSERVE_HANDOFF_SHM")
 
 
 def handoff_follow() -> bool:
     """PDSERVE_HANDOFF_FOLLOW=0: a prefill worker does not announce its stagings, so no decode
     worker follows one, and each hand-off's blocks are copied when it arrives (default 1: the
-    decode worker copies each layer as it lands, serve/worker/follow.py). Read by
-    serve/worker/kv_transfer.py choose_handoff, as PDSERVE_HANDOFF_SHM."""
+    decode worker copies each layer as it lands, pdserve/serve/worker/follow.py). Read by
+    pdserve/serve/worker/kv_transfer.py choose_handoff, as PDSERVE_HANDOFF_SHM."""
     return _flag("PDSERVE_HANDOFF_FOLLOW")
 
 
 def cpu_amx() -> bool:
     """PDSERVE_CPU_AMX=0 keeps every product on the panels (default 1: where the CPU has AMX and
     the panels store a half-precision checkpoint's bf16 weights, steps of many rows, a
-    prefill's or a decode step's of many sequences, run on AMX, kernels/csrc/amx_gemm.cpp)."""
+    prefill's or a decode step's of many sequences, run on AMX,
+    pdserve/kernels/csrc/amx_gemm.cpp)."""
     return _flag("PDSERVE_CPU_AMX")
 
 
 def fused_decode() -> bool:
     """PDSERVE_FUSED_DECODE=0 runs decode steps through the model's modules layer by layer
     (default 1: a Llama-family decode step's layer loop runs as one compiled call on CPU,
-    serve/cpu/fused_decode.py)."""
+    pdserve/serve/cpu/fused_decode.py)."""
     return _flag("PDSERVE_FUSED_DECODE")
 
 
 def cuda_graphs_on_cpu() -> bool:
     """PDSERVE_CUDA_GRAPHS_ON_CPU=1: a one-rank CPU worker runs its decode steps the way CUDA
     graphs do, over the graphs' static, padded buffers, but eagerly (nothing is captured on
-    CPU; serve/executor/cuda_graphs.py), so tests prove the buffers and padding without a GPU
-    (default 0: on CPU a decode step takes the fused C++ loop or the modules)."""
+    CPU; pdserve/serve/executor/cuda_graphs.py), so tests prove the buffers and padding without a
+    GPU (default 0: on CPU a decode step takes the fused C++ loop or the modules)."""
     return _flag("PDSERVE_CUDA_GRAPHS_ON_CPU", "0")
 
 
 def cpu_tuning() -> bool:
     """PDSERVE_CPU_TUNING=0 serves with the default CPU path instead of the one measured
     fastest on this machine (default 1: a one-rank CPU worker times every candidate path on
-    its first start and caches the choice, serve/cpu/tuning.py)."""
+    its first start and caches the choice, pdserve/serve/cpu/tuning.py)."""
     return _flag("PDSERVE_CPU_TUNING")
 
 

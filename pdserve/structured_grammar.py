@@ -2,9 +2,9 @@
 
 One function serves both sides: the router calls `build_grammar` to validate a request's spec
 (an invalid JSON schema, regex or EBNF grammar is the client's 400, found before any worker
-sees it), and the worker's engine (serve/engine/structured.py) compiles what it returns against its
-tokenizer. The mapping of each kind follows vLLM 0.32's xgrammar backend: `json_object` is the
-schema {"type": "object"}, `choice` an EBNF alternation of string literals, and
+sees it), and the worker's engine (pdserve/serve/engine/structured.py) compiles what it returns
+against its tokenizer. The mapping of each kind follows vLLM 0.32's xgrammar backend: `json_object`
+is the schema {"type": "object"}, `choice` an EBNF alternation of string literals, and
 `disable_any_whitespace` compact JSON (no optional whitespace, "," and ":" separators).
 xgrammar is imported on first use, so neither side pays for it without structured outputs.
 """

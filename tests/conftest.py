@@ -10,13 +10,13 @@ import pytest
 from pdserve.serve.default_model import build_random_model, build_tokenizer
 
 # Engines in tests serve with the default CPU path instead of timing every path on their first
-# start (serve/cpu/tuning.py: seconds per model shape); every path's tokens are checked against
-# the plain-torch path by the kernel tests, and the tuning tests turn it back on.
+# start (pdserve/serve/cpu/tuning.py: seconds per model shape); every path's tokens are checked
+# against the plain-torch path by the kernel tests, and the tuning tests turn it back on.
 os.environ.setdefault("PDSERVE_CPU_TUNING", "0")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the CPU kernels (kernels/csrc) once, up front: a first build takes a minute or
+    """Build the CPU kernels (pdserve/kernels/csrc) once, up front: a first build takes a minute or
     two, and a worker process started by an end-to-end test must not spend its ready timeout
     on it. Where they cannot be built every test runs the plain-torch paths."""
     from pdserve.kernels import cpu_ops

@@ -2,7 +2,7 @@
 (--enforce-eager), pdserve without async scheduling, and vLLM's CUDA build where it is
 installed, each in a process of its own on the same GPU and model.
 
-    python -m pdserve.benchmarks.gpu.decode_step --output decode_step.json [--batch-sizes 1 8 32]
+    python -m benchmarks.gpu.decode_step --output decode_step.json [--batch-sizes 1 8 32]
 
 A batch of B fresh prompts (random tokens from a new seed each time, prefix caching off) is
 generated twice through each engine's offline LLM: to 1 token, then to 1 + N tokens. The decode
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model is None:
-        from pdserve.benchmarks.gpu.served import model_dir
+        from benchmarks.gpu.served import model_dir
 
         args.model = str(model_dir())
     if args.child is not None:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if engine == "vllm" and not _has_vllm():
             results["engines"][name] = {"skipped": "vllm is not installed"}
             continue
-        command = [sys.executable, "-m", "pdserve.benchmarks.gpu.decode_step", "--child", engine,
+        command = [sys.executable, "-m", "benchmarks.gpu.decode_step", "--child", engine,
                    "--name", name, "--model", args.model, "--device", args.device,
                    "--num-steps", str(args.num_steps), "--prompt-tokens",
                    str(args.prompt_tokens), "--batch-sizes",

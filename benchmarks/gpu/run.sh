@@ -71,17 +71,17 @@ stage tests "$TEST_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider \
 stage gpu-tests "$TEST_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$LOG" > "$OUT/tests.txt"
 
-stage kernels "$BENCH_TIMEOUT_S" "$PY" -m pdserve.benchmarks.experiments.kernels.bench_attention \
+stage kernels "$BENCH_TIMEOUT_S" "$PY" -m benchmarks.kernels.bench_attention \
     --output "$OUT/bench_attention.json"
 
 stage engine "$ENGINE_TIMEOUT_S" "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/kernels/test_kernels_engine.py
 grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -1 > "$OUT/engine.txt"
 
-stage decode-step "$STEP_TIMEOUT_S" "$PY" -m pdserve.benchmarks.gpu.decode_step \
+stage decode-step "$STEP_TIMEOUT_S" "$PY" -m benchmarks.gpu.decode_step \
     --output "$OUT/decode_step.json" --timeout-s $((STEP_TIMEOUT_S / 3))
 
-stage served "$SERVED_TIMEOUT_S" "$PY" -m pdserve.benchmarks.gpu.served \
+stage served "$SERVED_TIMEOUT_S" "$PY" -m benchmarks.gpu.served \
     --output "$OUT/served.json" --timeout-s $((SERVED_TIMEOUT_S / 3))
 
 "$PY" - "$STATUS" "$OUT/summary.json" <<'EOF'

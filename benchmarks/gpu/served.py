@@ -1,7 +1,7 @@
 """The served part of benchmarks/gpu/run.sh: `pdserve up` on one GPU (colocated, then 1P+1D
 sharing it) and, where it is installed, vLLM's CUDA build, each under the same open-loop load.
 
-    python -m pdserve.benchmarks.gpu.served --output served.json [--rates 4 16] [--no-vllm]
+    python -m benchmarks.gpu.served --output served.json [--rates 4 16] [--no-vllm]
 
 The model is a random ~1B-parameter Llama in bf16 (hidden 2048, 16 layers, 16 heads over 4 KV
 heads, intermediate 5632), built once into PDSERVE_CACHE_DIR; prompts are 512 random tokens in

@@ -1,7 +1,7 @@
 """`pdserve tune [--model DIR]`: prepare this machine for serving, in the foreground.
 
 Builds pdserve's CPU kernels (once per machine; a worker's first start otherwise spends a minute
-or more on it), then times every CPU path a worker could serve the model with (serve/cpu/
+or more on it), then times every CPU path a worker could serve the model with (pdserve/serve/cpu/
 tuning.py: the weights' packed layout, the fused decode loop, AMX) on the threads a worker
 would use, prints the table and caches the choice where every worker on this machine reads it
 back. Run it when an image is built or a machine is set up; `pdserve up` and the workers then

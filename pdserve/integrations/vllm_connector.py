@@ -15,11 +15,11 @@ vLLM (v1 connector API) runs a connector twice: once in its scheduler, once in e
                                (loads, saves)          save_kv_layer        copy out, put
     request_finished            forget the request     wait_for_save        failed blocks
 
-Keys. A vLLM block of B tokens is named by pdserve's chain (kvstore/block_key.py), whose root
-folds in the model identity, the KV layout (dtype, B, layers, KV heads, head_dim) and the
+Keys. A vLLM block of B tokens is named by pdserve's chain (pdserve/kvstore/block_key.py), whose
+root folds in the model identity, the KV layout (dtype, B, layers, KV heads, head_dim) and the
 request's cache_salt: vLLM's blocks and a pdserve worker's match only when all of those are
 equal, and then they hold the same bytes, since a stored block is always pdserve's layout
-([num_layers, 2, B, num_kv_heads, head_dim], kvstore/connector.py), whatever the engine's
+([num_layers, 2, B, num_kv_heads, head_dim], pdserve/kvstore/connector.py), whatever the engine's
 paged layout is.
 
 Scheduler (vllm_scheduler.py). The prompt's full blocks (all but its last token: vLLM must

@@ -1,7 +1,7 @@
 """The scheduler half of pdserve's vLLM connector, on plain values (no vLLM import).
 
-Per request it keeps the prompt's chain of block keys (pdserve's, kvstore/block_key.py), asks
-the store master how many leading blocks are stored, and turns vLLM's allocation and each
+Per request it keeps the prompt's chain of block keys (pdserve's, pdserve/kvstore/block_key.py),
+asks the store master how many leading blocks are stored, and turns vLLM's allocation and each
 step's schedule into a StepPlan: the loads (keys -> vLLM block ids, pinned under a lease) and
 the saves (the prompt blocks the step completes that the store did not hold):
 

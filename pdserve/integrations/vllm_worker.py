@@ -3,8 +3,8 @@
 vLLM's per-layer paged KV tensors are viewed, without a copy, as pdserve's pool layout
 [2, num_blocks, B, H, D] (POOL_VIEWS, by vLLM attention backend; K and V planes may have
 different strides, PlanesAsPool joins them), so pdserve's KVConnector
-(kvstore/connector.py) moves the blocks: its thread fetches a step's loads and copies them in
-layer by layer while the forward waits on each layer (wait_for_layer); a save copies each
+(pdserve/kvstore/connector.py) moves the blocks: its thread fetches a step's loads and copies them
+in layer by layer while the forward waits on each layer (wait_for_layer); a save copies each
 layer's blocks out as the layer finishes (the pool blocks are free again at once) and the put
 runs on that thread, off the critical path. After the forward, finish_step settles the step:
 the blocks past each load's placed prefix are reported as invalid (vLLM recomputes them), and

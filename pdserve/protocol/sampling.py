@@ -3,7 +3,8 @@
 The router builds it from an OpenAI body, it crosses to the workers inside GenerateRequest
 (protocol/worker.py) and the engine samples by it. The field names and meanings follow vLLM's
 `SamplingParams` so client code ports unchanged. n > 1 (and best_of) make one request several
-sequences that share the prompt's KV (serve/engine/parallel_sampling.py); each sequence samples with
+sequences that share the prompt's KV (pdserve/serve/engine/parallel_sampling.py); each sequence
+samples with
 `for_child(index)`. This module imports nothing but the standard library, so every side can
 use it.
 """
@@ -22,8 +23,8 @@ class StructuredOutputs:
     """Constrain the output to a grammar, as vLLM's `StructuredOutputsParams`: exactly one of
     json, json_object, regex, choice, grammar is set. The router builds it from
     `response_format`, vLLM's `structured_outputs` / `guided_*` fields or a tool choice; the
-    worker that samples compiles it (serve/engine/structured.py) and masks every step's logits, so
-    the text always matches. The grammar state is never sent: a worker that continues a
+    worker that samples compiles it (pdserve/serve/engine/structured.py) and masks every step's
+    logits, so the text always matches. The grammar state is never sent: a worker that continues a
     request (a hand-off, a migration) rebuilds it by replaying the output tokens so far."""
 
     json: str | None = None

@@ -1,7 +1,7 @@
 """Engine process (TP rank 0) -> the other TP ranks: steps and KV commands.
 
 Rank 0 broadcasts each message as codec bytes in a uint8 tensor over a gloo "control" group
-(serve/executor/model_runner.py); every other rank decodes it and does the same work:
+(pdserve/serve/executor/model_runner.py); every other rank decodes it and does the same work:
 
     StepInput  "step"      run this step's forward (its chunks below); rank 0 keeps the logits
     ReadKV     "read_kv"   gather these blocks' KV heads to rank 0       (KV hand-off, save)
@@ -52,11 +52,11 @@ class SeqChunk:
     """Sample after this chunk (it ends at the request's last known token)."""
     num_prompt_logits: int = 0
     """Also return the logits of this many leading rows, for prompt logprobs (every rank
-    computes the same rows: serve/engine/prompt_logprobs.py)."""
+    computes the same rows: pdserve/serve/engine/prompt_logprobs.py)."""
     num_draft_tokens: int = 0
     """Speculative decoding: the last this many token_ids are drafts to verify; the runner
     returns the logits of the chunk's last 1 + num_draft_tokens rows
-    (serve/engine/spec_decode.py)."""
+    (pdserve/serve/engine/spec_decode.py)."""
 
 
 @TP_PROTOCOL.message("step")

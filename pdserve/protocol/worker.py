@@ -59,8 +59,8 @@ class KVHandoff:
     or float8_e4m3fn with --kv-cache-dtype fp8). A decode worker whose cache holds another
     dtype refuses the hand-off with a clear error. "": not stated."""
     shm_segment: ShmSegment | None = None
-    """The prefill worker's shared memory segment (kvstore/shm_segment.py) when the blocks lie
-    in it: a decode worker on that host copies them straight into its pool on arrival."""
+    """The prefill worker's shared memory segment (pdserve/kvstore/shm_segment.py) when the blocks
+    lie in it: a decode worker on that host copies them straight into its pool on arrival."""
     shm_spans: list[ShmSpan] = field(default_factory=list)
     """Where each of block_keys lies in shm_segment (empty: read them from source_address)."""
 
@@ -79,7 +79,7 @@ class KVHandoff:
 
 MAX_STAGED_BLOCKS = 1 << 20
 BLOCK_KEY_BYTES = 16
-"""A chained block key's length (kvstore/block_key.py: blake2b-128)."""
+"""A chained block key's length (pdserve/kvstore/block_key.py: blake2b-128)."""
 
 
 @dataclass(frozen=True)
@@ -364,12 +364,12 @@ class WorkerStatus:
     lease on its node (what a drain and a leak check wait for)."""
     kv_tiers: dict[str, float] = field(default_factory=dict)
     """Where prompt prefixes were found and what moved between the tiers since start
-    (serve/engine/kv_tiers.py), "<tier>_<counter>" for tier device | host | store and counter
-    hit_tokens, read_bytes, written_bytes, evictions, writes_dropped; host_blocks and
+    (pdserve/serve/engine/kv_tiers.py), "<tier>_<counter>" for tier device | host | store and
+    counter hit_tokens, read_bytes, written_bytes, evictions, writes_dropped; host_blocks and
     host_capacity_blocks; and the fetch-or-recompute rule's inputs (host_read_gb_per_s,
     store_read_gb_per_s, store_latency_ms, prefill_tokens_per_s, *_measured) and its
     decisions (loads_chosen, recomputes_chosen)."""
     cpu_path: dict[str, str] = field(default_factory=dict)
-    """A CPU worker's kernel choice (serve/cpu/tuning.py): "path", "source" (measured, cached
-    or default) and each candidate path's step times ("<path label>": "decode 1x256 0.912,
+    """A CPU worker's kernel choice (pdserve/serve/cpu/tuning.py): "path", "source" (measured,
+    cached or default) and each candidate path's step times ("<path label>": "decode 1x256 0.912,
     ..." in ms); empty elsewhere."""

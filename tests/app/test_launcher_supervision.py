@@ -161,8 +161,8 @@ def test_killed_decode_worker_is_restarted_and_children_die_with_the_launcher(
         assert r.status_code == 200, r.text
         top = r.json()["choices"][0]["logprobs"]["top_logprobs"]
         # The first token's (from prefill) at least. Decode's own are still missing in
-        # disaggregated mode (serve/engine/engine.py indexes output_logprobs by output tokens,
-        # which include the handed-over one): 1 entry of 3 today, to be fixed there.
+        # disaggregated mode (pdserve/serve/engine/engine.py indexes output_logprobs by output
+        # tokens, which include the handed-over one): 1 entry of 3 today, to be fixed there.
         assert 1 <= len(top) <= 3 and 1 <= len(top[0]) <= 3, top
         decode = next(w for w in cluster.status()["workers"] if w["role"] == "decode")
         decode_pid = next(

@@ -240,7 +240,8 @@ def test_find_waits_for_a_role_and_gives_up_empty(etcd):
         discovery.check_reachable(DiscoveryURL.parse("etcd://127.0.0.1:1"))
 
 
-# ---- the router's view (router/fleet_watch.py), in process -----------------------------------
+# ---- the router's view (pdserve/router/fleet_watch.py), in process
+# -----------------------------------
 def test_the_router_applies_the_registry_to_its_pools(etcd):
     """Through the registry: joins go to the pool of their role, a record's new role moves
     the worker, a departed worker leaves its pool at once and its client closes once it holds

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.benchmarks.experiments.controller_check import compare, main
+from benchmarks.controller_check import compare, main
 
 
 def _snapshot() -> dict:

@@ -1,4 +1,4 @@
-"""benchmarks/output.py: results go outside the checkout and the installed package."""
+"""pdserve/benchmarks/output.py: results go outside the checkout and the installed package."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def test_pdserve_results_dir_and_the_flags_win(monkeypatch, tmp_path):
 
 
 def test_no_benchmark_defaults_into_the_checkout():
-    """Every benchmark takes its folder from benchmarks/output.py: no path into the repository
-    (benchmarks/results, a relative file name) is left as a default."""
+    """Every benchmark takes its folder from pdserve/benchmarks/output.py: no path into the
+    repository (benchmarks/results, a relative file name) is left as a default."""
     for path in sorted((REPO_ROOT / "benchmarks").rglob("*.py")):
         text = path.read_text()
         assert "benchmarks/results" not in text, path

@@ -1,4 +1,5 @@
-"""benchmarks/served_table.py: vLLM's saved results -> rows with pdserve's ratios to vLLM."""
+"""pdserve/benchmarks/served_table.py: vLLM's saved results -> rows with pdserve's ratios to
+vLLM."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 counts, max_tokens) sent at the same times, for the same flags and seed.
 
 - Against a fixture recorded from vLLM 0.32 itself (tests/data/vllm_workload.json, made by
-  benchmarks/experiments/record_vllm_workload.py with vLLM's own sampling and arrival code on a
+  benchmarks/record_vllm_workload.py with vLLM's own sampling and arrival code on a
   virtual clock): every prompt and every send offset must be equal, bit for bit.
 - On a recording server: what pdserve bench actually sends, in order.
 - Live, when the vLLM peer is installed (/tmp/vllm-peer): both clients against recording

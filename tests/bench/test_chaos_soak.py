@@ -1,4 +1,4 @@
-"""The chaos soak's accounting (benchmarks/experiments/chaos_soak.py): goodput per window counts
+"""The chaos soak's accounting (benchmarks/chaos_soak.py): goodput per window counts
 only requests within both SLOs, in the window they completed; a request router-0 held when it
 was killed is counted apart from the failures; a greedy stream whose text differs from the
 offline engine's is counted; every kind of request has a well-formed body."""
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from pdserve.benchmarks.experiments import chaos_soak
-from pdserve.benchmarks.experiments.chaos_soak import Kill, Outcome, Soak
+from benchmarks import chaos_soak
+from benchmarks.chaos_soak import Kill, Outcome, Soak
 
 
 def _args(**overrides) -> argparse.Namespace:

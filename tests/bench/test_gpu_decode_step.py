@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.benchmarks.gpu import decode_step
+from benchmarks.gpu import decode_step
 
 
 def test_each_engine_reports_its_decode_step(llama_dir, tmp_path) -> None:

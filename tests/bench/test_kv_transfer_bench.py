@@ -1,4 +1,4 @@
-"""benchmarks/experiments/kv_transfer.py's ceilings: the in-process copy and the kernel's
+"""benchmarks/kv_transfer.py's ceilings: the in-process copy and the kernel's
 cross-process copy (process_vm_readv, what UCX's shared-memory transport uses for large
 messages) both move the pattern's bytes intact into the landing pool."""
 
@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from pdserve.benchmarks.experiments import kv_transfer
+from benchmarks import kv_transfer
 
 
 def test_landing_pool_blocks_are_distinct_and_pattern_repeats():

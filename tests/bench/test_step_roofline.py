@@ -1,11 +1,11 @@
-"""The decode floor of benchmarks/experiments/step_roofline.py: bytes at the bandwidth measured
+"""The decode floor of benchmarks/step_roofline.py: bytes at the bandwidth measured
 for that many bytes in the same round, or FLOPs at the matmul peak, whichever is slower."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.benchmarks.experiments import step_roofline
+from benchmarks import step_roofline
 
 FACTS = {"layers": 2, "heads": 4, "head_dim": 8, "matmul_params": 1000, "weight_bytes": 4000,
          "kv_bytes_per_token": 4 * 2 * 2 * 2 * 8}

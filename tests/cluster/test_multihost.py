@@ -1,5 +1,6 @@
 """A worker's ranks on two "hosts": two process trees on this machine, joined only through the
-rendezvous address (serve/executor/distributed.py), as `--nnodes 2 --node-rank k` starts them.
+rendezvous address (pdserve/serve/executor/distributed.py), as `--nnodes 2 --node-rank k` starts
+them.
 
 Node 0 is this test process (LLM with nnodes=2: the engine and rank 0); node 1 is a separate
 `pdserve colocated ... --node-rank 1` process group running rank 1. TP 2 over 2 nodes x 1 rank

@@ -12,7 +12,7 @@ import torch
 from helpers.cluster_util import complete, start_cluster, stream_chunks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.benchmarks.experiments.ttft_breakdown import (
+from benchmarks.ttft_breakdown import (
     HANDOVER_METRIC,
     PHASE_METRIC,
     parse_histograms,
@@ -214,7 +214,7 @@ def test_tp_resharding_handoff_same_tokens(llama_dir, reference, tmp_path_factor
 
 def test_async_scheduling_serves_the_reference_text(llama_dir, reference, tmp_path_factory):
     """`pdserve up --async-scheduling` (disaggregated: the decode worker runs each step ahead of
-    the last one's outputs, serve/engine/overlap.py): HF's greedy text, streamed and not, a
+    the last one's outputs, pdserve/serve/engine/overlap.py): HF's greedy text, streamed and not, a
     stop string ending a stream mid-flight, and nothing left held."""
     cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("async-logs"), "--mode",
                             "disagg", "--num-kv-blocks", "256", "--async-scheduling")

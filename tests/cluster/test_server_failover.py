@@ -1,5 +1,5 @@
 """Workers that die or hang while they hold a request: the router moves it to another worker of
-the pool (router/dispatch.py), before its first token or mid-stream, and the client sees the
+the pool (pdserve/router/dispatch.py), before its first token or mid-stream, and the client sees the
 undisturbed run's text."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_request_moves_off_a_hung_decode_worker(roles):
     url = f"{roles.base_url}/v1/completions"
     body = {"prompt": "def main():", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     reference = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
-    # Hang the decode worker the router will pick (router/policies.py MostFreeKVDecode: most
+    # Hang the decode worker the router will pick (pdserve/router/policies.py MostFreeKVDecode: most
     # free blocks, then fewest in flight, then the higher address), judged once the statuses
     # stopped changing: the reference request's cached blocks may have left the two unequal.
     previous, deadline = None, time.monotonic() + 30

@@ -1,5 +1,5 @@
-"""`pdserve up` with the tiers below each worker's pool (serve/engine/kv_tiers.py), both modes:
-a conversation pushed out of a small pool comes back cached (from the host tier) with the
+"""`pdserve up` with the tiers below each worker's pool (pdserve/serve/engine/kv_tiers.py), both
+modes: a conversation pushed out of a small pool comes back cached (from the host tier) with the
 offline engine's tokens, and `--no-prefix-caching` reports 0 cached tokens: no tier, the
 store included, serves anything."""
 

@@ -55,7 +55,7 @@ def prefill_engine(*args, **kwargs) -> tuple[Engine, CopyingSaver]:
 
 def assert_tied_head(model) -> None:
     """A tied LM head reads the embedding's rows: the same tensor, plus (CPU prepacking,
-    serve/executor/parallel.py) a packed copy of exactly those rows."""
+    pdserve/serve/executor/parallel.py) a packed copy of exactly those rows."""
     head, embedding = model.lm_head, model.model.embed_tokens.weight
     assert head.weight is embedding
     assert head.packed is None or torch.equal(unpack(head.packed, embedding.shape), embedding)

@@ -64,7 +64,7 @@ def colocated_tokens(llama_dir) -> list[int]:
 def handoff_pair(llama_dir, shm_bytes: int):
     """(prefill RequestGateway, decode RequestGateway, the prefill worker's node with a
     segment of `shm_bytes`, 0: none), with the same-host paths the environment chooses (as
-    serve/worker/kv_transfer.py make_kv_transfer does). The prefill's stagings are announced
+    pdserve/serve/worker/kv_transfer.py make_kv_transfer does). The prefill's stagings are announced
     to its announcer's `send` (a test's; nothing by default)."""
     engines = [make_engine(llama_dir), make_engine(llama_dir)]
     node = HandoffNode("prefill-p", "127.0.0.1", 32, 30.0, 5.0, shm_bytes=shm_bytes)

@@ -1,6 +1,6 @@
 """The sampler as it ran on the host before sampling moved to the logits' device (b502c61):
 row by row, every parameter a host list, the per-row logit controls inlined. The device sampler
-(serve/engine/sampler.py) must give the same tokens and logprobs on every option."""
+(pdserve/serve/engine/sampler.py) must give the same tokens and logprobs on every option."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ class HostSampler:
         for row, request in enumerate(requests):
             params = request.sampling_params
             if request.num_output_tokens >= params.min_tokens or request.grammar is not None:
-                continue  # a grammar holds its own end tokens back (serve/engine/structured.py)
+                # a grammar holds its own end tokens back (pdserve/serve/engine/structured.py)
+                continue
             token_ids = list(params.stop_token_ids)
             if not params.ignore_eos:
                 token_ids += list(request.eos_token_ids)
@@ -98,8 +99,8 @@ class HostSampler:
     def sampling_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution a sampled row draws from: temperature, min-p, top-k, top-p, then
         softmax. [rows, V] -> [rows, V]. Speculative decoding verifies against it
-        (serve/engine/spec_decode.py) for requests whose stop, logit-control and penalty steps do
-        nothing."""
+        (pdserve/serve/engine/spec_decode.py) for requests whose stop, logit-control and penalty
+        steps do nothing."""
         params = [r.sampling_params for r in requests]
         logits = logits.float() / torch.tensor([p.temperature for p in params]).unsqueeze(1)
         if any(p.min_p > 0 for p in params):

@@ -6,8 +6,8 @@ prompts and writes the texts, token ids and cached-token counts (and vLLM's bloc
 JSON.
 
 vLLM's venv does not have pdserve installed, so `pdserve_overlay()` builds a directory for its
-PYTHONPATH holding the package as pyproject.toml installs it (pdserve/ with kvstore/ inside,
-as symlinks) and msgpack (the one pdserve dependency vLLM lacks), taken from pdserve's venv.
+PYTHONPATH holding the repository's pdserve/ (as a symlink) and msgpack (the one pdserve
+dependency vLLM lacks), taken from pdserve's venv.
 """
 
 from __future__ import annotations
@@ -34,12 +34,8 @@ def pdserve_overlay(out_dir: Path) -> Path:
     """A PYTHONPATH entry importing pdserve (pdserve.kvstore included) and msgpack."""
     import msgpack
 
-    package = out_dir / "pdserve"
-    package.mkdir(parents=True, exist_ok=True)
-    for entry in (REPO / "pdserve").iterdir():
-        if entry.name != "__pycache__":
-            (package / entry.name).symlink_to(entry)
-    (package / "kvstore").symlink_to(REPO / "kvstore")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "pdserve").symlink_to(REPO / "pdserve")
     (out_dir / "msgpack").symlink_to(Path(msgpack.__file__).parent)
     return out_dir
 
@@ -56,8 +52,7 @@ def vllm_env(overlay: Path, extra: dict[str, str] | None = None) -> dict[str, st
 def run_vllm_code(python: str, overlay: Path, code: str, timeout_s: float = 300.0
                   ) -> subprocess.CompletedProcess:
     """Run a short script under vLLM's python (no engine: vLLM's ops and pdserve's code)."""
-    # in the overlay: `-c` puts the working directory first on sys.path, and the repository's
-    # own pdserve/ (without kvstore/ inside) must not shadow the overlay's
+    # in the overlay: `-c` puts the working directory first on sys.path
     return subprocess.run([python, "-c", code], capture_output=True, text=True,
                           env=vllm_env(overlay), timeout=timeout_s, cwd=overlay)
 

@@ -72,7 +72,8 @@ def prompt(num_tokens: int, seed: int = 0) -> list[int]:
 
 
 def chain(tokens: list[int], salt: str | None = None) -> list[bytes]:
-    """The keys pdserve's own workers give these tokens (serve/engine/block_manager.py's chain)."""
+    """The keys pdserve's own workers give these tokens (pdserve/serve/engine/block_manager.py's
+    chain)."""
     return block_keys(tokens, LAYOUT.block_size, root_key(MODEL_ID, LAYOUT, salt))
 
 

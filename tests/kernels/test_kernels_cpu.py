@@ -138,8 +138,8 @@ def test_cpu_backend_is_the_torch_backend_with_in_place_decode():
 @pytest.mark.parametrize("q_len,k_len", [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100),
                                          (7, 40), (33, 161), (1, 300)])
 def test_causal_prefill_kernel_matches_sdpa(num_heads, num_kv_heads, head_dim, q_len, k_len):
-    """The prompts' causal attention (kernels/csrc/prefill_attention.cpp, where the build has
-    AVX-512) against SDPA: every GQA group, tiles of 16 rows and keys left partial, queries
+    """The prompts' causal attention (pdserve/kernels/csrc/prefill_attention.cpp, where the build
+    has AVX-512) against SDPA: every GQA group, tiles of 16 rows and keys left partial, queries
     after a cached prefix (row i at position k_len - q_len + i), token-major operands seen
     head-major (strided), as the prefill path passes them."""
     if not cpu_ops.load().causal_attention_available():

@@ -1,4 +1,4 @@
-"""The plain-torch attention (kernels/reference.py) against dense attention on unpaged K/V.
+"""The plain-torch attention (pdserve/kernels/reference.py) against dense attention on unpaged K/V.
 
 The paged cases come from kernel_cases.py (shared with the Triton kernel tests); each keeps
 the dense, unpaged K/V beside the paged cache, for the dense oracles written out here.
@@ -186,14 +186,15 @@ def test_bad_shapes_raise():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_bench_attention_without_gpu_says_so_and_exits_0(tmp_path, capsys):
-    from pdserve.benchmarks.experiments.kernels.bench_attention import main
+    from benchmarks.kernels.bench_attention import main
 
     assert main(["--output", str(tmp_path / "out.json")]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "out.json").exists()
 
 
-# ---- the registry (kernels/registry.py) ---------------------------------------------------
+# ---- the registry (pdserve/kernels/registry.py)
+# ---------------------------------------------------
 
 
 def test_every_op_has_a_plain_torch_reference_in_reference_py():

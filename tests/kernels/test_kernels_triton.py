@@ -1,4 +1,4 @@
-"""Triton attention kernels against their plain-torch references (kernels/reference.py).
+"""Triton attention kernels against their plain-torch references (pdserve/kernels/reference.py).
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors. TRITON_INTERPRET=1 is
 set here, at import and only when there is no GPU, before the kernel modules are defined

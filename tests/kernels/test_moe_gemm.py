@@ -1,4 +1,4 @@
-"""The fused MoE's grouped GEMM (kernels/moe_gemm.py) against the expert-by-expert loop, in
+"""The fused MoE's grouped GEMM (pdserve/kernels/moe_gemm.py) against the expert-by-expert loop, in
 Triton's interpreter without CUDA. Tolerances: fp32 differs only in summation order (1e-5);
 fp16 rounds the gate/up product and the activation to fp16 in both paths (2e-3)."""
 

@@ -1,6 +1,6 @@
-"""Ring attention at the kernel level (kernels/ring_attention.py and its ring, kernels/ring.py;
-the block attention op of kernels/registry.py; the zig-zag split, kernels/zigzag.py) against
-plain torch SDPA over the whole sequence.
+"""Ring attention at the kernel level (pdserve/kernels/ring_attention.py and its ring,
+pdserve/kernels/ring.py; the block attention op of pdserve/kernels/registry.py; the zig-zag split,
+pdserve/kernels/zigzag.py) against plain torch SDPA over the whole sequence.
 
 Without CUDA the Triton block attention runs in the interpreter (TRITON_INTERPRET=1 set here
 before the kernel module is defined). Tolerances: both sides accumulate in fp32 and differ

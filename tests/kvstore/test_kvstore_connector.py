@@ -16,7 +16,7 @@ LAYOUT = KVLayout(dtype="float32", block_size=4, num_layers=3, num_kv_heads=4, h
 
 def make_pool(num_blocks: int, num_heads: int = 4, seed: int | None = None) -> list[torch.Tensor]:
     """kv_caches[l]: [2, num_blocks, block_size, num_heads, head_dim] like
-    serve/executor/kv_cache.py."""
+    pdserve/serve/executor/kv_cache.py."""
     shape = (2, num_blocks, LAYOUT.block_size, num_heads, LAYOUT.head_dim)
     if seed is None:
         return [torch.zeros(shape) for _ in range(LAYOUT.num_layers)]

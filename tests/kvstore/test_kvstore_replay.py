@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.benchmarks.experiments import store_replay
+from benchmarks import store_replay
 
 
 def write_trace(path) -> None:

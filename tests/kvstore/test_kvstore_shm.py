@@ -1,4 +1,4 @@
-"""The same-host hand-off path (kvstore/shm_segment.py): a data node's blocks in a memfd
+"""The same-host hand-off path (pdserve/kvstore/shm_segment.py): a data node's blocks in a memfd
 segment that a client on the host maps read-only and copies out of, checking after the copy
 that the block was not freed meanwhile."""
 

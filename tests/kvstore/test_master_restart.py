@@ -1,6 +1,7 @@
 """A data node whose heartbeat or update was in flight when its master died joins the
 restarted master after a few heartbeat intervals, not after the store's request timeout
-(kvstore/master_reporter.py): a master restarted under load is ready once its nodes are back."""
+(pdserve/kvstore/master_reporter.py): a master restarted under load is ready once its nodes are
+back."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A worker killed while its host tier writes blocks down to the store (KVConnector.write_down,
-serve/engine/kv_tiers.py) leaves the store consistent: every block it holds reads back exactly
-as written, nothing is pinned, its invariants hold, and it keeps serving."""
+pdserve/serve/engine/kv_tiers.py) leaves the store consistent: every block it holds reads back
+exactly as written, nothing is pinned, its invariants hold, and it keeps serving."""
 
 from __future__ import annotations
 

@@ -422,7 +422,7 @@ def test_profile_command_on_a_tiny_model(llama_dir, tmp_path, capsys):
 def test_plan_check_compares_the_plan_with_a_measured_sweep(tmp_path, capsys):
     """planner_check.sh's table: the plan's goodput for the measured split against the sweep's,
     and the simulated attainment at each of the sweep's rates on its own request lengths."""
-    from pdserve.benchmarks.experiments import plan_check
+    from benchmarks import plan_check
 
     profile = make_profile()
     profile_path = profile.save(tmp_path / "profile.json")

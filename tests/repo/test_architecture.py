@@ -19,18 +19,13 @@ import pytest
 from helpers.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
-FOLDERS = {  # repository folder -> the package it installs as
+FOLDERS = {  # repository folder -> the package its modules import as
     "pdserve": "pdserve",
-    "serve": "pdserve.serve",
-    "kernels": "pdserve.kernels",
-    "kvstore": "pdserve.kvstore",
-    "router": "pdserve.router",
-    "planner": "pdserve.planner",
-    "benchmarks": "pdserve.benchmarks",
+    "benchmarks": "benchmarks",  # the studies: run from the repository, not installed
 }
 APP = "pdserve.app"
 PARTS = ("pdserve.serve", "pdserve.router", "pdserve.kvstore", "pdserve.kernels",
-         "pdserve.planner", "pdserve.benchmarks", "pdserve.integrations", APP)
+         "pdserve.planner", "pdserve.benchmarks", "pdserve.integrations", "benchmarks", APP)
 BASE_MODULES = ("pdserve.protocol", "pdserve.security", "pdserve.discovery", "pdserve.etcd",
                 "pdserve.addresses",
                 "pdserve.envs", "pdserve.ports", "pdserve.lifecycle", "pdserve.structured_grammar",
@@ -50,6 +45,7 @@ FORBIDDEN = {
     "pdserve.router": _but("pdserve.router", "pdserve.kvstore", "pdserve.planner"),
     "pdserve.serve": _but("pdserve.serve", "pdserve.kernels", "pdserve.kvstore"),
     "pdserve.benchmarks": _but("pdserve.benchmarks"),
+    "benchmarks": _but("benchmarks", "pdserve.benchmarks"),
     "pdserve.integrations": _but("pdserve.integrations", "pdserve.kvstore"),
 }
 # The protocol package imports nothing of pdserve's (it is the floor's floor).
@@ -58,43 +54,43 @@ FORBIDDEN["pdserve.protocol"] = PARTS + tuple(b for b in BASE_MODULES if b != "p
 # Benchmarks that measure a component in-process rather than a server over HTTP.
 OFFLINE_BENCHMARKS = {
     # offline engine or model runner: tok/s, PP 1 vs 2, MTP on/off, CP 1 vs 2, step vs floor
-    "pdserve.benchmarks.experiments.engine_throughput": ("pdserve.serve",),
-    "pdserve.benchmarks.experiments.pp_bubble": ("pdserve.serve",),
-    "pdserve.benchmarks.experiments.mtp_decode": ("pdserve.serve",),
-    "pdserve.benchmarks.experiments.cp_prefill": ("pdserve.serve",),
-    "pdserve.benchmarks.experiments.step_roofline": ("pdserve.serve",),
-    "pdserve.benchmarks.experiments.weight_pages": ("pdserve.serve",),
-    "pdserve.benchmarks.experiments.decode_warmup": ("pdserve.serve",),
-    "pdserve.benchmarks.experiments.structured_cost": ("pdserve.serve",),
+    "benchmarks.engine_throughput": ("pdserve.serve",),
+    "benchmarks.pp_bubble": ("pdserve.serve",),
+    "benchmarks.mtp_decode": ("pdserve.serve",),
+    "benchmarks.cp_prefill": ("pdserve.serve",),
+    "benchmarks.step_roofline": ("pdserve.serve",),
+    "benchmarks.weight_pages": ("pdserve.serve",),
+    "benchmarks.decode_warmup": ("pdserve.serve",),
+    "benchmarks.structured_cost": ("pdserve.serve",),
     # offline engine + store
-    "pdserve.benchmarks.experiments.fp8_kv": ("pdserve.serve", "pdserve.kvstore"),
+    "benchmarks.fp8_kv": ("pdserve.serve", "pdserve.kvstore"),
     # the store's tiers, put/get over data nodes, the UCX data plane
-    "pdserve.benchmarks.experiments.store_replay": ("pdserve.kvstore",),
-    "pdserve.benchmarks.experiments.store_sharded": ("pdserve.kvstore",),
-    "pdserve.benchmarks.experiments.kv_transfer": ("pdserve.kvstore",),
-    "pdserve.benchmarks.experiments.kernels.bench_attention": ("pdserve.kernels",),
+    "benchmarks.store_replay": ("pdserve.kvstore",),
+    "benchmarks.store_sharded": ("pdserve.kvstore",),
+    "benchmarks.kv_transfer": ("pdserve.kvstore",),
+    "benchmarks.kernels.bench_attention": ("pdserve.kernels",),
     # runs the router's own goodput simulator on what the router's /status published
-    "pdserve.benchmarks.experiments.controller_check": ("pdserve.planner.goodput_model",),
+    "benchmarks.controller_check": ("pdserve.planner.goodput_model",),
     # starts its clusters with `pdserve up`'s launcher; times an offline prefill for reference
-    "pdserve.benchmarks.experiments.ttft_breakdown": ("pdserve.app", "pdserve.serve"),
+    "benchmarks.ttft_breakdown": ("pdserve.app", "pdserve.serve"),
     # the offline planner's commands: `pdserve plan` reads traces and draws with the harness's
     # helpers, `pdserve profile` times the engine itself
     "pdserve.planner.plan": ("pdserve.benchmarks",),
-    "pdserve.benchmarks.experiments.plan_check": ("pdserve.planner",),
+    "benchmarks.plan_check": ("pdserve.planner",),
     "pdserve.planner.profile": ("pdserve.serve", "pdserve.kvstore.connector",
                                 "pdserve.benchmarks.plots", "pdserve.benchmarks"),
     # benchmarks/gpu/run.sh's served stage builds its random ~1B Llama as the default model is
-    "pdserve.benchmarks.gpu.served": ("pdserve.serve.default_model",),
+    "benchmarks.gpu.served": ("pdserve.serve.default_model",),
     # the GPU script's decode step: each engine's offline LLM, pdserve's and vLLM's
-    "pdserve.benchmarks.gpu.decode_step": ("pdserve.serve",),
-    # a fleet of role processes under SIGKILLs: its leak check reads the store's own counters,
-    # and the offline engine gives the greedy streams' reference text
-    "pdserve.benchmarks.experiments.chaos_soak": ("pdserve.kvstore", "pdserve.serve"),
-    # the chaos soak's fleet: each store process's readiness is its stats verb; supervised as
-    # the launcher supervises (spawn, standbys)
-    "pdserve.benchmarks.experiments.chaos_fleet": ("pdserve.kvstore", "pdserve.app.launcher"),
+    "benchmarks.gpu.decode_step": ("pdserve.serve",),
+    # a fleet of role processes under SIGKILLs, supervised as the launcher supervises (spawn,
+    # standbys): its leak check reads the store's own counters, and the offline engine gives the
+    # greedy streams' reference text
+    "benchmarks.chaos_soak": ("pdserve.kvstore", "pdserve.serve", "pdserve.app.launcher"),
+    # the offline studies' shared model is built with the default model's builder
+    "pdserve.benchmarks.offline": ("pdserve.serve.default_model",),
     # arithmetic only: the communication model of a layout (no engine runs)
-    "pdserve.benchmarks.experiments.comm_table": ("pdserve.serve.executor.comm_model",
+    "benchmarks.comm_table": ("pdserve.serve.executor.comm_model",
                                                   "pdserve.serve.default_model"),
 }
 # The protocol package depends on nothing but the standard library and msgpack.

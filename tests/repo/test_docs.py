@@ -42,7 +42,7 @@ REPO_PATH = re.compile(
     r"|\.ci)/[\w./-]*?(?:\.(?:py|md|sh|cpp|h|json|jsonl|png|yaml|yml|toml)|/))(?![\w/-])"
 )
 # A command in running text: `pdserve up --port 8000`, `python -m pdserve.benchmarks.x --y`.
-INLINE_COMMAND = re.compile(r"`((?:pdserve|python3? -m pdserve\.)[^`]*)`")
+INLINE_COMMAND = re.compile(r"`((?:pdserve|python3? -m (?:pdserve|benchmarks)\.)[^`]*)`")
 # Shell operators that end one command and start the next.
 SEPARATORS = {"&&", "||", ";", "&", "|", "(", ")", ">", ">>", "<", "2>", "|&"}
 
@@ -100,7 +100,8 @@ def flags_of(words: list[str]) -> list[str]:
 
 
 def documented_commands(doc: Path) -> list[tuple[str, list[str]]]:
-    """(what kind, words) for every `pdserve ...` and `python -m pdserve.X ...` in the doc's
+    """(what kind, words) for every `pdserve ...`, `python -m pdserve.X ...` and `python -m
+    benchmarks.X ...` (a study, run from the repository) in the doc's
     shell blocks, synopses and inline code."""
     found = []
     for language, body in fenced_blocks(doc.read_text()):
@@ -111,7 +112,7 @@ def documented_commands(doc: Path) -> list[tuple[str, list[str]]]:
                 if words[0] == "pdserve" and len(words) > 1:
                     found.append(("pdserve", words))
                 elif (words[0] in ("python", "python3") and len(words) > 2
-                      and words[1] == "-m" and words[2].startswith("pdserve.")):
+                      and words[1] == "-m" and words[2].startswith(("pdserve.", "benchmarks."))):
                     found.append(("module", words[2:]))
     prose = FENCE.sub("", doc.read_text())
     for span in INLINE_COMMAND.findall(prose):
@@ -203,7 +204,7 @@ def test_every_relative_link_resolves(doc: Path) -> None:
 
 @pytest.mark.parametrize("doc", DOCS, ids=DOC_IDS)
 def test_every_repository_path_named_exists(doc: Path) -> None:
-    """A path the prose names (`serve/engine/scheduler.py`, `deploy/overlays/`) is read from
+    """A path the prose names (`pdserve/serve/engine/scheduler.py`, `deploy/overlays/`) is read from
     the repository root; a moved or deleted file shows up here."""
     missing = sorted({path for path in REPO_PATH.findall(doc.read_text())
                       if not (REPO_ROOT / path).exists()})

@@ -2,7 +2,7 @@
 document): whatever the request, valid by the schema or not, the router answers with an
 OpenAI-style body, and never with a 5xx. In process, over stand-in workers that encode each
 request as the real dispatcher would; the thousands-of-cases run against a real cluster is
-benchmarks/experiments/fuzz_http.py.
+benchmarks/fuzz_http.py.
 
 Hypothesis drives schemathesis's strategies directly: schemathesis's own pytest plugin does
 not run under pytest 9 (it reads a node attribute pytest 9 removed)."""

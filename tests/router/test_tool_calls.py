@@ -1,4 +1,4 @@
-"""Tool calling on /v1/chat/completions (router/tools.py, router/tool_parsers.py).
+"""Tool calling on /v1/chat/completions (pdserve/router/tools.py, pdserve/router/tool_parsers.py).
 
 - The parsers, per model family, on hand-written model texts (well-formed, with content
   around the calls, several calls, malformed ones that stay content), and the stream of each

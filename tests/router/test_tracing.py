@@ -1,5 +1,5 @@
-"""Request tracing (router/tracing.py): the span tree the router builds from what its workers
-report, the caller's trace continued, errors marked, and the spans reaching a real OTLP/HTTP
+"""Request tracing (pdserve/router/tracing.py): the span tree the router builds from what its
+workers report, the caller's trace continued, errors marked, and the spans reaching a real OTLP/HTTP
 receiver from a `pdserve up` cluster started with --otlp-traces-endpoint.
 
 The in-process tests run the real router app and dispatcher over scripted workers: each

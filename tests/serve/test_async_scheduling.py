@@ -1,4 +1,4 @@
-"""Async scheduling (serve/engine/overlap.py) gives the synchronous engine's outputs.
+"""Async scheduling (pdserve/serve/engine/overlap.py) gives the synchronous engine's outputs.
 
 The engine schedules and launches step N+1 before step N's tokens reach the host; on CPU the
 launched step runs on the step thread. Compared with the synchronous engine over the same
@@ -208,7 +208,7 @@ def test_a_rank_group_runs_synchronously(llama_dir) -> None:
 
 def test_decode_graphs_take_the_device_ids_of_the_step_before(llama_dir, monkeypatch) -> None:
     """Async scheduling over the decode graphs' static buffers (their eager mode on CPU,
-    serve/executor/cuda_graphs.py): the placeholders' ids reach the graph's input buffer."""
+    pdserve/serve/executor/cuda_graphs.py): the placeholders' ids reach the graph's input buffer."""
     monkeypatch.setenv("PDSERVE_CUDA_GRAPHS_ON_CPU", "1")
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "0")
     params = [params_of(o) for o in PLAIN[:5]]

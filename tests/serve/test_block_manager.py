@@ -251,8 +251,8 @@ def test_check_integrity_detects_corruption(corrupt: str) -> None:
 
 
 def test_reserved_blocks_are_held_then_claimed_whole_or_given_back() -> None:
-    """Decode follows a prefill (serve/worker/follow.py): blocks reserved before the request exists
-    count as used, go to the request that claims them as they are, or back on unreserve."""
+    """Decode follows a prefill (pdserve/serve/worker/follow.py): blocks reserved before the request
+    exists count as used, go to the request that claims them as they are, or back on unreserve."""
     bm = make_manager(num_blocks=8)
     ids = bm.reserve("r", 3)
     assert len(set(ids)) == 3 and bm.num_free_blocks == 5 and bm.num_reserved_blocks == 3

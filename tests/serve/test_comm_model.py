@@ -1,6 +1,6 @@
-"""The communication model (serve/executor/comm_model.py) against hand derivations written out here,
-and against the bytes a real TP 2 / EP 2 step hands its collectives (counted on rank 0, which
-runs in this process)."""
+"""The communication model (pdserve/serve/executor/comm_model.py) against hand derivations written
+out here, and against the bytes a real TP 2 / EP 2 step hands its collectives (counted on rank 0,
+which runs in this process)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.benchmarks.experiments.comm_table import DEEPSEEK_V3_CONFIG, LLAMA3_8B_CONFIG
-from pdserve.benchmarks.experiments.comm_table import main as comm_table_main
+from benchmarks.comm_table import DEEPSEEK_V3_CONFIG, LLAMA3_8B_CONFIG
+from benchmarks.comm_table import main as comm_table_main
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.executor.comm_model import (

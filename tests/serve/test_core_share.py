@@ -1,4 +1,4 @@
-"""Core lending (serve/cpu/core_share.py): a worker's idle flag, the borrower moving torch's
+"""Core lending (pdserve/serve/cpu/core_share.py): a worker's idle flag, the borrower moving torch's
 threads onto the lent cores and back, the worker config's checks, and `pdserve up`'s plan of
 who lends to whom. (A prefill worker that borrowed, with the same
 greedy tokens: tests/cluster/test_server_e2e.py.)"""

@@ -1,6 +1,6 @@
-"""The CPU path chosen by measurement (serve/cpu/tuning.py): the choice from stubbed timings,
-the cache's key and its distrust of a bad entry, and an engine on every path giving the same
-greedy tokens as Hugging Face."""
+"""The CPU path chosen by measurement (pdserve/serve/cpu/tuning.py): the choice from stubbed
+timings, the cache's key and its distrust of a bad entry, and an engine on every path giving the
+same greedy tokens as Hugging Face."""
 
 from __future__ import annotations
 

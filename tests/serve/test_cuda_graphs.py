@@ -1,5 +1,5 @@
-"""Decode steps through the CUDA-graph buffers (serve/executor/cuda_graphs.py) give the eager
-path's tokens.
+"""Decode steps through the CUDA-graph buffers (pdserve/serve/executor/cuda_graphs.py) give the
+eager path's tokens.
 
 On CPU nothing is captured: PDSERVE_CUDA_GRAPHS_ON_CPU=1 runs the same static buffers,
 padding and captured callable eagerly, which proves the padding and buffer logic here. The

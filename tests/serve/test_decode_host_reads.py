@@ -28,7 +28,7 @@ OPTIONS = [
 def test_a_decode_step_reads_nothing_larger_than_its_batch(llama_dir, monkeypatch,
                                                            fused: str,
                                                            async_scheduling: bool) -> None:
-    """Also with async scheduling (serve/engine/overlap.py): the step launched ahead takes
+    """Also with async scheduling (pdserve/serve/engine/overlap.py): the step launched ahead takes
     its input ids from the step before it on the device."""
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", fused)
     with LLM(llama_dir, num_kv_blocks=128, block_size=16, device="cpu",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.benchmarks.experiments import decode_warmup
+from benchmarks import decode_warmup
 
 
 def test_summary_takes_the_median_round_per_step_and_finds_where_it_settles() -> None:

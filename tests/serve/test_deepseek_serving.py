@@ -74,7 +74,7 @@ def test_disaggregated_server_moves_mla_blocks_through_the_store(make_model_dir,
         # one host: every hand-off was copied straight out of the prefill worker's segment
         assert totals("decode")["in_place_count"] == n
         # ...and, the router telling it where the prefill staged each prompt as the forward
-        # began, layer by layer while the prefill ran (serve/worker/follow.py)
+        # began, layer by layer while the prefill ran (pdserve/serve/worker/follow.py)
         assert totals("decode")["followed_count"] == n
         # a request that ends at its first token hands nothing off: the decode worker picked
         # to follow its prefill gets an abort, and its reserved blocks go back (leak check)

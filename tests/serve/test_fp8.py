@@ -238,10 +238,10 @@ def test_kv_cache_dtype_names() -> None:
 
 
 def _fp8_gemm_module():
-    """kernels/fp8_gemm.py, defined interpreted when there is no GPU."""
+    """pdserve/kernels/fp8_gemm.py, defined interpreted when there is no GPU."""
     from pdserve.kernels import get_attention_backend
 
-    get_attention_backend("triton")  # sets TRITON_INTERPRET=1 without CUDA (see kernels/)
+    get_attention_backend("triton")  # sets TRITON_INTERPRET=1 without CUDA (see pdserve/kernels/)
     from pdserve.kernels import fp8_gemm
 
     return fp8_gemm

@@ -1,7 +1,7 @@
-"""The fused decode loop (serve/cpu/fused_decode.py, kernels/csrc/decode_step.cpp) against the
-module path it replaces, bit for bit, and against Hugging Face at the edge where it stops
-applying with plain weights (kernels/cpu_linear.py skinny_max_rows sequences, then one more) and
-past that edge with AVX-512 panels (which have none)."""
+"""The fused decode loop (pdserve/serve/cpu/fused_decode.py, pdserve/kernels/csrc/decode_step.cpp)
+against the module path it replaces, bit for bit, and against Hugging Face at the edge where it
+stops applying with plain weights (pdserve/kernels/cpu_linear.py skinny_max_rows sequences, then one
+more) and past that edge with AVX-512 panels (which have none)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_fused_loop_is_bit_identical_to_the_module_path(model_dir: Path, num_seq
 def test_fused_loop_splits_long_contexts_as_the_module_path_does(
         model_dir: Path, num_threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Contexts long enough that the attention splits them into pieces and merges those
-    (kernels/csrc/paged_attention.cpp), with teams of 1-3 threads: the loop's one parallel
+    (pdserve/kernels/csrc/paged_attention.cpp), with teams of 1-3 threads: the loop's one parallel
     region splits every op as the module path's regions do, so the bits are the same."""
     lengths = [170, 61, 7]
     previous = torch.get_num_threads()

@@ -1,5 +1,5 @@
-"""A decode worker follows a prefill on its host layer by layer (serve/worker/follow.py): the
-prefill worker announces its staging as the forward stages layer 0 (Output.staging), the decode
+"""A decode worker follows a prefill on its host layer by layer (pdserve/serve/worker/follow.py):
+the prefill worker announces its staging as the forward stages layer 0 (Output.staging), the decode
 worker reserves blocks and copies each layer the staging's header counts, and the hand-off
 then only claims the blocks. The tokens are a colocated engine's; reservations, leases, pins
 and segment memory all end free; a staging freed under the copy is recomputed. The worker's
@@ -72,8 +72,8 @@ def _follow_while_prefilling(prefill: RequestGateway, decode: RequestGateway, mo
 @pytest.mark.parametrize("copy_early", [True, False], ids=["own-cores", "lending-cores"])
 def test_decode_copies_each_layer_as_the_prefill_stages_it(
         shm_handoffs, handoff_expected, monkeypatch, copy_early):
-    """A decode worker that lends its idle cores to the prefill (serve/cpu/core_share.py) copies
-    nothing while the layers come (the copies would stall the prefill's thread there), and
+    """A decode worker that lends its idle cores to the prefill (pdserve/serve/cpu/core_share.py)
+    copies nothing while the layers come (the copies would stall the prefill's thread there), and
     all of them once every one is staged."""
     prefill, decode, node = shm_handoffs
     decode.copy_early = copy_early

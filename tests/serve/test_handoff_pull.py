@@ -1,6 +1,6 @@
-"""A decode worker follows a prefill on another host layer by layer (serve/worker/follow.py,
-kvstore/layer_pull.py): with no shared memory anywhere (PDSERVE_HANDOFF_SHM=0, as between two
-hosts), the prefill announces its staging with its hand-off node's address, the decode worker
+"""A decode worker follows a prefill on another host layer by layer (pdserve/serve/worker/follow.py,
+pdserve/kvstore/layer_pull.py): with no shared memory anywhere (PDSERVE_HANDOFF_SHM=0, as between
+two hosts), the prefill announces its staging with its hand-off node's address, the decode worker
 reserves the prompt's blocks and pulls each layer from the node as it is staged, so each
 layer is in decode's blocks before the next one is computed; the hand-off then claims them.
 Tokens are a colocated engine's; reservations, leases, pins and live stagings all end free;
@@ -245,8 +245,8 @@ def test_a_prompt_decode_holds_whole_is_followed_with_nothing_to_pull(
 
 
 def test_a_prefill_on_borrowed_cores_announces_no_pull(network_handoffs, handoff_expected):
-    """A prefill on an idle decode worker's cores (serve/cpu/core_share.py) says nothing of a
-    staging decode would have to pull: the pull would take cores from its sampling and send;
+    """A prefill on an idle decode worker's cores (pdserve/serve/cpu/core_share.py) says nothing of
+    a staging decode would have to pull: the pull would take cores from its sampling and send;
     the hand-off loads the usual way."""
     prefill, decode, node = network_handoffs
     announced: list[Output] = []
@@ -264,7 +264,7 @@ def test_a_prefill_on_borrowed_cores_announces_no_pull(network_handoffs, handoff
 
 def test_a_decode_worker_lending_its_cores_pulls_only_once_the_hand_off_comes(
         network_handoffs, handoff_expected, monkeypatch):
-    """A decode worker that lends its idle cores to a prefill on its host (serve/cpu/
+    """A decode worker that lends its idle cores to a prefill on its host (pdserve/serve/cpu/
     core_share.py) reserves the blocks but asks for no layer while it lends (receiving and
     copying would stall the prefill's threads there); the hand-off resumes the pull."""
     prefill, decode, node = network_handoffs

@@ -1,4 +1,4 @@
-"""The host tier below the pool (serve/engine/kv_tiers.py): a prefix block evicted from the
+"""The host tier below the pool (pdserve/serve/engine/kv_tiers.py): a prefix block evicted from the
 pool is copied back from host DRAM instead of recomputed, with the tokens of a run that
 recomputed it; the cost rule recomputes where loading is slower; nothing leaks."""
 

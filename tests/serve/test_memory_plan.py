@@ -1,5 +1,5 @@
-"""KV pool planning (serve/executor/kv_cache.py, ModelRunner): the planner's numbers checked by
-hand on
+"""KV pool planning (pdserve/serve/executor/kv_cache.py, ModelRunner): the planner's numbers checked
+by hand on
 fake memory figures, the CPU budget and --num-kv-blocks on a real tiny model, the profiling
 step's layout, and the served max_model_len capped to what the pool holds."""
 

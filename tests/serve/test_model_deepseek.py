@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 (MLA + MoE) logits against Hugging Face transformers on tiny seeded checkpoints.
 
-The conftest-built models (serve/default_model.py) cover both query paths (V2 q_proj, V3
+The conftest-built models (pdserve/serve/default_model.py) cover both query paths (V2 q_proj, V3
 q_lora), both routers (V2 softmax group-limited, V3 sigmoid with a random
 e_score_correction_bias, group-limited), a dense first layer and MoE layers with a shared
 expert. Every test runs through ModelRunner, so the runner's MLA cache layout is what the

@@ -183,7 +183,8 @@ def test_llama_config_variants_match_hf(overrides: dict, tmp_path: Path, tokeniz
 
 
 def test_attention_metadata_of_a_mixed_step() -> None:
-    """The docstring's example in serve/executor/attention.py, value by value (block_size 4)."""
+    """The docstring's example in pdserve/serve/executor/attention.py, value by value (block_size
+    4)."""
     from pdserve.serve.executor.attention import build_attention_metadata
 
     step = StepInput([SeqChunk("A", [7] * 5, 0, [3, 8], True),

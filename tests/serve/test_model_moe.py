@@ -1,6 +1,6 @@
 """Mixtral and Qwen2-MoE logits against Hugging Face transformers on tiny seeded checkpoints.
 
-The conftest-built models (serve/default_model.py): Mixtral with 8 experts, 2 per token,
+The conftest-built models (pdserve/serve/default_model.py): Mixtral with 8 experts, 2 per token,
 renormalised, every layer MoE; Qwen2-MoE with a dense layer 0 (mlp_only_layers), then 8
 experts, 2 per token, not renormalised, and a sigmoid-gated shared expert. Every test runs
 through ModelRunner on the torch backend (the attention is Llama's, which

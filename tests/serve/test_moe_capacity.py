@@ -1,4 +1,4 @@
-"""Expert capacity (serve/models/moe.py apply_capacity): ceil(factor x tokens x top_k /
+"""Expert capacity (pdserve/serve/models/moe.py apply_capacity): ceil(factor x tokens x top_k /
 experts) assignments per expert per step, the overflow dropped and the token's other gates
 renormalised; per-expert load and drops counted and exported to /metrics.
 

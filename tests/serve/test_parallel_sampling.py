@@ -382,8 +382,8 @@ def test_llm_generate_n_and_best_of(llama_dir):
 
 
 def test_each_child_has_its_own_grammar(engines):
-    """Structured outputs: every child gets its own matcher (serve/engine/structured.py rebuilds
-    it by replaying the child's outputs), so every choice matches the grammar."""
+    """Structured outputs: every child gets its own matcher (pdserve/serve/engine/structured.py
+    rebuilds it by replaying the child's outputs), so every choice matches the grammar."""
     from pdserve.protocol.sampling import StructuredOutputs
 
     engine = engines["colocated"]

@@ -1,5 +1,5 @@
-"""Pipeline parallelism (serve/executor/pipeline.py): PP 2 and PP 2 x TP 2 against Hugging Face,
-each
+"""Pipeline parallelism (pdserve/serve/executor/pipeline.py): PP 2 and PP 2 x TP 2 against Hugging
+Face, each
 stage holding only its layers, the KV hand-off between PP and TP shapes, and the split
 arithmetic (stages, micro-batches, bubble).
 

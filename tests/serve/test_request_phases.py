@@ -9,7 +9,7 @@ import math
 import msgpack
 import pytest
 
-from pdserve.benchmarks.experiments.ttft_breakdown import (
+from benchmarks.ttft_breakdown import (
     HANDOVER_METRIC,
     PHASE_METRIC,
     analyze,

@@ -1,5 +1,5 @@
-"""MTP speculative decoding (serve/engine/spec_decode.py) on tiny DeepSeek-V3 models with an MTP
-layer: one whose MTP module reproduces the main model's next-token prediction ("mirror":
+"""MTP speculative decoding (pdserve/serve/engine/spec_decode.py) on tiny DeepSeek-V3 models with an
+MTP layer: one whose MTP module reproduces the main model's next-token prediction ("mirror":
 acceptance near 1) and one drawn at random (acceptance near 0).
 
 The reference is pdserve's own greedy decoding without speculation (itself checked against

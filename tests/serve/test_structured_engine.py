@@ -1,5 +1,5 @@
-"""serve/engine/structured.py inside the engine: grammars compiled and cached, masks applied to
-every
+"""pdserve/serve/engine/structured.py inside the engine: grammars compiled and cached, masks applied
+to every
 sampled row, the grammar's end ending the request (ignore_eos and min_tokens included), state
 rebuilt by replaying outputs (a hand-off, a fork), logprobs of the masked distribution.
 

@@ -93,8 +93,8 @@ def _shards(make, loader_calls, size: int) -> list[torch.nn.Module]:
         layer = make(TPGroup(rank, size))
         for param_name, tensor, *shard_id in loader_calls:
             param = getattr(layer, param_name)
-            # as serve/executor/loader.py does: the layer's loader, else the plain shape-checked
-            # copy
+            # as pdserve/serve/executor/loader.py does: the layer's loader, else the plain
+            # shape-checked copy
             load = getattr(param, "weight_loader", _default_weight_loader)
             load(param, tensor, *shard_id)
         layers.append(layer)

@@ -1,4 +1,4 @@
-"""A colocated worker over the whole hierarchy (serve/engine/kv_tiers.py): pool -> its host
+"""A colocated worker over the whole hierarchy (pdserve/serve/engine/kv_tiers.py): pool -> its host
 DRAM -> the fleet store's DRAM -> the store's disk. A conversation pushed out of the pool and
 out of a two-block host tier comes back from the store, from DRAM or from disk, with the
 tokens of a run that recomputed it; nothing is left pinned or held. Real Worker loop and

@@ -1,8 +1,8 @@
 """The children `pdserve up` starts, each an ordinary `pdserve <role>` command line built
 from the launcher's flags: the store, the workers, then the router that knows them all.
 
-The flags a pool of workers shares (serve/worker/args.py) and the router's own groups
-(router/server.py) pass through unchanged; what differs per worker (its port, its share of
+The flags a pool of workers shares (pdserve/serve/worker/args.py) and the router's own groups
+(pdserve/router/server.py) pass through unchanged; what differs per worker (its port, its share of
 the GPUs or cores) comes from placement.py.
 """
 

@@ -12,7 +12,7 @@ gets --gpu-memory-utilization divided by the number of workers on its busiest GP
 On a CPU host every worker rank gets cores of its own and as many threads (a prefill burst
 never steals a decode step's core); the router and store get a core of their own where
 there are more than 4, else share the cores of the workers that stream tokens. Idle decode
-and prefill workers lend each other their cores (serve/cpu/core_share.py).
+and prefill workers lend each other their cores (pdserve/serve/cpu/core_share.py).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _pin(args: argparse.Namespace, slots: list[WorkerSlot], cores: list[int]
 
 def lend_idle_cores(slots: list[WorkerSlot], worker_cores: list[list[int] | None],
                     run_dir: Path) -> tuple[dict[int, list[str]], dict[int, list[int]]]:
-    """Core lending (serve/cpu/core_share.py): decode worker j lends its cores to one-rank
+    """Core lending (pdserve/serve/cpu/core_share.py): decode worker j lends its cores to one-rank
     prefill worker j mod (their number) while it holds no request; and where that pair is
     one to one (the prefill borrows from no other decode worker) and the decode worker is
     one rank too, the prefill worker lends its cores back while it holds no request. Only

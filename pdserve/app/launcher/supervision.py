@@ -174,7 +174,7 @@ class RoleKeepsFailing(RuntimeError):
 
 class Supervisor:
     """Restarts dead children by `policy`, counting restarts in a JSON file the router
-    exports (router/metrics.py SupervisorCollector)."""
+    exports (pdserve/router/metrics.py SupervisorCollector)."""
 
     def __init__(self, cluster: Cluster, policy: RestartPolicy, state_path: Path,
                  say: Callable[[str], None],

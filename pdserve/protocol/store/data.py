@@ -3,7 +3,7 @@
     hello bye put get get_layers exists evict prefetch pin renew release node_info
     (and base.py's stats check lookup_prefix, which the master answers too)
 
-A data server holds blocks in its tiers (a hand-off node, kvstore/handoff_node.py, is one
+A data server holds blocks in its tiers (a hand-off node, pdserve/kvstore/handoff_node.py, is one
 inside a worker). A client on the node's host may read the blocks that lie in the node's
 shared memory segment in place (ShmSegment, ShmSpan).
 """
@@ -36,7 +36,7 @@ MAX_LAYER_WAIT_S = 1.0
 # ---- data server: session ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class ShmSegment:
-    """A data node's shared memory segment (kvstore/shm_segment.py), as a client on the same
+    """A data node's shared memory segment (pdserve/kvstore/shm_segment.py), as a client on the same
     host opens it: /proc/<pid>/fd/<fd>, which must be inode `inode` of `size` bytes."""
 
     host: str

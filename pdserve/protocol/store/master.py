@@ -4,7 +4,7 @@ lease groups.
     join heartbeat leave update nodes place locate lease_group take_lease_group
     (and base.py's stats check lookup_prefix, which data servers answer too)
 
-The master's `place` and `locate` spread blocks over the data nodes (kvstore/master.py): a
+The master's `place` and `locate` spread blocks over the data nodes (pdserve/kvstore/master.py): a
 client asks where to write new blocks, writes them to those nodes' data servers, and asks
 where to read them from; the data nodes' own reports (`update`) keep the index.
 """

@@ -1,1 +1,0 @@
-"""pdserve.benchmarks.experiments.kernels"""

@@ -1,0 +1,114 @@
+"""pdserve's CPU kernels (pdserve/kernels/csrc/*.cpp): one C++ extension, compiled once per machine.
+
+    paged_last_token_attention   decode attention reading the paged cache in place
+                                 (pdserve/kernels/cpu_attention.py wraps it as a backend op)
+    add_rms_norm, silu_and_mul,  the small per-layer ops of a decoder block, each one call
+    rotary_neox_, write_kv_cache   instead of several torch dispatches (fp32)
+    skinny_linear                x W^T for the few rows of a decode step, streaming W from
+                                 memory at close to its read speed
+                                 (pdserve/serve/executor/parallel.py)
+    panel_linear                 x W^T from W packed in panels (fp32, bf16 or fp16; AVX-512)
+    amx_panel_linear             x W^T for many rows from bf16 panels on AMX (fp32 results)
+    DecodeLoop                   a Llama-family decode step's whole layer loop in one call,
+                                 the ops above in the module path's order
+                                 (pdserve/serve/cpu/fused_decode.py),
+                                 in one parallel region where every product has panels
+    pin_openmp_threads           torch's OpenMP thread i on core i of a list
+    (pdserve/serve/cpu/core_share.py)
+
+Built with torch's C++ extension builder (gcc and ninja; -O3 -march=native, OpenMP through
+torch's own runtime) into torch's extension cache (TORCH_EXTENSIONS_DIR), under a name that
+carries a hash of the sources and flags: a process whose library is already built imports it
+directly (milliseconds, no lock, no compiler). A missing library is built in a child process
+with a time limit (the first build takes one to three minutes on 2 cores), so neither a slow
+nor a killed build can hang a worker: torch's builder waits without limit on a lock file that
+a killed builder leaves behind, and such a lock, once older than the time limit, is removed.
+`load()` returns None, with one warning, where the library cannot be had (no compiler, no
+ninja, a build past its limit); every caller then keeps its plain-torch path, which is also the
+reference the tests compare these kernels with.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
+           "skinny_gemm.cpp", "amx_gemm.cpp", "decode_step.cpp", "threads.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+BUILD_TIMEOUT_S = 900.0
+
+
+def library_name() -> str:
+    """pdserve_cpu_ops_<hash of the sources, their list, header, flags and torch version>."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(SOURCES + CFLAGS + LDFLAGS).encode())  # what is compiled, and how
+    return f"pdserve_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+def _build_directory(name: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def _build(name: str, directory: Path) -> None:
+    """Compile in a child process, within BUILD_TIMEOUT_S (RuntimeError past it or on a
+    compiler error)."""
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > BUILD_TIMEOUT_S:
+        logger.warning("removing a stale build lock left by a killed build: %s", lock)
+        lock.unlink(missing_ok=True)
+    logger.warning("building pdserve's CPU kernels once for this machine (a minute or two)")
+    script = ("import sys; from torch.utils.cpp_extension import load; "
+              "load(name=sys.argv[1], sources=sys.argv[2].split(','), "
+              "extra_include_paths=[sys.argv[3]], extra_cflags=sys.argv[4].split(','), "
+              "extra_ldflags=sys.argv[5].split(','), verbose=False)")
+    command = [sys.executable, "-c", script, name, ",".join(str(CSRC / s) for s in SOURCES),
+               str(CSRC), ",".join(CFLAGS), ",".join(LDFLAGS)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        lock.unlink(missing_ok=True)  # the builder we started is gone: its lock is stale
+        raise RuntimeError(f"the build took longer than {BUILD_TIMEOUT_S:.0f} s") from None
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise RuntimeError(lines[-1][:300] if lines else f"exit code {done.returncode}")
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled extension, or None (logged once) where it cannot be had."""
+    try:
+        name = library_name()
+        directory = _build_directory(name)
+        library = directory / f"{name}.so"
+        if not library.exists():
+            _build(name, directory)
+        spec = importlib.util.spec_from_file_location(name, library)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {library}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path stays
+        first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
+        logger.warning("pdserve's CPU kernels are unavailable (%s: %s); the plain-torch "
+                       "paths run instead", type(exc).__name__, first_line)
+        return None

@@ -1,0 +1,291 @@
+"""Goodput of a prefill:decode split, estimated from measured step times (DistServe, §4).
+
+Two step-latency models, fitted by non-negative least squares to the workers' step samples:
+
+    prefill step   t = a + b·N + c·A      N: prompt tokens computed, A: Σ q_len·k_len
+    decode step    t = a + b·C + c·B      C: context tokens read, B: sequences in the batch
+
+For one fresh prompt of L tokens A = L², which is DistServe's a + b·L + c·L²; with a cached
+prefix or a batch of prompts, A counts each sequence's attention work on its own.
+
+`estimate_goodput` replays a workload (the lengths of recently finished requests) through a
+small discrete-event simulation of P prefill and D decode workers driven by those models:
+
+    Poisson arrivals ─► least-work prefill worker: FCFS batches up to a token budget
+                     ─► (+ measured TTFT overhead: first token out; + KV load time)
+                     ─► decode worker, round robin: continuous batching
+
+and finds the highest arrival rate at which at least `attainment` of requests meet both SLOs
+(TTFT and TPOT). Arrivals are one fixed sequence of unit-rate gaps scaled by 1/rate (common
+random numbers), so every split and every rate sees the same requests in the same order.
+Everything here is plain numbers: no sockets, no clocks, no randomness beyond `seed`.
+
+The offline planner (pdserve/planner/search.py, `pdserve plan`) runs this same simulation on models
+read from a latency profile (pdserve/planner/latency_profile.py), one per phase and TP degree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class LinearLatency:
+    """t = intercept + Σ coef_i · feature_i, every term >= 0."""
+
+    intercept: float
+    coefs: tuple[float, ...]
+    num_samples: int
+    rel_error: float
+    """Mean absolute error of the fit over the samples, relative to their mean time."""
+
+    def __call__(self, *features: float) -> float:
+        return self.intercept + sum(c * f for c, f in zip(self.coefs, features, strict=True))
+
+
+def fit_nonnegative(features: Sequence[Sequence[float]], seconds: Sequence[float]
+                    ) -> LinearLatency | None:
+    """Least squares of seconds on [1, features...] with every coefficient >= 0.
+
+    With three columns, exact NNLS is cheap: solve each subset of columns, keep the
+    solutions with no negative coefficient, take the one with the smallest residual. A
+    negative fitted cost would make a bigger batch look faster, which the simulation could
+    then exploit. Returns None with fewer than MIN_SAMPLES samples."""
+    y = np.asarray(seconds, dtype=np.float64)
+    if len(y) < MIN_SAMPLES:
+        return None
+    x = np.column_stack([np.ones(len(y)), np.asarray(features, dtype=np.float64)])
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # conditioning: N^2 dwarfs 1
+    xs = x / scale
+    best: tuple[float, np.ndarray] | None = None
+    columns = range(x.shape[1])
+    for size in range(1, x.shape[1] + 1):
+        for subset in itertools.combinations(columns, size):
+            solution, *_ = np.linalg.lstsq(xs[:, subset], y, rcond=None)
+            if (solution < 0).any():
+                continue
+            residual = float(np.sum((xs[:, subset] @ solution - y) ** 2))
+            if best is None or residual < best[0] - 1e-15:
+                full = np.zeros(x.shape[1])
+                full[list(subset)] = solution
+                best = (residual, full)
+    if best is None:  # every subset went negative: only possible if all times are <= 0
+        return None
+    coefs = best[1] / scale
+    mean_abs = float(np.mean(np.abs(x @ coefs - y)))
+    return LinearLatency(float(coefs[0]), tuple(float(c) for c in coefs[1:]), len(y),
+                         mean_abs / max(float(np.mean(y)), 1e-12))
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """One request of the workload, as the router saw it finish."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    ttft_slo_s: float
+    tpot_slo_s: float
+    attainment: float = 0.9
+    """Fraction of requests that must meet both SLOs (DistServe's 90%)."""
+    max_batched_tokens: int = 2048
+    """A prefill worker's token budget per step (the engine's max_num_batched_tokens)."""
+    max_num_seqs: int = 64
+    """A decode worker's batch limit (the engine's max_num_seqs)."""
+    handoff_s: float = 0.0
+    """Time from a prompt's end on prefill to its first decode step (the KV transfer's
+    fixed part)."""
+    kv_transfer_s_per_token: float = 0.0
+    """The KV transfer's part that grows with the prompt: KV bytes per token over the
+    transfer rate between the pools (a latency profile's kv_transfer_bytes_per_s)."""
+    ttft_overhead_s: float = 0.0
+    """Time from a prompt's last step to its first token at the client (the hand-off's save
+    tail, the router, HTTP); the hand-off reaches decode as late."""
+    num_requests: int = 256
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PhaseModels:
+    prefill: LinearLatency  # features (N, A)
+    decode: LinearLatency  # features (C, B)
+
+
+def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, num_decode: int,
+             models: PhaseModels, config: SimulationConfig) -> list[tuple[float, float]]:
+    """(TTFT, TPOT) of each of config.num_requests requests arriving at `rate` per second."""
+    rng = random.Random(config.seed)
+    gaps = [rng.expovariate(1.0) for _ in range(config.num_requests)]
+    shapes = [workload[rng.randrange(len(workload))] for _ in range(config.num_requests)]
+    arrivals = list(itertools.accumulate(g / rate for g in gaps))
+    prompt_done = _simulate_prefill(arrivals, shapes, num_prefill, models.prefill, config)
+    first_token_at = [t + config.ttft_overhead_s for t in prompt_done]
+    finish_at = _simulate_decode(first_token_at, shapes, num_decode, models.decode, config)
+    results = []
+    for arrival, first, finish, shape in zip(arrivals, first_token_at, finish_at, shapes,
+                                             strict=True):
+        decoded = shape.output_tokens - 1
+        results.append((first - arrival, (finish - first) / decoded if decoded > 0 else 0.0))
+    return results
+
+
+def ttft_overhead_s(prefill: LinearLatency,
+                    observed: Sequence[tuple[RequestShape, float]]) -> float:
+    """What requests' measured TTFTs add to their modelled prefill time, taken at the 10th
+    percentile: the least-queued requests show the fixed part (save tail, router, HTTP)
+    rather than the queueing that the simulation models itself."""
+    if not observed:
+        return 0.0
+    residuals = [ttft - prefill(*_prefill_cost(shape)) for shape, ttft in observed]
+    return max(0.0, float(np.quantile(residuals, 0.1)))
+
+
+def _prefill_cost(shape: RequestShape) -> tuple[int, int]:
+    """(N, A) of a request's whole prompt: the tokens past the cached prefix, attending to
+    themselves and the prefix."""
+    new = max(shape.prompt_tokens - shape.cached_tokens, 1)
+    return new, new * shape.prompt_tokens
+
+
+def _simulate_prefill(arrivals: list[float], shapes: Sequence[RequestShape], num_workers: int,
+                      model: LinearLatency, config: SimulationConfig) -> list[float]:
+    """When each request's first token is out. A request goes to the worker expected to be
+    free first; each worker runs FCFS batches of the requests that have arrived, up to the
+    token budget (a longer prompt runs alone, in budget-sized chunks)."""
+    expected_free = [0.0] * num_workers
+    assigned: list[list[int]] = [[] for _ in range(num_workers)]
+    for i, arrival in enumerate(arrivals):
+        w = min(range(num_workers), key=lambda k: expected_free[k])
+        expected_free[w] = max(expected_free[w], arrival) + model(*_prefill_cost(shapes[i]))
+        assigned[w].append(i)
+    done = [0.0] * len(arrivals)
+    budget = config.max_batched_tokens
+    for queue in assigned:
+        now, head = 0.0, 0
+        while head < len(queue):
+            now = max(now, arrivals[queue[head]])
+            tokens = attention = 0
+            batch: list[int] = []
+            while head < len(queue) and arrivals[queue[head]] <= now:
+                n, a = _prefill_cost(shapes[queue[head]])
+                if batch and tokens + n > budget:
+                    break
+                batch.append(queue[head])
+                tokens, attention, head = tokens + n, attention + a, head + 1
+            if tokens <= budget:
+                now += model(tokens, attention)
+            else:  # one long prompt, chunked: each chunk attends to everything before it
+                chunks = math.ceil(tokens / budget)
+                now += chunks * model(tokens / chunks, attention / chunks)
+            for i in batch:
+                done[i] = now
+    return done
+
+
+def _simulate_decode(starts: list[float], shapes: Sequence[RequestShape], num_workers: int,
+                     model: LinearLatency, config: SimulationConfig) -> list[float]:
+    """When each request's last token is out. Requests reach the decode workers in
+    first-token order, round robin, each once its KV is there; each worker steps its whole
+    running batch, one token per sequence per step, and admits arrivals between steps."""
+    order = sorted(range(len(starts)), key=lambda i: starts[i])
+    ready = [start + config.handoff_s + config.kv_transfer_s_per_token * shape.prompt_tokens
+             for start, shape in zip(starts, shapes, strict=True)]
+    finish = list(starts)  # single-token requests end with their first token
+    for w in range(num_workers):
+        mine = sorted((i for i in order[w::num_workers] if shapes[i].output_tokens > 1),
+                      key=lambda i: ready[i])
+        ends = _decode_worker([ready[i] for i in mine],
+                              [shapes[i] for i in mine], model, config.max_num_seqs)
+        for i, end in zip(mine, ends, strict=True):
+            finish[i] = end
+    return finish
+
+
+def _decode_worker(ready_at: list[float], shapes: Sequence[RequestShape],
+                   model: LinearLatency, max_num_seqs: int) -> list[float]:
+    """One decode worker, event to event: between two events (an arrival joining, a request
+    finishing) the batch is fixed, so k steps take k·(a + c·B + b·C0) + b·B·k(k-1)/2 (each
+    step reads B more context tokens) and the simulation jumps over them in one go."""
+    a, (b, c) = model.intercept, model.coefs
+    finish = [0.0] * len(ready_at)
+    now, nxt = 0.0, 0
+    running: list[list[int]] = []  # [index, tokens left to generate, context length]
+    while nxt < len(ready_at) or running:
+        if not running:
+            now = max(now, ready_at[nxt])
+        while nxt < len(ready_at) and ready_at[nxt] <= now and len(running) < max_num_seqs:
+            s = shapes[nxt]
+            running.append([nxt, s.output_tokens - 1, s.prompt_tokens + 1])
+            nxt += 1
+        batch = len(running)
+        context = sum(r[2] for r in running)
+        per_step = a + c * batch + b * context
+
+        def elapsed(k: int, per_step=per_step, batch=batch) -> float:
+            return k * per_step + b * batch * k * (k - 1) / 2
+
+        steps = min(r[1] for r in running)
+        if nxt < len(ready_at) and len(running) < max_num_seqs:
+            # Stop at the first step boundary at or after the next arrival (it joins there).
+            wait = ready_at[nxt] - now
+            if elapsed(steps) > wait:
+                steps = max(1, bisect.bisect_left(range(steps + 1), wait, key=elapsed))
+        now += elapsed(steps)
+        for r in running:
+            r[1] -= steps
+            r[2] += steps
+            if r[1] == 0:
+                finish[r[0]] = now
+        running = [r for r in running if r[1] > 0]
+    return finish
+
+
+def attainment(results: Sequence[tuple[float, float]], config: SimulationConfig) -> float:
+    ok = sum(1 for ttft, tpot in results
+             if ttft <= config.ttft_slo_s and tpot <= config.tpot_slo_s)
+    return ok / max(len(results), 1)
+
+
+def estimate_goodput(workload: Sequence[RequestShape], num_prefill: int, num_decode: int,
+                     models: PhaseModels, config: SimulationConfig,
+                     max_rate: float = 1e5) -> float:
+    """The highest arrival rate (req/s) at which the split meets the attainment target; 0 if
+    it misses it even with requests arriving alone."""
+
+    def meets(rate: float) -> bool:
+        results = simulate(workload, rate, num_prefill, num_decode, models, config)
+        return attainment(results, config) >= config.attainment
+
+    low = 1e-3
+    if not meets(low):
+        return 0.0
+    high = low * 2
+    while high < max_rate and meets(high):
+        low, high = high, high * 2
+    if high >= max_rate:
+        return max_rate
+    for _ in range(12):  # to within 2^-12 of the bracket, on a log scale
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if meets(mid) else (low, mid)
+    return low
+
+
+def goodput_by_split(workload: Sequence[RequestShape], num_workers: int, models: PhaseModels,
+                     config: SimulationConfig) -> dict[int, float]:
+    """Estimated goodput for each split of num_workers into P >= 1 prefill and D >= 1 decode
+    workers, keyed by P."""
+    return {p: estimate_goodput(workload, p, num_workers - p, models, config)
+            for p in range(1, num_workers)}

@@ -1,0 +1,410 @@
+"""The CPU path a worker serves with, chosen by measuring every candidate on the machine at hand.
+
+Which product kernel is fastest depends on the machine, not on a rule: pdserve's panels stream
+the weights past the cache, which pays where the weights do not fit in it and costs several
+times over where a huge L3 holds them; the fused decode loop saves Python per layer, which
+matters more on a fast core than a slow one. So on its first start a CPU worker times each
+candidate path (pdserve/serve/executor/ops.py CpuPath: the weights' packed layout x the fused loop x
+AMX) on its own model, threads and pinning, over a few steps it will serve:
+
+    decode 1, 8 and 32 sequences of 256 tokens (capped by max_num_seqs and max_model_len)
+    one prompt of 256 tokens
+
+and takes the path whose worst point is closest to that point's best (the smallest largest
+ratio): no point is much slower than it could be. Besides the paths as measured, it weighs each
+packed layout split by rows (CpuPath.plain_rows): decode steps of at most T sequences on the
+plain weights, the rest on the packed copy, whose times at each point are the two measured
+paths' (a step runs exactly one of them); the plain weights are kept anyway, so a split costs no
+memory. The choice and its times are cached in a
+JSON file beside the kernel library, keyed by what decides them (CPU model and flags, cores,
+cache sizes, torch version, the kernel library, the model's products and dtype); a later start
+with the same key reads it back. An entry that does not parse, or whose key differs, is
+measured again, never trusted.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pdserve.protocol.tp import SeqChunk, StepInput
+from pdserve.serve.config import SchedulerConfig
+from pdserve.serve.executor import ops
+
+if TYPE_CHECKING:
+    from pdserve.serve.executor.rank import Rank
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+DECODE_BATCHES = (1, 8, 32)
+CONTEXT_LEN = 256
+PREFILL_LEN = 256
+NUM_WARMUP = 2
+NUM_TIMED = 5
+
+
+@dataclass(frozen=True)
+class Point:
+    """One step shape timed for every path: `num_seqs` sequences of `context_len` tokens
+    decoding one token each, or (num_seqs 0) one prompt of `context_len` tokens."""
+
+    num_seqs: int
+    context_len: int
+
+    @property
+    def label(self) -> str:
+        if self.num_seqs == 0:
+            return f"prefill {self.context_len}"
+        return f"decode {self.num_seqs}x{self.context_len}"
+
+
+@dataclass
+class Tuning:
+    """What a worker chose, from what (seconds per point per path label), and how."""
+
+    chosen: ops.CpuPath
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per path label, seconds per point: the measured paths, then the splits composed of
+    them."""
+    source: str = "default"
+    """"measured", "cached" (read back from cache_file) or "default" (nothing to choose)."""
+    cache_file: str = ""
+    paths: dict[str, ops.CpuPath] = field(default_factory=dict)
+    """The path of each label in `seconds`."""
+    num_measured: int = 0
+    """The first this many labels of `seconds` were measured; the rest are splits of them."""
+
+    def summary(self) -> str:
+        """One line: the choice, why (its times against the runner-up's), and the source."""
+        if not self.seconds:
+            return f"cpu path {self.chosen.label} ({self.source})"
+        mine = self.seconds[self.chosen.label]
+        parts = [f"{point} {mine[point] * 1e3:.2f} ms" for point in mine]
+        others = sorted((label for label in self.seconds if label != self.chosen.label),
+                        key=lambda label: worst_ratio(self.seconds, label))
+        runner_up = ""
+        if others:
+            ratio = worst_ratio(self.seconds, others[0])
+            runner_up = f"; next best {others[0]} is up to {ratio:.2f}x its points' best"
+        where = f" {self.cache_file}" if self.source == "cached" else ""
+        return (f"cpu path {self.chosen.label}: {', '.join(parts)}{runner_up} "
+                f"({self.source}{where})")
+
+    def as_status(self) -> dict[str, str]:
+        """What /status shows: the choice, its source and every path's times in ms."""
+        status = {"path": self.chosen.label, "source": self.source}
+        for label, times in self.seconds.items():
+            status[label] = ", ".join(f"{p} {s * 1e3:.3f}" for p, s in times.items())
+        return status
+
+
+def worst_ratio(seconds: dict[str, dict[str, float]], label: str) -> float:
+    """The path's largest ratio, over the points, of its time to the point's best time."""
+    times = seconds[label]
+    return max(t / min(other[point] for other in seconds.values()) for point, t in times.items())
+
+
+def choose(seconds: dict[str, dict[str, float]]) -> str:
+    """The label of the path whose worst point is nearest its best (ties: the first)."""
+    if not seconds:
+        raise ValueError("nothing was measured")
+    points = set(next(iter(seconds.values())))
+    if any(set(times) != points for times in seconds.values()):
+        raise ValueError("every path must be timed at the same points")
+    return min(seconds, key=lambda label: worst_ratio(seconds, label))
+
+
+def split_paths(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
+                step_points: Sequence[Point]) -> dict[str, tuple[ops.CpuPath, dict[str, float]]]:
+    """Every packed path split by rows at each decode point's batch: its times composed from
+    the packed path's and the plain one's (same fused loop), as a step of either runs."""
+    by_label = {p.label: p for p in candidates}
+    splits = {}
+    for packed in candidates:
+        plain = ops.CpuPath("none", packed.fused_decode, False)
+        if packed.prepack == "none" or plain.label not in measured:
+            continue
+        for rows in sorted({p.num_seqs for p in step_points if p.num_seqs})[:-1]:
+            split = ops.CpuPath(packed.prepack, packed.fused_decode, packed.amx, rows)
+            times = {point.label: measured[(plain if 0 < point.num_seqs <= rows
+                                            else packed).label][point.label]
+                     for point in step_points}
+            splits[split.label] = (split, times)
+    assert not set(splits) & set(by_label)
+    return splits
+
+
+def options(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
+            step_points: Sequence[Point]) -> dict[str, tuple[ops.CpuPath, dict[str, float]]]:
+    """What the choice is among: every measured path, then every split of them (ties go to
+    the measured, in candidate order)."""
+    return {**{p.label: (p, measured[p.label]) for p in candidates},
+            **split_paths(measured, candidates, step_points)}
+
+
+def decide(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
+           step_points: Sequence[Point], source: str, cache_file: Path) -> Tuning:
+    """The choice among the measured paths and their splits."""
+    choices = options(measured, candidates, step_points)
+    seconds = {label: times for label, (_, times) in choices.items()}
+    return Tuning(choices[choose(seconds)][0], seconds, source, str(cache_file),
+                  {label: path for label, (path, _) in choices.items()}, len(measured))
+
+
+def candidate_paths(has_panels: bool, has_amx: bool, has_fused: bool) -> list[ops.CpuPath]:
+    """Every path this machine and model can run that the environment's switches allow."""
+    prepacks = (["panels"] if has_panels else []) + ["onednn", "none"]
+    paths = [ops.CpuPath(prepack, fused, amx)
+             for prepack in prepacks
+             for fused in ((True, False) if has_fused else (False,))
+             for amx in ((True, False) if has_amx and prepack == "panels" else (False,))]
+    return [p for p in paths if p.allowed_by_environment()]
+
+
+# ---- the cache -------------------------------------------------------------------------------
+
+
+def machine_facts() -> dict[str, Any]:
+    """What decides the fastest path besides the model: the CPU (model name and flags), the
+    cores this process may use and its threads, the caches, torch and the kernel library."""
+    cpuinfo = _cpuinfo()
+    from pdserve.kernels import cpu_ops
+
+    return {
+        "cpu_model": cpuinfo.get("model name", "unknown"),
+        "cpu_flags": " ".join(sorted(cpuinfo.get("flags", "").split())),
+        "cores": len(os.sched_getaffinity(0)),
+        "threads": torch.get_num_threads(),
+        "caches": cache_sizes(),
+        "torch": torch.__version__,
+        "kernel_library": cpu_ops.library_name(),
+    }
+
+
+def _cpuinfo() -> dict[str, str]:
+    facts: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return facts
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if not name.strip():
+            break  # the first processor's block is enough
+        facts.setdefault(name.strip(), value.strip())
+    return facts
+
+
+def cache_sizes() -> dict[str, str]:
+    """{"L1d": "48K", "L2": "2048K", "L3": "491520K", ...} as the kernel reports cpu0's."""
+    sizes = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        suffix = {"Data": "d", "Instruction": "i"}.get(kind, "")
+        sizes[f"L{level}{suffix}"] = size
+    return sizes
+
+
+def model_facts(model: nn.Module) -> dict[str, Any]:
+    """The model's products (their [out, in] shapes and dtypes, counted) and its layer count:
+    what the paths are timed on."""
+    from pdserve.serve.executor.parallel import ParallelLMHead, PrepackedLinear
+
+    products: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, PrepackedLinear | ParallelLMHead):
+            weight = module.weight
+            key = f"{tuple(weight.shape)} {str(weight.dtype).removeprefix('torch.')}"
+            products[key] = products.get(key, 0) + 1
+    return {"products": dict(sorted(products.items())),
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def cache_key(facts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_directory() -> Path:
+    """Beside the kernel library: torch's extension cache (TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("pdserve_cpu_tuning", verbose=False))
+
+
+def read_cached(path: Path, facts: dict[str, Any], candidates: Sequence[ops.CpuPath],
+                step_points: Sequence[Point]) -> Tuning | None:
+    """The tuning saved at `path` for exactly these facts, or None (missing, unreadable,
+    another version or key, or a choice that is no longer a candidate)."""
+    try:
+        entry = json.loads(path.read_text())
+        if entry["version"] != CACHE_VERSION or entry["facts"] != facts:
+            return None
+        labels = [p.label for p in candidates]
+        saved = entry["seconds"]
+        if set(saved) != set(labels):
+            return None
+        # in candidate order, as measured: ties go to the same path
+        measured = {label: {str(point): float(s) for point, s in saved[label].items()}
+                    for label in labels}
+        tuning = decide(measured, candidates, step_points, "cached", path)
+        return tuning if tuning.chosen.label == entry["chosen"] else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def write_cached(path: Path, facts: dict[str, Any], tuning: Tuning,
+                 measured: dict[str, dict[str, float]]) -> None:
+    """Write atomically (a reader never sees half a file); a failure only costs a re-measure."""
+    entry = {"version": CACHE_VERSION, "facts": facts, "chosen": tuning.chosen.label,
+             "seconds": measured}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(entry, indent=1, sort_keys=True))
+        scratch.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the cpu path choice at %s: %s", path, exc)
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+
+def points(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> list[Point]:
+    context = min(CONTEXT_LEN, max_model_len)
+    decode = [Point(n, context) for n in DECODE_BATCHES if n <= max(1, max_num_seqs)]
+    return decode + [Point(0, min(PREFILL_LEN, max_model_len, max_num_batched_tokens))]
+
+
+def point_step(point: Point, block_size: int, vocab_size: int) -> StepInput:
+    """The step of a point, its blocks numbered from 0 in a scratch pool."""
+    blocks_per_seq = -(-point.context_len // block_size)
+    if point.num_seqs == 0:
+        token_ids = [t % vocab_size for t in range(point.context_len)]
+        return StepInput([SeqChunk("tune-prefill", token_ids, 0,
+                                   list(range(blocks_per_seq)), True)])
+    return StepInput([
+        SeqChunk(f"tune-{i}", [(7 * i + 3) % vocab_size], point.context_len - 1,
+                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True)
+        for i in range(point.num_seqs)])
+
+
+def time_step(run: Callable[[], object]) -> float:
+    """The median of NUM_TIMED calls after NUM_WARMUP (seconds)."""
+    for _ in range(NUM_WARMUP):
+        run()
+    samples = []
+    for _ in range(NUM_TIMED):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def apply(model: nn.Module, chosen: ops.CpuPath) -> None:
+    """Run `chosen` from now on: the ops chosen again, every weight packed again, the fused
+    decode loop built again."""
+    from pdserve.serve.executor.parallel import ParallelLMHead, PrepackedLinear
+
+    ops.use_path(chosen)
+    for module in model.modules():
+        if isinstance(module, PrepackedLinear | ParallelLMHead):
+            module.repack()
+    rebuild = getattr(model, "rebuild_fused_decode", None)
+    if rebuild is not None:
+        rebuild()
+
+
+Progress = Callable[[int, int, str], None]
+"""(points timed so far, points in all, what was just timed)"""
+
+
+def measure(model: nn.Module, paths: Sequence[ops.CpuPath], run_point: Callable[[Point], float],
+            step_points: Sequence[Point], progress: Progress | None = None
+            ) -> dict[str, dict[str, float]]:
+    """Seconds per point for each path (the model left on the last path measured)."""
+    seconds: dict[str, dict[str, float]] = {}
+    total = len(paths) * len(step_points)
+    for candidate in paths:
+        apply(model, candidate)
+        seconds[candidate.label] = {}
+        for point in step_points:
+            seconds[candidate.label][point.label] = run_point(point)
+            if progress is not None:
+                progress(sum(map(len, seconds.values())), total,
+                         f"{candidate.label} {point.label}")
+    return seconds
+
+
+def tune(model: nn.Module, run_point: Callable[[Point], float], step_points: Sequence[Point],
+         has_panels: bool, has_amx: bool, has_fused: bool, use_cache: bool = True,
+         progress: Progress | None = None) -> Tuning:
+    """Choose the CPU path for `model` (cached, or measured and cached) and apply it."""
+    candidates = candidate_paths(has_panels, has_amx, has_fused)
+    if len(candidates) <= 1:
+        chosen = candidates[0] if candidates else ops.CpuPath("none", False, False)
+        apply(model, chosen)
+        return Tuning(chosen, source="default")
+    facts = {**machine_facts(), **model_facts(model),
+             "points": [p.label for p in step_points],
+             "candidates": [p.label for p in candidates]}
+    path = cache_directory() / f"{cache_key(facts)}.json"
+    tuning = read_cached(path, facts, candidates, step_points) if use_cache else None
+    if tuning is None:
+        measured = measure(model, candidates, run_point, step_points, progress)
+        tuning = decide(measured, candidates, step_points, "measured", path)
+        write_cached(path, facts, tuning, measured)
+    apply(model, tuning.chosen)
+    return tuning
+
+
+def tune_rank(rank: Rank, scheduler_config: SchedulerConfig, use_cache: bool = True,
+              progress: Progress | None = None) -> Tuning:
+    """Choose and apply the CPU path of a one-rank CPU worker, timing its own model's steps
+    on a scratch pool (the served pool is untouched)."""
+    from pdserve.kernels import cpu_linear
+
+    model = rank.model
+    step_points = points(scheduler_config.max_num_seqs, rank.spec.max_model_len,
+                         scheduler_config.max_num_batched_tokens)
+    steps = {p: point_step(p, rank.block_size, rank.spec.vocab_size) for p in step_points}
+
+    @functools.cache
+    def scratch_caches() -> list[torch.Tensor]:
+        """The scratch pool (zeroed, as every pool is), made at the first point timed: a
+        cached choice times nothing."""
+        num_blocks = max(sum(len(c.block_table) for c in s.chunks) for s in steps.values())
+        return rank.new_pool(num_blocks).kv_caches
+
+    @torch.inference_mode()
+    def run_point(point: Point) -> float:
+        return time_step(lambda: rank.forward(steps[point], scratch_caches()))
+
+    kernels = ops.cpu_kernels() is not None
+    has_panels = kernels and cpu_linear.panel_width() > 0
+    # what the model can take: the fused loop (built on a path that has it) and AMX (only
+    # bf16 panels go to AMX: a half-precision checkpoint's weights)
+    apply(model, ops.CpuPath("panels" if has_panels else "onednn", True, False))
+    has_fused = kernels and getattr(model, "fused_decode", lambda: None)() is not None
+    first = next((m for m in model.modules() if hasattr(m, "repack")), None)
+    has_amx = (has_panels and first is not None and cpu_linear.amx_min_rows() != float("inf")
+               and cpu_linear.panel_dtype(first.weight) == torch.bfloat16)
+    return tune(model, run_point, step_points, has_panels, has_amx, has_fused, use_cache,
+                progress)
