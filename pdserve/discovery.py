@@ -148,6 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="etcd+https: the client certificate's private key")
     parser.add_argument("--discovery-password-file", default=None, metavar="PATH",
                         help="the password of the discovery URL's USER, read from this file")
+    parser.add_argument("--discovery-allow-plaintext-password", action="store_true",
+                        help="send the USER's password to plain-HTTP etcd members (etcd://USER@"
+                             "...), in clear on the wire; without it such a URL is refused")
     parser.add_argument("--discovery-ttl-s", type=float, default=DEFAULT_TTL_S,
                         help="registry lease TTL: a process that dies leaves the registry "
                              "this long after (default %(default)s)")
@@ -159,11 +162,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_access(args: argparse.Namespace) -> None:
-    """Apply the --discovery-*-file flags to this process (ValueError names a bad one)."""
-    etcd.configure(etcd.EtcdAccess.from_files(
+    """Apply the --discovery-*-file flags to this process (ValueError names a bad one, or a
+    password that would cross plain HTTP without --discovery-allow-plaintext-password)."""
+    access = etcd.EtcdAccess.from_files(
         getattr(args, "discovery_ca_file", None), getattr(args, "discovery_cert_file", None),
         getattr(args, "discovery_key_file", None),
-        getattr(args, "discovery_password_file", None)))
+        getattr(args, "discovery_password_file", None),
+        bool(getattr(args, "discovery_allow_plaintext_password", False)))
+    if getattr(args, "discovery", None):
+        url = DiscoveryURL.parse(args.discovery)
+        if url.user and not url.tls and not access.allow_plaintext_password:
+            raise ValueError(f"--discovery {url}: USER's password would cross plain HTTP; use "
+                             "etcd+https://, or --discovery-allow-plaintext-password")
+    etcd.configure(access)
 
 
 def access_argv(args: argparse.Namespace) -> list[str]:
@@ -173,6 +184,8 @@ def access_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, f"discovery_{flag}_file", None)
         if value is not None:
             argv += [f"--discovery-{flag}-file", value]
+    if getattr(args, "discovery_allow_plaintext_password", False):
+        argv.append("--discovery-allow-plaintext-password")
     return argv
 
 

@@ -4,14 +4,21 @@
     etcd+https://[USER@]HOST:PORT[,HOST:PORT...][/CLUSTER] TLS; USER authenticates with the
                                                            password of --discovery-password-file
 
-An `EtcdClient` talks to one member at a time and moves to the next when that one cannot be
-reached (a member down, a partition), so a registration's keepalive and a watch outlive a
-member. TLS takes the CA, and a client certificate and key where the members ask for one
+An `EtcdClient` talks to one member at a time and moves to the next on any answer that is not
+a healthy member's: no answer (a member down), or an error that says the member cannot serve
+(a member cut off from the majority answers "no leader"; every call requires a leader so it
+says so at once), so a registration's keepalive and a watch outlive a member. An error about
+the request itself (a lease not found, a bad argument, a refused permission) is the same on
+every member and is raised at once.
+
+TLS takes the CA, and a client certificate and key where the members ask for one
 (`--client-cert-auth`), from `--discovery-ca-file`, `--discovery-cert-file` and
 `--discovery-key-file`. With a user the client fetches a token (`/v3/auth/authenticate`) and
 sends it on every call, fetching a new one when etcd refuses it (expired, or a member that
-never issued it). The flags are the same on every role (discovery.add_arguments) and
-`configure` applies them once per process. Every call has a timeout.
+never issued it). A password goes only over TLS: a user on a plain-HTTP member is refused
+unless `--discovery-allow-plaintext-password` says the operator accepts it in clear. The flags
+are the same on every role (discovery.add_arguments) and `configure` applies them once per
+process. Every call has a timeout.
 """
 
 from __future__ import annotations
@@ -30,12 +37,41 @@ import httpx
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 5.0
+REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}
+"""Sent on every call: a member without a leader (cut off from the majority) then answers "no
+leader" at once (its watches are cancelled with it) instead of serving stale reads, holding a
+write for 7 s, or keeping a watch open that never brings an event."""
 WATCH_IDLE_S = 2.0
 """A watch stream that brings nothing for this long is reopened (from its next revision)."""
 
 
 class DiscoveryError(RuntimeError):
     """etcd could not be reached, or answered with an error."""
+
+
+class _MemberFailed(DiscoveryError):
+    """The member answered that it cannot serve now (no leader, a timeout inside etcd, an
+    internal error): another member may."""
+
+
+# gRPC codes of answers that say the member, not the request, failed: CANCELLED, UNKNOWN
+# (etcd's "context deadline exceeded"), DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED,
+# INTERNAL, UNAVAILABLE ("no leader", "request timed out"), DATA_LOSS. The others (NOT_FOUND,
+# INVALID_ARGUMENT, PERMISSION_DENIED, FAILED_PRECONDITION, ...) are about the request.
+MEMBER_FAILURE_CODES = frozenset({1, 2, 4, 8, 10, 13, 14, 15})
+
+
+def member_failed(status_code: int, body: Any) -> bool:
+    """Whether an answer (HTTP status, decoded JSON body or None) says the member failed:
+    a 5xx with no gRPC code, or a gRPC code of MEMBER_FAILURE_CODES (etcd's gateway puts it in
+    "code" or in "error": {"grpc_code": ...})."""
+    code = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        code = error.get("grpc_code") if isinstance(error, dict) else body.get("code")
+    if isinstance(code, int):
+        return code in MEMBER_FAILURE_CODES
+    return status_code >= 500
 
 
 @dataclass(frozen=True)
@@ -46,6 +82,8 @@ class EtcdAccess:
     cert_file: str | None = None
     key_file: str | None = None
     password: str | None = None
+    allow_plaintext_password: bool = False
+    """Send the password to plain-HTTP members too (--discovery-allow-plaintext-password)."""
 
     def ssl_context(self) -> ssl.SSLContext:
         """TLS to etcd: its CA (else the system's), and this client's certificate."""
@@ -56,7 +94,8 @@ class EtcdAccess:
 
     @classmethod
     def from_files(cls, ca_file: str | None, cert_file: str | None, key_file: str | None,
-                   password_file: str | None) -> EtcdAccess:
+                   password_file: str | None, allow_plaintext_password: bool = False
+                   ) -> EtcdAccess:
         """From the flags; ValueError naming the flag where a file is missing or unreadable,
         or where a certificate comes without its key (or the other way round)."""
         if bool(cert_file) != bool(key_file):
@@ -72,7 +111,7 @@ class EtcdAccess:
                 password = Path(password_file).read_text().strip()
             except OSError as exc:
                 raise ValueError(f"--discovery-password-file: {exc}") from None
-        return cls(ca_file, cert_file, key_file, password)
+        return cls(ca_file, cert_file, key_file, password, allow_plaintext_password)
 
 
 _ACCESS = EtcdAccess()
@@ -124,8 +163,8 @@ class _Refused(DiscoveryError):
 
 class EtcdClient:
     """A few verbs of etcd's v3 API over its JSON gateway, on one member at a time (the next
-    when it cannot be reached). Not shared between threads: each thread that talks to etcd
-    makes its own."""
+    when it cannot be reached or answers that it cannot serve). Not shared between threads:
+    each thread that talks to etcd makes its own."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = REQUEST_TIMEOUT_S,
                  user: str | None = None, access: EtcdAccess | None = None) -> None:
@@ -138,6 +177,11 @@ class EtcdClient:
         self.access = access if access is not None else _ACCESS
         if user and self.access.password is None:
             raise ValueError(f"etcd user {user!r} needs --discovery-password-file")
+        plain = [e for e in self.endpoints if not e.startswith("https://")]
+        if user and plain and not self.access.allow_plaintext_password:
+            raise ValueError(
+                f"etcd user {user!r}: the password would cross plain HTTP to {plain[0]}; use "
+                "etcd+https://, or --discovery-allow-plaintext-password to send it in clear")
         self._index = 0
         self._clients: dict[str, httpx.Client] = {}
         self._token: str | None = None
@@ -154,7 +198,7 @@ class EtcdClient:
             if endpoint.startswith("https://"):
                 tls["verify"] = self.access.ssl_context()
             self._clients[endpoint] = httpx.Client(base_url=endpoint, timeout=self.timeout_s,
-                                                   **tls)
+                                                   headers=REQUIRE_LEADER, **tls)
         return self._clients[endpoint]
 
     def _next_member(self, error: Exception) -> None:
@@ -185,13 +229,18 @@ class EtcdClient:
         if response.status_code == 401 or (
                 response.status_code != 200 and "token" in response.text.lower()):
             raise _Refused(f"etcd {path} refused the credentials: {response.text[:200]}")
-        if response.status_code != 200:
-            raise DiscoveryError(f"etcd {path} answered {response.status_code}: "
-                                 f"{response.text[:200]}")
         try:
-            return response.json()
-        except ValueError as exc:
-            raise DiscoveryError(f"etcd {path} answered non-JSON") from exc
+            reply = response.json()
+        except ValueError:
+            reply = None
+        if response.status_code != 200 or (isinstance(reply, dict) and "error" in reply):
+            failure = _MemberFailed if member_failed(response.status_code, reply) else \
+                DiscoveryError
+            raise failure(f"etcd {path} answered {response.status_code}: "
+                          f"{response.text[:200]}")
+        if not isinstance(reply, dict):
+            raise _MemberFailed(f"etcd {path} answered non-JSON: {response.text[:200]}")
+        return reply
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call, on the members in turn until one answers (each at most once); a
@@ -204,11 +253,11 @@ class EtcdClient:
                 except _Refused:
                     self._token = None
                     return self._post(path, body, self._headers())
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, _MemberFailed) as exc:
                 failures.append(f"{self.endpoint}: {exc}")
                 self._next_member(exc)
-        raise DiscoveryError(f"etcd at {', '.join(self.endpoints)} unreachable "
-                             f"({'; '.join(failures)})")
+        raise DiscoveryError(f"etcd at {', '.join(self.endpoints)} unreachable or unable to "
+                             f"serve ({'; '.join(failures)})")
 
     # ---- verbs -------------------------------------------------------------------------------
     def grant(self, ttl_s: float) -> int:
@@ -260,14 +309,22 @@ class EtcdClient:
                     self._token = None
                     raise DiscoveryError("etcd watch refused the credentials")
                 if stream.status_code != 200:
-                    raise DiscoveryError(f"etcd watch answered {stream.status_code}")
+                    stream.read()
+                    try:
+                        reply = json.loads(stream.text)
+                    except ValueError:
+                        reply = None
+                    failure = _MemberFailed if member_failed(stream.status_code, reply) else \
+                        DiscoveryError
+                    raise failure(f"etcd watch answered {stream.status_code}: "
+                                  f"{stream.text[:200]}")
                 for line in stream.iter_lines():
                     if not line.strip():
                         continue
                     yield from _watch_events(json.loads(line))
         except httpx.ReadTimeout:
             return
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, _MemberFailed) as exc:
             endpoint = self.endpoint
             self._next_member(exc)
             raise DiscoveryError(f"etcd watch at {endpoint} failed: {exc}") from exc
@@ -275,7 +332,8 @@ class EtcdClient:
 
 def _watch_events(message: dict[str, Any]) -> list[Event]:
     if "error" in message:
-        raise DiscoveryError(f"etcd watch error: {message['error']}")
+        failure = _MemberFailed if member_failed(200, message) else DiscoveryError
+        raise failure(f"etcd watch error: {message['error']}")
     result = message.get("result", {})
     if int(result.get("compact_revision", 0) or 0):
         raise Compacted(f"revision compacted (now from {result['compact_revision']})")

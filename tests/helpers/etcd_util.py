@@ -4,6 +4,7 @@ temporary data directory, stopped (and its directory removed) after."""
 from __future__ import annotations
 
 import shutil
+import signal
 import ssl
 import subprocess
 import time
@@ -172,3 +173,97 @@ def start_tls_cluster(tmp_dir: Path) -> TlsCluster:
         cluster.stop()
         raise
     return cluster
+
+
+# ---- a member cut off from its cluster's majority ------------------------------------------
+@dataclass
+class Trio:
+    """A plain three-member cluster. `cut_off_first()` SIGSTOPs members 1 and 2: member 0 stays
+    alive and reachable, but without a leader, as a member on the small side of a partition."""
+
+    members: list[Etcd]
+
+    @property
+    def endpoint(self) -> str:
+        """Member 0's."""
+        return self.members[0].endpoint
+
+    def cut_off_first(self) -> None:
+        """Stop the other two and wait until member 0 answers "no leader"."""
+        for member in self.members[1:]:
+            member.process.send_signal(signal.SIGSTOP)
+        _wait_until(lambda: "no leader" in _put_answer(self.members[0]),
+                    "member 0 loses its leader")
+
+    def stop(self) -> None:
+        for member in self.members[1:]:
+            if member.process.poll() is None:
+                member.process.send_signal(signal.SIGCONT)
+        for member in self.members:
+            member.stop()
+
+
+def start_trio(tmp_dir: Path) -> Trio:
+    """Start three members and wait until they serve (skips where etcd is missing)."""
+    if ETCD is None:
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server; .ci/run does)")
+    base = free_port_block(6)
+    clients, peers = [base + 2 * i for i in range(3)], [base + 2 * i + 1 for i in range(3)]
+    initial = ",".join(f"p{i}=http://127.0.0.1:{peer}" for i, peer in enumerate(peers))
+    members = []
+    for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
+        data_dir, log_path = tmp_dir / f"etcd-p{i}", tmp_dir / f"etcd-p{i}.log"
+        argv = [ETCD, "--name", f"p{i}", "--data-dir", str(data_dir),
+                "--listen-client-urls", f"http://127.0.0.1:{client}",
+                "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", initial, "--initial-cluster-state", "new",
+                "--heartbeat-interval", "50", "--election-timeout", "500"]
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        members.append(Etcd(process, client, data_dir, log_path))
+    trio = Trio(members)
+    try:
+        _wait_until(lambda: all(_serves(m) for m in members), "the three members serve")
+    except BaseException:
+        trio.stop()
+        raise
+    return trio
+
+
+def start_minority_member(tmp_dir: Path) -> Trio:
+    """A trio whose member 0 is already cut off."""
+    trio = start_trio(tmp_dir)
+    try:
+        trio.cut_off_first()
+    except BaseException:
+        trio.stop()
+        raise
+    return trio
+
+
+def _serves(member: Etcd) -> bool:
+    if member.process.poll() is not None:
+        raise RuntimeError(f"etcd exited early:\n{member.log_path.read_text()[-3000:]}")
+    try:
+        return httpx.get(f"{member.endpoint}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _put_answer(member: Etcd) -> str:
+    """The text of a leader-requiring put on the member (its error, or a success)."""
+    try:
+        return httpx.post(f"{member.endpoint}/v3/kv/put", json={"key": "eA==", "value": ""},
+                          headers={"Grpc-Metadata-hasleader": "true"}, timeout=2).text
+    except httpx.HTTPError as exc:
+        return str(exc)
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"etcd: not in {START_TIMEOUT_S}s: {what}")
+        time.sleep(0.2)
