@@ -392,25 +392,36 @@ def run(args: argparse.Namespace) -> int:
     # A worker thread holding the GIL (copying a block) delays the socket loop's next reply by
     # up to the switch interval; 1 ms instead of 5 keeps lookups quick. The store's own process.
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
+    # The handlers go in before anything binds: a SIGTERM while the store starts (a supervisor
+    # stopping a standby, say) stops it cleanly instead of killing it with the default action.
+    stop_asked = threading.Event()
+    started: list[StoreServer] = []
+
+    def shut_down(signum: int, _frame: object) -> None:
+        logger.info("store: signal %d, shutting down", signum)
+        stop_asked.set()
+        if started:
+            started[0].request_stop()
+
+    signal.signal(signal.SIGINT, shut_down)
+    signal.signal(signal.SIGTERM, shut_down)
     try:
         config, url = _discover_master(config_from_args(args), args)
     except (ValueError, discovery.DiscoveryError) as exc:
         logger.error("cannot start the store: %s", exc)
         return 2
+    if stop_asked.is_set():
+        return 0
     server = StoreServer(config).start()
+    started.append(server)
+    if stop_asked.is_set():  # asked while it started: the loop stops at its first turn
+        server.request_stop()
     try:
         registrations = [] if url is None else _register(server, url, args.discovery_ttl_s)
     except discovery.DiscoveryError as exc:
         logger.error("cannot register the store: %s", exc)
         server.stop()
         return 2
-
-    def shut_down(signum: int, _frame: object) -> None:
-        logger.info("store: signal %d, shutting down", signum)
-        server.request_stop()
-
-    signal.signal(signal.SIGINT, shut_down)
-    signal.signal(signal.SIGTERM, shut_down)
     lifecycle.freeze_startup_heap("store")
     try:
         server.wait()  # the serving loop itself: until SIGINT/SIGTERM asks it to stop
