@@ -104,6 +104,8 @@ class RouterConfig:
     """A request whose pool has no ready worker (both prefill workers restarting, say) waits
     this long for one before it gets HTTP 503; a migration waits the same. A little over a
     worker's restart (6.4-7.4 s measured on 2 cores); 0: refuse at once."""
+    max_pool_waiters: int = 1024
+    """At most this many requests wait so at once; the next gets HTTP 503 at once."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Bodies larger than this get HTTP 413."""
     supervisor_state_file: str | None = None
@@ -147,6 +149,8 @@ class RouterConfig:
             raise ValueError("max_migrations must be >= 0")
         if not 0 <= self.pool_wait_s < float("inf"):
             raise ValueError("pool_wait_s must be >= 0")
+        if self.max_pool_waiters < 0:
+            raise ValueError("max_pool_waiters must be >= 0")
         for name in ("default_max_tokens", "max_tokens_ceiling"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 when set")

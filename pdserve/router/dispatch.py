@@ -29,8 +29,9 @@ that ended stay ended). Nothing is left on any worker either way.
 
 A pool with no ready worker for now (its workers restarting) holds the request rather than
 refusing it: admission, a migration and the decode pick wait up to `pool_wait_s` for one
-(`wait_for_ready`), and only then is it HTTP 503. A worker restarted at the address that failed
-is a new process: a migration may go back to it.
+(`wait_for_ready`), and only then is it HTTP 503. At most `max_pool_waiters` requests wait so;
+the next gets HTTP 503 at once (uvicorn would hold any number). A worker restarted at the
+address that failed is a new process: a migration may go back to it.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class Dispatcher:
         )
         self.on_migration: Callable[[str, bool], None] | None = None
         """Told (pool role, whether outputs had been streamed) each time a request moves."""
+        self.num_pool_waiters = 0
+        """Requests waiting now for a worker of an empty pool (wait_for_ready)."""
         self.fleet_watch: FleetWatch | None = None
         """With config.discovery: adds and drops workers as the registry says."""
 
@@ -376,13 +379,27 @@ class Dispatcher:
 
     async def wait_for_ready(self, pools: Sequence[list[WorkerClient]]) -> bool:
         """Wait until each of `pools` has a worker that takes requests, at most pool_wait_s
-        (a restart); False when one is still empty then."""
-        deadline = time.monotonic() + self.config.pool_wait_s
-        while not all(any(w.accepting for w in pool) for pool in pools):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(POLL_S)
-        return True
+        (a restart); False when one is still empty then. NoWorkerAvailable at once when
+        max_pool_waiters requests wait already."""
+
+        def all_ready() -> bool:
+            return all(any(w.accepting for w in pool) for pool in pools)
+
+        if all_ready():
+            return True
+        if self.num_pool_waiters >= self.config.max_pool_waiters:
+            raise NoWorkerAvailable(f"no worker is ready, and {self.num_pool_waiters} requests "
+                                    "wait for one already (--max-pool-waiters)")
+        self.num_pool_waiters += 1
+        try:
+            deadline = time.monotonic() + self.config.pool_wait_s
+            while not all_ready():
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(POLL_S)
+            return True
+        finally:
+            self.num_pool_waiters -= 1
 
     async def _pick_waiting(self, pool: list[WorkerClient], tried: set[str],
                             request: GenerateRequest) -> WorkerClient:

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a request whose pool has no ready worker (a restart) waits this "
                              "long for one before HTTP 503; a migration too (default "
                              "%(default)s; 0: refuse at once)")
+    parser.add_argument("--max-pool-waiters", type=int, default=d["max_pool_waiters"],
+                        help="requests that may wait so at once; the next gets HTTP 503 at "
+                             "once (default %(default)s)")
     add_controller_arguments(parser)
     add_tracing_arguments(parser)
     add_tool_arguments(parser)
@@ -168,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         first_token_timeout_s=args.first_token_timeout_s, token_timeout_s=args.token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations,
         pool_wait_s=args.pool_wait_s,
+        max_pool_waiters=args.max_pool_waiters,
         controller=ControllerConfig(
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,

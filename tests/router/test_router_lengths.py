@@ -185,3 +185,25 @@ def test_a_request_waits_for_a_pool_that_is_restarting(llama_dir: Path, comes_ba
     else:
         assert r.status_code == 503, r.text
         assert r.json()["error"]["message"] and dispatcher.sent == []
+
+
+async def test_requests_waiting_for_an_empty_pool_are_bounded(llama_dir: Path) -> None:
+    """Past max_pool_waiters, a request for an empty pool is refused at once (HTTP 503 in
+    routes) instead of held: the router holds no unbounded number of requests."""
+    import asyncio
+
+    config = RouterConfig(model=str(llama_dir), colocated_addrs=("tcp://127.0.0.1:1",),
+                          pool_wait_s=30.0, max_pool_waiters=2)
+    dispatcher = RecordingDispatcher(config, worker_max_model_len=100)
+    [worker] = dispatcher.workers
+    ready = worker.status
+    worker.status = dataclasses.replace(ready, is_ready=False)
+    waiting = [asyncio.create_task(dispatcher.wait_for_ready([dispatcher.colocated]))
+               for _ in range(2)]
+    await asyncio.sleep(0.05)
+    assert dispatcher.num_pool_waiters == 2
+    with pytest.raises(NoWorkerAvailable, match="max-pool-waiters"):
+        await dispatcher.wait_for_ready([dispatcher.colocated])
+    worker.status = ready
+    assert await asyncio.gather(*waiting) == [True, True]
+    assert dispatcher.num_pool_waiters == 0  # every waiter counted out
