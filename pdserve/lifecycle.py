@@ -84,14 +84,27 @@ def exit_with_launcher(
     return thread
 
 
-def lower_thread_priority(nice: int = 19) -> None:
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+"""ioprio_set's syscall number (<asm/unistd.h>) on the machines pdserve runs on."""
+_IOPRIO_IDLE = 3 << 13  # IOPRIO_CLASS_IDLE, level 0 (<linux/ioprio.h>)
+
+
+def lower_thread_priority(nice: int = 19, idle_io: bool = False) -> None:
     """Run the calling thread at `nice` (Linux sets it per thread): on a busy core it gets
-    what the others leave (CFS still gives it a little), on an idle one it runs at once. Not
-    Linux: it competes as any thread does."""
+    what the others leave (CFS still gives it a little), on an idle one it runs at once.
+    `idle_io`: its disk reads wait for everyone else's too (the idle I/O class, per thread).
+    The threads it starts inherit both. Not Linux: it competes as any thread does."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
+    number = _IOPRIO_SET.get(os.uname().machine)
+    if idle_io and number is not None and sys.platform == "linux":
+        try:
+            ctypes.CDLL(None, use_errno=True).syscall(number, 1, threading.get_native_id(),
+                                                      _IOPRIO_IDLE)  # IOPRIO_WHO_PROCESS
+        except (AttributeError, OSError):
+            pass
 
 
 def freeze_startup_heap(role: str) -> int:

@@ -5,7 +5,10 @@ One function serves both sides: the router calls `build_grammar` to validate a r
 sees it), and the worker's engine (pdserve/serve/engine/structured.py) compiles what it returns
 against its tokenizer. The mapping of each kind follows vLLM 0.32's xgrammar backend: `json_object`
 is the schema {"type": "object"}, `choice` an EBNF alternation of string literals, and
-`disable_any_whitespace` compact JSON (no optional whitespace, "," and ":" separators).
+`disable_any_whitespace` compact JSON (no optional whitespace, "," and ":" separators). Where
+whitespace is allowed, a run of it holds at most MAX_JSON_WHITESPACE characters: enough to
+pretty-print a few levels deep, too few for a model to pad its answer until max_tokens (an
+unbounded run let a random model spend 1,373 characters, mostly spaces, on one answer).
 xgrammar is imported on first use, so neither side pays for it without structured outputs.
 """
 
@@ -72,11 +75,15 @@ def _json_grammar(schema: str, spec: StructuredOutputs) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHARS, _JSON_STRING_CHARS))
 
 
+MAX_JSON_WHITESPACE = 16
+"""The longest run of whitespace between two JSON tokens: a newline and 15 spaces."""
+
+
 def _json_options(spec: StructuredOutputs) -> dict[str, Any]:
     # As vLLM: without separators xgrammar would still allow a space after ',' and ':'.
     if spec.disable_any_whitespace:
         return {"any_whitespace": False, "separators": (",", ":")}
-    return {"any_whitespace": True}
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 def spec_kind(spec: StructuredOutputs) -> str:

@@ -6,7 +6,10 @@ chaos benchmark's fleet) keeps a standby for each child once the child is ready:
 with the child's command line, environment and cores that imports what the role imports
 (PRELOAD, and the model's tokenizer backend), then waits on its stdin. When the child dies
 the supervisor writes GO and the standby runs the role at once; the end of its input (the
-supervisor closed the pipe, or died) makes it exit without serving. Nothing is forked: a
+supervisor closed the pipe, or died) makes it exit without serving. The imports run on a
+thread of their own at the lowest CPU and I/O priority, so a standby started beside serving
+processes takes only what they leave; the main thread, which runs the role, keeps its normal
+priority (a process could not raise its own again without privileges). Nothing is forked: a
 standby is an ordinary process that did its imports early, so nothing depends on what is
 safe to fork, and an environment read at import (OMP_*, CUDA_*) is the child's own.
 
@@ -18,7 +21,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 
+from pdserve import lifecycle
 from pdserve.app import cli
 
 GO = b"go\n"
@@ -50,12 +55,28 @@ def preload(argv: list[str]) -> None:
         import_backend(args.model)
 
 
+def preload_quietly(argv: list[str]) -> str | None:
+    """preload(argv) on a thread at the lowest CPU and I/O priority; its error, if any."""
+    errors: list[str] = []
+
+    def run() -> None:
+        lifecycle.lower_thread_priority(19, idle_io=True)
+        try:
+            preload(argv)
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    loader = threading.Thread(target=run, name="standby-preload", daemon=True)
+    loader.start()
+    loader.join()  # no timeout: imports end, and the supervisor's death ends this process
+    return errors[0] if errors else None
+
+
 def main() -> int:
     argv = sys.argv[1:]
-    try:
-        preload(argv)
-    except ValueError as exc:
-        print(f"pdserve standby: {exc}", file=sys.stderr)
+    error = preload_quietly(argv)
+    if error is not None:
+        print(f"pdserve standby: {error}", file=sys.stderr)
         return 2
     # No timeout: waiting is a standby's whole job, and it ends with the supervisor (end of
     # input, and the parent-death signal the supervisor arms).

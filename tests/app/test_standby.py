@@ -136,3 +136,51 @@ def test_a_child_whose_standby_keeps_exiting_gets_no_more(tmp_path):
     finally:
         child.process.kill()
         child.process.wait(10)
+
+
+def test_a_standby_imports_at_the_lowest_priority_and_serves_at_its_own(monkeypatch):
+    """The imports run on a thread at nice 19 and in the idle I/O class, so a standby started
+    beside serving processes takes only what they leave; the main thread, which later runs
+    the role, keeps the process's priority."""
+    import ctypes
+    import threading
+
+    from pdserve.app import standby
+
+    seen = {}
+
+    def record(argv):
+        tid = threading.get_native_id()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        ioprio_get = {"x86_64": 252, "aarch64": 31}.get(os.uname().machine)
+        if ioprio_get is not None:
+            seen["io_class"] = ctypes.CDLL(None).syscall(ioprio_get, 1, tid) >> 13
+
+    monkeypatch.setattr(standby, "preload", record)
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert standby.preload_quietly(["store"]) is None
+    assert seen["nice"] == 19
+    assert seen.get("io_class", 3) == 3  # IOPRIO_CLASS_IDLE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+
+
+def test_standbys_wait_until_every_child_is_ready(tmp_path):
+    """A ready child gets no standby while another child still starts (or restarts)."""
+    ready = Child("bench", ["bench"])
+    starting = Child("bench", ["bench"])
+    ready.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    starting.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    ready.state = "ready"
+    supervisor = Supervisor(Cluster([ready, starting]), RestartPolicy(),
+                            tmp_path / "state.json", lambda _: None, standbys=True)
+    try:
+        supervisor.check(0.0)
+        assert ready.standby is None and starting.standby is None
+        starting.state = "ready"
+        supervisor.check(10.0)
+        assert ready.standby is not None
+    finally:
+        for child in (ready, starting):
+            child.drop_standby()
+            child.process.kill()
+            child.process.wait(10)

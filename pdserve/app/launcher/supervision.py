@@ -225,7 +225,8 @@ class Supervisor:
 
     def _check_standbys(self, now_s: float) -> None:
         """Note the standbys that exited unasked (a child that cannot keep one stops trying
-        after MAX_STANDBY_FAILURES, said once), then start the next one that is due."""
+        after MAX_STANDBY_FAILURES, said once), then, once every child is ready, start the
+        next one that is due."""
         for child in self.cluster.children:
             if child.standby is not None and child.standby.poll() is not None:
                 code = child.standby.returncode
@@ -236,6 +237,8 @@ class Supervisor:
                              f"{MAX_STANDBY_FAILURES} times: its restarts start afresh")
         if now_s < self._next_standby_s:
             return
+        if not all(c.state == "ready" for c in self.cluster.children):
+            return  # not while the cluster starts or a child restarts: they need the cores
         waiting = [c for c in self.cluster.children if c.state == "ready"
                    and c.restart_at_s is None and c.standby is None
                    and c.num_standby_failures < MAX_STANDBY_FAILURES]
