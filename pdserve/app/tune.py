@@ -2,18 +2,24 @@
 
 Builds pdserve's CPU kernels (once per machine; a worker's first start otherwise spends a minute
 or more on it), then times every CPU path a worker could serve the model with (pdserve/serve/cpu/
-tuning.py: the weights' packed layout, the fused decode loop, AMX) on the threads a worker
-would use, prints the table and caches the choice where every worker on this machine reads it
-back. Run it when an image is built or a machine is set up; `pdserve up` and the workers then
-start without measuring.
+tuning.py: the weights' packed layout, the fused decode loop, AMX) and caches the choice where
+every worker on this machine reads it back. A choice is keyed by the cores and threads it was
+timed on, so it measures each shape a worker will have: this process's own (all the cores it
+may use: `LLM(...)`, a worker started by hand without pinning), and every one-rank worker's
+placement that `pdserve up` makes here by default (each timed in a child pinned as `up` pins
+that worker). It prints the table of each and the shapes it prepared. Run it when an image is
+built or a machine is set up; `pdserve up` and the workers then start without measuring.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the largest decode batch timed (as the workers' flag)")
     parser.add_argument("--dtype", default="auto",
                         help="the model's compute dtype, as the workers' --dtype")
+    parser.add_argument("--only-here", action="store_true",
+                        help="time only this process's own cores and threads, not the "
+                             "placements of `pdserve up`'s workers")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from pdserve.kernels import cpu_ops
 
     print("building pdserve's CPU kernels (once per machine)...", flush=True)
@@ -52,13 +59,42 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve tune: {model_dir} is not a checkpoint directory (no config.json)",
               file=sys.stderr)
         return 2
-    threads = args.cpu_threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    os.environ["PDSERVE_CPU_TUNING"] = "0"  # measured below, in the foreground
+    here = (len(os.sched_getaffinity(0)), args.cpu_threads or len(os.sched_getaffinity(0)))
+    code = tune_here(model_dir, args, here[1])
+    if code or args.only_here:
+        return code
+    prepared = [f"{here[0]} cores x {here[1]} threads (this process: LLM(...), an unpinned "
+                "worker)"]
+    # a choice is keyed by the number of cores and threads (tuning.machine_facts), not by which
+    shapes: dict[tuple[int, int], tuple[tuple[int, ...], list[str]]] = {}
+    for (cores, threads), names in up_shapes(model_dir).items():
+        shapes.setdefault((len(cores), threads), (cores, []))[1].extend(names)
+    for (_, threads), (cores, names) in shapes.items():
+        if (len(cores), threads) != here:
+            print(f"\n`pdserve up`'s {', '.join(names)}: cores {cores}, {threads} threads",
+                  flush=True)
+            child = subprocess.run(
+                [sys.executable, "-m", "pdserve.app.cli", "tune", "--only-here", "--model",
+                 model_dir, "--cpu-threads", str(threads), "--max-num-seqs",
+                 str(args.max_num_seqs), "--dtype", args.dtype],
+                preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores), check=False)
+            if child.returncode:
+                return child.returncode
+        prepared.append(f"{len(cores)} core{'s' * (len(cores) > 1)} x {threads} thread"
+                        f"{'s' * (threads > 1)} (pdserve up: {', '.join(names)})")
+    print("\nprepared: " + "; ".join(prepared))
+    return 0
+
+
+def tune_here(model_dir: str, args: argparse.Namespace, threads: int) -> int:
+    """Time every path on this process's cores with `threads` threads, print the table."""
+    import torch
     from tqdm import tqdm
 
     from pdserve.serve import LLM
 
+    torch.set_num_threads(threads)
+    os.environ["PDSERVE_CPU_TUNING"] = "0"  # measured below, in the foreground
     with LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs) as llm:
         torch.set_num_threads(threads)
         bar = tqdm(total=None, desc="timing CPU paths", unit="point", file=sys.stdout)
@@ -77,6 +113,34 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     print_table(tuning)
     return 0
+
+
+def up_shapes(model_dir: str, up_argv: list[str] | None = None
+              ) -> dict[tuple[tuple[int, ...], int], list[str]]:
+    """The cores and threads each one-rank worker of `pdserve up [up_argv]` times its paths
+    on here ((its own cores, threads) -> its names): a borrower of idle cores starts on its
+    own and the lent ones but narrows itself to its own first. Workers of several ranks do
+    not tune (one rank per process)."""
+    from pdserve.app.cli import make_parser
+    from pdserve.app.launcher.commands import worker_slots
+    from pdserve.app.launcher.placement import place_workers
+
+    _, parser = make_parser("up")
+    args = parser.parse_args(["--model", model_dir, "--device", "cpu", *(up_argv or [])])
+    slots = worker_slots(args)
+    with tempfile.TemporaryDirectory() as run_dir:
+        placement = place_workers(args, slots, [], Path(run_dir))
+    shapes: dict[tuple[tuple[int, ...], int], list[str]] = {}
+    for slot, place in zip(slots, placement.workers, strict=True):
+        if slot.num_ranks != 1:
+            continue
+        cores = set(place.cpus or os.sched_getaffinity(0))
+        for flag, value in zip(place.argv, place.argv[1:], strict=False):
+            if flag == "--borrow-idle-cores":
+                cores -= {int(c) for c in value.split("@", 1)[0].split(",")}
+        key = (tuple(sorted(cores)), place.cpu_threads or len(cores))
+        shapes.setdefault(key, []).append(slot.name)
+    return shapes
 
 
 def print_table(tuning) -> None:

@@ -20,10 +20,20 @@ JSON file beside the kernel library, keyed by what decides them (CPU model and f
 cache sizes, torch version, the kernel library, the model's products and dtype); a later start
 with the same key reads it back. An entry that does not parse, or whose key differs, is
 measured again, never trusted.
+
+A measurement taken while something else runs on the cores is wrong for good once cached (a
+decode step 44x slower than its best was seen so). So the workers of one host measure one at a
+time (a file lock beside the cache; the next reads what the first wrote), and a result is kept
+only when a quick re-check agrees with it: the chosen path is timed again at every point, and so
+is the fastest other path at each point; a time off by more than RECHECK_TOLERANCE either way
+measures everything again, once; a second disagreement serves the choice but does not cache
+it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -31,7 +41,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +64,13 @@ CONTEXT_LEN = 256
 PREFILL_LEN = 256
 NUM_WARMUP = 2
 NUM_TIMED = 5
+RECHECK_TOLERANCE = 1.5
+"""A re-timed point this many times slower or faster than measured: the measurement is void..."""
+RECHECK_FLOOR_S = 1e-3
+"""...unless the two differ by less than this (a tiny model's sub-millisecond steps jitter
+more than that, and no choice between them matters)."""
+LOCK_TIMEOUT_S = 900.0
+"""Longest wait for another process's measurement on this host; past it, measure anyway."""
 
 
 @dataclass(frozen=True)
@@ -367,12 +384,90 @@ def tune(model: nn.Module, run_point: Callable[[Point], float], step_points: Seq
              "candidates": [p.label for p in candidates]}
     path = cache_directory() / f"{cache_key(facts)}.json"
     tuning = read_cached(path, facts, candidates, step_points) if use_cache else None
-    if tuning is None:
-        measured = measure(model, candidates, run_point, step_points, progress)
-        tuning = decide(measured, candidates, step_points, "measured", path)
-        write_cached(path, facts, tuning, measured)
+    if tuning is not None:
+        apply(model, tuning.chosen)
+        return tuning
+    with measuring_alone(cache_directory() / "measure.lock"):
+        # another worker of this host may have measured the same key while this one waited
+        tuning = read_cached(path, facts, candidates, step_points) if use_cache else None
+        if tuning is None:
+            for attempt in (1, 2):
+                measured = measure(model, candidates, run_point, step_points, progress)
+                tuning = decide(measured, candidates, step_points, "measured", path)
+                off = recheck(model, tuning, run_point, step_points, candidates)
+                if not off:
+                    write_cached(path, facts, tuning, measured)
+                    break
+                logger.warning("cpu path timings disagree with a re-check (%s): %s", off,
+                               "measuring again" if attempt == 1 else
+                               "serving the choice without caching it")
     apply(model, tuning.chosen)
     return tuning
+
+
+@contextlib.contextmanager
+def measuring_alone(lock_path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[bool]:
+    """Hold the host's measuring lock (an flock, released when the process dies); yields
+    False when it could not be had within timeout_s (then measure anyway: a stuck holder
+    must not keep a worker from starting)."""
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a+")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield False
+        return
+    deadline = time.monotonic() + timeout_s
+    held, said = False, False
+    try:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("another process has measured cpu paths for %.0f s: "
+                                   "measuring beside it", timeout_s)
+                    break
+                if not said:
+                    logger.info("another process on this host measures its cpu paths: "
+                                "waiting for it")
+                    said = True
+                time.sleep(0.2)
+        yield held
+    finally:
+        if held:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def recheck(model: nn.Module, tuning: Tuning, run_point: Callable[[Point], float],
+            step_points: Sequence[Point], candidates: Sequence[ops.CpuPath]) -> str:
+    """Time again what the choice rests on: the chosen path at every point, and at each point
+    the fastest other measured path there (a neighbour that slowed it made the chosen one
+    look better than it is). "" when every time agrees with its measurement within
+    RECHECK_TOLERANCE, else the ones that do not."""
+    measured = tuning.seconds
+    if tuning.chosen.label not in measured:
+        return ""
+    to_time: dict[str, list[Point]] = {tuning.chosen.label: list(step_points)}
+    by_label = {p.label: p for p in candidates}
+    for point in step_points:
+        others = [label for label in by_label
+                  if label != tuning.chosen.label and label in measured]
+        if others:
+            fastest = min(others, key=lambda label: measured[label][point.label])
+            to_time.setdefault(fastest, []).append(point)
+    off = []
+    for label, at in to_time.items():
+        apply(model, by_label.get(label, tuning.chosen))
+        for point in at:
+            again, before = run_point(point), measured[label][point.label]
+            if max(again, before) > RECHECK_TOLERANCE * min(again, before) \
+                    and abs(again - before) > RECHECK_FLOOR_S:
+                off.append(f"{label} at {point.label}: {before * 1e3:.2f} then "
+                           f"{again * 1e3:.2f} ms")
+    return "; ".join(off)
 
 
 def tune_rank(rank: Rank, scheduler_config: SchedulerConfig, use_cache: bool = True,
