@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         shapes.setdefault((len(cores), threads), (cores, []))[1].extend(names)
     for (_, threads), (cores, names) in shapes.items():
         if (len(cores), threads) != here:
-            print(f"\n`pdserve up`'s {', '.join(names)}: cores {cores}, {threads} threads",
-                  flush=True)
+            print(f"\n`pdserve up`'s {', '.join(names)}: cores {','.join(map(str, cores))}, "
+                  f"{threads} threads", flush=True)
             child = subprocess.run(
                 [sys.executable, "-m", "pdserve.app.cli", "tune", "--only-here", "--model",
                  model_dir, "--cpu-threads", str(threads), "--max-num-seqs",
