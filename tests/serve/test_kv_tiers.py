@@ -150,6 +150,55 @@ def test_a_block_evicted_during_its_write_down_is_dropped() -> None:
         offload.close()
 
 
+def test_a_block_evicted_while_it_is_copied_down_is_dropped_after_the_copy() -> None:
+    """The post-copy check: the block was still cached when its copy began, and the engine
+    evicted (and could reuse) it while the copy ran; the copy may be torn, so it is never
+    published and its slot goes back."""
+    from pdserve.kvstore.block_key import KVLayout
+    from pdserve.serve.engine.block_manager import BlockManager
+    from pdserve.serve.engine.kv_tiers import KVOffload
+    from pdserve.serve.engine.request import Request
+
+    layout = KVLayout(kind="mha", num_layers=2, num_kv_heads=1, head_dim=4, block_size=4,
+                      dtype="float32")
+    bm = BlockManager(4, 4, "m", layout)
+    caches = [torch.zeros(2, 4, 4, 1, 4) for _ in range(2)]
+    offload = KVOffload(caches, bm, num_slots=8)
+    bm.on_cached = None
+    request = Request("r", list(range(9)), GREEDY, max_tokens=8)
+
+    class EvictsOnRead:
+        """A layer's pool bytes that let the engine evict every block at the copy's first
+        read: past the pre-copy check, before the publish."""
+
+        def __init__(self, array) -> None:
+            self.array = array
+
+        def __getitem__(self, index):
+            if bm.block_table("r"):
+                bm.free(request)
+                bm.reset_prefix_cache()
+            return self.array[index]
+
+    try:
+        bm.allocate(request, 9)
+        request.num_computed_tokens = 9
+        bm.commit_computed(request)
+        block_id, key = bm.block_table("r")[0], request.block_keys[0]
+        epoch = bm.block_epoch(block_id)
+        offload._cache_bytes = [EvictsOnRead(a) for a in offload._cache_bytes]
+        free_slots = len(offload.tier._free)
+        offload._write([(block_id, key, epoch, None)])
+        assert bm.block_epoch(block_id) == epoch + 1  # evicted during the copy
+        assert key not in offload.tier
+        assert offload.counters["host"].writes_dropped == 1
+        assert offload.counters["host"].written_bytes == 0
+        assert len(offload.tier._free) == free_slots  # its slot came back
+        offload.tier.check_integrity()
+    finally:
+        offload.close()
+
+
 def test_host_tier_lru_pins_and_integrity() -> None:
     tier = HostTier(2, (1, 2, 4), torch.float32)
     a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
