@@ -75,9 +75,9 @@ OFFLINE_BENCHMARKS = {
     "benchmarks.ttft_breakdown": ("pdserve.app", "pdserve.serve"),
     # the offline planner's commands: `pdserve plan` reads traces and draws with the harness's
     # helpers, `pdserve profile` times the engine itself
-    "pdserve.planner.plan": ("pdserve.benchmarks",),
+    "pdserve.app.plan": ("pdserve.benchmarks",),
     "benchmarks.plan_check": ("pdserve.planner",),
-    "pdserve.planner.profile": ("pdserve.serve", "pdserve.kvstore.connector",
+    "pdserve.app.profile": ("pdserve.serve", "pdserve.kvstore.connector",
                                 "pdserve.benchmarks.plots", "pdserve.benchmarks"),
     # benchmarks/gpu/run.sh's served stage builds its random ~1B Llama as the default model is
     "benchmarks.gpu.served": ("pdserve.serve.default_model",),

@@ -33,7 +33,13 @@ import torch
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import KVHandoff, StepSample
-from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.serve.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pdserve.serve.engine.block_manager import BlockManager
 from pdserve.serve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.serve.engine.kv_tiers import KVOffload, WriteDown
@@ -49,7 +55,7 @@ from pdserve.serve.engine.request import CompletionOutput, Request, RequestOutpu
 from pdserve.serve.engine.roles import Role
 from pdserve.serve.engine.sampler import Sampler, SampleResult
 from pdserve.serve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.serve.engine.spec_decode import MTPSpeculator, SpeculativeConfig
+from pdserve.serve.engine.spec_decode import MTPSpeculator
 from pdserve.serve.engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
