@@ -31,6 +31,10 @@ ChatMessages = list[dict[str, str]]
 
 
 class LLM:
+    """The offline API (vLLM's `LLM`): owns one Engine in this process and drives it to
+    completion for a batch of prompts (`generate`, `chat`). Called by users, the offline
+    studies in benchmarks/ and the tests; nothing in pdserve/serve/ imports it."""
+
     def __init__(self, model: str | os.PathLike, tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,

@@ -111,6 +111,11 @@ def _first_rows(num_drafts: list[int]) -> torch.Tensor:
 
 
 class Engine:
+    """One worker's engine: owns the scheduler, the block manager, the model runner (through
+    which every rank steps), the sampler, the detokenizers and the role's policy, and runs
+    schedule -> run -> postprocess once per `step()`. Called by the worker's request gateway
+    (pdserve/serve/worker/gateway.py), by the offline LLM and by `pdserve profile`."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  parallel_config: ParallelConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, tokenizer: Any = None,
