@@ -3,7 +3,8 @@
 
 The checkpoint's MTP module (model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, one
 decoder block, shared_head.norm/head; the embedding is the main model's) drafts; the main
-model verifies every draft of a sequence in one forward. One engine step, per running
+model verifies every draft of a sequence in one forward (the executor builds and loads the MTP
+layer: pdserve/serve/executor/loader.py load_mtp_weights). One engine step, per running
 sequence with drafts d1..dk (its last sampled token t at position n):
 
     verify   main forward over [t d1 .. dk] at positions n .. n+k   (1 + k query rows, KV
