@@ -4,7 +4,7 @@
 
 Seeded random bf16 models are built in a temporary directory: a Llama (MHA with GQA) and a
 DeepSeek-V3 (MLA latent cache). For each, with kv_cache_dtype auto (bf16) and fp8
-(float8_e4m3fn, pdserve/serve/executor/fp8.py), in one process on the same cores:
+(float8_e4m3fn, pdserve/serve/layers/fp8.py), in one process on the same cores:
 
     KV bytes per token   the pool's bytes per block / block size, summed over layers
     hand-off bytes       what a prefill worker's KV transfer saves per request (its
@@ -15,7 +15,7 @@ DeepSeek-V3 (MLA latent cache). For each, with kv_cache_dtype auto (bf16) and fp
 On CPU the C++ decode kernel reads FP8 rows and upcasts them as it reads bf16 ones; the
 cache writes take the plain-torch path. On a GPU the Triton kernels read FP8 directly.
 
-FP8 weights on CPU (pdserve/serve/executor/fp8.py), one [--linear-size]^2 linear layer: dequantizing
+FP8 weights on CPU (pdserve/serve/layers/fp8.py), one [--linear-size]^2 linear layer: dequantizing
 per call
 (what pdserve does: the weight stays FP8 in memory) against dequantizing once at load (a
 dense fp32 weight, 4x the bytes), at 8 rows (a decode step) and 256 (a prefill chunk).
@@ -127,7 +127,7 @@ def measure(model_dir: Path, kv_cache_dtype: str, args: argparse.Namespace) -> d
 
 def measure_fp8_linear(size: int, rows: int, repeats: int = 10) -> dict[str, Any]:
     """One FP8 linear layer on CPU: per-call dequantization against a dense fp32 copy."""
-    from pdserve.serve.executor.fp8 import block_quantize, fp8_linear
+    from pdserve.serve.layers.fp8 import block_quantize, fp8_linear
 
     gen = torch.Generator().manual_seed(rows)
     weight, grid = block_quantize(torch.randn(size, size, generator=gen) * 0.02)

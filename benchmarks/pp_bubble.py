@@ -4,7 +4,7 @@
 
 A seeded random Llama is built in a temporary directory. Every configuration gets the same
 cores in all (`--cores`): PP 1 runs one rank with all of them, PP 2 two ranks with half each
-(pdserve/serve/executor/pipeline.py). Each runs, through the ModelRunner (the engine's step
+(pdserve/serve/layers/pipeline.py). Each runs, through the ModelRunner (the engine's step
 interface):
 
     prefill: one step of --num-seqs prompts of --prompt-len tokens (rerun over its blocks)
@@ -88,7 +88,7 @@ def measure(model_dir: Path, pp: int, micro_batches: int | None, args: argparse.
             threads: int | None = None) -> dict[str, Any]:
     from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
     from pdserve.serve.executor.model_runner import ModelRunner
-    from pdserve.serve.executor.pipeline import PipelineTimes, bubble_fraction
+    from pdserve.serve.layers.pipeline import PipelineTimes, bubble_fraction
 
     threads = threads or max(1, args.cores // pp)
     parallel = ParallelConfig(pipeline_parallel_size=pp, pipeline_micro_batches=micro_batches,

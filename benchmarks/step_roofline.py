@@ -32,7 +32,7 @@ The point's step is then the median of `--decode-steps` timed steps; the whole s
 JSON): on a host shared with other tenants one noisy minute then moves one round, not the
 table.
 
-Where the model runs the fused decode loop (pdserve/serve/cpu/fused_decode.py), the loop's own
+Where the model runs the fused decode loop (pdserve/serve/layers/fused_decode.py), the loop's own
 clocks split each point's step (means over the timed steps, medians over the rounds): the layers'
 products against their own floor (their weights at the step's read bandwidth, or their FLOPs
 at the peak), the attention (its KV write included) with the rate it read its KV at, the rest
@@ -93,8 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"also measure vLLM offline (its python: {PEER_PYTHON})")
     parser.add_argument("--paths", action="store_true",
                         help="also time every decode point on every CPU path the engine could "
-                             "have chosen (pdserve/serve/cpu/tuning.py), and the default's ratio "
-                             "to the best at each point")
+                             "have chosen (pdserve/serve/executor/cpu_tuning.py), and the "
+                             "default's ratio to the best at each point")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="pdserve's engine schedules each step while the one before runs "
@@ -125,7 +125,7 @@ def read_bandwidth_bytes_per_s(nbytes: int = 512 << 20) -> float:
     FLOPs per 4 bytes, with software prefetch), which on some hosts reads half again as fast
     as the sum. A floor measured with the slower reader alone would let a step beat it."""
     from pdserve.serve.cpu.huge_pages import huge_page_buffer
-    from pdserve.serve.executor.layers import cpu_kernels
+    from pdserve.serve.layers.common import cpu_kernels
 
     # on 2 MiB pages where the host gives them, as the engine's weights and KV pool are
     # (pdserve/serve/cpu/huge_pages.py): 37 against 31 GB/s at 231 MB on this project's machines
@@ -145,8 +145,8 @@ def matmul_peak_flops(n: int = 2048) -> float:
     (oneDNN), and pdserve's panel product (pdserve/kernels/csrc/skinny_gemm.cpp, where the host has
     AVX-512), which the engine's prefill runs on. On a Zen 5 host oneDNN reached 211 GFLOP/s
     and the panel product 490, so a peak of oneDNN's alone let prefill read 165% of it."""
-    from pdserve.serve.executor.layers import cpu_kernels
-    from pdserve.serve.executor.parallel import pack_panels
+    from pdserve.serve.layers.common import cpu_kernels
+    from pdserve.serve.layers.parallel import pack_panels
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     products = [lambda: a @ b]
@@ -280,7 +280,7 @@ def time_every_path(llm: Any, fresh: Callable[[int], list[int]], params: Any,
     """--paths: every decode point on every CPU path the engine could have chosen, against the
     path it serves with by default: two passes, the second in reverse order, each path's
     point keeping its faster pass (a noisy minute then costs no path its place)."""
-    from pdserve.serve.cpu import tuning
+    from pdserve.serve.executor import cpu_tuning as tuning
 
     runner = llm.engine.runner
     chosen = runner.cpu_tuning
@@ -498,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
         peer = measure_vllm(model_dir, args, facts["vocab"])
         if peer is not None:
             runs["vllm"] = peer
-    from pdserve.serve.cpu.tuning import cache_sizes, machine_facts
+    from pdserve.serve.executor.cpu_tuning import cache_sizes, machine_facts
 
     machine = machine_facts()
     result = {"machine": {"cpu_model": machine["cpu_model"], "cpu_flags": machine["cpu_flags"],

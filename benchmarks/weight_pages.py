@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace
             ) -> dict[str, Any]:
     from pdserve.serve import LLM, SamplingParams
-    from pdserve.serve.cpu.fused_decode import FusedDecode
+    from pdserve.serve.layers.fused_decode import FusedDecode
 
     loops: list[FusedDecode] = []
     call = FusedDecode.__call__
@@ -73,7 +73,7 @@ def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace
             engine.step()
             if not loops:
                 raise SystemExit("this model's decode steps do not take the fused loop "
-                                 "(pdserve/serve/cpu/fused_decode.py), whose weights this swaps")
+                                 "(pdserve/serve/layers/fused_decode.py), whose weights this swaps")
             fused = loops[-1]
             huge = list(fused.weights)
             small = [w.clone() if w.numel() * w.element_size() >= 1 << 20 else w for w in huge]

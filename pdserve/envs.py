@@ -40,7 +40,7 @@ def log_level() -> str:
 def cpu_prepack() -> bool:
     """PDSERVE_CPU_PREPACK=0 keeps linear weights in torch's plain layout on CPU (default 1:
     a packed copy too, pdserve's panels on AVX-512 and oneDNN's layout elsewhere; see
-    pdserve/serve/executor/parallel.py prepack)."""
+    pdserve/serve/layers/parallel.py prepack)."""
     return _flag("PDSERVE_CPU_PREPACK")
 
 
@@ -71,7 +71,7 @@ def cpu_amx() -> bool:
 def fused_decode() -> bool:
     """PDSERVE_FUSED_DECODE=0 runs decode steps through the model's modules layer by layer
     (default 1: a Llama-family decode step's layer loop runs as one compiled call on CPU,
-    pdserve/serve/cpu/fused_decode.py)."""
+    pdserve/serve/layers/fused_decode.py)."""
     return _flag("PDSERVE_FUSED_DECODE")
 
 
@@ -86,7 +86,7 @@ def cuda_graphs_on_cpu() -> bool:
 def cpu_tuning() -> bool:
     """PDSERVE_CPU_TUNING=0 serves with the default CPU path instead of the one measured
     fastest on this machine (default 1: a one-rank CPU worker times every candidate path on
-    its first start and caches the choice, pdserve/serve/cpu/tuning.py)."""
+    its first start and caches the choice, pdserve/serve/executor/cpu_tuning.py)."""
     return _flag("PDSERVE_CPU_TUNING")
 
 

@@ -10,8 +10,9 @@ import pytest
 from pdserve.serve.default_model import build_random_model, build_tokenizer
 
 # Engines in tests serve with the default CPU path instead of timing every path on their first
-# start (pdserve/serve/cpu/tuning.py: seconds per model shape); every path's tokens are checked
-# against the plain-torch path by the kernel tests, and the tuning tests turn it back on.
+# start (pdserve/serve/executor/cpu_tuning.py: seconds per model shape); every path's tokens
+# are checked against the plain-torch path by the kernel tests, and the tuning tests turn it
+# back on.
 os.environ.setdefault("PDSERVE_CPU_TUNING", "0")
 
 

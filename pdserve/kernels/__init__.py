@@ -16,8 +16,8 @@ Attention ops come grouped by backend, the engine's unit of choice for them:
 
 Triton is imported only when a "triton" implementation is asked for, the C++ kernels only when
 a CPU one is. This package imports nothing else of pdserve; the engine names the candidates
-(pdserve/serve/executor/attention.py picks the backend: PDSERVE_ATTENTION_BACKEND, else triton on
-CUDA and cpu on CPU; pdserve/serve/executor/ops.py the other ops).
+(pdserve/serve/layers/attention.py picks the backend: PDSERVE_ATTENTION_BACKEND, else triton on
+CUDA and cpu on CPU; pdserve/serve/layers/ops.py the other ops).
 """
 
 from __future__ import annotations

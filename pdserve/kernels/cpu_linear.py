@@ -47,7 +47,7 @@ def skinny_max_rows() -> int:
 def amx_min_rows() -> float:
     """From this many rows on, bf16 panels multiply on AMX; infinity where the CPU or the
     build has none. A step below it keeps the panels (the fused decode loop decides alike,
-    pdserve/serve/cpu/fused_decode.py), so a row's bits change only where its step crosses it."""
+    pdserve/serve/layers/fused_decode.py), so a row's bits change only where its step crosses it."""
     module = cpu_ops.load()
     if module is None or not hasattr(module, "amx_available") or not module.amx_available():
         return math.inf

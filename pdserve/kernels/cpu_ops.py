@@ -6,12 +6,12 @@
     rotary_neox_, write_kv_cache   instead of several torch dispatches (fp32)
     skinny_linear                x W^T for the few rows of a decode step, streaming W from
                                  memory at close to its read speed
-                                 (pdserve/serve/executor/parallel.py)
+                                 (pdserve/serve/layers/parallel.py)
     panel_linear                 x W^T from W packed in panels (fp32, bf16 or fp16; AVX-512)
     amx_panel_linear             x W^T for many rows from bf16 panels on AMX (fp32 results)
     DecodeLoop                   a Llama-family decode step's whole layer loop in one call,
                                  the ops above in the module path's order
-                                 (pdserve/serve/cpu/fused_decode.py),
+                                 (pdserve/serve/layers/fused_decode.py),
                                  in one parallel region where every product has panels
     pin_openmp_threads           torch's OpenMP thread i on core i of a list
     (pdserve/serve/cpu/core_share.py)

@@ -1,6 +1,6 @@
 """Block-scaled FP8 GEMM: y = x W^T for an e4m3 weight with 128-wide K blocks of scales.
 
-DeepSeek-V3's FP8 linear layers (pdserve/serve/executor/fp8.py): the weight is float8_e4m3fn [N, K]
+DeepSeek-V3's FP8 linear layers (pdserve/serve/layers/fp8.py): the weight is float8_e4m3fn [N, K]
 with a float32 scale per (row block, 128-column block); activations are quantized on the fly per
 token and 128-column group ("dynamic"), so every K tile of the product has one scale per
 row of A and one per row of B:
@@ -12,7 +12,7 @@ row of A and one per row of B:
 One program owns a BLOCK_M x BLOCK_N tile of y and walks K one 128-column block at a time:
 the block's FP8 product accumulates in fp32 (tensor cores on sm89+), then both scales apply.
 SCALE_BLOCK_N is 128 for the checkpoint's grid and 1 for pdserve's per-row scales (the
-layout its loaders keep, see pdserve/serve/executor/fp8.py). In the interpreter (CPU tensors, tests)
+layout its loaders keep, see pdserve/serve/layers/fp8.py). In the interpreter (CPU tensors, tests)
 tiles are upcast to fp32 after loading. `reference_block_gemm` is the plain-torch reference:
 dequantize both, then one matmul.
 """

@@ -19,7 +19,7 @@ which also documents its arguments; the others take the same arguments and give 
 (to the tolerance their tests state). An implementation is imported only when asked for, so
 Triton loads only where a "triton" one is chosen, the C++ library only where a CPU one is.
 
-`choose(op, candidates)` is the one decision: the caller (the engine, pdserve/serve/executor/ops.py)
+`choose(op, candidates)` is the one decision: the caller (the engine, pdserve/serve/layers/ops.py)
 names the implementations it allows, best first, and today the first one this machine can
 run wins. It is also the seam where a choice by measurement goes (time each candidate once
 on the machine at hand, cache the winner): callers need not change.

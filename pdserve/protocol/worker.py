@@ -370,6 +370,6 @@ class WorkerStatus:
     store_read_gb_per_s, store_latency_ms, prefill_tokens_per_s, *_measured) and its
     decisions (loads_chosen, recomputes_chosen)."""
     cpu_path: dict[str, str] = field(default_factory=dict)
-    """A CPU worker's kernel choice (pdserve/serve/cpu/tuning.py): "path", "source" (measured,
-    cached or default) and each candidate path's step times ("<path label>": "decode 1x256 0.912,
-    ..." in ms); empty elsewhere."""
+    """A CPU worker's kernel choice (pdserve/serve/executor/cpu_tuning.py): "path", "source"
+    (measured, cached or default) and each candidate path's step times ("<path label>":
+    "decode 1x256 0.912, ..." in ms); empty elsewhere."""

@@ -3,9 +3,11 @@
     colocated:  router -> colocated worker -> deltas
     disagg:     router -> prefill worker -> first token + KVHandoff
                        -> decode worker (loads the blocks from the store) -> deltas
-                (on one host the prefill worker says where it stages the prompt as its
-                 forward starts, and the decode worker picked then follows it layer by layer:
-                 FollowPrefill, pdserve/serve/worker/follow.py; the hand-off goes to that worker)
+                (the prefill worker says where it stages the prompt as its forward starts,
+                 and the decode worker picked then follows it layer by layer: out of the
+                 shared segment on the same host, pulled from the prefill worker's hand-off
+                 node on another: FollowPrefill, pdserve/serve/worker/follow.py; the hand-off
+                 goes to that worker)
 
 `Dispatcher.run` yields the worker outputs of one request as they come. Whatever way the
 request ends (finish, error, timeout, client disconnect: the generator is closed), every
@@ -83,6 +85,11 @@ def _worker_failed(exc: RequestFailed) -> bool:
 
 
 class Dispatcher:
+    """The router's way to the workers: owns a client per worker in each pool, the prefill and
+    decode policies, admission, the prefix index and the store lookup, and walks one request
+    through prefill and decode (`run`), migrating it when a worker dies. Called by the HTTP
+    routes (pdserve/router/routes.py); the fleet watch and the controller change its pools."""
+
     def __init__(
         self,
         config: RouterConfig,
@@ -287,9 +294,10 @@ class Dispatcher:
 
     async def _follow(self, request: GenerateRequest, staging: KVStaging,
                       follower: WorkerClient | None) -> WorkerClient | None:
-        """A prefill worker stages the prompt in shared memory: pick the decode worker now,
-        and let it copy the layers as they land (one that cannot map the segment, on another
-        host, ignores it). A migrated prefill stages anew: the old follower lets go."""
+        """A prefill worker stages the prompt as its forward starts: pick the decode worker
+        now, and let it copy each layer as it lands (out of the shared segment on the same
+        host; on another host it pulls each layer from the prefill worker's hand-off node).
+        A migrated prefill stages anew: the old follower lets go."""
         if follower is not None:
             await follower.abort(request.request_id)
         if request.sampling.num_seqs > 1 or not self.decode:

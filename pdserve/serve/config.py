@@ -7,10 +7,13 @@ defaults from these dataclasses.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # pdserve/serve/executor/fp8.py reads the same tuple
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # pdserve/serve/layers/fp8.py reads the same tuple
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """What the KV pool holds: auto (the model dtype) or fp8 / fp8_e4m3 (float8_e4m3fn, a
     fixed per-tensor scale of 1.0; half of bf16's bytes, in the pool, the store and every
-    hand-off; see pdserve/serve/executor/fp8.py)."""
+    hand-off; see pdserve/serve/layers/fp8.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size > 1024:
@@ -114,7 +117,7 @@ class ParallelConfig:
     """MoE layers place whole experts on the ranks (E / tensor_parallel_size each; tokens go
     to their experts' ranks by all-to-all) instead of splitting every expert over all ranks."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split into (pdserve/serve/executor/pipeline.py): stage s holds layers
+    """Stages the layers are split into (pdserve/serve/layers/pipeline.py): stage s holds layers
     [s*L/PP, (s+1)*L/PP) (the first L % PP stages one more) and tensor_parallel_size ranks;
     the worker runs PP x TP ranks."""
     context_parallel_size: int = 1
@@ -222,3 +225,50 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_prefills_per_step < 0:
             raise ValueError("max_prefills_per_step must be >= 0 (0: no limit)")
+
+
+SPEC_METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 8
+"""The most drafts a sequence verifies in one step (a verify chunk's rows are 1 + k)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config, for the one method pdserve has."""
+
+    method: str = "mtp"
+    """mtp: the checkpoint's multi-token-prediction module drafts (DeepSeek-V3)."""
+    num_speculative_tokens: int = 1
+    """Drafts per sequence per step (k): each step verifies 1 + k tokens and keeps 1..k+1."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPEC_METHODS}, got "
+                             f"{self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None
+              ) -> SpeculativeConfig | None:
+        """From a dict (LLM's argument), a JSON object (the CLI flag) or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("speculative config must be a JSON object such as "
+                             '{"method": "mtp", "num_speculative_tokens": 1}')
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown} (method, "
+                             "num_speculative_tokens)")
+        if "method" not in value:
+            raise ValueError('speculative config needs "method" (mtp)')
+        return cls(method=value["method"],
+                   num_speculative_tokens=value.get("num_speculative_tokens", 1))

@@ -31,6 +31,10 @@ ChatMessages = list[dict[str, str]]
 
 
 class LLM:
+    """The offline API (vLLM's `LLM`): owns one Engine in this process and drives it to
+    completion for a batch of prompts (`generate`, `chat`). Called by users, the offline
+    studies in benchmarks/ and the tests; nothing in pdserve/serve/ imports it."""
+
     def __init__(self, model: str | os.PathLike, tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
@@ -51,12 +55,12 @@ class LLM:
         (on CPU it defaults to 512 MiB); else, on CUDA, gpu_memory_utilization of each GPU
         less the weights and the largest step's activations (vLLM's rules; CacheConfig).
         kv_cache_dtype="fp8" (or fp8_e4m3) keeps it in float8_e4m3fn
-        (pdserve/serve/executor/fp8.py). kv_offload_bytes: host DRAM below the pool, where evicted
+        (pdserve/serve/layers/fp8.py). kv_offload_bytes: host DRAM below the pool, where evicted
         prefix blocks wait to be copied back instead of recomputed
         (pdserve/serve/engine/kv_tiers.py).
 
         pipeline_parallel_size splits the layers into stages of tensor_parallel_size ranks
-        each (pdserve/serve/executor/pipeline.py); a step runs as pipeline_micro_batches
+        each (pdserve/serve/layers/pipeline.py); a step runs as pipeline_micro_batches
         micro-batches (default: one per stage).
 
         context_parallel_size splits each prompt's tokens over that many ranks (zig-zag),

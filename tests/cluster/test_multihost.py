@@ -1,5 +1,5 @@
 """A worker's ranks on two "hosts": two process trees on this machine, joined only through the
-rendezvous address (pdserve/serve/executor/distributed.py), as `--nnodes 2 --node-rank k` starts
+rendezvous address (pdserve/serve/layers/distributed.py), as `--nnodes 2 --node-rank k` starts
 them.
 
 Node 0 is this test process (LLM with nnodes=2: the engine and rank 0); node 1 is a separate
@@ -27,7 +27,7 @@ from helpers.cluster_util import free_port_block
 from helpers.model_util import hf_greedy, random_prompts
 
 from pdserve.serve import LLM, SamplingParams
-from pdserve.serve.executor.distributed import RendezvousError
+from pdserve.serve.layers.distributed import RendezvousError
 
 PROMPT_LENGTHS = [5, 11, 3]
 MAX_TOKENS = 6
@@ -186,7 +186,7 @@ def test_bad_node_layouts_are_refused(llama_dir: Path) -> None:
 def test_rank0_hosts_on_the_port_the_kernel_picks_and_names_a_taken_one() -> None:
     """With no --master-port, rank 0 listens on port 0 and reports the port it got (no
     free-then-bind window another socket could fill); a taken port is a clear error."""
-    from pdserve.serve.executor.distributed import Rendezvous
+    from pdserve.serve.layers.distributed import Rendezvous
 
     host = Rendezvous(0, 2, "127.0.0.1", 0, start_timeout_s=5)
     assert host.master_port > 0

@@ -7,7 +7,7 @@ import torch
 from pdserve.serve.engine.engine import Engine
 from pdserve.serve.engine.request import RequestOutput
 from pdserve.serve.engine.roles import PrefillRole
-from pdserve.serve.executor.parallel import unpack
+from pdserve.serve.layers.parallel import unpack
 
 
 def run_to_completion(engine: Engine) -> dict[str, list[RequestOutput]]:
@@ -55,7 +55,7 @@ def prefill_engine(*args, **kwargs) -> tuple[Engine, CopyingSaver]:
 
 def assert_tied_head(model) -> None:
     """A tied LM head reads the embedding's rows: the same tensor, plus (CPU prepacking,
-    pdserve/serve/executor/parallel.py) a packed copy of exactly those rows."""
+    pdserve/serve/layers/parallel.py) a packed copy of exactly those rows."""
     head, embedding = model.lm_head, model.model.embed_tokens.weight
     assert head.weight is embedding
     assert head.packed is None or torch.equal(unpack(head.packed, embedding.shape), embedding)

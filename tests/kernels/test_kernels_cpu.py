@@ -317,7 +317,7 @@ def test_panel_linear_matches_torch(rows, out_features, in_features):
     8: one masked), one narrow masked panel (7, 1); with and without bias, on a strided x; and
     the packing undoes exactly."""
     _needs_panels()
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import parallel
 
     torch.manual_seed(9)
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
@@ -339,7 +339,7 @@ def test_half_precision_panels_give_the_same_bits(half, rows, out_features, in_f
     half the bytes, and the kernel widens them exactly: the products are bit-identical to
     the fp32 panels', masked panels included, and the packing undoes exactly."""
     _needs_panels()
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import parallel
 
     torch.manual_seed(11)
     weight = torch.randn(out_features, in_features).to(half).float()
@@ -379,7 +379,7 @@ def test_amx_product_of_bf16_panels_is_as_exact_as_fp32(rows, out_features, in_f
     """x in three bf16 pieces against bf16 panels on AMX: within fp32's own error of the
     float64 product (no worse than the fp32 panels'), every panel width and K tail, bias."""
     _needs_amx()
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import parallel
 
     torch.manual_seed(13)
     weight = torch.randn(out_features, in_features).bfloat16().float()
@@ -396,7 +396,7 @@ def test_amx_product_of_bf16_panels_is_as_exact_as_fp32(rows, out_features, in_f
 
 def test_amx_rows_do_not_depend_on_their_batch():
     _needs_amx()
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import parallel
 
     torch.manual_seed(14)
     panels = parallel.prepack(torch.randn(200, 96).bfloat16().float())
@@ -411,8 +411,8 @@ def test_linear_sends_many_rows_of_bf16_panels_to_amx(monkeypatch):
     panels, or PDSERVE_CPU_AMX=0 keep panel_linear."""
     _needs_amx()
     from pdserve.kernels import cpu_linear
-    from pdserve.serve.executor import ops as kernel_choice
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import ops as kernel_choice
+    from pdserve.serve.layers import parallel
 
     ops = _ops()
     calls = []
@@ -446,7 +446,7 @@ def test_panel_linear_rows_do_not_depend_on_their_batch():
     """Each output is one FMA chain over k, whatever the tile a row lands in: a row's result is
     bit-identical alone, in a batch of 13, and in a prefill-sized batch of 300."""
     _needs_panels()
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import parallel
 
     torch.manual_seed(10)
     weight = torch.randn(200, 96)
@@ -465,7 +465,7 @@ def test_panel_linear_splits_a_decode_steps_columns_between_threads_exactly(dtyp
     in a masked vector): every output is the same bits on one thread as on two, and equals
     torch's product."""
     _needs_panels()
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import parallel
 
     torch.manual_seed(12)
     weight = torch.randn(520, 512).to(dtype).float()
@@ -501,7 +501,7 @@ def test_linear_takes_the_panels_for_every_row_count_or_else_skinny_then_onednn(
     reads them; elsewhere a decode step's few rows read the plain weight through the skinny
     kernel and more rows oneDNN's packed copy. All equal torch."""
     from pdserve.kernels import cpu_linear
-    from pdserve.serve.executor import parallel
+    from pdserve.serve.layers import parallel
 
     torch.manual_seed(8)
     weight, bias = torch.randn(40, 24), torch.randn(40)
@@ -576,7 +576,7 @@ def test_compiled_cpu_paths_give_the_plain_torch_tokens(architecture, make_model
     """Greedy tokens with every CPU kernel on (prepacked weights, fused norm/rotary/SiLU, KV
     writes, in-place decode attention) equal the plain-torch engine's, at batch sizes 1, 16
     and 17 and prompt lengths on both sides of a block edge."""
-    from pdserve.serve.executor import ops as kernel_choice
+    from pdserve.serve.layers import ops as kernel_choice
 
     model_dir = make_model_dir(architecture, seed=3)
     gen = torch.Generator().manual_seed(7)

@@ -219,7 +219,7 @@ def test_choose_takes_the_first_candidate_the_op_has_and_the_machine_runs():
 
 
 def test_the_engine_names_its_candidates_from_the_environment(monkeypatch):
-    from pdserve.serve.executor import ops
+    from pdserve.serve.layers import ops
 
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
     ops.reset()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.app import cli
-from pdserve.planner import profile as profiler
+from pdserve.app import profile as profiler
 from pdserve.planner.goodput_model import (
     LinearLatency,
     RequestShape,

@@ -22,8 +22,8 @@ from pdserve.serve.executor.comm_model import (
     kv_handoff_bytes,
     ring_all_reduce_bytes,
 )
-from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.model_runner import ModelRunner
+from pdserve.serve.layers.distributed import TPGroup
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32"}

@@ -1,6 +1,6 @@
-"""The CPU path chosen by measurement (pdserve/serve/cpu/tuning.py): the choice from stubbed
-timings, the cache's key and its distrust of a bad entry, and an engine on every path giving the
-same greedy tokens as Hugging Face."""
+"""The CPU path chosen by measurement (pdserve/serve/executor/cpu_tuning.py): the choice from
+stubbed timings, the cache's key and its distrust of a bad entry, and an engine on every path giving
+the same greedy tokens as Hugging Face."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch import nn
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.serve import LLM
-from pdserve.serve.cpu import tuning
-from pdserve.serve.executor import ops
+from pdserve.serve.executor import cpu_tuning as tuning
+from pdserve.serve.layers import ops
 
 
 @pytest.fixture(autouse=True)

@@ -39,8 +39,8 @@ from helpers.model_util import load_hf, random_prompts
 from helpers.model_walks import ragged_chunked_then_decodes, runner_for
 from safetensors.torch import load_file, save_file
 
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.fp8 import (
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.fp8 import (
     FP8_DTYPE,
     Fp8WeightConfig,
     block_dequantize,
@@ -48,7 +48,7 @@ from pdserve.serve.executor.fp8 import (
     kv_cache_dtype_name,
     scale_shard,
 )
-from pdserve.serve.executor.parallel import (
+from pdserve.serve.layers.parallel import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -170,7 +170,7 @@ def test_quantization_config_other_than_the_released_one_is_refused(fp8_dirs,
 
 def _fp8_layer(layer, block=BLOCK):
     """A layer turned FP8 the way convert_linears does it (no model around it)."""
-    from pdserve.serve.executor.fp8 import convert_linears
+    from pdserve.serve.layers.fp8 import convert_linears
 
     holder = torch.nn.Module()
     holder.add_module("proj", layer)

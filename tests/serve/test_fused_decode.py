@@ -1,7 +1,8 @@
-"""The fused decode loop (pdserve/serve/cpu/fused_decode.py, pdserve/kernels/csrc/decode_step.cpp)
-against the module path it replaces, bit for bit, and against Hugging Face at the edge where it
-stops applying with plain weights (pdserve/kernels/cpu_linear.py skinny_max_rows sequences, then one
-more) and past that edge with AVX-512 panels (which have none)."""
+"""The fused decode loop (pdserve/serve/layers/fused_decode.py,
+pdserve/kernels/csrc/decode_step.cpp) against the module path it replaces, bit for bit, and against
+Hugging Face at the edge where it stops applying with plain weights (pdserve/kernels/cpu_linear.py
+skinny_max_rows sequences, then one more) and past that edge with AVX-512 panels (which have
+none)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from helpers.model_walks import assert_rows_match, randomise_biases
 from pdserve.kernels import cpu_linear, cpu_ops
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
-from pdserve.serve.cpu.fused_decode import FusedDecode
-from pdserve.serve.executor import ops as kernel_choice
 from pdserve.serve.executor.model_runner import ModelRunner
-from pdserve.serve.executor.ops import cpu_kernels
-from pdserve.serve.executor.parallel import ParallelLMHead
+from pdserve.serve.layers import ops as kernel_choice
+from pdserve.serve.layers.fused_decode import FusedDecode
+from pdserve.serve.layers.ops import cpu_kernels
+from pdserve.serve.layers.parallel import ParallelLMHead
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="CPU kernels not built here")
 
@@ -307,7 +308,7 @@ def test_loop_refuses_a_row_outside_its_table_or_the_pool(llama_dir: Path) -> No
     """The loop derives each row's slot from its length and table (position len - 1): a table
     too short for that position, or a block id past the pool, is a ValueError before any
     thread starts, never a write outside the pool."""
-    from pdserve.serve.executor.attention import DecodeMetadata
+    from pdserve.serve.layers.attention import DecodeMetadata
 
     with make_runner(llama_dir) as runner:
         loop = runner.fused_decode()

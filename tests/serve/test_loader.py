@@ -13,9 +13,9 @@ from pdserve.kvstore.block_key import KVLayout
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.executor.kv_cache import KVCachePool, bytes_per_block, plan_kv_cache
-from pdserve.serve.executor.layers import rope_parameters
 from pdserve.serve.executor.loader import checkpoint_files, load_model_spec
 from pdserve.serve.executor.model_runner import ModelRunner
+from pdserve.serve.layers.common import rope_parameters
 
 
 def _copy_checkpoint(src: Path, dst: Path) -> Path:

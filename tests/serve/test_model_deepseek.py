@@ -31,7 +31,7 @@ from helpers.model_walks import (
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.default_model import build_random_model
-from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.layers.distributed import TPGroup
 from pdserve.serve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
 

@@ -16,7 +16,7 @@ from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.default_model import build_random_model
 from pdserve.serve.executor.model_runner import ModelRunner
-from pdserve.serve.executor.parallel import unpack
+from pdserve.serve.layers.parallel import unpack
 
 ATOL = 1e-4
 NUM_BLOCKS = 64
@@ -183,9 +183,9 @@ def test_llama_config_variants_match_hf(overrides: dict, tmp_path: Path, tokeniz
 
 
 def test_attention_metadata_of_a_mixed_step() -> None:
-    """The docstring's example in pdserve/serve/executor/attention.py, value by value (block_size
+    """The docstring's example in pdserve/serve/layers/attention.py, value by value (block_size
     4)."""
-    from pdserve.serve.executor.attention import build_attention_metadata
+    from pdserve.serve.layers.attention import build_attention_metadata
 
     step = StepInput([SeqChunk("A", [7] * 5, 0, [3, 8], True),
                       SeqChunk("B", [9], 9, [1, 0, 6], True)])

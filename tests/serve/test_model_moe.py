@@ -27,7 +27,7 @@ from helpers.model_walks import (
 )
 
 from pdserve.serve.default_model import build_random_model
-from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.layers.distributed import TPGroup
 from pdserve.serve.models.llama_moe import MixtralForCausalLM, Qwen2MoeForCausalLM
 
 ARCHITECTURES = ["mixtral", "qwen2_moe"]

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (pdserve/serve/executor/pipeline.py): PP 2 and PP 2 x TP 2 against Hugging
+"""Pipeline parallelism (pdserve/serve/layers/pipeline.py): PP 2 and PP 2 x TP 2 against Hugging
 Face, each
 stage holding only its layers, the KV hand-off between PP and TP shapes, and the split
 arithmetic (stages, micro-batches, bubble).
@@ -29,10 +29,10 @@ from pdserve.serve import LLM
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.serve.engine.engine import Engine
 from pdserve.serve.engine.roles import make_role
-from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.loader import load_model, load_model_spec
 from pdserve.serve.executor.model_runner import ModelRunner
-from pdserve.serve.executor.pipeline import (
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.pipeline import (
     MissingLayer,
     PipelineStage,
     bubble_fraction,
@@ -128,8 +128,8 @@ def test_each_stage_builds_and_loads_only_its_layers(llama3_dir, deepseek3_dir) 
 def test_stages_in_sequence_equal_the_whole_model_with_a_tied_head(make_model_dir) -> None:
     """In process: stage 0's (hidden, residual) fed to stage 1 gives the whole model's logits
     exactly; a tied head on the last stage reads its own copy of the embedding rows."""
-    from pdserve.serve.executor.attention import build_attention_metadata
     from pdserve.serve.executor.kv_cache import KVCachePool
+    from pdserve.serve.layers.attention import build_attention_metadata
 
     model_dir = make_model_dir("qwen2", seed=1, num_hidden_layers=3, tie_word_embeddings=True)
     spec = load_model_spec(ModelConfig(str(model_dir)), "cpu")

@@ -24,13 +24,12 @@ from helpers.engine_util import prefill_engine, run_to_completion, token_ids
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import WORKER_PROTOCOL, WorkerStatus
 from pdserve.serve import LLM
-from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from pdserve.serve.default_model import build_random_model
 from pdserve.serve.engine.engine import Engine
 from pdserve.serve.engine.roles import make_role
 from pdserve.serve.engine.spec_decode import (
     SpecDecodeStats,
-    SpeculativeConfig,
     add_mtp_layer,
     greedy_verify,
     rejection_sample,

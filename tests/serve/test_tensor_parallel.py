@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig
-from pdserve.serve.executor.distributed import TPGroup
 from pdserve.serve.executor.loader import _default_weight_loader
 from pdserve.serve.executor.model_runner import ModelRunner
-from pdserve.serve.executor.parallel import (
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.parallel import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,

@@ -74,7 +74,7 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
 def check_flags(args: argparse.Namespace) -> None:
     """What every worker would refuse at start, refused once, before anything starts."""
     if args.speculative_config is not None:
-        from pdserve.serve.engine.spec_decode import SpeculativeConfig
+        from pdserve.serve.config import SpeculativeConfig
 
         SpeculativeConfig.parse(args.speculative_config)
     per_step = args.prefill_max_prefills_per_step

@@ -87,7 +87,7 @@ def _streamed(tensor: object) -> bool:
 
 def rehome_weights(model: nn.Module) -> int:
     """Move the model's large CPU weights (parameters of 1 MiB or more, and the panels layers
-    keep in `packed`, pdserve/serve/executor/parallel.py) into one buffer on huge pages, each tensor
+    keep in `packed`, pdserve/serve/layers/parallel.py) into one buffer on huge pages, each tensor
     copied and its old memory freed before the next is copied, so the peak grows by one tensor.
     Call it once loading and every `process_weights_after_loading` hook are done, before
     anything else holds the tensors. Returns the bytes moved (0 where the host gives no

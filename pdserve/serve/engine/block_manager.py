@@ -130,6 +130,12 @@ class FreeBlocks:
 
 
 class BlockManager:
+    """Owns the device KV pool's bookkeeping: the free list, each block's reference count
+    and block key, the prefix cache (key -> block) and each request's block table; it never
+    touches the KV tensors. `check_integrity()` proves free + used + cached == total. Called
+    by the scheduler (allocate, append, free), the engine and the worker's hand-off code
+    (reserve blocks for an incoming request)."""
+
     def __init__(self, num_blocks: int, block_size: int, model_id: str, kv_layout: KVLayout,
                  enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:

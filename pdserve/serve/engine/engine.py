@@ -33,7 +33,13 @@ import torch
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import KVHandoff, StepSample
-from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.serve.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pdserve.serve.engine.block_manager import BlockManager
 from pdserve.serve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.serve.engine.kv_tiers import KVOffload, WriteDown
@@ -49,7 +55,7 @@ from pdserve.serve.engine.request import CompletionOutput, Request, RequestOutpu
 from pdserve.serve.engine.roles import Role
 from pdserve.serve.engine.sampler import Sampler, SampleResult
 from pdserve.serve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.serve.engine.spec_decode import MTPSpeculator, SpeculativeConfig
+from pdserve.serve.engine.spec_decode import MTPSpeculator
 from pdserve.serve.engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -105,6 +111,11 @@ def _first_rows(num_drafts: list[int]) -> torch.Tensor:
 
 
 class Engine:
+    """One worker's engine: owns the scheduler, the block manager, the model runner (through
+    which every rank steps), the sampler, the detokenizers and the role's policy, and runs
+    schedule -> run -> postprocess once per `step()`. Called by the worker's request gateway
+    (pdserve/serve/worker/gateway.py), by the offline LLM and by `pdserve profile`."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  parallel_config: ParallelConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, tokenizer: Any = None,

@@ -3,7 +3,8 @@ the ones before it, with the top-k alternatives, from the same forward that fill
 
 A step computes logits only for the rows it samples from. A chunk of a request that asked for
 prompt logprobs also returns the rows of its positions whose next token is a prompt token;
-the runner appends them after the sampling rows (`logit_rows`):
+the runner appends them after the sampling rows
+(pdserve/serve/executor/logit_rows.py):
 
     prompt  p0 p1 p2 p3 p4 p5 | o0          chunk A = [p0 p1 p2], chunk B = [p3 p4 p5]
     row at  p0 -> logprob of p1, ..., p4 -> logprob of p5, p5 -> samples o0
@@ -20,7 +21,6 @@ streaming) does not compute them again: the worker that ran its prompt sent them
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pdserve.protocol.tp import StepInput
@@ -48,35 +48,6 @@ def num_prompt_logit_rows(request: Request, start: int, num_tokens: int) -> int:
     if request.prompt_logprobs is None:
         return 0
     return max(0, min(start + num_tokens, request.num_prompt_tokens - 1) - start)
-
-
-def samples_every_row(step: StepInput) -> bool:
-    """A decode step's shape: one token per chunk, each sampled, none a prompt row. Then the
-    logit rows are all the step's rows, in order."""
-    chunks = step.chunks
-    return (len(chunks) > 0 and step.num_tokens == len(chunks)
-            and all(c.need_logits and not c.num_prompt_logits for c in chunks))
-
-
-def logit_rows(step: StepInput) -> np.ndarray:
-    """Row indices of the step's hidden states [num_tokens] that get logits: each sampling
-    chunk's last row (a verify chunk's last 1 + num_draft_tokens), then each chunk's prompt
-    rows (see the module docstring)."""
-    chunks = step.chunks
-    lengths = [len(c.token_ids) for c in chunks]
-    ends = np.cumsum(lengths) - 1
-    rows = ends[np.array([c.need_logits for c in chunks], dtype=bool)]
-    if any(c.num_draft_tokens for c in chunks):  # a verify chunk: its 1 + k last rows
-        rows = np.concatenate([np.arange(end - c.num_draft_tokens, end + 1, dtype=np.int64)
-                               for end, c in zip(ends.tolist(), chunks, strict=True)
-                               if c.need_logits])
-    counts = [c.num_prompt_logits for c in chunks]
-    if not any(counts):  # the usual step: one list pass more than sampling rows alone
-        return rows
-    starts = ends - np.array(lengths) + 1
-    prompt_rows = [np.arange(start, start + count, dtype=np.int64)
-                   for start, count in zip(starts.tolist(), counts, strict=True) if count]
-    return np.concatenate([rows, *prompt_rows])
 
 
 def record_prompt_logprobs(scheduled: list[tuple[Request, int]], step: StepInput,

@@ -59,6 +59,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Decides each step's tokens: owns the waiting and running queues and admits, chunks,
+    preempts (by recompute) and finishes requests, taking blocks from the block manager.
+    Schedules tokens, not phases: decodes first, then prefill chunks within the step's
+    token budget. Called by the Engine, once per step (`schedule`, then `update_after_step`)."""
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  max_model_len: int) -> None:
         self.config = config

@@ -3,7 +3,8 @@
 
 The checkpoint's MTP module (model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, one
 decoder block, shared_head.norm/head; the embedding is the main model's) drafts; the main
-model verifies every draft of a sequence in one forward. One engine step, per running
+model verifies every draft of a sequence in one forward (the executor builds and loads the MTP
+layer: pdserve/serve/executor/loader.py load_mtp_weights). One engine step, per running
 sequence with drafts d1..dk (its last sampled token t at position n):
 
     verify   main forward over [t d1 .. dk] at positions n .. n+k   (1 + k query rows, KV
@@ -43,7 +44,7 @@ layer's KV over as one more layer (the prefill worker running the MTP pass) woul
 that cost; it is not built.
 
 A verify step's attention takes each of a sequence's 1 + k tokens as its own decode query
-row (context up to and including itself: pdserve/serve/executor/attention.py token_seq_lens), so it
+row (context up to and including itself: pdserve/serve/layers/attention.py token_seq_lens), so it
 runs the MLA decode kernel, not the prefill path; so does the MTP pass over as few rows.
 
 Limits: tensor_parallel_size 1; requests with logprobs, penalties, logit controls (bias,
@@ -56,15 +57,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
-from torch import nn
 
+from pdserve.serve.config import SpeculativeConfig
 from pdserve.serve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -73,52 +72,6 @@ if TYPE_CHECKING:
     from pdserve.serve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-SPEC_METHODS = ("mtp",)
-MAX_SPECULATIVE_TOKENS = 8
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's speculative_config, for the one method pdserve has."""
-
-    method: str = "mtp"
-    """mtp: the checkpoint's multi-token-prediction module drafts (DeepSeek-V3)."""
-    num_speculative_tokens: int = 1
-    """Drafts per sequence per step (k): each step verifies 1 + k tokens and keeps 1..k+1."""
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config method must be one of {SPEC_METHODS}, got "
-                             f"{self.method!r}")
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an integer in "
-                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-
-    @classmethod
-    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None
-              ) -> SpeculativeConfig | None:
-        """From a dict (LLM's argument), a JSON object (the CLI flag) or None (off)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative config is not valid JSON: {exc}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError("speculative config must be a JSON object such as "
-                             '{"method": "mtp", "num_speculative_tokens": 1}')
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
-        if unknown:
-            raise ValueError(f"unknown speculative config keys {unknown} (method, "
-                             "num_speculative_tokens)")
-        if "method" not in value:
-            raise ValueError('speculative config needs "method" (mtp)')
-        return cls(method=value["method"],
-                   num_speculative_tokens=value.get("num_speculative_tokens", 1))
-
 
 # ---- accept / reject ---------------------------------------------------------------------
 
@@ -320,47 +273,6 @@ class MTPSpeculator:
             else:
                 num_drafts = 1
         return num_drafts
-
-
-# ---- loading the MTP layer ---------------------------------------------------------------
-
-
-def load_mtp_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Load model.layers.{num_hidden_layers}.* into model.mtp (built by build_mtp); its
-    embed_tokens copy is skipped: the MTP module uses the main model's embedding."""
-    from pdserve.serve.executor.loader import _LazyCheckpointTensor, _load_one, checkpoint_files
-
-    mtp: nn.Module = model.mtp
-    prefix = f"model.layers.{mtp.layer_id}."
-    params = dict(mtp.named_parameters())
-    packed: Mapping[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
-    expected_shards: dict[str, int] = {}
-    for target, _ in packed.values():
-        expected_shards[target] = expected_shards.get(target, 0) + 1
-    loaded_shards: dict[str, set[object]] = {}
-    num_found = 0
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if not name.startswith(prefix):
-                    continue
-                num_found += 1
-                local = name[len(prefix):]
-                if local.startswith("embed_tokens."):
-                    continue
-                _load_one(params, packed, loaded_shards, local, _LazyCheckpointTensor(f, name))
-    if num_found == 0:
-        raise ValueError(f"checkpoint {str(model_dir)!r} has no multi-token-prediction layer "
-                         f"({prefix}*): MTP speculative decoding needs one")
-    missing = sorted(name for name in params if len(loaded_shards.get(name, ()))
-                     < expected_shards.get(name.split(".")[-2], 1))
-    if missing:
-        raise ValueError(f"checkpoint {str(model_dir)!r}'s MTP layer lacks tensors for: "
-                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    for module in mtp.modules():
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
 
 
 # ---- tiny MTP checkpoints (tests and benchmarks) -----------------------------------------

@@ -20,7 +20,7 @@ step with no structured row returns None from start_masks.
 
 Checked: xgrammar 0.2.9's fill releases the GIL (a Python loop spinning beside 3,000 fills on
 another thread kept its pace), so the fill really overlaps the forward. The fused CPU decode
-loop (pdserve/serve/cpu/fused_decode.py) replaces only the layer loop: its hidden states still go
+loop (pdserve/serve/layers/fused_decode.py) replaces only the layer loop: its hidden states still go
 through compute_logits and runner.execute returns logits as the module path does, so they are masked
 the same way. A children-of-one-prompt fork (n > 1) makes each child with make_request, which
 gives it a state of its own (GrammarState). Compiling is synchronous, in make_request, and

@@ -3,7 +3,7 @@
 For a model's shape (from its config.json) and a parallel layout (TP, PP, CP, EP, tokens in a
 step), what every collective the engine runs carries, as this code base runs them:
 
-    TP all-reduce      2 per layer (attention O, MLP/MoE down: pdserve/serve/executor/parallel.py
+    TP all-reduce      2 per layer (attention O, MLP/MoE down: pdserve/serve/layers/parallel.py
                        RowParallelLinear, pdserve/serve/models/moe.py), + 1 for the vocab-split
                        embedding; payload [T, hidden]. A ring all-reduce sends (and receives)
                        2 (n - 1) / n x payload per rank: reduce-scatter then all-gather, each
@@ -13,7 +13,7 @@ step), what every collective the engine runs carries, as this code base runs the
                        (ep - 1) / ep of them cross to another rank (plus a tiny
                        [ep, experts per rank] int64 count exchange).
     PP send            per stage boundary per micro-batch: [2, T / m, hidden] (hidden and
-                       residual, pdserve/serve/executor/pipeline.py), one rank to the next stage's.
+                       residual, pdserve/serve/layers/pipeline.py), one rank to the next stage's.
     CP ring rotation   per layer, cp - 1 hops: each rank passes its T / cp tokens' KV rows
                        (MHA/GQA: K and V of the rank's KV heads; MLA: the latent
                        [c_kv | k_rope] row, pdserve/serve/executor/context_parallel.py).

@@ -50,7 +50,7 @@ from pdserve.kernels.reference import padded_rows_attention
 from pdserve.kernels.ring import ring_pass
 from pdserve.kernels.zigzag import zigzag_ranges
 from pdserve.protocol.tp import StepInput
-from pdserve.serve.executor.attention import AttentionMetadata
+from pdserve.serve.layers.attention import AttentionMetadata
 
 DECODE_GROUP_SLOTS = 1 << 16
 """Most K/V rows one batched decode-shard attention gathers (rows x longest shard): bounds

@@ -39,8 +39,8 @@ from torch import nn
 
 from pdserve import envs
 from pdserve.protocol.tp import StepInput
-from pdserve.serve.engine.prompt_logprobs import samples_every_row
-from pdserve.serve.executor.attention import AttentionMetadata, padded_block_tables
+from pdserve.serve.executor.logit_rows import samples_every_row
+from pdserve.serve.layers.attention import AttentionMetadata, padded_block_tables
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@
               MLA (P = 1):  one latent row [c_kv | k_rope] per token, one "head", the same
                             on every TP rank (DeepSeek-V2/V3, see pdserve/serve/models/deepseek.py)
     token at position p of a request lives in block block_table[p // block_size],
-    row p % block_size (see pdserve/serve/executor/attention.py for the slot arithmetic).
+    row p % block_size (see pdserve/serve/layers/attention.py for the slot arithmetic).
 
 The pool's dtype is the model's, or float8_e4m3fn with kv_cache_dtype fp8
-(pdserve/serve/executor/fp8.py): one byte per value, which bytes_per_block counts, so the same
+(pdserve/serve/layers/fp8.py): one byte per value, which bytes_per_block counts, so the same
 budget holds twice a bf16 pool's blocks.
 
 The block manager decides which ids are free; this module only owns the memory. Every TP

@@ -8,7 +8,7 @@ rank's shard; tensors the model fuses (q/k/v, gate/up) are routed by the model c
 
 FP8 checkpoints as DeepSeek released them (`quantization_config` quant_method fp8, 128x128
 block scales in `weight_scale_inv`) load as they are: the linear layers the checkpoint
-quantized become FP8 layers before loading (pdserve/serve/executor/fp8.py), the rest load as before.
+quantized become FP8 layers before loading (pdserve/serve/layers/fp8.py), the rest load as before.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from torch import nn
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.serve.config import ModelConfig
 from pdserve.serve.cpu.huge_pages import rehome_weights
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.fp8 import Fp8WeightConfig, convert_linears, quantized_module_names
-from pdserve.serve.executor.parallel import ShardSource
-from pdserve.serve.executor.pipeline import PipelineStage, building
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.fp8 import Fp8WeightConfig, convert_linears, quantized_module_names
+from pdserve.serve.layers.parallel import ShardSource
+from pdserve.serve.layers.pipeline import PipelineStage, building
 from pdserve.serve.models import get_model_class, is_supported
 
 logger = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ def _load_one(params: Mapping[str, nn.Parameter], packed: Mapping[str, tuple[str
 def _skips(model: nn.Module) -> Callable[[str], bool]:
     """Which checkpoint tensors this rank does not load: the model's skips_checkpoint_tensor
     and, under pipeline parallelism, every tensor of another stage
-    (pdserve/serve/executor/pipeline.py)."""
+    (pdserve/serve/layers/pipeline.py)."""
     own = getattr(model, "skips_checkpoint_tensor", lambda name: False)
     stage = getattr(model, "pipeline_stage", None)
     if stage is None or stage.is_whole:
@@ -376,3 +376,42 @@ def load_model(spec: ModelSpec, tp: TPGroup, device: torch.device, backend_name:
             hook()
     rehome_weights(model)  # onto huge pages, now that every layout is final
     return model.eval()
+
+
+# ---- the MTP layer (speculative decoding, pdserve/serve/engine/spec_decode.py) -----------
+
+
+def load_mtp_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Load model.layers.{num_hidden_layers}.* into model.mtp (built by build_mtp); its
+    embed_tokens copy is skipped: the MTP module uses the main model's embedding."""
+    mtp: nn.Module = model.mtp
+    prefix = f"model.layers.{mtp.layer_id}."
+    params = dict(mtp.named_parameters())
+    packed: Mapping[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
+    expected_shards: dict[str, int] = {}
+    for target, _ in packed.values():
+        expected_shards[target] = expected_shards.get(target, 0) + 1
+    loaded_shards: dict[str, set[object]] = {}
+    num_found = 0
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if not name.startswith(prefix):
+                    continue
+                num_found += 1
+                local = name[len(prefix):]
+                if local.startswith("embed_tokens."):
+                    continue
+                _load_one(params, packed, loaded_shards, local, _LazyCheckpointTensor(f, name))
+    if num_found == 0:
+        raise ValueError(f"checkpoint {str(model_dir)!r} has no multi-token-prediction layer "
+                         f"({prefix}*): MTP speculative decoding needs one")
+    missing = sorted(name for name in params if len(loaded_shards.get(name, ()))
+                     < expected_shards.get(name.split(".")[-2], 1))
+    if missing:
+        raise ValueError(f"checkpoint {str(model_dir)!r}'s MTP layer lacks tensors for: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    for module in mtp.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()

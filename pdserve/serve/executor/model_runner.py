@@ -43,13 +43,10 @@ from pdserve import envs
 from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.protocol.tp import TP_PROTOCOL, ReadKV, StepInput, WriteKV
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pdserve.serve.cpu.fused_decode import FusedDecode
-from pdserve.serve.cpu.tuning import Tuning, tune_rank
 from pdserve.serve.executor.context_parallel import assemble_owned_blocks
-from pdserve.serve.executor.distributed import Rendezvous
+from pdserve.serve.executor.cpu_tuning import Tuning, tune_rank
 from pdserve.serve.executor.kv_cache import KVCachePlan, KVCachePool
 from pdserve.serve.executor.loader import ModelSpec, load_model_spec
-from pdserve.serve.executor.pipeline import PipelineTimes, assemble_kv_blocks, stage_layer_range
 from pdserve.serve.executor.rank_processes import RankProcesses
 from pdserve.serve.executor.rank_worker import (
     DIST_TIMEOUT_S,
@@ -60,6 +57,9 @@ from pdserve.serve.executor.rank_worker import (
     setup_rank,
     worker_main,
 )
+from pdserve.serve.layers.distributed import Rendezvous
+from pdserve.serve.layers.fused_decode import FusedDecode
+from pdserve.serve.layers.pipeline import PipelineTimes, assemble_kv_blocks, stage_layer_range
 from pdserve.serve.models.moe import moe_load
 
 __all__ = ["DIST_TIMEOUT_S", "START_TIMEOUT_S", "ModelRunner", "serve_node"]
@@ -81,7 +81,7 @@ class ModelRunner:
                  start_timeout_s: float = START_TIMEOUT_S,
                  scheduler_config: SchedulerConfig | None = None,
                  speculative_config: Any = None) -> None:
-        """speculative_config (pdserve/serve/spec_decode.SpeculativeConfig): load the checkpoint's
+        """speculative_config (pdserve/serve/config.py SpeculativeConfig): load the checkpoint's
         MTP module as the drafter; one rank only."""
         parallel_config = parallel_config or ParallelConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -164,8 +164,8 @@ class ModelRunner:
     def tune_cpu_path(self, use_cache: bool = True,
                       progress: Callable[[int, int, str], None] | None = None) -> Tuning:
         """Choose the CPU path by measuring every candidate on this model (or read the choice
-        back from the cache), apply it and log it (pdserve/serve/cpu/tuning.py). One-rank CPU
-        workers only: a TP or PP group's ranks would each have to agree on one."""
+        back from the cache), apply it and log it (pdserve/serve/executor/cpu_tuning.py).
+        One-rank CPU workers only: a TP or PP group's ranks would each have to agree on one."""
         if not self._can_tune:
             raise RuntimeError("the CPU path is measured on a one-rank CPU worker only")
         self.cpu_tuning = tune_rank(self._rank, self._scheduler_config, use_cache, progress)
@@ -249,7 +249,7 @@ class ModelRunner:
 
     def fused_decode(self, num_rows: int | None = None) -> FusedDecode | None:
         """The in-process rank's fused decode loop for a step of `num_rows` rows
-        (pdserve/serve/cpu/fused_decode.FusedDecode), or None where its model has none or other
+        (pdserve/serve/layers/fused_decode.FusedDecode), or None where its model has none or other
         processes hold ranks (benchmarks/step_roofline.py times its parts)."""
         if self._world_size > 1:
             return None

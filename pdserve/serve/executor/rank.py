@@ -18,9 +18,7 @@ import torch.distributed as dist
 
 from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.protocol.tp import ReadKV, SeqChunk, StepInput, WriteKV
-from pdserve.serve.config import CacheConfig, SchedulerConfig
-from pdserve.serve.engine.prompt_logprobs import logit_rows, samples_every_row
-from pdserve.serve.executor.attention import build_attention_metadata, default_backend_name
+from pdserve.serve.config import MAX_SPECULATIVE_TOKENS, CacheConfig, SchedulerConfig
 from pdserve.serve.executor.context_parallel import (
     CPGroup,
     read_owned_blocks,
@@ -28,18 +26,20 @@ from pdserve.serve.executor.context_parallel import (
     write_owned_blocks,
 )
 from pdserve.serve.executor.cuda_graphs import DecodeGraphs, eager_reason
-from pdserve.serve.executor.distributed import Rendezvous, TPGroup
 from pdserve.serve.executor.kv_cache import KVCachePlan, KVCachePool
 from pdserve.serve.executor.loader import ModelSpec, load_model
-from pdserve.serve.executor.parallel import kv_heads_per_rank
-from pdserve.serve.executor.pipeline import (
+from pdserve.serve.executor.logit_rows import logit_rows, samples_every_row
+from pdserve.serve.executor.pool_sizing import free_device_memory, plan_pool
+from pdserve.serve.layers.attention import build_attention_metadata, default_backend_name
+from pdserve.serve.layers.distributed import Rendezvous, TPGroup
+from pdserve.serve.layers.parallel import kv_heads_per_rank
+from pdserve.serve.layers.pipeline import (
     PipelineStage,
     PipelineTimes,
     PPGroup,
     pad_layers,
     run_pipelined_step,
 )
-from pdserve.serve.executor.pool_sizing import free_device_memory, plan_pool
 from pdserve.serve.models.base import ModelOutput
 
 logger = logging.getLogger(__name__)
@@ -89,8 +89,7 @@ class Rank:
     def add_mtp(self) -> None:
         """Build and load the checkpoint's MTP module (before allocate_pool, which then
         plans one more layer of KV for it)."""
-        from pdserve.serve.engine.spec_decode import load_mtp_weights
-        from pdserve.serve.executor.loader import _default_dtype_and_device
+        from pdserve.serve.executor.loader import _default_dtype_and_device, load_mtp_weights
 
         build = getattr(self.model, "build_mtp", None)
         if build is None:
@@ -107,15 +106,13 @@ class Rank:
         """The MTP pass over spec_decode.DraftChunks after the step that computed
         last_hidden: writes the MTP layer's KV of every row; returns each chunk's greedy
         drafts (its last row's argmax, then the MTP chained on its own output)."""
-        from pdserve.serve.engine.spec_decode import MAX_SPECULATIVE_TOKENS
-
         mtp, embed = self.model.mtp, self.model.model.embed_tokens
         rotary = self.model.model.rotary_emb
         rows = torch.cat([torch.arange(c.hidden_start, c.hidden_start + len(c.token_ids))
                           for c in chunks]).to(self.device)
         previous = self.last_hidden.index_select(0, rows)  # [T', hidden]
         # Rows of a sequence that verified drafts are as few: marked so, the attention
-        # takes them as decode rows (pdserve/serve/executor/attention.py); a prompt chunk's go to
+        # takes them as decode rows (pdserve/serve/layers/attention.py); a prompt chunk's go to
         # prefill.
         short = all(len(c.token_ids) <= 1 + MAX_SPECULATIVE_TOKENS for c in chunks)
         step = StepInput([SeqChunk(c.request_id, c.token_ids, c.start_pos, c.block_table,
@@ -269,7 +266,7 @@ class Rank:
 
     def read_kv_for_gather(self, block_ids: list[int]) -> torch.Tensor:
         """read_kv on the host, padded to the largest stage's layer count (one gather shape
-        on every rank; pdserve/serve/executor/pipeline.py assemble_kv_blocks drops the padding)."""
+        on every rank; pdserve/serve/layers/pipeline.py assemble_kv_blocks drops the padding)."""
         local = self.read_kv(block_ids).cpu()
         if self.pp.size == 1:
             return local

@@ -9,7 +9,7 @@ ranks as the node k > 0 agent sees them.
 
 A local rank that dies is seen through its process handle; a rank on another node only
 through the control group: the heartbeat's broadcast (or a step's collective) fails, and
-`describe_lost` (the rendezvous's liveness counters, pdserve/serve/executor/distributed.py) names
+`describe_lost` (the rendezvous's liveness counters, pdserve/serve/layers/distributed.py) names
 the rank and
 its node in the error the engine raises.
             destroy this process's group

@@ -25,18 +25,18 @@ from pdserve import envs
 from pdserve.protocol.tp import TP_PROTOCOL, Ping, ReadKV, StepInput, Stop, WriteKV
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.executor.context_parallel import CPGroup
-from pdserve.serve.executor.distributed import (
+from pdserve.serve.executor.loader import load_model_spec
+from pdserve.serve.executor.rank import Rank
+from pdserve.serve.executor.rank_processes import RankProcesses, wait_node_ranks
+from pdserve.serve.layers.distributed import (
     SILENT_AFTER_S,
     Rendezvous,
     RendezvousError,
     TPGroup,
     init_tp_group,
 )
-from pdserve.serve.executor.fp8 import kv_cache_dtype_name
-from pdserve.serve.executor.loader import load_model_spec
-from pdserve.serve.executor.pipeline import PipelineStage, PPGroup, split_stages
-from pdserve.serve.executor.rank import Rank
-from pdserve.serve.executor.rank_processes import RankProcesses, wait_node_ranks
+from pdserve.serve.layers.fp8 import kv_cache_dtype_name
+from pdserve.serve.layers.pipeline import PipelineStage, PPGroup, split_stages
 
 logger = logging.getLogger(__name__)
 

@@ -10,18 +10,18 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.cpu.fused_decode import FusedDecode, FusedDecodeWeights, build_fused_decode
-from pdserve.serve.executor.attention import AttentionMetadata
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from pdserve.serve.executor.ops import reads_packed
-from pdserve.serve.executor.parallel import (
+from pdserve.serve.layers.attention import AttentionMetadata
+from pdserve.serve.layers.common import RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.fused_decode import FusedDecode, FusedDecodeWeights, build_fused_decode
+from pdserve.serve.layers.ops import reads_packed
+from pdserve.serve.layers.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pdserve.serve.executor.pipeline import MissingLayer, PipelineStage, current_stage
+from pdserve.serve.layers.pipeline import MissingLayer, PipelineStage, current_stage
 
 LayerDone = Callable[[int], None]
 Carried = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between pipeline stages
@@ -48,7 +48,7 @@ class ModelOutput:
     """On a pipeline stage before the last: the residual that travels on with `hidden`."""
     logits: torch.Tensor | None = None
     """[T, vocab] for every row of `hidden`, where the fused decode loop computed them with
-    the hidden states (pdserve/serve/cpu/fused_decode.py); None otherwise (compute_logits makes
+    the hidden states (pdserve/serve/layers/fused_decode.py); None otherwise (compute_logits makes
     them)."""
 
     @property
@@ -130,7 +130,7 @@ class DecoderModel(nn.Module):
     (hidden, residual); layer_done(i) runs as soon as layer i has written its KV, so the KV
     hand-off saves layer by layer from there.
 
-    Under pipeline parallelism (pdserve/serve/executor/pipeline.py) the model is one stage's part:
+    Under pipeline parallelism (pdserve/serve/layers/pipeline.py) the model is one stage's part:
     the layers
     of other stages are MissingLayer placeholders (names keep the global layer index), the
     embedding lives on the first stage, the norm on the last; kv_caches holds this stage's
@@ -184,8 +184,9 @@ class DecoderModel(nn.Module):
 
     def fused_decode_weights(self, lm_head: nn.Module | None, plain: bool = False
                              ) -> FusedDecodeWeights | None:
-        """What the fused decode loop reads (pdserve/serve/cpu/fused_decode.py), declared by a model
-        family that has one, from its loaded weights; None here: the layers run as modules."""
+        """What the fused decode loop reads (pdserve/serve/layers/fused_decode.py), declared by a
+        model family that has one, from its loaded weights; None here: the layers run as
+        modules."""
         return None
 
 
@@ -230,11 +231,11 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def fused_decode(self, num_rows: int | None = None) -> FusedDecode | None:
-        """The layer loop of a decode step as one compiled call (pdserve/serve/cpu/fused_decode.py),
-        built on first use from the loaded weights the model declares; None where it has
-        none. A step of `num_rows` rows that the CPU path keeps on the plain weights
-        (ops.CpuPath.plain_rows) gets the loop over those; any other the loop over the
-        packed copies (None: that one)."""
+        """The layer loop of a decode step as one compiled call
+        (pdserve/serve/layers/fused_decode.py), built on first use from the loaded weights the
+        model declares; None where it has none. A step of `num_rows` rows that the CPU path keeps
+        on the plain weights (ops.CpuPath.plain_rows) gets the loop over those; any other the
+        loop over the packed copies (None: that one)."""
         plain = num_rows is not None and not reads_packed(num_rows)
         if plain not in self._fused_decodes:
             self._fused_decodes[plain] = build_fused_decode(
@@ -243,5 +244,5 @@ class CausalLM(nn.Module):
 
     def rebuild_fused_decode(self) -> None:
         """Forget the fused loops: the next decode step builds its loop for the CPU path in
-        force (pdserve/serve/cpu/tuning.py apply, after the weights were packed again)."""
+        force (pdserve/serve/executor/cpu_tuning.py apply, after the weights were packed again)."""
         self._fused_decodes.clear()

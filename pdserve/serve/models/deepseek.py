@@ -31,9 +31,9 @@ latent projections, the router and the latent cache are whole on every rank.
 
 The loader skips V3's multi-token-prediction layer (model.layers.{num_hidden_layers}.*), as
 HF does (skips_checkpoint_tensor), unless MTP speculative decoding asks for it: build_mtp
-adds DeepseekMTPLayer and pdserve/serve/spec_decode.load_mtp_weights loads it. FP8 checkpoints as
-released (block-scaled weights) load as they are (pdserve/serve/executor/fp8.py); W_UK and W_UV are
-dequantized once, after loading.
+adds DeepseekMTPLayer and pdserve/serve/executor/loader.py load_mtp_weights loads it. FP8
+checkpoints as released (block-scaled weights) load as they are (pdserve/serve/layers/fp8.py);
+W_UK and W_UV are dequantized once, after loading.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.executor.attention import AttentionMetadata
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
-from pdserve.serve.executor.parallel import (
+from pdserve.serve.layers.attention import AttentionMetadata
+from pdserve.serve.layers.common import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     ReplicatedLinear,
@@ -285,7 +285,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         self._num_layers = int(hf_config["num_hidden_layers"])
         self.mtp: DeepseekMTPLayer | None = None
         """The multi-token-prediction module, built only for speculative decoding
-        (build_mtp; pdserve/serve/spec_decode.load_mtp_weights fills it)."""
+        (build_mtp; pdserve/serve/executor/loader.py load_mtp_weights fills it)."""
         self._local_experts = local_experts(int(hf_config.get("n_routed_experts") or 0), tp)
 
     def build_mtp(self) -> DeepseekMTPLayer:

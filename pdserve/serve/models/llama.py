@@ -20,11 +20,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.cpu.fused_decode import FusedDecodeWeights, FusedLayerWeights
-from pdserve.serve.executor.attention import Attention, AttentionMetadata
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.layers import RMSNorm, RotaryEmbedding
-from pdserve.serve.executor.parallel import (
+from pdserve.serve.layers.attention import Attention, AttentionMetadata
+from pdserve.serve.layers.common import RMSNorm, RotaryEmbedding
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.fused_decode import FusedDecodeWeights, FusedLayerWeights
+from pdserve.serve.layers.parallel import (
     QKVParallelLinear,
     RowParallelLinear,
     product_matrix,

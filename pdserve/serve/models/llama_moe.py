@@ -28,9 +28,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.layers import RotaryEmbedding
-from pdserve.serve.executor.parallel import ReplicatedLinear
+from pdserve.serve.layers.common import RotaryEmbedding
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.parallel import ReplicatedLinear
 from pdserve.serve.models.base import (
     GATE_UP_PACKED,
     QKV_PACKED,

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.parallel import ReplicatedLinear
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.parallel import ReplicatedLinear
 from pdserve.serve.models.base import GatedMLP, require_divisible, require_silu
 
 

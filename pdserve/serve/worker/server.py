@@ -37,11 +37,16 @@ from pdserve.protocol.worker import (
     StatusRequest,
     WorkerStatus,
 )
-from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.serve.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pdserve.serve.cpu.core_share import CoreBorrower, IdleFlag, Lender
 from pdserve.serve.engine.roles import ROLE_NAMES
-from pdserve.serve.engine.spec_decode import SpeculativeConfig
-from pdserve.serve.executor.distributed import RendezvousError
+from pdserve.serve.layers.distributed import RendezvousError
 from pdserve.serve.worker.args import (  # noqa: F401 (the flags; tests import them here)
     add_arguments,
     engine_configs_from_args,

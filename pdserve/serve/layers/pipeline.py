@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pdserve.protocol.tp import StepInput
-from pdserve.serve.executor.distributed import TPGroup
+from pdserve.serve.layers.distributed import TPGroup
 
 LOGITS_TAG = 1 << 20  # p2p tag of the logits message (activations use the micro-batch index)
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from pdserve.planner import profile as profiler
-from pdserve.planner import profile_served
+from pdserve.app import profile as profiler
+from pdserve.app import profile_served
 from pdserve.planner.goodput_model import LinearLatency
 from pdserve.planner.latency_profile import LatencyProfile, ProfileError
 

@@ -205,7 +205,7 @@ def convert_linears(model: nn.Module, module_names: set[str], config: Fp8WeightC
     """Make each named linear layer an FP8 one: weight float8_e4m3fn, plus weight_scale_inv
     [rows, ceil(columns / block)] fp32, each with its layer's weight_loader. Names the model
     lacks must be ones the loader skips (skips(name + ".weight")); returns the count."""
-    from pdserve.serve.executor.parallel import PrepackedLinear, fp8_linear_types
+    from pdserve.serve.layers.parallel import PrepackedLinear, fp8_linear_types
 
     modules = dict(model.named_modules())
     converted = 0

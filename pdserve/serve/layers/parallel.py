@@ -16,7 +16,7 @@ With expert parallelism (`TPGroup.expert_parallel`, over the same ranks) a rank 
 experts instead, and MoE rows travel to them and back with `all_to_all` (see
 pdserve/serve/models/moe.py SparseMoE); the block still ends in one all-reduce.
 
-The TP group is a small value (`TPGroup`, pdserve/serve/executor/distributed.py, where the process
+The TP group is a small value (`TPGroup`, pdserve/serve/layers/distributed.py, where the process
 group is set up) handed to every layer, not a module global, so two engines in one process (tests)
 cannot clash.
 """
@@ -32,9 +32,9 @@ from torch import nn
 
 from pdserve.kernels.cpu_linear import pack_panels as pack_panels  # re-exported (tests)
 from pdserve.kernels.cpu_linear import unpack as unpack  # re-exported (tests)
-from pdserve.serve.executor.distributed import TPGroup
-from pdserve.serve.executor.fp8 import dequantize_rows, fp8_linear, scale_shard
-from pdserve.serve.executor.ops import kernel, prepacks, reads_packed
+from pdserve.serve.layers.distributed import TPGroup
+from pdserve.serve.layers.fp8 import dequantize_rows, fp8_linear, scale_shard
+from pdserve.serve.layers.ops import kernel, prepacks, reads_packed
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -63,7 +63,7 @@ def _copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """A packed copy pays on CPU for fp32 weights (the prepack op, pdserve/serve/executor/ops.py).
+    """A packed copy pays on CPU for fp32 weights (the prepack op, pdserve/serve/layers/ops.py).
     bf16 weights stay plain: oneDNN refuses a bf16 reorder where the CPU lacks bf16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.dim() == 2 and prepacks() and torch.backends.mkldnn.is_available())
@@ -83,8 +83,8 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None, fp8_scale: torch.Tensor | None = None,
            fp8_block_k: int = 128) -> torch.Tensor:
-    """x W^T + b by this process's linear op (pdserve/serve/executor/ops.py), reading `packed` where
-    prepack made it; an FP8 W (with its per-row block scales, pdserve/serve/executor/fp8.py) goes to
+    """x W^T + b by this process's linear op (pdserve/serve/layers/ops.py), reading `packed` where
+    prepack made it; an FP8 W (with its per-row block scales, pdserve/serve/layers/fp8.py) goes to
     fp8_linear."""
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias, fp8_block_k)
@@ -97,7 +97,7 @@ class PrepackedLinear(nn.Module):
     prefills while decode steps read the plain weight). Two copies of every weight on CPU:
     the plain one stays the parameter that loaders, tensor parallelism and tests read.
 
-    An FP8 checkpoint's layer (pdserve/serve/executor/fp8.py convert_linears) holds an FP8 weight
+    An FP8 checkpoint's layer (pdserve/serve/layers/fp8.py convert_linears) holds an FP8 weight
     and its per-row block scales, `weight_scale_inv` [rows, ceil(columns / fp8_block_k)]."""
 
     weight: nn.Parameter

@@ -42,8 +42,8 @@ from types import ModuleType
 import torch
 
 from pdserve.kernels import cpu_linear
-from pdserve.serve.executor.attention import AttentionMetadata
-from pdserve.serve.executor.ops import chosen, cpu_kernels, path
+from pdserve.serve.layers.attention import AttentionMetadata
+from pdserve.serve.layers.ops import chosen, cpu_kernels, path
 
 _NO_BIAS = torch.empty(0)  # the kernel's marker for an absent bias
 _HALF = (torch.bfloat16, torch.float16)

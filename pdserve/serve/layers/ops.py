@@ -1,6 +1,6 @@
 """Which kernel implements each op in this process: the engine's one call into the kernel
 registry (pdserve/kernels/registry.py) for the ops outside attention (norm, SiLU, rotary, linear
-products). The attention ops go by backend (pdserve/serve/executor/attention.py).
+products). The attention ops go by backend (pdserve/serve/layers/attention.py).
 
 The process's CPU path (`CpuPath`: how linear weights are packed, whether a decode step runs
 the fused layer loop, whether AMX multiplies) names the candidates, best first; the registry
@@ -10,10 +10,10 @@ chooses among them (the first this machine can run):
     prepack   cpu: pdserve's panels (path.prepack "panels"), or onednn ("onednn"); none
     others    cpu (PDSERVE_CPU_KERNELS), torch
 
-The path is chosen by measuring every candidate on the machine at hand (pdserve/serve/cpu/tuning.py)
-and set with `use_path`; until then the default path runs. The environment's switches
-(PDSERVE_CPU_PREPACK, PDSERVE_FUSED_DECODE, PDSERVE_CPU_AMX) only take a path out of the
-running, for experiments.
+The path is chosen by measuring every candidate on the machine at hand
+(pdserve/serve/executor/cpu_tuning.py) and set with `use_path`; until then the default path runs.
+The environment's switches (PDSERVE_CPU_PREPACK, PDSERVE_FUSED_DECODE, PDSERVE_CPU_AMX) only take a
+path out of the running, for experiments.
 
 A CPU implementation takes every call its reference takes, running the reference where its
 kernel does not apply (a CUDA tensor, another dtype), so one choice per process serves
@@ -55,7 +55,7 @@ class CpuPath:
     "onednn" (torch's matmul library's blocked layout) or "none" (the plain weight only: the
     skinny product for a decode step's rows, torch's matmul past them)."""
     fused_decode: bool = True
-    """A decode step's layer loop as one compiled call (pdserve/serve/cpu/fused_decode.py)."""
+    """A decode step's layer loop as one compiled call (pdserve/serve/layers/fused_decode.py)."""
     amx: bool = True
     """bf16 panels multiply on AMX from amx_min_rows rows on, where the CPU has AMX."""
     plain_rows: int = 0
@@ -105,7 +105,8 @@ def path() -> CpuPath:
 
 def use_path(chosen_path: CpuPath | None) -> None:
     """Run `chosen_path` from now on (None: the default); every op is chosen again. The
-    caller repacks the weights and rebuilds the fused loop (pdserve/serve/cpu/tuning.py apply)."""
+    caller repacks the weights and rebuilds the fused loop
+    (pdserve/serve/executor/cpu_tuning.py apply)."""
     _chosen_path.clear()
     if chosen_path is not None:
         _chosen_path.append(chosen_path)
@@ -121,7 +122,7 @@ def reads_packed(num_rows: int) -> bool:
 
 def prepacks() -> bool:
     """Whether linear layers keep a packed copy of their weights
-    (pdserve/serve/executor/parallel.py)."""
+    (pdserve/serve/layers/parallel.py)."""
     return path().prepack != "none"
 
 

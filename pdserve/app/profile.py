@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.planner import profile_served
+from pdserve.app import profile_served
+from pdserve.app.profile_served import ServedWorkload
 from pdserve.planner.goodput_model import LinearLatency, fit_nonnegative
 from pdserve.planner.latency_profile import LatencyProfile, ProfileError
-from pdserve.planner.profile_served import ServedWorkload
 
 PREFILL_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 PREFILL_BATCHES = (1, 2, 4)
@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--disable-tqdm", action="store_true")
     served = parser.add_argument_group(
-        "served calibration (pdserve/planner/profile_served.py)",
+        "served calibration (pdserve/app/profile_served.py)",
         "after the engine sweep, serve the model at 1P1D with `pdserve up` (2 x TP x "
         "cores-per-gpu cores), drive it with `pdserve bench`, and scale the engine models "
         "by what serving adds; the hand-off and first-token overhead come from the router's "

@@ -1,7 +1,7 @@
 """Small layers every decoder block uses: RMSNorm, SiLU-and-multiply, rotary embedding.
 
 A layer holds its parameters (and the rotary tables); the arithmetic is a kernel op chosen
-for this process (pdserve/serve/executor/ops.py), whose reference (pdserve/kernels/reference.py)
+for this process (pdserve/serve/layers/ops.py), whose reference (pdserve/kernels/reference.py)
 reproduces Hugging Face's arithmetic order and float32 upcasts, so the engine's logits match
 transformers to float32 rounding, not just "approximately".
 """
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.serve.executor.ops import cpu_kernels as cpu_kernels  # re-exported (benchmarks)
-from pdserve.serve.executor.ops import kernel
+from pdserve.serve.layers.ops import cpu_kernels as cpu_kernels  # re-exported (benchmarks)
+from pdserve.serve.layers.ops import kernel
 
 
 class RMSNorm(nn.Module):

@@ -4,7 +4,7 @@ Which product kernel is fastest depends on the machine, not on a rule: pdserve's
 the weights past the cache, which pays where the weights do not fit in it and costs several
 times over where a huge L3 holds them; the fused decode loop saves Python per layer, which
 matters more on a fast core than a slow one. So on its first start a CPU worker times each
-candidate path (pdserve/serve/executor/ops.py CpuPath: the weights' packed layout x the fused loop x
+candidate path (pdserve/serve/layers/ops.py CpuPath: the weights' packed layout x the fused loop x
 AMX) on its own model, threads and pinning, over a few steps it will serve:
 
     decode 1, 8 and 32 sequences of 256 tokens (capped by max_num_seqs and max_model_len)
@@ -51,7 +51,7 @@ from torch import nn
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import SchedulerConfig
-from pdserve.serve.executor import ops
+from pdserve.serve.layers import ops
 
 if TYPE_CHECKING:
     from pdserve.serve.executor.rank import Rank
@@ -243,7 +243,7 @@ def cache_sizes() -> dict[str, str]:
 def model_facts(model: nn.Module) -> dict[str, Any]:
     """The model's products (their [out, in] shapes and dtypes, counted) and its layer count:
     what the paths are timed on."""
-    from pdserve.serve.executor.parallel import ParallelLMHead, PrepackedLinear
+    from pdserve.serve.layers.parallel import ParallelLMHead, PrepackedLinear
 
     products: dict[str, int] = {}
     for module in model.modules():
@@ -338,7 +338,7 @@ def time_step(run: Callable[[], object]) -> float:
 def apply(model: nn.Module, chosen: ops.CpuPath) -> None:
     """Run `chosen` from now on: the ops chosen again, every weight packed again, the fused
     decode loop built again."""
-    from pdserve.serve.executor.parallel import ParallelLMHead, PrepackedLinear
+    from pdserve.serve.layers.parallel import ParallelLMHead, PrepackedLinear
 
     ops.use_path(chosen)
     for module in model.modules():

@@ -16,7 +16,7 @@ Collectives go over gloo on CPU and NCCL on GPU, between whatever addresses the 
 interfaces have (ParallelConfig.dist_interface picks one); the store is only the meeting
 point, and afterwards the place where every non-zero rank's liveness counter ticks, so that
 when a collective fails rank 0 can say which rank (and node) is gone rather than "connection
-reset". `TPGroup` is the value the parallel layers (pdserve/serve/executor/parallel.py) and the
+reset". `TPGroup` is the value the parallel layers (pdserve/serve/layers/parallel.py) and the
 models are handed to know their shard and to all-reduce. This module holds no nn layers.
 """
 
@@ -51,7 +51,7 @@ class TPGroup:
     expert_capacity_factor: float | None = None  # MoE tokens per expert cap (ParallelConfig)
     group: Any = field(default=None, compare=False, repr=False)
     """The torch.distributed group of these ranks; None: the whole world (a pipeline stage's
-    TP ranks have a subgroup of their own, pdserve/serve/executor/pipeline.py)."""
+    TP ranks have a subgroup of their own, pdserve/serve/layers/pipeline.py)."""
 
     def __post_init__(self) -> None:
         if self.size <= 0 or not 0 <= self.rank < self.size:

@@ -101,7 +101,7 @@ def padded_block_tables(chunks: list, dtype: type) -> np.ndarray:
 class DecodeMetadata(AttentionMetadata):
     """build_attention_metadata for a step of one token per chunk (a decode step): each row's
     position is its length - 1, and the positions and slot mapping are built on first read.
-    The fused decode loop (pdserve/serve/cpu/fused_decode.py) reads neither: it derives both from
+    The fused decode loop (pdserve/serve/layers/fused_decode.py) reads neither: it derives both from
     the lengths and tables, so a step it takes builds two tensors, not five."""
 
     def __init__(self, chunks: list, block_size: int, device: torch.device) -> None:
@@ -147,7 +147,7 @@ def _verify_rows(chunks: list, query_lens: np.ndarray, positions: np.ndarray,
 def default_backend_name(device: torch.device) -> str:
     """PDSERVE_ATTENTION_BACKEND if set, else triton on CUDA and, on CPU, the compiled "cpu"
     backend (plain "torch" where its kernel cannot be built)."""
-    from pdserve.serve.executor.ops import cpu_kernels
+    from pdserve.serve.layers.ops import cpu_kernels
 
     chosen = envs.attention_backend()
     if chosen is not None:
