@@ -1,7 +1,7 @@
 """The KV hand-off over the network path, as between two hosts: every shared-memory path off
 (PDSERVE_HANDOFF_SHM=0, UCX over TCP only), so decode reads each prompt from the prefill
 worker's hand-off node over the wire, pulling each layer as the prefill stages it
-(pdserve/kvstore/layer_pull.py). Different TP degrees on the two sides (each decode rank keeps its
+(pdserve/handoff/layer_pull.py). Different TP degrees on the two sides (each decode rank keeps its
 own heads of each layer; an MLA latent goes whole to every rank) give the offline engine's text,
 nothing is copied in place, and nothing is left held. A kill of either side while decode
 reads (the prefill frozen under the read, then one of the two SIGKILLed) loses no request and

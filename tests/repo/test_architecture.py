@@ -47,6 +47,9 @@ FORBIDDEN = {
     "pdserve.benchmarks": _but("pdserve.benchmarks"),
     "benchmarks": _but("benchmarks", "pdserve.benchmarks"),
     "pdserve.integrations": _but("pdserve.integrations", "pdserve.kvstore"),
+    # the hand-off subsystem: the base and the store below it, never the engine or above
+    "pdserve.handoff": ("pdserve.serve", "pdserve.router", "pdserve.planner",
+                        "pdserve.benchmarks", "benchmarks", "pdserve.integrations", APP),
 }
 # The protocol package imports nothing of pdserve's (it is the floor's floor).
 FORBIDDEN["pdserve.protocol"] = PARTS + tuple(b for b in BASE_MODULES if b != "pdserve.protocol")

@@ -3,7 +3,7 @@
     hello bye put get get_layers exists evict prefetch pin renew release node_info
     (and base.py's stats check lookup_prefix, which the master answers too)
 
-A data server holds blocks in its tiers (a hand-off node, pdserve/kvstore/handoff_node.py, is one
+A data server holds blocks in its tiers (a hand-off node, pdserve/handoff/node_server.py, is one
 inside a worker). A client on the node's host may read the blocks that lie in the node's
 shared memory segment in place (ShmSegment, ShmSpan).
 """

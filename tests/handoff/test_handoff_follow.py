@@ -3,7 +3,7 @@ the prefill worker announces its staging as the forward stages layer 0 (Output.s
 worker reserves blocks and copies each layer the staging's header counts, and the hand-off
 then only claims the blocks. The tokens are a colocated engine's; reservations, leases, pins
 and segment memory all end free; a staging freed under the copy is recomputed. The worker's
-own components driven in one process (tests/serve/test_handoff_in_place.py's pair), each prefill
+own components driven in one process (tests/handoff/test_handoff_in_place.py's pair), each prefill
 layer followed by a turn of the decode loop, as two processes on two cores would run."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_decode_copies_each_layer_as_the_prefill_stages_it(
     assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert decode.engine.block_manager.num_reserved_blocks == 0  # claimed by the request
-    assert "r" in decode.engine.scheduler.requests and not decode._loading
+    assert "r" in decode.engine.scheduler.requests and not decode.loaded.num_in_flight
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
@@ -163,9 +163,8 @@ def test_follow_messages_round_trip_and_bad_ones_are_refused():
         KVStaging(segment, ShmSpan(4160, 4096, 3), 0)
 
 
-def test_no_staging_is_announced_with_follow_off(llama_dir, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
-    with handoff_pair(llama_dir, 8 << 20) as (prefill, decode, node):
+def test_no_staging_is_announced_with_follow_off(llama_dir):
+    with handoff_pair(llama_dir, 8 << 20, follow=False) as (prefill, decode, node):
         sent: list[Output] = []
         prefill.announcer.send = sent.append
         prefill.add(GenerateRequest("r", PROMPT, GREEDY))

@@ -1,5 +1,5 @@
 """A decode worker follows a prefill on another host layer by layer (pdserve/serve/worker/follow.py,
-pdserve/kvstore/layer_pull.py): with no shared memory anywhere (PDSERVE_HANDOFF_SHM=0, as between
+pdserve/handoff/layer_pull.py): with no shared memory anywhere (PDSERVE_HANDOFF_SHM=0, as between
 two hosts), the prefill announces its staging with its hand-off node's address, the decode worker
 reserves the prompt's blocks and pulls each layer from the node as it is staged, so each
 layer is in decode's blocks before the next one is computed; the hand-off then claims them.
@@ -31,9 +31,8 @@ NUM_BLOCKS = 4  # 25 tokens in blocks of 8
 
 
 @pytest.fixture
-def network_handoffs(llama_dir, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")
-    with handoff_pair(llama_dir, 0) as handoffs:
+def network_handoffs(llama_dir):
+    with handoff_pair(llama_dir, 0, shm=False) as handoffs:
         assert handoffs[2].shm_segment is None
         yield handoffs
 
@@ -131,7 +130,7 @@ def test_a_hand_off_ahead_of_its_last_layers_waits_for_them(
     [pull] = held
     assert _follow(decode).num_copied == 0
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
-    assert "r" in decode._follow_waiting and not decode._loading
+    assert decode.followed.is_waiting("r") and "r" not in decode.loaded
     monkeypatch.setattr(connector, "_pull", pull_layers)  # ...until the hand-off is here
     connector.run_job(lambda: connector._pull(pull))
     assert _finish(prefill, decode, first) == handoff_expected
@@ -179,7 +178,7 @@ def test_a_staging_gone_mid_pull_frees_the_reservation_and_the_hand_off_loads(
     assert dropped
     drive([prefill, decode], lambda outs: not prefill.is_busy)  # (its save's result)
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
-    assert "r" in decode._loading
+    assert "r" in decode.loaded
     assert _finish(prefill, decode, first) == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["pulled_count"] == 0 and totals["load_count"] == 1
@@ -257,7 +256,7 @@ def test_a_prefill_on_borrowed_cores_announces_no_pull(network_handoffs, handoff
         o.finish_reason == "handoff" for o in outs)) if o.finish_reason == "handoff"]
     assert announced == []
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
-    assert "r" in decode._loading
+    assert "r" in decode.loaded
     assert _finish(prefill, decode, first) == handoff_expected
     assert_all_free(prefill, decode, node)
 

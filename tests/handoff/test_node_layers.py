@@ -1,4 +1,4 @@
-"""get_layers against a real hand-off node (pdserve/kvstore/handoff_node.py), over UCX and over
+"""get_layers against a real hand-off node (pdserve/handoff/node_server.py), over UCX and over
 ZeroMQ frames (a side without ucxx): a client gets exactly the layers the node's worker has
 staged so far, from the asked block on, waits for the next one, reads the rest from the
 stored blocks once the save ended, and hears that a staging with neither is gone. A reply
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.handoff.node_server import HandoffNode
 from pdserve.kvstore.client import StoreClient
-from pdserve.kvstore.handoff_node import HandoffNode
 
 NUM_LAYERS, LAYER_BYTES = 4, 256
 KEYS = [bytes([i]) * 16 for i in range(5)]
