@@ -52,6 +52,9 @@ _request_ids = itertools.count(1)
 
 
 class HandoffNode:
+    """This worker's own data node: put, pin and release in process, served to decode
+    workers on its own port (see the module docstring)."""
+
     def __init__(self, name: str, host: str, capacity_blocks: int, lease_ttl_s: float,
                  timeout_s: float, transport: str = "ucx", port: int = 0,
                  shm_bytes: int = 0) -> None:

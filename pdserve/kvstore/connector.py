@@ -75,6 +75,8 @@ class BlockBackend(Protocol):
 
 @dataclass(frozen=True)
 class TransferResult:
+    """A finished load or save, as poll() reports it."""
+
     request_id: str
     kind: str  # "load" | "save"
     num_blocks: int

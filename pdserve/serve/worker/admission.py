@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from pdserve.protocol.worker import GenerateRequest, KVHandoff, Output
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
@@ -31,6 +32,17 @@ from pdserve.serve.worker.kv_transfer import KVTransfer, TransferDone
 logger = logging.getLogger(__name__)
 
 KINDS = ("followed", "in_place", "load", "recompute")
+
+
+class Admission(Protocol):
+    """One way a handed-off request joins the batch."""
+
+    kind: str
+
+    def admit(self, message: GenerateRequest) -> bool:
+        """Take the request (its KV in place, loading, or to recompute); False: declined,
+        nothing changed, the next admission of its path tries."""
+        ...
 
 
 def handoff_kind(message: GenerateRequest, kv_transfer: KVTransfer | None,

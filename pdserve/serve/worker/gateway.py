@@ -51,6 +51,7 @@ from pdserve.serve.engine.prompt_logprobs import wants_prompt_logits, wire_promp
 from pdserve.serve.engine.request import RequestOutput
 from pdserve.serve.engine.roles import make_role
 from pdserve.serve.worker.admission import (
+    Admission,
     Followed,
     HeldPrefix,
     InPlace,
@@ -61,8 +62,6 @@ from pdserve.serve.worker.admission import (
 )
 from pdserve.serve.worker.follow import Followers, StagingAnnouncer
 from pdserve.serve.worker.kv_transfer import KVTransfer, TransferDone
-
-Admission = Followed | InPlace | HeldPrefix | Loaded | Recomputed
 
 logger = logging.getLogger(__name__)
 
