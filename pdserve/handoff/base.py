@@ -95,9 +95,9 @@ class HandoffTransport(ABC):
         return None
 
     def begin_save(self, save: Save) -> None:
-        """A save is about to stage its first layer (`save.keys`, `save.staging`). A
-        transport that lets decode follow the staging registers it here (`save.staging_id`,
-        `save.span`). Called on the forward's thread; must not block."""
+        """A save is about to stage its first layer (`save.keys`, `save.staging`, named by
+        `save.staging_id`). A transport that lets decode follow the staging registers it
+        here. Called on the forward's thread; must not block."""
         return None  # (optional: a transport without the step has nothing to do)
 
     def save_layer(self, save: Save, num_staged: int, event: Any = None) -> None:

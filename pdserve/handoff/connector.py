@@ -101,9 +101,8 @@ class HandoffConnector(StoreConnector):
         return super()._staging(num_blocks, pinned)
 
     def _save_started(self, request_id: str, save: Save) -> None:
-        if self.transport.node is not None:  # pulled layer by layer by a decode worker
-            save.staging_id = next(self._staging_ids)
-            self.transport.begin_save(save)
+        save.staging_id = next(self._staging_ids)
+        self.transport.begin_save(save)
         self._announce(request_id, save)
 
     def _layers_staged(self, request_id: str, save: Save, num_staged: int, event: Any) -> None:

@@ -65,7 +65,7 @@ class NodeHandoff(StoreHandoff):
 
     def begin_save(self, save: Save) -> None:
         """Register the staging (pulled layer by layer by a decode worker elsewhere)."""
-        assert self.node is not None and save.staging_id
+        assert self.node is not None
         self.node.stagings.begin(save.staging_id, save.keys, save.staging,
                                  save.staging.shape[1])
 

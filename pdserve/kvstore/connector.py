@@ -121,7 +121,7 @@ class Save:
     copy_done: list[Any] = field(default_factory=list)  # CUDA events of the async copies
     span: ShmSpan | None = None  # where the staging lies in a node's segment (hand-off)
     announce_when_staged: bool = False  # on_staged declined at the start: ask once all are
-    staging_id: int = 0  # in the node's live stagings (0: not there, no node)
+    staging_id: int = 0  # names the staging (0: none; a hand-off connector numbers them)
 
 
 def block_nbytes(layout: KVLayout) -> int:
