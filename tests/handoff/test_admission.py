@@ -76,7 +76,7 @@ def test_the_kind_of_a_handoff() -> None:
 ])
 def test_each_kind_tries_its_admissions_in_order(kind: str, path: list[type]) -> None:
     assert kind in KINDS
-    admissions = _gateway(with_transfer=True).admissions(kind)
+    admissions = _gateway(with_transfer=True).path(kind)
     assert [type(a) for a in admissions] == path
     assert [a.kind for a in admissions] == [cls.kind for cls in path]
 
@@ -85,4 +85,5 @@ def test_a_handoff_without_a_transfer_is_recomputed() -> None:
     gateway = _gateway(with_transfer=False)
     gateway.add(_message())
     assert gateway.engine.continued == [("r", [7])]
+    assert gateway.path("load") == [gateway.recomputed]  # whatever the kind
     assert not gateway.is_busy and gateway.poll() == []

@@ -81,7 +81,8 @@ def test_decode_worker_queues_a_handoff_until_blocks_free(llama_dir) -> None:
         decode.add(GenerateRequest("r", prompt, GREEDY, handoff=first.handoff))
 
         deadline = time.monotonic() + 30
-        while decode.loaded.num_in_flight:  # the KV arrives; with no blocks free, it waits for them
+        # the KV arrives; with no blocks free, it waits for them
+        while decode.admissions.loaded.num_in_flight:
             assert time.monotonic() < deadline
             assert decode.poll() == []
             time.sleep(0.005)

@@ -34,7 +34,7 @@ def test_handoff_on_one_host_joins_the_batch_at_once_from_the_segment(
     assert first.handoff.shm_segment == node.shm_segment and len(spans) == 4
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     # no load job
-    assert not decode.loaded.num_in_flight and "r" in decode.engine.scheduler.requests
+    assert not decode.admissions.loaded.num_in_flight and "r" in decode.engine.scheduler.requests
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]

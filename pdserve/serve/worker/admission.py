@@ -446,3 +446,39 @@ class Followed:
     def drop(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
         self.followers.drop(request_id)
+
+
+class Admissions:
+    """A worker's admissions over its KV transfer, sharing its followers, its lease returns
+    and its loads; `path(kind)` is the order a hand-off of that kind tries them."""
+
+    def __init__(self, engine: Engine, kv_transfer: KVTransfer, recomputed: Recomputed) -> None:
+        self.followers = Followers(engine, kv_transfer)
+        self.leases = LeaseReturns(kv_transfer)
+        self.recomputed = recomputed
+        self.held_prefix = HeldPrefix(engine, kv_transfer, self.leases)
+        self.loaded = Loaded(engine, kv_transfer, self.held_prefix, recomputed)
+        self.in_place = InPlace(kv_transfer, self.leases, self.loaded)
+        self.followed = Followed(engine, kv_transfer, self.followers, self.leases, recomputed)
+
+    def path(self, kind: str) -> list[Admission]:
+        """The admissions a hand-off of `kind` (KINDS) tries, in order."""
+        if kind == "recompute":
+            return [self.recomputed]
+        path: list[Admission] = [self.held_prefix, self.loaded]
+        if kind in ("followed", "in_place"):
+            path.insert(0, self.in_place)
+        if kind == "followed":
+            path.insert(0, self.followed)
+        return path
+
+    @property
+    def is_busy(self) -> bool:
+        """Something is loading, waiting for blocks, followed, or a lease to give back."""
+        return bool(self.loaded.num_loading or self.leases or self.followers or self.followed)
+
+    def drop(self, request_id: str) -> None:
+        """The request was aborted: whatever an admission holds for it goes back."""
+        self.followed.drop(request_id)
+        self.held_prefix.drop(request_id)
+        self.loaded.drop(request_id)

@@ -50,16 +50,7 @@ from pdserve.serve.engine.engine import Engine
 from pdserve.serve.engine.prompt_logprobs import wants_prompt_logits, wire_prompt_logprobs
 from pdserve.serve.engine.request import RequestOutput
 from pdserve.serve.engine.roles import make_role
-from pdserve.serve.worker.admission import (
-    Admission,
-    Followed,
-    HeldPrefix,
-    InPlace,
-    LeaseReturns,
-    Loaded,
-    Recomputed,
-    handoff_kind,
-)
+from pdserve.serve.worker.admission import Admission, Admissions, Recomputed, handoff_kind
 from pdserve.serve.worker.follow import Followers, StagingAnnouncer
 from pdserve.serve.worker.kv_transfer import KVTransfer, TransferDone
 
@@ -98,27 +89,18 @@ class RequestGateway:
         # worker), until its first Output reports its phases
         self._arrivals: dict[str, tuple[float, bool]] = {}
         self.recomputed = Recomputed(engine)
-        self._followers: Followers | None = None
-        if kv_transfer is not None:
-            self._followers = Followers(engine, kv_transfer)
-            self.leases = LeaseReturns(kv_transfer)
-            self.held_prefix = HeldPrefix(engine, kv_transfer, self.leases)
-            self.loaded = Loaded(engine, kv_transfer, self.held_prefix, self.recomputed)
-            self.in_place = InPlace(kv_transfer, self.leases, self.loaded)
-            self.followed = Followed(engine, kv_transfer, self._followers, self.leases,
-                                     self.recomputed)
+        self.admissions = (Admissions(engine, kv_transfer, self.recomputed)
+                           if kv_transfer is not None else None)
+        """How handed-off requests join the batch (None without a KV transfer: recomputed)."""
         engine.set_role(make_role(role, kv_transfer))
 
-    def admissions(self, kind: str) -> list[Admission]:
+    def path(self, kind: str) -> list[Admission]:
         """The admissions a hand-off of `kind` tries, in order (admission.py)."""
-        if kind == "recompute":
-            return [self.recomputed]
-        path: list[Admission] = [self.held_prefix, self.loaded]
-        if kind in ("followed", "in_place"):
-            path.insert(0, self.in_place)
-        if kind == "followed":
-            path.insert(0, self.followed)
-        return path
+        return [self.recomputed] if self.admissions is None else self.admissions.path(kind)
+
+    @property
+    def _followers(self) -> Followers | None:
+        return self.admissions.followers if self.admissions is not None else None
 
     @property
     def _kv_cache_dtype(self) -> str:
@@ -142,13 +124,12 @@ class RequestGateway:
     @property
     def num_loading(self) -> int:
         """Requests not in the engine yet: KV loading, or loaded and waiting for blocks."""
-        return self.loaded.num_loading if self.kv_transfer is not None else 0
+        return self.admissions.loaded.num_loading if self.admissions is not None else 0
 
     @property
     def is_busy(self) -> bool:
         """Something is held, loading or waiting for blocks."""
-        return bool(self._held) or self.kv_transfer is not None and bool(
-            self.loaded.num_loading or self.leases or self._followers or self.followed)
+        return bool(self._held) or self.admissions is not None and self.admissions.is_busy
 
     @property
     def copy_early(self) -> bool:
@@ -172,8 +153,11 @@ class RequestGateway:
         (engine steps free them), a lease waits to be given back, a sent hand-off's write-back
         waits to start, or a save failed in this thread. The loop must not sleep;
         for transfers in flight it sleeps on `wakeup_fd`."""
-        return bool(self._write_backs) or self.kv_transfer is not None and bool(
-            self.loaded.num_waiting_for_blocks or self.leases or self.kv_transfer.has_failed)
+        admissions, kv_transfer = self.admissions, self.kv_transfer
+        return bool(self._write_backs) or (
+            admissions is not None and bool(admissions.loaded.num_waiting_for_blocks
+                                            or admissions.leases)) or (
+            kv_transfer is not None and kv_transfer.has_failed)
 
     @property
     def wakeup_fd(self) -> int | None:
@@ -189,9 +173,10 @@ class RequestGateway:
             try:
                 self._add_handed_off(message)
             finally:  # a follow the hand-off did not take (no keys, refused, ...) lets go
-                if (self._followers is not None
-                        and not self.followed.is_waiting(message.request_id)):
-                    self._followers.drop(message.request_id)
+                admissions = self.admissions
+                if admissions is not None and not admissions.followed.is_waiting(
+                        message.request_id):
+                    admissions.followers.drop(message.request_id)
         else:
             self._add_new(message)
         self._arrivals[message.request_id] = (arrived_s, message.handoff is not None)
@@ -217,11 +202,12 @@ class RequestGateway:
         request = self.engine.make_request(message.prompt_token_ids, message.sampling,
                                            message.request_id, message.resume_output_ids)
         # (prompt logprobs need the whole prompt computed here: no stored prefix)
-        if self.kv_transfer is not None and not wants_prompt_logits(request) and (
-                self.role != "decode" or message.resume_output_ids):
-            keys = self.kv_transfer.store_prefix_keys(request)
+        kv_transfer, admissions = self.kv_transfer, self.admissions
+        if kv_transfer is not None and admissions is not None and not wants_prompt_logits(
+                request) and (self.role != "decode" or message.resume_output_ids):
+            keys = kv_transfer.store_prefix_keys(request)
             if keys:
-                self.loaded.start(message, keys)
+                admissions.loaded.start(message, keys)
                 return
         self.engine.submit(request)
 
@@ -234,16 +220,14 @@ class RequestGateway:
         kind = handoff_kind(message, self.kv_transfer, self._followers)
         if kind != "recompute":
             self.engine.make_request(message.prompt_token_ids, message.sampling)  # validate
-        for admission in self.admissions(kind):
+        for admission in self.path(kind):
             if admission.admit(message):
                 return
         raise AssertionError(f"no admission took {message.request_id}")  # (Loaded takes all)
 
     def abort(self, request_id: str) -> None:
-        if self.kv_transfer is not None:
-            self.followed.drop(request_id)
-            self.held_prefix.drop(request_id)
-            self.loaded.drop(request_id)
+        if self.admissions is not None:
+            self.admissions.drop(request_id)
         self._held.pop(request_id, None)
         self._forget_arrival(request_id)
         if self.kv_transfer is not None:
@@ -259,22 +243,24 @@ class RequestGateway:
     def poll(self) -> list[Output]:
         """Finish what the store completed: the hand-offs whose save ended (to send), and
         requests whose KV arrived (into the engine; an error Output if that fails)."""
-        if self.kv_transfer is None:
+        admissions, kv_transfer = self.admissions, self.kv_transfer
+        if admissions is None or kv_transfer is None:
             return []
         outputs: list[Output] = []
-        if self._followers:
-            self._followers.copy_ready()
-            outputs += self.followed.admit_pulled(self._add_handed_off, self._forget_arrival)
-        self.leases.give_back()
+        if admissions.followers:
+            admissions.followers.copy_ready()
+            outputs += admissions.followed.admit_pulled(self._add_handed_off,
+                                                        self._forget_arrival)
+        admissions.leases.give_back()
         for job in self._write_backs:  # their hand-offs went out after the last poll
-            self.kv_transfer.start_write_back(job)
+            kv_transfer.start_write_back(job)
         self._write_backs = []
-        outputs += self.loaded.admit_waiting(self._forget_arrival)
-        for done in self.kv_transfer.poll():
+        outputs += admissions.loaded.admit_waiting(self._forget_arrival)
+        for done in kv_transfer.poll():
             if done.kind == "save":
                 outputs += self._saved(done)
             else:
-                outputs += self.loaded.finished(done, self._forget_arrival)
+                outputs += admissions.loaded.finished(done, self._forget_arrival)
         return outputs
 
     def _saved(self, done: TransferDone) -> list[Output]:
@@ -368,6 +354,7 @@ class RequestGateway:
         self.engine.set_role(make_role(role, self.kv_transfer))
 
     def describe_in_flight(self) -> str:
-        num_waiting = self.loaded.num_waiting_for_blocks if self.kv_transfer is not None else 0
+        admissions = self.admissions
+        num_waiting = admissions.loaded.num_waiting_for_blocks if admissions is not None else 0
         return (f"{len(self._held)} hand-offs saving, {self.num_loading - num_waiting} loads, "
                 f"{num_waiting} waiting for KV blocks")
