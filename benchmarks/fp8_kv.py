@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure(model_dir: Path, kv_cache_dtype: str, args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.kvstore.connector import make_in_process_connector
+    from pdserve.handoff.connector import make_in_process_connector
     from pdserve.protocol.sampling import SamplingParams
     from pdserve.protocol.tp import SeqChunk, StepInput
     from pdserve.serve.config import CacheConfig, ModelConfig

@@ -16,7 +16,7 @@ into the landing pool. UCX runs twice in fresh processes (UCX_TLS is read once a
 
 The hand-off read as a decode worker makes it, request round trip included: `get_shm` and
 `get_ucx` are StoreClient.get_many of one block from a hand-off node
-(pdserve/kvstore/handoff_node.py) in another process, through its segment and over UCX.
+(pdserve/handoff/node_server.py) in another process, through its segment and over UCX.
 
     python -m benchmarks.kv_transfer [--sizes-kib 64,256,1024,4096,16384]
 
@@ -178,10 +178,10 @@ def shm_gbps(block_bytes: int, warmup: int = 3) -> float | None:
 
 
 def run_node(sizes: list[int]) -> None:
-    """The `--role node` process: a hand-off node (pdserve/kvstore/handoff_node.py) with a shared
+    """The `--role node` process: a hand-off node (pdserve/handoff/node_server.py) with a shared
     memory segment, holding one staged block of each size under key `size`; prints its
     address, and lives until its stdin closes."""
-    from pdserve.kvstore.handoff_node import HandoffNode
+    from pdserve.handoff.node_server import HandoffNode
 
     node = HandoffNode("kv-transfer", "127.0.0.1", len(sizes), 600.0, _TIMEOUT_MS / 1000,
                        shm_bytes=sum(sizes) + 2 * 4096 * len(sizes))

@@ -96,3 +96,10 @@ def reachable(address: str) -> str:
         return address
     scheme, host, port = match.groups()
     return f"{scheme}://{advertised_host(host)}:{port}"
+
+
+def advertised(bound: str) -> str:
+    """tcp://host:port as another host dials it: a wildcard host (0.0.0.0, ::) becomes this
+    host's routable address (routable_host)."""
+    host, _, port = bound.removeprefix("tcp://").rpartition(":")
+    return f"tcp://{advertised_host(host)}:{port}"

@@ -7,6 +7,7 @@ Each is read when asked for, never at import, so tests can set them with monkeyp
 from __future__ import annotations
 
 import os
+import warnings
 
 
 def _flag(name: str, default: str = "1") -> bool:
@@ -44,20 +45,29 @@ def cpu_prepack() -> bool:
     return _flag("PDSERVE_CPU_PREPACK")
 
 
-def handoff_shm() -> bool:
-    """PDSERVE_HANDOFF_SHM=0 sends every hand-off over UCX (default 1: a prefill worker's
-    hand-off node stages prompts in a shared memory segment, and a decode worker on the same
-    host copies them straight out of it, pdserve/kvstore/shm_segment.py). Read by the one function
-    that picks a worker's hand-off (pdserve/serve/worker/kv_transfer.py choose_handoff)."""
-    return _flag("PDSERVE_HANDOFF_SHM")
+def _deprecated_alias(name: str, flag: str) -> bool | None:
+    """A deprecated switch that only sets a flag's default: its value (None: unset), with one
+    FutureWarning where it is set (Python shows a warning once per place that raises it)."""
+    if name not in os.environ:
+        return None
+    warnings.warn(f"{name} is deprecated: use the worker flag {flag} / --no-{flag[2:]} "
+                  "(the variable only sets that flag's default)", FutureWarning, stacklevel=3)
+    return _flag(name)
 
 
-def handoff_follow() -> bool:
-    """PDSERVE_HANDOFF_FOLLOW=0: a prefill worker does not announce its stagings, so no decode
-    worker follows one, and each hand-off's blocks are copied when it arrives (default 1: the
-    decode worker copies each layer as it lands, pdserve/serve/worker/follow.py). Read by
-    pdserve/serve/worker/kv_transfer.py choose_handoff, as PDSERVE_HANDOFF_SHM."""
-    return _flag("PDSERVE_HANDOFF_FOLLOW")
+def handoff_shm_default() -> bool:
+    """The default of the worker flag --handoff-shm (True), unless the deprecated alias
+    PDSERVE_HANDOFF_SHM=0|1 sets it (warning once). The flag chooses
+    (pdserve/handoff/registry.py choose_handoff); the variable only moves its default."""
+    alias = _deprecated_alias("PDSERVE_HANDOFF_SHM", "--handoff-shm")
+    return True if alias is None else alias
+
+
+def handoff_follow_default() -> bool:
+    """The default of the worker flag --handoff-follow (True), unless the deprecated alias
+    PDSERVE_HANDOFF_FOLLOW=0|1 sets it (warning once), as handoff_shm_default."""
+    alias = _deprecated_alias("PDSERVE_HANDOFF_FOLLOW", "--handoff-follow")
+    return True if alias is None else alias
 
 
 def cpu_amx() -> bool:

@@ -31,7 +31,7 @@ saves: every prompt block this step completes that the store did not already hol
 
 Worker (vllm_worker.py). Each of vLLM's per-layer cache tensors is viewed, without a copy, as
 pdserve's pool layout [2, num_blocks, B, H, D] (CPU_ATTN stores K transposed; the view undoes
-it), so pdserve's KVConnector moves the blocks: one background thread fetches a step's blocks
+it), so pdserve's StoreConnector moves the blocks: one background thread fetches a step's blocks
 and copies them in layer by layer while the forward waits on each layer in turn
 (wait_for_layer_load); a save copies each layer's blocks out as the layer finishes, and the put
 runs off the critical path.

@@ -2,7 +2,7 @@
 
 vLLM's per-layer paged KV tensors are viewed, without a copy, as pdserve's pool layout
 [2, num_blocks, B, H, D] (POOL_VIEWS, by vLLM attention backend; K and V planes may have
-different strides, PlanesAsPool joins them), so pdserve's KVConnector
+different strides, PlanesAsPool joins them), so pdserve's StoreConnector
 (pdserve/kvstore/connector.py) moves the blocks: its thread fetches a step's loads and copies them
 in layer by layer while the forward waits on each layer (wait_for_layer); a save copies each
 layer's blocks out as the layer finishes (the pool blocks are free again at once) and the put
@@ -24,7 +24,7 @@ import torch
 from pdserve.integrations.vllm_scheduler import BlockTransfer, StepPlan
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.kvstore.client import StoreClient
-from pdserve.kvstore.connector import KVConnector
+from pdserve.kvstore.connector import StoreConnector
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ POOL_VIEWS: dict[tuple[str, str | None], PoolView] = {
 
 class PlanesAsPool:
     """One layer's planes, each [num_blocks, B, H, D] with strides of its own, as the single
-    [P, num_blocks, B, H, D] pool tensor pdserve's KVConnector copies blocks into and out of
+    [P, num_blocks, B, H, D] pool tensor pdserve's StoreConnector copies blocks into and out of
     (it asks for index_copy_, index_select and slices `[:, a:b]` along the block dim, view,
     device, dtype, is_cuda)."""
 
@@ -126,7 +126,7 @@ def layer_index(layer_name: str) -> int:
 
 class PdserveWorker:
     """The worker half, on plain tensors: runs a StepPlan's loads and saves through pdserve's
-    KVConnector, and reports the blocks that did not load."""
+    StoreConnector, and reports the blocks that did not load."""
 
     def __init__(self, layout: KVLayout, client: StoreClient, tp_rank: int = 0,
                  tp_size: int = 1, timeout_s: float = 5.0):
@@ -134,7 +134,7 @@ class PdserveWorker:
         self.timeout_s = timeout_s
         self._layer_wait_s = 2 * timeout_s + 10.0  # a fetch gives up after timeout_s itself
         self._client = client
-        self._kv = KVConnector(client, layout, tp_rank=tp_rank, tp_size=tp_size,
+        self._kv = StoreConnector(client, layout, tp_rank=tp_rank, tp_size=tp_size,
                                timeout_s=timeout_s)
         self._num_heads = len(range(layout.num_kv_heads)[layout.rank_heads(tp_rank, tp_size)])
         self._views: list[PlanesAsPool] = []

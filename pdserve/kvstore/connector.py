@@ -1,4 +1,4 @@
-"""The KV connector: the only way a worker touches the store (lookup, load, save, poll).
+"""The store connector: the only way a worker touches the store (lookup, load, save, poll).
 
 The worker's device pool is one tensor per layer (pdserve/serve/executor/kv_cache.py), with P
 planes: K and V (P = 2, layout kind "mha") or the MLA latent row alone (P = 1, kind "mla", one
@@ -16,33 +16,25 @@ at another TP degree re-lays blocks out for free); an MLA latent is whole on eve
 Saving from a TP>1 MHA worker needs all heads, so the caller gathers heads to one rank first
 (or saves at TP=1); a sharded save raises.
 
-Where a save lands and whence a load reads is the hand-off transport's
-(pdserve/kvstore/handoff_transport.py): with a worker's own data node
-(pdserve/kvstore/handoff_node.py,
-`handoff_node`) a save lands there, in process and pinned under a lease, and the hand-off
-names that node (`source`), so the decode worker reads the blocks straight from the prefill
-worker's memory, one hop; the fleet store (`backend`) gets a write-back copy off the critical
-path, and a decode worker that cannot reach the source loads from it instead. Without a node,
-saves go to the fleet store directly (two hops). A node with a shared memory segment stages
-saves in it, and a decode worker on the same host maps them (pdserve/kvstore/handoff_staging.py).
-
-Loads, saves, pulls and releases run on one background thread (but a save into this worker's
-own node, in process, runs as its last layer is staged), and the fills of the fleet store (a
-save's write-back, the host tier's write-downs) on a second one at the lowest priority; the
+Loads, saves and releases run on one background thread, and the fills of the fleet store (the
+host tier's write-downs, a hand-off's write-back) on a second one at the lowest priority; the
 engine polls for completions, and a loop with nothing else to do sleeps on `wakeup_fd`,
 readable once a completion waits (a loop that spun would take the core from the load it
 waits for). The KV cache is a cache: a load that fails (store down, timeout, missing or
 malformed block) reports the blocks it did place, possibly none, and the engine recomputes
 the rest.
 
-    lookup(keys) -> n          start_load(req, keys[:n], block_ids, kv_caches, source)
+    lookup(keys) -> n          start_load(req, keys[:n], block_ids, kv_caches)
     wait_for_layer_load(req, l)   save_layer(req, l, keys, block_ids, kv_caches[l])
     poll() -> [TransferResult]
+
+The prefill -> decode hand-off extends this class (pdserve/handoff/connector.py): its saves
+land in a worker's own data node or the store, are offered under a lease, and its loads read
+the node a hand-off names first; the hooks it overrides are the `_`-methods marked "hook".
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -51,20 +43,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pdserve.kvstore.block_key import KVLayout
-from pdserve.kvstore.handoff_staging import SegmentMaps
-from pdserve.kvstore.handoff_transport import (
-    BlockBackend,
-    HandoffTransport,
-    Offer,
-    make_handoff_transport,
-)
-from pdserve.kvstore.layer_pull import LayerPull
-from pdserve.kvstore.live_staging import StagingPlace
+from pdserve.kvstore.master import PrefixLookup
 from pdserve.kvstore.memory_tier import (
     BytesLike,
     as_uint8_tensor,
@@ -72,21 +56,27 @@ from pdserve.kvstore.memory_tier import (
     fp8_as_bytes,
     run_view,
 )
-from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.lifecycle import lower_thread_priority
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
 
 logger = logging.getLogger(__name__)
 
-
-# (request id, where, every layer staged) -> whether it was announced
-OnStaged = Callable[[str, StagingPlace, bool], bool]
-
 CLOSE_DRAIN_S = 2.0  # the longest close() waits for queued jobs
+
+
+class BlockBackend(Protocol):
+    """What the connector needs of a store: a TieredStore (in process) or a StoreClient."""
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int | PrefixLookup: ...
+    def put_many(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]: ...
+    def get_many(self, keys: Sequence[bytes]) -> Sequence[BytesLike | None]: ...
+    def prefetch(self, keys: Sequence[bytes]) -> int: ...
 
 
 @dataclass(frozen=True)
 class TransferResult:
+    """A finished load or save, as poll() reports it."""
+
     request_id: str
     kind: str  # "load" | "save"
     num_blocks: int
@@ -122,14 +112,16 @@ class _Load:
 
 
 @dataclass
-class _Save:
+class Save:
+    """A save being staged, layer by layer, in host memory."""
+
     keys: list[bytes]
     staging: torch.Tensor  # [num_blocks, num_layers, 2, block_size, H, D] on the host
     layers_saved: set[int] = field(default_factory=set)
     copy_done: list[Any] = field(default_factory=list)  # CUDA events of the async copies
-    span: ShmSpan | None = None  # where the staging lies in the node's segment
+    span: ShmSpan | None = None  # where the staging lies in a node's segment (hand-off)
     announce_when_staged: bool = False  # on_staged declined at the start: ask once all are
-    staging_id: int = 0  # in the node's live stagings (0: not there, no node)
+    staging_id: int = 0  # names the staging (0: none; a hand-off connector numbers them)
 
 
 def block_nbytes(layout: KVLayout) -> int:
@@ -149,27 +141,28 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class KVConnector:
+def usable_prefix(blocks: Sequence[BytesLike | None], block_bytes: int) -> list[BytesLike]:
+    """The leading run of present, well-formed blocks of a read."""
+    usable = []
+    for block in blocks:
+        if block is None or as_uint8_tensor(block).numel() != block_bytes:
+            break
+        usable.append(block)
+    return usable
+
+
+class StoreConnector:
+    """A worker's client of the fleet store: prefix lookups, per-layer loads into its pool,
+    per-layer saves from it, and the write-downs of its host tier, in the background."""
+
     def __init__(self, backend: BlockBackend | None, layout: KVLayout, tp_rank: int = 0,
-                 tp_size: int = 1, timeout_s: float = 10.0, lease_ttl_s: float | None = None,
-                 handoff_node: Any = None,
-                 connect: Callable[[str], BlockBackend] | None = None,
-                 on_staged: OnStaged | None = None):
+                 tp_size: int = 1, timeout_s: float = 10.0,
+                 lease_ttl_s: float | None = None) -> None:
         """`backend`: the fleet store (None: none). `lease_ttl_s`: pin every completed save
         under a lease of this TTL (the save target must have leases: `pin(keys, ttl_s)`,
-        `release(lease_id)`). `handoff_node`: this worker's own data node (a HandoffNode),
-        where saves land (the "node" transport; without it, "store"); `connect(address)`
-        opens a client to another worker's node, the source of a load. `on_staged`: called
-        (on the forward's thread) when a save into a node starts staging: (request id, its
-        StagingPlace, False); the node's live stagings (and the staging's header, where it
-        lies in the node's segment) then count the layers staged, for a decode worker to
-        follow. If it returns False (not announced now), it is called again, with True, once
-        every layer is staged."""
+        `release(lease_id)`)."""
         self._heads = layout.rank_heads(tp_rank, tp_size)  # raises on a bad rank or split
         self.backend = backend
-        self.transport: HandoffTransport = make_handoff_transport(
-            "node" if handoff_node is not None else "store", backend, connect, handoff_node)
-        self._on_staged = on_staged
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeout_s = timeout_s
@@ -177,13 +170,10 @@ class KVConnector:
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
         self.block_shape = layout.block_shape()  # [num_layers, P, block_size, H, D]
         self.block_bytes = block_nbytes(layout)
-        self.segments = SegmentMaps(self.block_bytes, self._layers, self._per_layer)
-        """Other workers' staging on this host, mapped (main thread only)."""
         self._loads: dict[str, _Load] = {}
-        self._saves: dict[str, _Save] = {}
+        self._saves: dict[str, Save] = {}
         self._results: list[TransferResult] = []
         self._num_write_downs = 0
-        self._staging_ids = itertools.count(1)
         self._lock = threading.Lock()
         # a byte is written for each completion, and poll() empties the pipe
         self._wake_read, self._wake_write = os.pipe()
@@ -232,8 +222,8 @@ class KVConnector:
 
     def write_down(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> bool:
         """Put whole blocks (the store's format, owned by this call) into the fleet store in
-        the background: what a worker's host tier evicts (pdserve/serve/engine/kv_tiers.py). False,
-        and nothing sent, without a store or while MAX_WRITE_DOWNS are queued."""
+        the background: what a worker's host tier evicts (pdserve/serve/engine/kv_tiers.py).
+        False, and nothing sent, without a store or while MAX_WRITE_DOWNS are queued."""
         backend = self.backend
         if backend is None or self._num_write_downs >= self.MAX_WRITE_DOWNS:
             return False
@@ -257,9 +247,9 @@ class KVConnector:
     # ---- load -------------------------------------------------------------------------------
     def start_load(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int],
                    kv_caches: Sequence[torch.Tensor] | None, source: str = "") -> None:
-        """Fetch blocks `keys` into pool blocks `block_ids` of every layer, asynchronously:
-        from the data node at `source` (a prefill worker's), else (or when that fails) from
-        the fleet store. With `kv_caches` None the blocks are not placed anywhere: the
+        """Fetch blocks `keys` into pool blocks `block_ids` of every layer, asynchronously
+        (`source`: a data node to read first, for a hand-off connector; here the fleet store
+        is read). With `kv_caches` None the blocks are not placed anywhere: the
         TransferResult carries them per layer (`layers`), for a caller that allocates their
         pool blocks only once they arrived (no staging copy)."""
         if len(keys) != len(block_ids) or (
@@ -272,11 +262,21 @@ class KVConnector:
         keys, block_ids = list(keys), list(block_ids)
         self._jobs.put(lambda: self._load(request_id, load, keys, block_ids, kv_caches, source))
 
+    def _fetch(self, keys: list[bytes], source: str) -> list[BytesLike]:
+        """Hook: the leading usable blocks of `keys`, from the fleet store."""
+        if self.backend is None or not keys:
+            return []
+        try:
+            return usable_prefix(self.backend.get_many(keys), self.block_bytes)
+        except Exception as e:
+            logger.warning("kv connector: reading from the store failed (%s)", e)
+            return []
+
     def _load(self, request_id: str, load: _Load, keys: list[bytes], block_ids: list[int],
               kv_caches: Sequence[torch.Tensor] | None, source: str) -> None:
         error = None
         try:
-            usable = self.transport.fetch(keys, source, self.block_bytes)
+            usable = self._fetch(keys, source)
             if len(usable) < len(keys):
                 error = f"{len(keys) - len(usable)} of {len(keys)} blocks missing"
             load.num_blocks = len(usable)  # before any layer is signalled as done
@@ -348,17 +348,12 @@ class KVConnector:
             save = self._saves.get(request_id)
             if save is None:
                 staging = self._staging(len(keys), kv_cache.is_cuda)
-                save = self._saves[request_id] = _Save(list(keys), staging)
+                save = self._saves[request_id] = Save(list(keys), staging)
                 started = True
             else:
                 started = False
-        node = self.transport.node
         if started:
-            if node is not None:  # pulled layer by layer by a decode worker elsewhere
-                save.staging_id = next(self._staging_ids)
-                node.stagings.begin(save.staging_id, save.keys, save.staging,
-                                    self.layout.num_layers)
-            self._announce(request_id, save)
+            self._save_started(request_id, save)
         if list(keys) != save.keys or layer in save.layers_saved:
             raise ValueError(f"save_layer: keys changed or layer {layer} saved twice")
         # pool [P, num_blocks, block_size, H, D] -> staging[:, layer] [n, P, block_size, H, D],
@@ -374,111 +369,67 @@ class KVConnector:
             save.copy_done.append(event)
         save.layers_saved.add(layer)
         if layer + 1 == len(save.layers_saved):  # in order so far: count it, after its data
-            if save.span is not None:
-                self.transport.set_progress(save.span, layer + 1)
-            if save.staging_id:
-                node.stagings.progress(save.staging_id, layer + 1, event)
-            if save.announce_when_staged and layer + 1 == self.layout.num_layers:
-                self._announce(request_id, save, staged=True)
+            self._layers_staged(request_id, save, layer + 1, event)
         if len(save.layers_saved) == self.layout.num_layers:
             with self._lock:
                 del self._saves[request_id]
-            if self.transport.offers_in_process and not save.copy_done:
-                # into this worker's own node: no I/O, so at once (on the job thread it would
-                # wait for the GIL behind the next forward)
+            if self._puts_in_process and not save.copy_done:
+                # no I/O, so at once (on the job thread it would wait for the GIL behind the
+                # next forward)
                 self._put(request_id, save)
             else:
                 self._jobs.put(lambda: self._put(request_id, save))
 
-    def _announce(self, request_id: str, save: _Save, staged: bool = False) -> None:
-        """A save staging in the node: say where (on_staged), so that a decode worker can
-        copy each layer as it is counted, from the node's segment on this host or pulled
-        from the node elsewhere (`staged`: the second call, every layer is)."""
-        node = self.transport.node
-        if self._on_staged is None or node is None:
-            return
-        segment = self.transport.staging_segment
-        if save.span is None and segment is not None:
-            spans = self.transport.locate([save.staging.view(-1)])
-            save.span = spans[0] if spans is not None else None  # (None: it was full)
-        place = StagingPlace(save.keys, node.address, save.staging_id,
-                             segment if save.span is not None else None, save.span)
-        try:
-            announced = self._on_staged(request_id, place, staged)
-        except Exception as e:  # only an optimisation: the hand-off still says where
-            logger.warning("kv connector: announcing the staging of %s failed (%s)",
-                           request_id, e)
-            return
-        save.announce_when_staged = not announced and not staged
+    _puts_in_process = False
+    """Hook: a put does no I/O (a worker's own node), so the last save_layer runs it."""
 
     def _staging(self, num_blocks: int, pinned: bool) -> torch.Tensor:
-        """Host memory for a save's blocks [n, num_layers, P, block_size, H, D]: in the node's
-        shared memory segment where it has room (a decode worker on this host copies them
-        out of it), else plain (pinned for a CUDA pool's asynchronous copies)."""
-        if not pinned:
-            data = self.transport.allocate_staging(num_blocks * self.block_bytes)
-            if data is not None:
-                return data.view(self.dtype).view(num_blocks, *self.block_shape)
+        """Hook: host memory for a save's blocks [n, num_layers, P, block_size, H, D] (pinned
+        for a CUDA pool's asynchronous copies)."""
         return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, pin_memory=pinned)
 
-    def _put(self, request_id: str, save: _Save) -> None:
-        """Offer the staged blocks where decode reads them (the transport's), pinned; the
-        transport's write-back goes with the result, for the caller to start once the
-        hand-off is out (off its critical path)."""
+    def _save_started(self, request_id: str, save: Save) -> None:
+        """Hook: a save's first layer is about to be staged."""
+
+    def _layers_staged(self, request_id: str, save: Save, num_staged: int, event: Any) -> None:
+        """Hook: the save's first `num_staged` layers are staged (their copies recorded in
+        `event` on CUDA)."""
+
+    def _end_staging(self, save: Save) -> None:
+        """Hook: the save's staging is no longer read from (put, or aborted)."""
+
+    def _offer(self, request_id: str, keys: list[bytes], blocks: list[torch.Tensor]
+               ) -> TransferResult:
+        """Hook: store a save's staged blocks, pinned under a lease of `lease_ttl_s`."""
+        num_stored, lease_id = 0, None
+        try:
+            if self.backend is None:
+                raise RuntimeError("no store to save to")
+            stored = self.backend.put_many(keys, blocks)
+            num_stored = next((i for i, ok in enumerate(stored) if not ok), len(stored))
+            if self.lease_ttl_s is not None and num_stored:
+                lease_id, _ = self.backend.pin(keys[:num_stored], self.lease_ttl_s)
+        except Exception as e:  # a lost save only costs a future recompute
+            return TransferResult(request_id, "save", num_stored, repr(e), lease_id)
+        return TransferResult(request_id, "save", num_stored, None, lease_id)
+
+    def _put(self, request_id: str, save: Save) -> None:
+        """Store the staged blocks (the `_offer` hook), pinned; the result's write-back (a
+        hand-off's) goes to the caller, to start once the hand-off is out."""
         try:
             for event in save.copy_done:
                 event.synchronize()
         except Exception as e:  # a lost save only costs a future recompute
-            offer = Offer(0, repr(e))
+            result = TransferResult(request_id, "save", 0, repr(e))
         else:
             blocks = [save.staging[i].view(-1).view(torch.uint8) for i in range(len(save.keys))]
-            offer = self.transport.offer(save.keys, blocks, self.lease_ttl_s)
+            result = self._offer(request_id, save.keys, blocks)
         self._end_staging(save)  # (a pull reads what is left from the node's store now)
-        if offer.error is not None:
-            logger.warning("kv connector: save of %s failed (%s)", request_id, offer.error)
+        if result.error is not None:
+            logger.warning("kv connector: save of %s failed (%s)", request_id, result.error)
         with self._lock:
-            self._results.append(TransferResult(
-                request_id, "save", offer.num_stored, offer.error, offer.lease_id,
-                offer.source, shm_segment=offer.shm_segment, shm_spans=offer.shm_spans,
-                write_back=offer.write_back))
+            self._results.append(result)
         self._wake()
-
-    # ---- pull (decode, following a prefill on another host) --------------------------------
-    def start_pull(self, source: str, staging_id: int, keys: list[bytes], first_block: int,
-                   paused: bool = False) -> LayerPull:
-        """Pull the layers of a prompt the node at `source` is staging now (its blocks `keys`,
-        from the staging's block `first_block` on) as they land, in the background: the
-        returned pull's `take` gives them, per layer, and the wake-up fd says when.
-        `paused`: not before resume_pull."""
-        pull = LayerPull(source, staging_id, keys, first_block, self.block_shape, self.dtype,
-                         self._pulled_layers)
-        if paused:
-            pull.pause()
-        else:
-            self.resume_pull(pull)
-        return pull
-
-    def resume_pull(self, pull: LayerPull) -> None:
-        """Go on with a paused pull (a no-op for one under way)."""
-        if pull.resume():
-            self._jobs.put(lambda: self._pull(pull))
-
-    def _pull(self, pull: LayerPull) -> None:
-        if not pull.may_step():
-            return
-        go_on = self.transport.pull_layers(pull)
-        self._wake()
-        if go_on:  # behind the jobs queued meanwhile
-            self._jobs.put(lambda: self._pull(pull))
-        else:
-            pull.stopped()
-
-    def _pulled_layers(self, payload: torch.Tensor, num_blocks: int,
-                       num_layers: int) -> list[torch.Tensor]:
-        """[n, layers, P, block_size, H, D] (flat bytes) -> per layer [P, n, block_size, this
-        rank's h, D], views."""
-        data = payload.view(self.dtype).view(num_blocks, num_layers, *self.block_shape[1:])
-        return [data[:, j, :, :, self._heads].transpose(0, 1) for j in range(num_layers)]
 
     def run_job(self, job: Callable[[], None]) -> None:
         """Run `job` on the connector's job thread."""
@@ -491,9 +442,17 @@ class KVConnector:
         self._fills.put(job)
 
     def release(self, lease_id: int, source: str = "") -> None:
-        """Give a save's lease back to the node holding it (asynchronously); a failure
-        leaves it to expire."""
-        self._jobs.put(lambda: self.transport.release(lease_id, source))
+        """Give a save's lease back (asynchronously); a failure leaves it to expire."""
+        self._jobs.put(lambda: self._release(lease_id, source))
+
+    def _release(self, lease_id: int, source: str) -> None:
+        """Hook: give a lease back to the store."""
+        try:
+            if self.backend is not None:
+                self.backend.release(lease_id)
+        except Exception as e:
+            logger.warning("kv connector: releasing lease %d failed (%s); it will expire",
+                           lease_id, e)
 
     # ---- completion -------------------------------------------------------------------------
     @property
@@ -521,21 +480,12 @@ class KVConnector:
                     self._loads.pop(r.request_id, None)
         return results
 
-    def _end_staging(self, save: _Save) -> None:
-        if save.staging_id and self.transport.node is not None:
-            self.transport.node.stagings.end(save.staging_id)
-
     def abort(self, request_id: str) -> None:
         """Forget a request's partial save (a finished load is freed by poll)."""
         with self._lock:
             save = self._saves.pop(request_id, None)
         if save is not None:
             self._end_staging(save)
-
-    @property
-    def handoff_node(self) -> Any:
-        """This worker's own data node, where saves land (None: the fleet store)."""
-        return self.transport.node
 
     @property
     def num_in_flight(self) -> int:
@@ -561,12 +511,14 @@ class KVConnector:
             jobs.put(None)
         for thread in self._threads:
             thread.join(timeout=CLOSE_DRAIN_S)
-        self.transport.close_peers()
-        self.segments.close()
+        self._closed()
         if not self._threads[0].is_alive() and self._wake_write >= 0:  # (a job may write)
             os.close(self._wake_read)
             os.close(self._wake_write)
             self._wake_write = -1
+
+    def _closed(self) -> None:
+        """Hook: the job threads ended; close what the subclass opened."""
 
     @staticmethod
     def _run_jobs(jobs: queue.Queue[Callable[[], None] | None], fills: bool) -> None:
@@ -578,11 +530,3 @@ class KVConnector:
                 return
             job()
             del job  # not held while waiting: a save's job holds its staging memory
-
-
-def make_in_process_connector(layout: KVLayout, dram_capacity_blocks: int,
-                              disk_capacity_blocks: int = 0, disk_dir: str | None = None,
-                              **kwargs: Any) -> KVConnector:
-    """A connector over a private in-process TieredStore (tests, single-process runs)."""
-    store = TieredStore.build(dram_capacity_blocks, disk_capacity_blocks, disk_dir)
-    return KVConnector(store, layout, **kwargs)

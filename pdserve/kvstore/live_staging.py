@@ -11,15 +11,18 @@ A save announces where it stages (StagingPlace, sent on as protocol/worker.py's 
 A staging is read only up to the layers its progress counts, which are written before it is
 counted and never written again. Once it ended, its blocks are in the node's store under the
 same keys (pinned by the hand-off's lease until decode releases it), and a pull reads what is
-left from there; an aborted staging is in neither, and the pull is told it is gone. On CUDA
-each layer's copy to the host staging is asynchronous: its event is waited on (by the node's
-thread, never the forward's) before the layer is read.
+left from there: only the ended staging's own keys, at their place (the node remembers the
+keys of its last stagings), so a request cannot read other blocks the node holds or ask for
+more than the staging had. An aborted staging is in neither, and the pull is told it is gone.
+On CUDA each layer's copy to the host staging is asynchronous: its event is waited on (by the
+node's thread, never the forward's) before the layer is read.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,9 @@ from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor, back_to_back
 from pdserve.protocol.store.data import GetLayersRequest, ShmSegment, ShmSpan
 
 MAX_LIVE_STAGINGS = 4096  # a worker stages one per prompt in its batch; far more is a leak
+MAX_ENDED_KEYS = 1 << 20
+"""Keys of ended stagings remembered (the oldest staging forgotten first): a pull that comes
+after its staging was forgotten is told it is gone, and its hand-off loads the usual way."""
 
 
 @dataclass
@@ -64,6 +70,8 @@ class LiveStagings:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._stagings: dict[int, _Staging] = {}
+        self._ended: OrderedDict[int, list[bytes]] = OrderedDict()  # oldest first
+        self._num_ended_keys = 0
 
     def __len__(self) -> int:
         with self._cond:
@@ -94,8 +102,21 @@ class LiveStagings:
     def end(self, staging_id: int) -> None:
         """The save is done (its blocks are in the node) or aborted; idempotent."""
         with self._cond:
-            if self._stagings.pop(staging_id, None) is not None:
-                self._cond.notify_all()
+            staging = self._stagings.pop(staging_id, None)
+            if staging is None:
+                return
+            self._ended[staging_id] = staging.keys
+            self._num_ended_keys += len(staging.keys)
+            while self._num_ended_keys > MAX_ENDED_KEYS:
+                self._num_ended_keys -= len(self._ended.popitem(last=False)[1])
+            self._cond.notify_all()
+
+    def is_ended_with(self, staging_id: int, keys: Sequence[bytes], first_block: int) -> bool:
+        """Whether `staging_id` ended (and is remembered) with blocks `keys` from its block
+        `first_block` on: then they may be read from the node's store."""
+        with self._cond:
+            ended = self._ended.get(staging_id)
+            return ended is not None and _names(ended, keys, first_block)
 
     def wait(self, staging_id: int, keys: Sequence[bytes], first_block: int,
              first_layer: int, timeout_s: float) -> tuple[torch.Tensor | None, int]:
@@ -106,7 +127,7 @@ class LiveStagings:
         with self._cond:
             while True:
                 staging = self._stagings.get(staging_id)
-                if staging is None or staging.keys[first_block:first_block + len(keys)] != keys:
+                if staging is None or not _names(staging.keys, keys, first_block):
                     return None, 0
                 left = deadline - time.monotonic()
                 if staging.num_staged > first_layer or left <= 0:
@@ -131,11 +152,18 @@ def read_layers(stagings: LiveStagings, get_many, request: GetLayersRequest
             return 0, None, False
         part = blocks[request.first_block:request.first_block + len(keys), first:num_staged]
         return num_staged - first, np.ascontiguousarray(part.numpy()), False
+    if not stagings.is_ended_with(request.staging_id, keys, request.first_block):
+        return 0, None, True  # never here, forgotten, or not its keys: nothing to read
     stored = get_many(keys)
     if any(block is None for block in stored):
         return 0, None, True
     payload = _layers_of(stored, num_layers, first)
     return (0, None, True) if payload is None else (num_layers - first, payload, False)
+
+
+def _names(staging_keys: list[bytes], keys: Sequence[bytes], first_block: int) -> bool:
+    """Whether `keys` are a staging's blocks from its block `first_block` on."""
+    return list(keys) == staging_keys[first_block:first_block + len(keys)]
 
 
 def _layers_of(stored: Sequence[BytesLike], num_layers: int, first: int) -> np.ndarray | None:

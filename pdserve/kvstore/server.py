@@ -126,18 +126,18 @@ class StoreServer:
         if config.role in ("data", "all"):
             self.data_service = DataService(config, on_change=self._on_block_change)
             self.data_address = self._serve_on(config.data_port, self.data_service)
-            from pdserve.kvstore.handoff_node import advertised  # (it imports this module)
 
             if self.master_service is not None:
                 # with the blocks re-indexed from disk before the master knew this node
-                self.master_service.join_local(config.node_id, advertised(self.data_address),
+                self.master_service.join_local(config.node_id,
+                                               addresses.advertised(self.data_address),
                                                self.data_service.placements(),
                                                self.data_service.usage)
                 self.data_service.master_address = self.master_address
             elif config.master_address is not None:
                 self._reporter = MasterReporter(
                     self._ctx, config.master_address, config.node_id,
-                    advertised(self.data_address), config.heartbeat_interval_s,
+                    addresses.advertised(self.data_address), config.heartbeat_interval_s,
                     config.request_timeout_s, self.data_service.placements,
                     usage=self.data_service.usage, read=self.data_service.store.get_many)
         logger.info("store: role=%s master=%s data=%s", config.role, self.master_address,

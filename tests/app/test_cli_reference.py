@@ -48,7 +48,8 @@ def test_passed_flags_reach_the_worker_config() -> None:
         "--device", "cpu", "--dtype", "float32", "--block-size", "32", "--max-num-seqs", "8",
         "--kv-cache-memory-gb", "1.5", "--expert-capacity-factor", "1.25",
         "--handoff-dram-gb", "0", "--store-timeout-s", "3", "--no-prefix-caching",
-        "--enforce-eager"]),
+        "--enforce-eager", "--kv-handoff", "store", "--no-handoff-shm",
+        "--no-handoff-follow"]),
         "/m", gpus=[])
     workers = {c.role: c for c in cluster.children if c.role not in ("store", "router")}
     for role, child in workers.items():
@@ -58,12 +59,14 @@ def test_passed_flags_reach_the_worker_config() -> None:
                 config.cache.kv_cache_memory_bytes, config.parallel.expert_capacity_factor,
                 config.cache.enable_prefix_caching) == ("float32", 32, 8, 3 << 29, 1.25, False)
         assert (config.handoff_dram_gb, config.store_timeout_s) == (0.0, 3.0), role
+        assert (config.kv_handoff, config.handoff_shm, config.handoff_follow) == (
+            "store", False, False), role
         assert config.model.enforce_eager, role
     # defaults are not repeated on the children's command lines
     cluster = launcher.plan(up.parse_args(["--device", "cpu"]), "/m", gpus=[])
     argv = [a for c in cluster.children for a in c.argv]
     assert not {"--dtype", "--block-size", "--handoff-dram-gb", "--seed",
-                "--enforce-eager"} & set(argv)
+                "--enforce-eager", "--kv-handoff", "--handoff-shm"} & set(argv)
 
 
 def test_worker_flag_defaults_are_the_worker_configs() -> None:

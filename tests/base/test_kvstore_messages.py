@@ -142,6 +142,11 @@ def raw(type_: str, **fields) -> bytes:
         num_layers=8, wait_s=0.0, ucx_tag=None),  # past the last layer
     raw("get_layers", request_id=1, staging_id=1, keys=[KEY], first_block=0, first_layer=0,
         num_layers=8, wait_s=5.0, ucx_tag=None),  # holds a node's thread too long
+    raw("get_layers", request_id=1, staging_id=1, keys=[KEY] * 30_000, first_block=0,
+        first_layer=0, num_layers=8, wait_s=0.0, ucx_tag=None),  # one block, asked again
+    raw("get_layers", request_id=1, staging_id=1,
+        keys=[i.to_bytes(16, "big") for i in range(data.MAX_LAYER_KEYS + 1)], first_block=0,
+        first_layer=0, num_layers=8, wait_s=0.0, ucx_tag=None),  # more than a staging has
     raw("get_layers_reply", request_id=1, num_layers=1, nbytes=0),  # layers without bytes
     raw("get_layers_reply", request_id=1, num_layers=1, nbytes=4, gone=True),
     raw("stats", request_id=1, extra=0),  # unknown field

@@ -1,7 +1,7 @@
 """The KV hand-off over the network path, as between two hosts: every shared-memory path off
-(PDSERVE_HANDOFF_SHM=0, UCX over TCP only), so decode reads each prompt from the prefill
+(--no-handoff-shm, UCX over TCP only), so decode reads each prompt from the prefill
 worker's hand-off node over the wire, pulling each layer as the prefill stages it
-(pdserve/kvstore/layer_pull.py). Different TP degrees on the two sides (each decode rank keeps its
+(pdserve/handoff/layer_pull.py). Different TP degrees on the two sides (each decode rank keeps its
 own heads of each layer; an MLA latent goes whole to every rank) give the offline engine's text,
 nothing is copied in place, and nothing is left held. A kill of either side while decode
 reads (the prefill frozen under the read, then one of the two SIGKILLed) loses no request and
@@ -25,8 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 @pytest.fixture
 def network_path(monkeypatch):
-    """What `pdserve up` and its children inherit: no shared memory anywhere."""
-    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")
+    """What `pdserve up` and its children inherit: UCX over TCP only."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
 
 
@@ -34,7 +33,7 @@ def _served_over_the_network(model_dir, log_dir, expected: list[str], *flags: st
     """Decode follows each prefill, pulling its layers as they are staged (each of its TP
     ranks keeping its own heads of each layer)."""
     cluster = start_cluster(model_dir, log_dir, "--mode", "disagg", "--num-kv-blocks", "128",
-                            "--handoff-dram-gb", "0.25", *flags)
+                            "--handoff-dram-gb", "0.25", "--no-handoff-shm", *flags)
     try:
         for prompt, text in zip(PROMPTS, expected, strict=True):
             body = complete(cluster.base_url, prompt=prompt, max_tokens=10, temperature=0)
@@ -76,10 +75,10 @@ def roles(llama_dir, tmp_path_factory):
     """One prefill and two decode workers, each its own process, every hand-off over the
     network path."""
     with pytest.MonkeyPatch.context() as env:  # for the module: restarted workers too
-        env.setenv("PDSERVE_HANDOFF_SHM", "0")
         env.setenv("UCX_TLS", "tcp,self")
         roles = Roles(llama_dir, tmp_path_factory.mktemp("net-kill-logs"), num_decode=2,
-                      router_args=("--heartbeat-timeout-s", "3"))
+                      router_args=("--heartbeat-timeout-s", "3"),
+                      worker_args=("--no-handoff-shm",))
         roles.start_all()
         try:
             roles.wait_ready()

@@ -184,8 +184,11 @@ class Roles:
 
     def __init__(self, model_dir, log_dir, num_decode: int = 1,
                  router_args: tuple[str, ...] = (), num_prefill: int = 1,
-                 num_data_nodes: int = 0, replicas: int = 1) -> None:
+                 num_data_nodes: int = 0, replicas: int = 1,
+                 worker_args: tuple[str, ...] = ()) -> None:
+        """`worker_args`: flags every worker (restarted ones too) is started with."""
         self.model_dir, self.log_dir = str(model_dir), log_dir
+        self.worker_args = worker_args
         base = free_port_block(12 + num_data_nodes)
         self.router_port, self.master_port, self.data_port = base, base + 1, base + 2
         self.prefill_ports = [base + 3 + i for i in range(num_prefill)]
@@ -230,7 +233,8 @@ class Roles:
                    "--num-kv-blocks", str(NUM_BLOCKS), "--worker-id", name,
                    "--store", f"tcp://127.0.0.1:{self.data_port}",
                    "--store-master", f"tcp://127.0.0.1:{self.master_port}",
-                   "--store-timeout-s", "2", "--kv-lease-ttl-s", str(LEASE_TTL_S))
+                   "--store-timeout-s", "2", "--kv-lease-ttl-s", str(LEASE_TTL_S),
+                   *self.worker_args)
 
     def start_store(self, name: str) -> None:
         """Start (again) the store process `name`: store, master, or data-i."""

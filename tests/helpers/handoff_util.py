@@ -1,7 +1,7 @@
 """Two workers' request gateways on one host, in one process: a prefill RequestGateway whose
 KVTransfer has a real HandoffNode with a shared memory segment, a decode RequestGateway, and the
-loop that drives them step by step without sockets (tests/serve/test_handoff_in_place.py,
-tests/serve/test_handoff_follow.py)."""
+loop that drives them step by step without sockets (tests/handoff/test_handoff_in_place.py,
+tests/handoff/test_handoff_follow.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import time
 from transformers import AutoTokenizer
 
 from helpers.engine_util import run_to_completion, token_ids
-from pdserve.kvstore.handoff_node import HandoffNode
+from pdserve import envs
+from pdserve.handoff.node_server import HandoffNode
+from pdserve.handoff.registry import HandoffChoice
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
 from pdserve.serve.config import CacheConfig, ModelConfig
 from pdserve.serve.engine.engine import Engine
 from pdserve.serve.worker.follow import StagingAnnouncer
 from pdserve.serve.worker.gateway import RequestGateway
-from pdserve.serve.worker.kv_transfer import HandoffChoice, KVTransfer
+from pdserve.serve.worker.kv_transfer import KVTransfer
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -61,14 +63,17 @@ def colocated_tokens(llama_dir) -> list[int]:
 
 
 @contextlib.contextmanager
-def handoff_pair(llama_dir, shm_bytes: int):
+def handoff_pair(llama_dir, shm_bytes: int, shm: bool | None = None,
+                 follow: bool | None = None):
     """(prefill RequestGateway, decode RequestGateway, the prefill worker's node with a
-    segment of `shm_bytes`, 0: none), with the same-host paths the environment chooses (as
-    pdserve/serve/worker/kv_transfer.py make_kv_transfer does). The prefill's stagings are announced
-    to its announcer's `send` (a test's; nothing by default)."""
+    segment of `shm_bytes`, 0: none), with the same-host paths `shm` and `follow` (the worker
+    flags --handoff-shm / --handoff-follow; None: their defaults). The prefill's stagings are
+    announced to its announcer's `send` (a test's; nothing by default)."""
     engines = [make_engine(llama_dir), make_engine(llama_dir)]
     node = HandoffNode("prefill-p", "127.0.0.1", 32, 30.0, 5.0, shm_bytes=shm_bytes)
-    choice = HandoffChoice.from_env("node")
+    choice = HandoffChoice(
+        "node", shm=envs.handoff_shm_default() if shm is None else shm,
+        follow=envs.handoff_follow_default() if follow is None else follow)
     announcer = StagingAnnouncer(engines[0], send=lambda output: None)
     transfers = [KVTransfer.connect(engines[0].runner, engines[0].block_manager, None,
                                     handoff_node=node, shm=choice.shm,

@@ -62,9 +62,9 @@ def status_reply(socket, message: SetRole | StatusRequest | None = None,
 def assert_worker_idle(worker) -> None:
     """Nothing left in a worker: no request, hand-off, load or owner; every block free."""
     assert not worker.engine.has_unfinished_requests()
-    assert not worker.handoff.is_busy
-    if worker.handoff.kv_transfer is not None:
-        assert worker.handoff.kv_transfer.num_in_flight == 0
+    assert not worker.gateway.is_busy
+    if worker.gateway.kv_transfer is not None:
+        assert worker.gateway.kv_transfer.num_in_flight == 0
     worker.engine.block_manager.check_integrity()
     assert worker.engine.block_manager.num_used_blocks == 0
 
@@ -92,8 +92,8 @@ def stop_workers(workers: dict, threads: list, sockets: dict, context,
     for worker in workers.values():
         if check_idle:
             assert_worker_idle(worker)
-        if worker.handoff.kv_transfer is not None:
-            worker.handoff.kv_transfer.close()
+        if worker.gateway.kv_transfer is not None:
+            worker.gateway.kv_transfer.close()
         worker.close()
     for socket in sockets.values():
         socket.close()

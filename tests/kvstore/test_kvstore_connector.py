@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.handoff.connector import HandoffConnector, make_in_process_connector
 from pdserve.kvstore.block_key import KVLayout, block_keys, root_key
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.config import StoreConfig
-from pdserve.kvstore.connector import KVConnector, block_runs, make_in_process_connector
+from pdserve.kvstore.connector import block_runs
 from pdserve.kvstore.server import StoreServer
 
 LAYOUT = KVLayout(dtype="float32", block_size=4, num_layers=3, num_kv_heads=4, head_dim=8)
@@ -29,12 +30,12 @@ def request_keys(num_blocks: int, salt: str | None = None) -> list[bytes]:
     return block_keys(tokens, LAYOUT.block_size, root_key("tiny", LAYOUT, salt))
 
 
-def save_all_layers(connector: KVConnector, rid: str, keys, block_ids, pool) -> None:
+def save_all_layers(connector: HandoffConnector, rid: str, keys, block_ids, pool) -> None:
     for layer in range(LAYOUT.num_layers):
         connector.save_layer(rid, layer, keys, block_ids, pool[layer])
 
 
-def wait_results(connector: KVConnector, n: int):
+def wait_results(connector: HandoffConnector, n: int):
     assert connector.drain(10)
     results = connector.poll()
     assert len(results) == n
@@ -98,7 +99,7 @@ def test_a_load_without_a_pool_hands_over_the_blocks_per_layer():
     assert len(result.layers) == LAYOUT.num_layers
     for layer, blocks in enumerate(result.layers):
         assert torch.equal(blocks, prefill[layer][:, [4, 0, 2]])
-    rank1 = KVConnector(connector.backend, LAYOUT, tp_rank=1, tp_size=2)
+    rank1 = HandoffConnector(connector.backend, LAYOUT, tp_rank=1, tp_size=2)
     rank1.start_load("r2", keys[:2], [0, 1], None)
     (result,) = wait_results(rank1, 1)
     assert torch.equal(result.layers[1], prefill[1][:, [4, 0], :, 2:])
@@ -166,7 +167,7 @@ def test_tp2_reader_takes_its_heads():
     keys = request_keys(2)
     save_all_layers(store_side, "w", keys, [0, 1], pool)
     wait_results(store_side, 1)
-    rank1 = KVConnector(store_side.backend, LAYOUT, tp_rank=1, tp_size=2)
+    rank1 = HandoffConnector(store_side.backend, LAYOUT, tp_rank=1, tp_size=2)
     half = make_pool(2, num_heads=2)
     rank1.start_load("r", keys, [1, 0], half)
     assert wait_results(rank1, 1)[0].num_blocks == 2
@@ -193,7 +194,7 @@ def test_mla_latent_blocks_round_trip_whole_into_every_tp_rank():
     for layer in range(layout.num_layers):
         writer.save_layer("w", layer, keys, [2, 0], pool[layer])
     assert wait_results(writer, 1)[0].num_blocks == 2
-    rank1 = KVConnector(writer.backend, layout, tp_rank=1, tp_size=2)
+    rank1 = HandoffConnector(writer.backend, layout, tp_rank=1, tp_size=2)
     dst = [torch.zeros(shape) for _ in range(layout.num_layers)]
     rank1.start_load("r", keys, [0, 1], dst)
     assert wait_results(rank1, 1)[0].num_blocks == 2
@@ -234,7 +235,7 @@ class BrokenBackend:
 
 
 def test_a_failing_store_is_a_miss_not_an_error():
-    connector = KVConnector(BrokenBackend(), LAYOUT)
+    connector = HandoffConnector(BrokenBackend(), LAYOUT)
     keys = request_keys(2)
     assert connector.lookup(keys) == 0
     connector.prefetch(keys)  # swallowed: a hint
@@ -254,7 +255,7 @@ def test_connector_over_the_store_server(tmp_path):
     server = StoreServer(config).start()
     client = StoreClient(server.data_address, server.master_address, transport="zmq")
     try:
-        connector = KVConnector(client, LAYOUT)
+        connector = HandoffConnector(client, LAYOUT)
         pool = make_pool(6, seed=4)
         keys = request_keys(5)
         save_all_layers(connector, "p", keys, [0, 1, 2, 3, 4], pool)  # spills 3 to disk
@@ -287,7 +288,7 @@ def test_saves_pin_their_blocks_under_a_lease_until_released(tmp_path):
     server = StoreServer(config).start()
     client = StoreClient(server.data_address, server.master_address, transport="zmq")
     try:
-        connector = KVConnector(client, LAYOUT, lease_ttl_s=30.0)
+        connector = HandoffConnector(client, LAYOUT, lease_ttl_s=30.0)
         pool = make_pool(4, seed=5)
         keys = request_keys(2)
         save_all_layers(connector, "p", keys, [0, 1], pool)
@@ -332,7 +333,7 @@ def test_direct_handoff_from_the_prefill_node_then_fallback_to_the_store(transpo
     back to the fleet store when told (after the hand-off is out); decode reads from the node
     named by the result's `source` and releases the lease there. With the node gone, decode
     loads the write-back copy."""
-    from pdserve.kvstore.handoff_node import HandoffNode
+    from pdserve.handoff.node_server import HandoffNode
 
     if transport == "ucx":
         pytest.importorskip("ucxx")
@@ -347,8 +348,8 @@ def test_direct_handoff_from_the_prefill_node_then_fallback_to_the_store(transpo
         peers.append(StoreClient(address, timeout_s=2.0, transport=transport))
         return peers[-1]
 
-    prefill = KVConnector(fleet_client, LAYOUT, lease_ttl_s=30.0, handoff_node=node)
-    decode = KVConnector(None, LAYOUT, connect=connect)
+    prefill = HandoffConnector(fleet_client, LAYOUT, lease_ttl_s=30.0, handoff_node=node)
+    decode = HandoffConnector(None, LAYOUT, connect=connect)
     try:
         pool = make_pool(6, seed=6)
         keys = request_keys(3)
@@ -373,7 +374,7 @@ def test_direct_handoff_from_the_prefill_node_then_fallback_to_the_store(transpo
         node.check_integrity()
 
         node.close()  # the prefill worker is gone: decode falls back to the fleet store
-        fallback = KVConnector(fleet_client, LAYOUT, timeout_s=2.0, connect=connect)
+        fallback = HandoffConnector(fleet_client, LAYOUT, timeout_s=2.0, connect=connect)
         again = make_pool(6)
         fallback.start_load("h2", keys, [0, 1, 2], again, source=saved.source)
         [loaded] = wait_results(fallback, 1)
@@ -408,8 +409,7 @@ def wait_until_true(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def test_a_wildcard_bind_is_advertised_by_this_hosts_address():
-    from pdserve.addresses import routable_host
-    from pdserve.kvstore.handoff_node import advertised
+    from pdserve.addresses import advertised, routable_host
 
     assert advertised("tcp://10.1.2.3:7000") == "tcp://10.1.2.3:7000"
     assert advertised("tcp://0.0.0.0:7000") == f"tcp://{routable_host()}:7000"

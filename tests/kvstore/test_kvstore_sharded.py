@@ -413,7 +413,7 @@ def test_decode_on_another_node_and_a_killed_node_costs_only_a_recompute(fleet, 
         return keys, first.token_ids + [t for o in rest for t in o.token_ids]
 
     try:
-        decode_transfer = workers["decode"].handoff.kv_transfer
+        decode_transfer = workers["decode"].gateway.kv_transfer
         r1_keys, tokens = disaggregated("r1")
         assert len(r1_keys) == 5 and tokens == expected["r1"]
         # decode installed all five blocks, read from the store (not recomputed)
@@ -434,7 +434,7 @@ def test_decode_on_another_node_and_a_killed_node_costs_only_a_recompute(fleet, 
         r3_keys, tokens = disaggregated("r3")  # every block now placed on n1
         assert len(r3_keys) == 3 and tokens == expected["r3"]
         for worker in workers.values():
-            assert wait_until(lambda w=worker: w.handoff.kv_transfer.num_in_flight == 0, 10)
+            assert wait_until(lambda w=worker: w.gateway.kv_transfer.num_in_flight == 0, 10)
             assert_worker_idle(worker)
         # no lease, pin or lease group left anywhere
         survivor = StoreClient(nodes.addresses["n1"], transport="zmq", timeout_s=5)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.handoff.node_server import HandoffNode
 from pdserve.kvstore.client import StoreClient
-from pdserve.kvstore.handoff_node import HandoffNode
 from pdserve.kvstore.shm_segment import ALIGN, HEADER_BYTES, ShmArena, ShmReader
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.store.base import STORE_PROTOCOL

@@ -1,4 +1,4 @@
-"""A worker killed while its host tier writes blocks down to the store (KVConnector.write_down,
+"""A worker killed while its host tier writes blocks down to the store (StoreConnector.write_down,
 pdserve/serve/engine/kv_tiers.py) leaves the store consistent: every block it holds reads back
 exactly as written, nothing is pinned, its invariants hold, and it keeps serving."""
 
@@ -21,10 +21,10 @@ WRITER = """
 import sys, torch
 from pdserve.kvstore.block_key import KVLayout
 from pdserve.kvstore.client import StoreClient
-from pdserve.kvstore.connector import KVConnector
+from pdserve.kvstore.connector import StoreConnector
 
 layout = KVLayout("float32", 16, 4, 4, 64)  # 4 x 2 x 16 x 4 x 64 x 4 bytes = 128 KiB a block
-connector = KVConnector(StoreClient(sys.argv[1], transport="zmq", timeout_s=10), layout)
+connector = StoreConnector(StoreClient(sys.argv[1], transport="zmq", timeout_s=10), layout)
 i = 0
 while True:  # until killed: write-downs of blocks whose bytes say which block they are
     key = i.to_bytes(16, "little")

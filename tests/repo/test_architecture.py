@@ -105,12 +105,12 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "benchmarks.weight_pages": ("pdserve.serve",),
     "benchmarks.decode_warmup": ("pdserve.serve",),
     "benchmarks.structured_cost": ("pdserve.serve",),
-    # offline engine + store
-    "benchmarks.fp8_kv": ("pdserve.serve", "pdserve.kvstore"),
-    # the store's tiers, put/get over data nodes, the UCX data plane
+    # offline engine + store, through the hand-off's in-process connector
+    "benchmarks.fp8_kv": ("pdserve.serve", "pdserve.kvstore", "pdserve.handoff"),
+    # the store's tiers, put/get over data nodes, the UCX data plane (and a hand-off node's)
     "benchmarks.store_replay": ("pdserve.kvstore",),
     "benchmarks.store_sharded": ("pdserve.kvstore",),
-    "benchmarks.kv_transfer": ("pdserve.kvstore",),
+    "benchmarks.kv_transfer": ("pdserve.kvstore", "pdserve.handoff"),
     "benchmarks.kernels.bench_attention": ("pdserve.kernels",),
     # runs the router's own goodput simulator on what the router's /status published
     "benchmarks.controller_check": ("pdserve.planner.goodput_model",),

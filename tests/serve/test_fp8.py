@@ -453,7 +453,7 @@ def test_fp8_hand_off_moves_half_of_bf16s_bytes_and_continues_exactly(
     saved_bytes metric halves too."""
     from helpers.engine_util import prefill_engine, run_to_completion, token_ids
 
-    from pdserve.kvstore.connector import make_in_process_connector
+    from pdserve.handoff.connector import make_in_process_connector
     from pdserve.protocol.sampling import SamplingParams
     from pdserve.serve.config import CacheConfig, ModelConfig
     from pdserve.serve.engine.roles import make_role
@@ -512,7 +512,7 @@ def test_a_decode_worker_refuses_a_hand_off_of_another_kv_dtype(make_model_dir) 
     """An FP8 prefill worker's hand-off at a decode worker whose cache is fp32: refused with
     the reason, before any load starts (its bytes could not be read here); the hand-off of a
     worker with the same cache dtype is taken."""
-    from pdserve.kvstore.connector import make_in_process_connector
+    from pdserve.handoff.connector import make_in_process_connector
     from pdserve.protocol.sampling import SamplingParams
     from pdserve.protocol.worker import GenerateRequest, KVHandoff
     from pdserve.serve.worker.gateway import RequestGateway
@@ -570,10 +570,11 @@ def test_fp8_blocks_cross_the_hand_off_node_as_their_bytes(transport: str) -> No
     decode connector over the data plane into other block ids of another FP8 pool: the
     same bytes arrive, each block half the bytes of the bf16 layout's, and every lease and
     pin is released."""
+    from pdserve.handoff.connector import HandoffConnector
+    from pdserve.handoff.node_server import HandoffNode
     from pdserve.kvstore.block_key import KVLayout, block_keys, root_key
     from pdserve.kvstore.client import StoreClient
-    from pdserve.kvstore.connector import KVConnector, block_nbytes
-    from pdserve.kvstore.handoff_node import HandoffNode
+    from pdserve.kvstore.connector import block_nbytes
 
     if transport == "ucx":
         pytest.importorskip("ucxx")
@@ -589,8 +590,8 @@ def test_fp8_blocks_cross_the_hand_off_node_as_their_bytes(transport: str) -> No
         peers.append(StoreClient(address, timeout_s=5.0, transport=transport))
         return peers[-1]
 
-    prefill = KVConnector(None, layout, lease_ttl_s=30.0, handoff_node=node)
-    decode = KVConnector(None, layout, connect=connect)
+    prefill = HandoffConnector(None, layout, lease_ttl_s=30.0, handoff_node=node)
+    decode = HandoffConnector(None, layout, connect=connect)
     try:
         gen = torch.Generator().manual_seed(0)
         pool = [torch.randn(1, 6, 4, 1, 48, generator=gen).to(FP8_DTYPE) for _ in range(2)]

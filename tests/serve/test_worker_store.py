@@ -19,7 +19,7 @@ from helpers.worker_util import (
     stop_workers,
 )
 
-from pdserve.kvstore.connector import KVConnector
+from pdserve.handoff.connector import HandoffConnector
 from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
@@ -35,7 +35,7 @@ def fleet(llama_dir):
     for i, (name, role) in enumerate([("prefill-a", "prefill"), ("prefill-b", "prefill"),
                                       ("decode", "decode")]):
         engine = make_engine(llama_dir)
-        connector = KVConnector(store, engine.spec.kv_layout(BLOCK))
+        connector = HandoffConnector(store, engine.spec.kv_layout(BLOCK))
         transfer = KVTransfer(engine.runner, engine.block_manager, connector)
         worker = Worker(engine, role, f"tcp://127.0.0.1:{base + i}", name,
                         lambda announcer, transfer=transfer: transfer)
@@ -76,10 +76,10 @@ def test_prefix_from_the_store_is_reused_by_another_prefill_worker(fleet, llama_
     first, tokens = _disagg(sockets, "prefill-b", "r2", prompts["r2"])
     assert first.num_cached_tokens == 4 * BLOCK
     assert tokens == expected["r2"]
-    assert workers["prefill-b"].handoff.kv_transfer.totals()["load_count"] == 1
+    assert workers["prefill-b"].gateway.kv_transfer.totals()["load_count"] == 1
     # TP=1: each prefill saved its prompt layer by layer during the forward
     for name in ("prefill-a", "prefill-b"):
-        totals = workers[name].handoff.kv_transfer.totals()
+        totals = workers[name].gateway.kv_transfer.totals()
         assert totals["layerwise_save_count"] == totals["save_count"] == 1
     for worker in workers.values():
         assert_worker_idle(worker)
@@ -99,7 +99,7 @@ def test_without_prefix_caching_a_prefill_worker_never_reuses_the_store(fleet, l
         engine = make_engine(llama_dir, enable_prefix_caching=caching)
         try:
             transfer = KVTransfer(engine.runner, engine.block_manager,
-                                  KVConnector(store, engine.spec.kv_layout(BLOCK)))
+                                  HandoffConnector(store, engine.spec.kv_layout(BLOCK)))
             request = engine.make_request(prompt, SamplingParams(max_tokens=1))
             lookups[caching] = len(transfer.store_prefix_keys(request))
         finally:

@@ -21,7 +21,7 @@ from helpers.worker_util import (
     stop_workers,
 )
 
-from pdserve.kvstore.connector import KVConnector
+from pdserve.handoff.connector import HandoffConnector
 from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest
@@ -51,7 +51,7 @@ def serve(llama_dir, store, caching: bool = True):
         offload.costs.note_prefill = lambda num_tokens, seconds: None
         offload.costs.prefill_s_per_token = 1.0
     transfer = KVTransfer(engine.runner, engine.block_manager,
-                          KVConnector(store, engine.spec.kv_layout(BLOCK)))
+                          HandoffConnector(store, engine.spec.kv_layout(BLOCK)))
     transfer.attach_host_tier(engine.kv_offload)
     port = free_port_block(1)
     worker = Worker(engine, "colocated", f"tcp://127.0.0.1:{port}", "colocated",
@@ -83,7 +83,7 @@ def test_a_prefix_pushed_below_host_dram_comes_back_from_the_store(llama_dir, tm
                 results[caching].append(ask(sockets, request_id, prompt))
                 if worker.engine.kv_offload is not None:
                     assert worker.engine.kv_offload.drain()
-                    assert worker.handoff.kv_transfer.connector.drain(10)
+                    assert worker.gateway.kv_transfer.connector.drain(10)
             if caching:
                 assert store.tier_of(worker.engine.block_manager.update_block_keys(
                     worker.engine.make_request(a))[0]) == tier

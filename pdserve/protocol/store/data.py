@@ -3,7 +3,7 @@
     hello bye put get get_layers exists evict prefetch pin renew release node_info
     (and base.py's stats check lookup_prefix, which the master answers too)
 
-A data server holds blocks in its tiers (a hand-off node, pdserve/kvstore/handoff_node.py, is one
+A data server holds blocks in its tiers (a hand-off node, pdserve/handoff/node_server.py, is one
 inside a worker). A client on the node's host may read the blocks that lie in the node's
 shared memory segment in place (ShmSegment, ShmSpan).
 """
@@ -29,6 +29,9 @@ from pdserve.protocol.store.base import (
 
 MAX_LAYERS = 1 << 12
 """No model has more layers: bounds a GetLayersRequest."""
+MAX_LAYER_KEYS = 1 << 16
+"""The most blocks a GetLayersRequest names: a staging's, at most (a 1M-token prompt in blocks
+of 16 tokens). A pull of a longer prompt is refused at its source and loads the usual way."""
 MAX_LAYER_WAIT_S = 1.0
 """The longest a GetLayersRequest waits for a layer (it holds one of the node's threads)."""
 
@@ -223,6 +226,10 @@ class GetLayersRequest(StoreRequest):
                 or not self.first_layer < self.num_layers <= MAX_LAYERS):
             raise ValueError(f"get_layers: keys must not be empty and first_layer < "
                              f"num_layers <= {MAX_LAYERS}")
+        if len(self.keys) > MAX_LAYER_KEYS or len(set(self.keys)) != len(self.keys):
+            # a staging's keys are chained (pdserve/kvstore/block_key.py), so distinct: a
+            # repeated one would only multiply the reply
+            raise ValueError(f"get_layers: at most {MAX_LAYER_KEYS} keys, each once")
         if (not isinstance(self.wait_s, (int, float)) or isinstance(self.wait_s, bool)
                 or not 0 <= self.wait_s <= MAX_LAYER_WAIT_S):
             raise ValueError(f"wait_s must be in [0, {MAX_LAYER_WAIT_S}]")

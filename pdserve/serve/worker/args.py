@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from pdserve import discovery
+from pdserve import discovery, envs
+from pdserve.handoff.registry import AUTO, TRANSPORTS
 from pdserve.serve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -175,6 +176,22 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
 def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
     """How a prompt's KV crosses from prefill to decode (disaggregated workers)."""
     group = parser.add_argument_group("KV hand-off")
+    group.add_argument("--kv-handoff", default=AUTO, choices=[AUTO, *sorted(TRANSPORTS)],
+                       help="how a prompt's KV crosses from prefill to decode: node (the "
+                            "worker's own hand-off node, read in one hop), store (through "
+                            "the fleet store, two hops); auto: node with --handoff-dram-gb > "
+                            "0, else store")
+    group.add_argument("--handoff-shm", action=argparse.BooleanOptionalAction,
+                       default=envs.handoff_shm_default(),
+                       help="same host: the node stages prompts in a shared memory segment "
+                            "and decode copies them straight out of it (default: on; off: "
+                            "every hand-off crosses the network; PDSERVE_HANDOFF_SHM is a "
+                            "deprecated alias that sets this default)")
+    group.add_argument("--handoff-follow", action=argparse.BooleanOptionalAction,
+                       default=envs.handoff_follow_default(),
+                       help="decode copies each layer of a prompt as prefill stages it "
+                            "(default: on; off: only once handed off; PDSERVE_HANDOFF_FOLLOW "
+                            "is a deprecated alias that sets this default)")
     group.add_argument("--handoff-dram-gb", type=float, default=HANDOFF_DRAM_GB,
                        help="host DRAM of each prefill or decode worker's own hand-off node: "
                             "prefill saves a prompt's KV there and decode workers read it "

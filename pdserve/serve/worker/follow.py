@@ -1,6 +1,6 @@
 """A decode worker follows a prefill layer by layer (the decode side of FollowPrefill,
 protocol/worker.py): on the prefill worker's host out of its shared memory segment, from
-another host by pulling each layer from its hand-off node (pdserve/kvstore/layer_pull.py).
+another host by pulling each layer from its hand-off node (pdserve/handoff/layer_pull.py).
 
 Without it a hand-off's blocks are copied into the decode pool when the hand-off arrives: on
 one core that copy is the whole wait between the prefill's last layer and the request joining
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kvstore.layer_pull import LayerPull
+from pdserve.handoff.layer_pull import LayerPull
 from pdserve.kvstore.live_staging import StagingPlace
 from pdserve.kvstore.shm_segment import TOTAL_STORE_ORDER
 from pdserve.protocol.worker import FollowPrefill, KVHandoff, KVStaging, Output
@@ -63,7 +63,7 @@ class StagingAnnouncer:
     """The prefill side: when a save starts staging in the worker's node, say where at once
     (mid-forward, on its thread: the node, the staging, and its place in the segment if it
     lies there), for the router to forward to the decode worker it picks. The connector calls
-    it (KVConnector on_staged) where following is chosen (pdserve/serve/worker/kv_transfer.py
+    it (HandoffConnector on_staged) where following is chosen (pdserve/handoff/registry.py
     choose_handoff)."""
 
     def __init__(self, engine, send: Callable[[Output], None]) -> None:
@@ -143,6 +143,9 @@ class Followers:
     def __len__(self) -> int:
         return len(self._follows)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._follows
+
     @property
     def has_layers_to_copy(self) -> bool:
         """A followed prefill still has layers to come, to copy now (the worker loop wakes
@@ -178,6 +181,7 @@ class Followers:
                 return False
         follow = self._follows[request_id] = _Follow(staging, block_ids, time.monotonic(),
                                                      num_held)
+        self.kv_transfer.reserved(request_id, block_ids[num_held:])
         if mapped is not None:
             follow.layers, follow.progress, follow.intact = mapped
         elif num_held < staging.num_blocks:

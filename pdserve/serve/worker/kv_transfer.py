@@ -1,9 +1,10 @@
-"""The worker's side of the prefill -> decode KV hand-off, through the KV connector.
+"""The worker's side of the prefill -> decode KV hand-off (pdserve/handoff/): the engine-aware
+half, which reads and writes the pool and the block manager, over the hand-off connector.
 
     prefill worker                                                    decode worker
     forward: each layer's blocks staged as the layer completes
     first token sampled ─► the staged prompt goes into this worker's own data node
-      (pdserve/kvstore/handoff_node.py: in process, no copy), pinned under a lease; the hand-off
+      (pdserve/handoff/node_server.py: in process, no copy), pinned under a lease; the hand-off
       (keys, lease, the node's address) goes to the router at once ──► GenerateRequest
                                                   + hand-off ─► start_load: read the blocks
                                                   from the prefill worker's node over UCX
@@ -12,22 +13,11 @@
                                                   worker's TP ranks, join the batch
     meanwhile: a write-back copy goes to the fleet store (prefixes for later requests)
 
-Which hand-off a worker runs is chosen here, once, from its flags and the environment
-(choose_handoff; the transports themselves are pdserve/kvstore/handoff_transport.py's):
-
-    transport  node   the worker's own hand-off node (`--handoff-dram-gb` > 0): the path above,
-                      KV bytes over UCX, or as ZeroMQ frames where ucxx is missing
-               store  `--handoff-dram-gb 0`: the prompt is saved to the fleet store and decode
-                      loads it from there (two hops through the store server)
-    shm        the node stages prompts in a shared memory segment, and a decode worker on its
-               host copies them straight out of it (PDSERVE_HANDOFF_SHM, default on)
-    follow     with a node, a prefill worker announces each staging as its forward starts it,
-               and a decode worker copies the layers as they land: out of the segment on its
-               host, pulled from the node elsewhere (pdserve/serve/worker/follow.py;
-               PDSERVE_HANDOFF_FOLLOW, default on)
-
-Nothing else in the worker reads those flags or variables: the gateway, the roles and the
-connector get what was chosen through their constructors.
+Which hand-off a worker runs is chosen by its flags, in one place (pdserve/handoff/registry.py
+choose_handoff): `--kv-handoff` names the transport (node | store; auto: node with
+`--handoff-dram-gb` > 0), `--handoff-shm` the same-host segment, `--handoff-follow` the
+following of a staging. make_kv_transfer builds what was chosen; the gateway, the roles and the
+connector get it through their constructors.
 
 Stored blocks are TP-independent ([num_layers, P, block_size, all KV heads, head_dim], P = 2
 for K/V or 1 for an MLA latent; see pdserve/kvstore/connector.py), and this side always moves
@@ -48,10 +38,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve import envs
+from pdserve.handoff.connector import HandoffConnector, OnStaged
+from pdserve.handoff.layer_pull import LayerPull
+from pdserve.handoff.registry import HandoffChoice, choose_handoff, make_transport
 from pdserve.kvstore.block_key import block_keys, next_key
-from pdserve.kvstore.connector import KVConnector, OnStaged, TransferResult
-from pdserve.kvstore.layer_pull import LayerPull
+from pdserve.kvstore.connector import TransferResult, block_nbytes
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
 from pdserve.protocol.worker import KVHandoff, KVStaging
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
@@ -66,46 +57,10 @@ logger = logging.getLogger(__name__)
 PEER_TIMEOUT_S = 3.0
 
 
-@dataclass(frozen=True)
-class HandoffChoice:
-    """How this worker hands KV off (see the module docstring)."""
-
-    transport: str
-    """A hand-off transport by name (pdserve/kvstore/handoff_transport.py TRANSPORTS): node |
-    store."""
-    shm: bool = True
-    """Same host: the node stages prompts in shared memory, and this worker reads the
-    segments of the nodes it loads from."""
-    follow: bool = True
-    """With a node: a prefill announces its stagings, for decode workers to follow (on its
-    host out of the segment, elsewhere by pulling each layer from the node)."""
-
-    def __post_init__(self) -> None:
-        from pdserve.kvstore.handoff_transport import TRANSPORTS
-
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"hand-off transport must be one of {sorted(TRANSPORTS)}, "
-                             f"got {self.transport!r}")
-
-    @classmethod
-    def from_env(cls, transport: str) -> HandoffChoice:
-        """`transport`, with the same-host paths as the environment says."""
-        return cls(transport, shm=envs.handoff_shm(), follow=envs.handoff_follow())
-
-
-def choose_handoff(config: WorkerConfig) -> HandoffChoice | None:
-    """The one place a worker's flags and environment pick its hand-off; None: it hands
-    nothing off (a colocated worker, or neither a node nor a store: decode recomputes)."""
-    if config.role == "colocated" or (config.store_address is None
-                                      and config.store_master_address is None
-                                      and config.handoff_dram_gb == 0):
-        return None
-    return HandoffChoice.from_env("node" if config.handoff_dram_gb > 0 else "store")
-
-
 def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = None
                      ) -> KVTransfer | None:
-    """The worker's KV transfer, as choose_handoff picks it; None for a colocated worker or
+    """The worker's KV transfer, as its flags choose it (pdserve/handoff/registry.py
+    choose_handoff); None for a colocated worker or
     when neither a node nor a store can be had (decode then recomputes prompts).
     `on_staged`: a prefill's announcer of its stagings (pdserve/serve/worker/follow.py), used where
     following is chosen."""
@@ -118,9 +73,8 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
             return None
     node = None
     try:
-        if choice.transport == "node":
-            from pdserve.kvstore.connector import block_nbytes
-            from pdserve.kvstore.handoff_node import HandoffNode
+        if choice.needs_node:
+            from pdserve.handoff.node_server import HandoffNode
 
             layout = engine.runner.spec.kv_layout(engine.runner.block_size)
             nbytes = int(config.handoff_dram_gb * (1 << 30))
@@ -131,8 +85,8 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
         transfer = KVTransfer.connect(
             engine.runner, engine.block_manager, config.store_address,
             config.store_master_address, timeout_s=config.store_timeout_s,
-            lease_ttl_s=config.kv_lease_ttl_s, handoff_node=node, shm=choice.shm,
-            on_staged=on_staged if choice.follow else None)
+            lease_ttl_s=config.kv_lease_ttl_s, transport_name=choice.transport,
+            handoff_node=node, shm=choice.shm, on_staged=on_staged if choice.follow else None)
         transfer.attach_host_tier(getattr(engine, "kv_offload", None))
         return transfer
     except Exception as exc:  # the KV cache is a cache: serve by recomputing
@@ -177,9 +131,9 @@ class TransferDone:
 class KVTransfer:
     """Moves a request's KV between this worker's pool and the store: the prefill role's KV
     saver (pdserve/serve/engine/roles.py) and the loads of the hand-off component
-    (pdserve/serve/worker/gateway.py)."""
+    (pdserve/serve/worker/gateway.py, admission.py)."""
 
-    def __init__(self, runner, block_manager, connector: KVConnector) -> None:
+    def __init__(self, runner, block_manager, connector: HandoffConnector) -> None:
         self.runner = runner
         """The model runner: every TP rank's pool, read and written whole-head."""
         self.block_manager = block_manager
@@ -204,12 +158,15 @@ class KVTransfer:
     def connect(cls, runner, block_manager, data_address: str | None,
                 master_address: str | None = None, timeout_s: float = 10.0,
                 lease_ttl_s: float = 30.0, handoff_node=None, shm: bool = True,
-                on_staged: OnStaged | None = None) -> KVTransfer:
+                on_staged: OnStaged | None = None, transport_name: str | None = None
+                ) -> KVTransfer:
         """A transfer over this worker's hand-off node (a HandoffNode: saves land there and
         decode workers read them from it) and/or the fleet store at `data_address`. Saved
         blocks stay pinned under a lease of `lease_ttl_s` until the decode worker has loaded
         them (or the lease expires). `shm`: read the segments of the nodes this worker loads
-        from on its host (HandoffChoice.shm); `on_staged`: see KVConnector."""
+        from on its host (HandoffChoice.shm); `on_staged`: see HandoffConnector;
+        `transport_name`: a registered transport (default: "node" with a node, else
+        "store")."""
         from pdserve.kvstore.client import StoreClient
         from pdserve.kvstore.fleet_client import connect_store
 
@@ -231,9 +188,12 @@ class KVTransfer:
 
         layout = runner.spec.kv_layout(runner.block_size)
         _log_memory_choice(runner.device, client)
-        return cls(runner, block_manager, KVConnector(
+        transport = make_transport(
+            transport_name or ("node" if handoff_node is not None else "store"), client,
+            connect, handoff_node)
+        return cls(runner, block_manager, HandoffConnector(
             client, layout, timeout_s=timeout_s, lease_ttl_s=lease_ttl_s,
-            handoff_node=handoff_node, connect=connect, on_staged=on_staged))
+            on_staged=on_staged, transport=transport))
 
     def prompt_keys(self, request: Request, block_keys: list[bytes]) -> list[bytes]:
         """Keys of every block holding the prompt: the full ones, then the partial tail."""
@@ -317,7 +277,7 @@ class KVTransfer:
             offload.write_down = self.write_down
 
     def write_down(self, keys: list[bytes], blocks: list[torch.Tensor]) -> bool:
-        """The host tier's evictions go to the fleet store (KVConnector.write_down)."""
+        """The host tier's evictions go to the fleet store (StoreConnector.write_down)."""
         return self.connector.write_down(keys, blocks)
 
     def note_store_hit(self, num_tokens: int, nbytes: int, seconds: float) -> None:
@@ -446,13 +406,18 @@ class KVTransfer:
     def start_pull(self, staging: KVStaging, first_block: int, paused: bool = False
                    ) -> LayerPull:
         """Pull the layers of a staging on another host as they land, its blocks from
-        `first_block` on (pdserve/serve/worker/follow.py; pdserve/kvstore/layer_pull.py); `paused`:
+        `first_block` on (pdserve/serve/worker/follow.py; pdserve/handoff/layer_pull.py); `paused`:
         not before resume_pull."""
         return self.connector.start_pull(staging.source_address, staging.staging_id,
                                          staging.block_keys[first_block:], first_block, paused)
 
     def resume_pull(self, pull: LayerPull) -> None:
         self.connector.resume_pull(pull)
+
+    def reserved(self, request_id: str, block_ids: list[int]) -> None:
+        """Blocks were reserved for a followed prompt (HandoffTransport.reserve: a push
+        transport registers them for the prefill to write into)."""
+        self.connector.transport.reserve(request_id, block_ids)
 
     @property
     def can_write_layers(self) -> bool:
@@ -462,7 +427,9 @@ class KVTransfer:
 
     def install_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
         """`install` of one layer [P, n, block_size, heads, head_dim] (can_write_layers)."""
-        self.runner.write_kv_layer(layer, block_ids, blocks)
+        self.connector.transport.install(
+            lambda ids, layers: self.runner.write_kv_layer(layer, ids, layers[0]), block_ids,
+            [blocks])
         self._totals["loaded_bytes"] += blocks.nbytes
 
     def note_in_place(self, seconds: float, followed: bool = False,
@@ -477,8 +444,9 @@ class KVTransfer:
         self._totals["pulled_count"] += pulled
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
-        """Scatter a completed load into this worker's pool (every TP rank)."""
-        self.runner.write_kv_blocks(block_ids, staging)
+        """Scatter a completed load into this worker's pool (every TP rank), as the transport
+        installs (HandoffTransport.install)."""
+        self.connector.transport.install(self.runner.write_kv_blocks, block_ids, staging)
         self._totals["loaded_bytes"] += sum(t.nbytes for t in staging)
 
     # ---- completions -----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import zmq
 
 from pdserve import addresses, discovery, envs, lifecycle, security
+from pdserve.handoff.registry import AUTO, TRANSPORTS
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -92,6 +93,15 @@ class WorkerConfig:
     handoff_dram_gb: float = 1.0
     """Host DRAM of this worker's own hand-off node (prefill saves there, decode workers
     read from it directly); 0: hand off through the fleet store instead."""
+    kv_handoff: str = "auto"
+    """The hand-off transport by name (pdserve/handoff/registry.py TRANSPORTS); auto: "node"
+    with handoff_dram_gb > 0, else "store"."""
+    handoff_shm: bool = field(default_factory=envs.handoff_shm_default)
+    """Same host: stage prompts in the node's shared memory segment, and read other nodes'
+    segments (default on; the deprecated PDSERVE_HANDOFF_SHM sets the default)."""
+    handoff_follow: bool = field(default_factory=envs.handoff_follow_default)
+    """A prefill announces its stagings and a decode worker copies each layer as it lands
+    (default on; the deprecated PDSERVE_HANDOFF_FOLLOW sets the default)."""
     discovery_ttl_s: float = discovery.DEFAULT_TTL_S  # (before the field that hides the module)
     """The registration's lease TTL: a killed worker leaves the registry this long after."""
     discovery: str | None = None
@@ -121,6 +131,9 @@ class WorkerConfig:
             raise ValueError("store_timeout_s and kv_lease_ttl_s must be positive")
         if self.handoff_dram_gb < 0:
             raise ValueError(f"handoff_dram_gb must be >= 0, got {self.handoff_dram_gb}")
+        if self.kv_handoff != AUTO and self.kv_handoff not in TRANSPORTS:
+            raise ValueError(f"unknown hand-off transport {self.kv_handoff!r}; known: "
+                             f"{[AUTO, *sorted(TRANSPORTS)]}")
         if self.discovery is not None:
             discovery.DiscoveryURL.parse(self.discovery)
             discovery.check_ttl(self.discovery_ttl_s)
@@ -157,7 +170,7 @@ class Worker:
         self.worker_id = worker_id
         announcer = StagingAnnouncer(engine, self._send)
         kv_transfer = open_kv_transfer(announcer) if open_kv_transfer is not None else None
-        self.handoff = RequestGateway(engine, role, worker_id, kv_transfer, announcer)
+        self.gateway = RequestGateway(engine, role, worker_id, kv_transfer, announcer)
         self._context = zmq.Context()
         for core in envs.io_cores():  # set before the first socket starts the I/O thread
             self._context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
@@ -177,35 +190,35 @@ class Worker:
 
     @property
     def role(self) -> str:
-        return self.handoff.role
+        return self.gateway.role
 
     @property
     def is_idle(self) -> bool:
         """Holds no request: none owned, none in the engine, none held for a save, loading,
         or leased or staged on its hand-off node for a decode worker to read."""
-        kv_transfer = self.handoff.kv_transfer
+        kv_transfer = self.gateway.kv_transfer
         totals = kv_transfer.totals() if kv_transfer else {}
         return (not self._owners and not self.engine.has_unfinished_requests()
-                and not self.handoff.is_busy and not totals.get("num_handoff_leases", 0)
+                and not self.gateway.is_busy and not totals.get("num_handoff_leases", 0)
                 and not totals.get("num_live_stagings", 0))
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        if self.handoff.wakeup_fd is not None:  # a finished transfer ends the wait too
-            poller.register(self.handoff.wakeup_fd, zmq.POLLIN)
+        if self.gateway.wakeup_fd is not None:  # a finished transfer ends the wait too
+            poller.register(self.gateway.wakeup_fd, zmq.POLLIN)
         while not self.stop_event.is_set():
-            busy = self.engine.has_unfinished_requests() or self.handoff.must_poll
+            busy = self.engine.has_unfinished_requests() or self.gateway.must_poll
             self._share_cores()
-            idle_ms = FOLLOW_POLL_MS if self.handoff.is_following else IDLE_POLL_MS
+            idle_ms = FOLLOW_POLL_MS if self.gateway.is_following else IDLE_POLL_MS
             if poller.poll(0 if busy else idle_ms):
                 self._drain()
                 self._share_cores()
-            for output in self.handoff.poll():
+            for output in self.gateway.poll():
                 self._send(output)
             if self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    output = self.handoff.to_wire(delta)
+                    output = self.gateway.to_wire(delta)
                     if output is not None:
                         self._send(output)
 
@@ -215,14 +228,14 @@ class Worker:
         lending = self.idle_flag is not None and not self._owners
         if self.idle_flag is not None:
             self.idle_flag.set_idle(lending)
-        self.handoff.copy_early = not lending  # a decode worker's (pdserve/serve/worker/follow.py)
+        self.gateway.copy_early = not lending  # a decode worker's (pdserve/serve/worker/follow.py)
         if self.borrower is not None:
             self.borrow_cores()
 
     def borrow_cores(self) -> None:
         """The cores of the lenders that hold no request, and only those."""
         self.borrower.update()
-        self.handoff.borrowing_cores = self.borrower.is_borrowing
+        self.gateway.borrowing_cores = self.borrower.is_borrowing
 
     def close(self) -> None:
         if self.borrower is not None:
@@ -253,13 +266,13 @@ class Worker:
                 self._on_generate(identity, message)
             elif isinstance(message, FollowPrefill):
                 try:
-                    self.handoff.follow(message)
+                    self.gateway.follow(message)
                 except Exception as exc:  # only an optimisation: the hand-off still comes
                     logger.warning("could not follow %s: %s", message.request_id, exc)
             elif isinstance(message, AbortRequest):
                 self._owners.pop(message.request_id, None)
                 self._open_choices.pop(message.request_id, None)
-                self.handoff.abort(message.request_id)
+                self.gateway.abort(message.request_id)
             elif isinstance(message, StatusRequest):
                 self._reply(identity, self.status())
             elif isinstance(message, SetRole):
@@ -275,7 +288,7 @@ class Worker:
                                          error=f"request id {request_id} is already running"))
             return
         try:
-            self.handoff.add(message)
+            self.gateway.add(message)
         except Exception as exc:  # any rejection is this request's error, not the worker's
             logger.info("rejected %s: %s", request_id, exc)
             self._reply(identity, Output(request_id, [], "", "error", error=str(exc)))
@@ -286,13 +299,13 @@ class Worker:
     def _on_set_role(self, role: str) -> None:
         if role == self.role:
             return
-        if self._owners or not self.handoff.can_switch_role():
+        if self._owners or not self.gateway.can_switch_role():
             logger.warning("refused to switch from %s to %s (a colocated worker never "
                            "switches; others only when drained): %d requests, %s",
                            self.role, role, len(self._owners),
-                           self.handoff.describe_in_flight())
+                           self.gateway.describe_in_flight())
             return
-        self.handoff.switch_role(role)
+        self.gateway.switch_role(role)
         logger.info("%s is now a %s worker", self.worker_id, role)
         if self.on_role_change is not None:
             self.on_role_change(role)
@@ -328,12 +341,12 @@ class Worker:
         samples = list(engine.step_samples)
         recent = samples[-NUM_STEP_TIMES_AVERAGED:]
         block_size = engine.block_manager.block_size
-        kv_transfer = self.handoff.kv_transfer
+        kv_transfer = self.gateway.kv_transfer
         return WorkerStatus(
             worker_id=self.worker_id, role=role, model=engine.spec.model_id,
             max_model_len=engine.max_model_len, is_ready=not self.is_draining,
             num_running=stats.num_running,
-            num_waiting=stats.num_waiting + self.handoff.num_loading,
+            num_waiting=stats.num_waiting + self.gateway.num_loading,
             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_blocks,
             block_size=block_size, kv_layout=asdict(engine.spec.kv_layout(block_size)),
             prefill_step_s=_mean_seconds([s for s in recent if s.num_prefill_tokens]),
@@ -397,7 +410,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model=model, cache=cache, parallel=parallel, scheduler=scheduler,
         store_address=args.store, store_master_address=args.store_master,
         store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s,
-        handoff_dram_gb=args.handoff_dram_gb, discovery=args.discovery,
+        handoff_dram_gb=args.handoff_dram_gb, kv_handoff=args.kv_handoff,
+        handoff_shm=args.handoff_shm, handoff_follow=args.handoff_follow,
+        discovery=args.discovery,
         discovery_ttl_s=args.discovery_ttl_s,
         discovery_store_wait_s=args.discovery_store_wait_s,
         drain_timeout_s=args.drain_timeout_s,
@@ -517,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
                     lambda announcer: make_kv_transfer(config, engine, announcer),
                     IdleFlag(config.lend_idle_flag, create=True) if config.lend_idle_flag
                     else None, borrower)
-    kv_transfer = worker.handoff.kv_transfer
+    kv_transfer = worker.gateway.kv_transfer
     registration = None
     if config.discovery is not None:
         try:

@@ -60,13 +60,12 @@ def turn(prefill, decode, request_id: str, prompt: list[int], follow: bool) -> l
 
 
 @pytest.mark.parametrize("path", ["network", "in-place", "follow", "pull"])
-def test_decode_moves_only_the_blocks_it_lacks(llama_dir, monkeypatch, path):
+def test_decode_moves_only_the_blocks_it_lacks(llama_dir, path):
     shm = path in ("in-place", "follow")
     follow = path in ("follow", "pull")
-    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "1" if shm else "0")
-    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "1" if follow else "0")
     want = expected(llama_dir)
-    with handoff_pair(llama_dir, 8 << 20 if shm else 0) as (prefill, decode, node):
+    with handoff_pair(llama_dir, 8 << 20 if shm else 0, shm=shm, follow=follow) as (
+            prefill, decode, node):
         block_bytes = block_nbytes(decode.engine.spec.kv_layout(BLOCK))
         totals = decode.kv_transfer.totals
         assert turn(prefill, decode, "t0", TURN_1, follow) == want[0]

@@ -33,7 +33,8 @@ def test_handoff_on_one_host_joins_the_batch_at_once_from_the_segment(
     spans = first.handoff.shm_spans
     assert first.handoff.shm_segment == node.shm_segment and len(spans) == 4
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
-    assert not decode._loading and "r" in decode.engine.scheduler.requests  # no load job
+    # no load job
+    assert not decode.admissions.loaded.num_in_flight and "r" in decode.engine.scheduler.requests
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
@@ -71,9 +72,9 @@ def test_handoff_freed_while_it_is_copied_is_recomputed(
     assert_all_free(prefill, decode, node)
 
 
-def test_handoff_without_a_segment_loads_over_the_network(llama_dir, handoff_expected, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")  # nor would the decode side map one
-    with handoff_pair(llama_dir, 0) as (prefill, decode, node):
+def test_handoff_without_a_segment_loads_over_the_network(llama_dir, handoff_expected):
+    # --no-handoff-shm: nor would the decode side map one
+    with handoff_pair(llama_dir, 0, shm=False) as (prefill, decode, node):
         first = prefill_prompt(prefill)
         assert first.handoff.shm_segment is None and first.handoff.shm_spans == []
         assert decode_handoff(prefill, decode, first) == handoff_expected

@@ -36,6 +36,9 @@ PerLayer = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
 
 
 class SegmentMaps:
+    """The segments of prefill workers on this host, mapped read-only, and views of the
+    blocks or stagings in them (see the module docstring)."""
+
     def __init__(self, block_bytes: int, to_layers: ToLayers, per_layer: PerLayer) -> None:
         self.block_bytes = block_bytes
         self._to_layers = to_layers

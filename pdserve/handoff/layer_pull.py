@@ -35,6 +35,9 @@ WAIT_S = 0.05
 
 
 class LayerPull:
+    """One pull of a staging on another host: the layers received and not yet taken, and
+    whether to go on (paused while the worker lends its cores, stopped once done or failed)."""
+
     def __init__(self, source: str, staging_id: int, keys: list[bytes], first_block: int,
                  block_shape: list[int], dtype: torch.dtype,
                  to_layers: Callable[[torch.Tensor, int, int], list[torch.Tensor]]) -> None:

@@ -26,7 +26,7 @@ user-space copy, no UCX rendezvous, no kernel copy. A staging that does not fit 
 decode worker on another host) goes over UCX as before.
 
 It is not registered with the fleet's master: the fleet store gets a write-back copy of every
-saved prompt instead (pdserve/kvstore/connector.py), which later requests find there.
+saved prompt instead (pdserve/handoff/node.py), which later requests find there.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.addresses import advertised_host
+from pdserve.addresses import advertised
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.live_staging import LiveStagings
 from pdserve.kvstore.memory_tier import BytesLike
@@ -51,14 +51,10 @@ _LOCAL = Peer(b"in-process", [])
 _request_ids = itertools.count(1)
 
 
-def advertised(bound: str) -> str:
-    """tcp://host:port as another host dials it: a wildcard host (0.0.0.0, ::) becomes this
-    host's routable address (pdserve/addresses.py routable_host)."""
-    host, _, port = bound.removeprefix("tcp://").rpartition(":")
-    return f"tcp://{advertised_host(host)}:{port}"
-
-
 class HandoffNode:
+    """This worker's own data node: put, pin and release in process, served to decode
+    workers on its own port (see the module docstring)."""
+
     def __init__(self, name: str, host: str, capacity_blocks: int, lease_ttl_s: float,
                  timeout_s: float, transport: str = "ucx", port: int = 0,
                  shm_bytes: int = 0) -> None:

@@ -10,7 +10,7 @@ import time
 from helpers.engine_util import run_to_completion, token_ids
 from transformers import AutoTokenizer
 
-from pdserve.kvstore.connector import KVConnector
+from pdserve.handoff.connector import HandoffConnector
 from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
@@ -65,7 +65,7 @@ def test_decode_worker_queues_a_handoff_until_blocks_free(llama_dir) -> None:
         engine = _engine(llama_dir, num_blocks)
         engines.append(engine)
         transfers.append(KVTransfer(engine.runner, engine.block_manager,
-                                    KVConnector(store, engine.spec.kv_layout(BLOCK))))
+                                    HandoffConnector(store, engine.spec.kv_layout(BLOCK))))
     prefill = RequestGateway(engines[0], "prefill", "p", transfers[0])
     decode = RequestGateway(engines[1], "decode", "d", transfers[1])
     try:
@@ -81,7 +81,8 @@ def test_decode_worker_queues_a_handoff_until_blocks_free(llama_dir) -> None:
         decode.add(GenerateRequest("r", prompt, GREEDY, handoff=first.handoff))
 
         deadline = time.monotonic() + 30
-        while decode._loading:  # the KV arrives; with no blocks free, it waits for them
+        # the KV arrives; with no blocks free, it waits for them
+        while decode.admissions.loaded.num_in_flight:
             assert time.monotonic() < deadline
             assert decode.poll() == []
             time.sleep(0.005)

@@ -1,5 +1,5 @@
 """A decode worker follows a prefill on another host layer by layer (pdserve/serve/worker/follow.py,
-pdserve/kvstore/layer_pull.py): with no shared memory anywhere (PDSERVE_HANDOFF_SHM=0, as between
+pdserve/handoff/layer_pull.py): with no shared memory anywhere (PDSERVE_HANDOFF_SHM=0, as between
 two hosts), the prefill announces its staging with its hand-off node's address, the decode worker
 reserves the prompt's blocks and pulls each layer from the node as it is staged, so each
 layer is in decode's blocks before the next one is computed; the hand-off then claims them.
@@ -31,9 +31,8 @@ NUM_BLOCKS = 4  # 25 tokens in blocks of 8
 
 
 @pytest.fixture
-def network_handoffs(llama_dir, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HANDOFF_SHM", "0")
-    with handoff_pair(llama_dir, 0) as handoffs:
+def network_handoffs(llama_dir):
+    with handoff_pair(llama_dir, 0, shm=False) as handoffs:
         assert handoffs[2].shm_segment is None
         yield handoffs
 
@@ -47,7 +46,7 @@ def _finish(prefill, decode, first: Output) -> list[int]:
 
 
 def _follow(decode, request_id: str = "r"):
-    return decode._followers._follows.get(request_id)
+    return decode.admissions.followers._follows.get(request_id)
 
 
 def _wait_for(condition, decode, timeout_s: float = 10.0) -> bool:
@@ -103,7 +102,7 @@ def test_each_layer_reaches_decode_before_the_next_is_computed(
         copied.append(_follow(decode).num_copied)
 
     first = _prefill_followed(prefill, decode, monkeypatch, layer_in_decode)
-    num_layers = decode._followers.num_layers
+    num_layers = decode.admissions.followers.num_layers
     assert copied == list(range(1, num_layers + 1))
     assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
     assert len(node.stagings) == 0  # the save ended: its blocks are the node's now
@@ -131,7 +130,7 @@ def test_a_hand_off_ahead_of_its_last_layers_waits_for_them(
     [pull] = held
     assert _follow(decode).num_copied == 0
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
-    assert "r" in decode._follow_waiting and not decode._loading
+    assert decode.admissions.followed.is_waiting("r") and "r" not in decode.admissions.loaded
     monkeypatch.setattr(connector, "_pull", pull_layers)  # ...until the hand-off is here
     connector.run_job(lambda: connector._pull(pull))
     assert _finish(prefill, decode, first) == handoff_expected
@@ -145,7 +144,7 @@ def test_a_decode_abort_mid_pull_frees_everything(network_handoffs, monkeypatch)
     prefill, decode, node = network_handoffs
 
     def abort_at_the_last_layer(layer: int) -> None:
-        if layer == decode._followers.num_layers - 1:
+        if layer == decode.admissions.followers.num_layers - 1:
             assert _wait_for(lambda: _follow(decode).num_copied >= 1, decode)
             decode.abort("r")  # the client left, or the router moved the request
             assert decode.engine.block_manager.num_reserved_blocks == 0
@@ -179,7 +178,7 @@ def test_a_staging_gone_mid_pull_frees_the_reservation_and_the_hand_off_loads(
     assert dropped
     drive([prefill, decode], lambda outs: not prefill.is_busy)  # (its save's result)
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
-    assert "r" in decode._loading
+    assert "r" in decode.admissions.loaded
     assert _finish(prefill, decode, first) == handoff_expected
     totals = decode.kv_transfer.totals()
     assert totals["pulled_count"] == 0 and totals["load_count"] == 1
@@ -257,7 +256,7 @@ def test_a_prefill_on_borrowed_cores_announces_no_pull(network_handoffs, handoff
         o.finish_reason == "handoff" for o in outs)) if o.finish_reason == "handoff"]
     assert announced == []
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
-    assert "r" in decode._loading
+    assert "r" in decode.admissions.loaded
     assert _finish(prefill, decode, first) == handoff_expected
     assert_all_free(prefill, decode, node)
 
@@ -277,7 +276,7 @@ def test_a_decode_worker_lending_its_cores_pulls_only_once_the_hand_off_comes(
 
     checked: list[int] = []
     first = _prefill_followed(prefill, decode, monkeypatch, nothing_asked)
-    assert checked == list(range(decode._followers.num_layers))
+    assert checked == list(range(decode.admissions.followers.num_layers))
     assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert _finish(prefill, decode, first) == handoff_expected

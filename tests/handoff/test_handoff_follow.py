@@ -3,7 +3,7 @@ the prefill worker announces its staging as the forward stages layer 0 (Output.s
 worker reserves blocks and copies each layer the staging's header counts, and the hand-off
 then only claims the blocks. The tokens are a colocated engine's; reservations, leases, pins
 and segment memory all end free; a staging freed under the copy is recomputed. The worker's
-own components driven in one process (tests/serve/test_handoff_in_place.py's pair), each prefill
+own components driven in one process (tests/handoff/test_handoff_in_place.py's pair), each prefill
 layer followed by a turn of the decode loop, as two processes on two cores would run."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _follow_while_prefilling(prefill: RequestGateway, decode: RequestGateway, mo
     def save_then_decode_turns(*args, **kwargs):
         save_layer(*args, **kwargs)
         decode.poll()
-        follow = decode._followers._follows.get("r")
+        follow = decode.admissions.followers._follows.get("r")
         copied.append(-1 if follow is None else follow.num_copied)
 
     monkeypatch.setattr(connector, "save_layer", save_then_decode_turns)
@@ -78,7 +78,7 @@ def test_decode_copies_each_layer_as_the_prefill_stages_it(
     prefill, decode, node = shm_handoffs
     decode.copy_early = copy_early
     first, copied = _follow_while_prefilling(prefill, decode, monkeypatch)
-    num_layers = decode._followers.num_layers
+    num_layers = decode.admissions.followers.num_layers
     if TOTAL_STORE_ORDER and copy_early:  # each turn found the layer just staged
         assert copied == list(range(1, num_layers + 1)) and not decode.is_following
     else:
@@ -86,7 +86,7 @@ def test_decode_copies_each_layer_as_the_prefill_stages_it(
     assert decode.engine.block_manager.num_reserved_blocks == NUM_BLOCKS
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     assert decode.engine.block_manager.num_reserved_blocks == 0  # claimed by the request
-    assert "r" in decode.engine.scheduler.requests and not decode._loading
+    assert "r" in decode.engine.scheduler.requests and not decode.admissions.loaded.num_in_flight
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
     tokens = first.token_ids + [t for o in outputs if o.request_id == "r" for t in o.token_ids]
@@ -128,16 +128,17 @@ def test_a_follow_that_cannot_be_is_ignored_and_the_hand_off_takes_the_usual_pat
         shm_handoffs, handoff_expected, monkeypatch):
     prefill, decode, node = shm_handoffs
     first, _ = _follow_while_prefilling(prefill, decode, monkeypatch)
-    staging = decode._followers._follows["r"].staging
+    staging = decode.admissions.followers._follows["r"].staging
     decode.abort("r")
     for wrong in (FollowPrefill("r", len(PROMPT) + 8, staging),  # one block more
                   FollowPrefill("r", len(PROMPT), KVStaging(staging.segment, staging.span,
                                                             NUM_BLOCKS, "float16"))):
         decode.follow(wrong)
-        assert not decode._followers and decode.engine.block_manager.num_reserved_blocks == 0
+        assert not decode.admissions.followers
+        assert decode.engine.block_manager.num_reserved_blocks == 0
     gone = ShmSegment(staging.segment.host, staging.segment.pid, 999, 1, 4096)
     decode.follow(FollowPrefill("r", len(PROMPT), KVStaging(gone, staging.span, NUM_BLOCKS)))
-    assert not decode._followers
+    assert not decode.admissions.followers
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
                      and not prefill.is_busy)
@@ -163,9 +164,8 @@ def test_follow_messages_round_trip_and_bad_ones_are_refused():
         KVStaging(segment, ShmSpan(4160, 4096, 3), 0)
 
 
-def test_no_staging_is_announced_with_follow_off(llama_dir, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HANDOFF_FOLLOW", "0")
-    with handoff_pair(llama_dir, 8 << 20) as (prefill, decode, node):
+def test_no_staging_is_announced_with_follow_off(llama_dir):
+    with handoff_pair(llama_dir, 8 << 20, follow=False) as (prefill, decode, node):
         sent: list[Output] = []
         prefill.announcer.send = sent.append
         prefill.add(GenerateRequest("r", PROMPT, GREEDY))
@@ -185,7 +185,7 @@ def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(
     hand-off comes."""
     prefill, decode, node = shm_handoffs
     prefill.borrowing_cores, decode.copy_early = True, False
-    num_layers = decode._followers.num_layers
+    num_layers = decode.admissions.followers.num_layers
     progress_when_sent: list[int] = []
 
     def send(output: Output) -> None:
@@ -200,7 +200,7 @@ def test_a_prefill_on_borrowed_cores_announces_once_every_layer_is_staged(
     outputs = drive([prefill], lambda outs: any(o.finish_reason == "handoff" for o in outs))
     assert progress_when_sent == [num_layers]
     if TOTAL_STORE_ORDER:  # (elsewhere the copy waits for the hand-off)
-        assert decode._followers._follows["r"].num_copied == num_layers
+        assert decode.admissions.followers._follows["r"].num_copied == num_layers
     first = outputs[-1]
     decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
     outputs = drive([prefill, decode], lambda outs: finished(outs) and not decode.is_busy
@@ -220,7 +220,7 @@ def test_a_hand_off_that_does_not_take_the_follow_frees_its_reservation(shm_hand
     wrong = dataclasses.replace(first.handoff, kv_cache_dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=wrong))
-    assert decode.engine.block_manager.num_reserved_blocks == 0 and not decode._followers
+    assert decode.engine.block_manager.num_reserved_blocks == 0 and not decode.admissions.followers
     prefill.kv_transfer.release(first.handoff.lease_id, first.handoff.source_address)
     drive([prefill, decode], lambda outs: not decode.is_busy and not prefill.is_busy)
     assert_all_free(prefill, decode, node)

@@ -1,4 +1,4 @@
-"""get_layers against a real hand-off node (pdserve/kvstore/handoff_node.py), over UCX and over
+"""get_layers against a real hand-off node (pdserve/handoff/node_server.py), over UCX and over
 ZeroMQ frames (a side without ucxx): a client gets exactly the layers the node's worker has
 staged so far, from the asked block on, waits for the next one, reads the rest from the
 stored blocks once the save ended, and hears that a staging with neither is gone. A reply
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.handoff.node_server import HandoffNode
 from pdserve.kvstore.client import StoreClient
-from pdserve.kvstore.handoff_node import HandoffNode
 
 NUM_LAYERS, LAYER_BYTES = 4, 256
 KEYS = [bytes([i]) * 16 for i in range(5)]
@@ -69,6 +69,32 @@ def test_a_staging_that_is_nowhere_is_gone_and_other_blocks_are_not_served(node_
     assert client.get_layers(2, KEYS, 0, 0, NUM_LAYERS, LAYER_BYTES, 0.0) == (0, None, True)
     node.stagings.end(1)
     assert client.get_layers(1, KEYS, 0, 0, NUM_LAYERS, LAYER_BYTES, 0.0) == (0, None, True)
+
+
+def test_an_ended_staging_serves_only_its_own_stored_blocks(node_and_client):
+    """Once a staging ended, a pull reads its blocks from the node's store: only the keys the
+    staging had, at their place; other blocks the node holds (another prompt's) and a staging
+    the node never had are gone, never served."""
+    node, client = node_and_client
+    staging = torch.randint(0, 256, (3, NUM_LAYERS * LAYER_BYTES), dtype=torch.uint8)
+    node.stagings.begin(1, KEYS[:3], staging, NUM_LAYERS)
+    node.put_many(KEYS[:3], [staging[i] for i in range(3)])
+    node.stagings.end(1)
+    other = torch.zeros(2, NUM_LAYERS * LAYER_BYTES, dtype=torch.uint8)
+    node.put_many(KEYS[3:], [other[i] for i in range(2)])  # stored, no staging's
+
+    def pull(staging_id: int, keys: list[bytes], first_block: int):
+        return client.get_layers(staging_id, keys, first_block, 0, NUM_LAYERS, LAYER_BYTES,
+                                 0.0)
+
+    count, payload, gone = pull(1, KEYS[1:3], 1)
+    expected = staging.view(3, NUM_LAYERS, LAYER_BYTES).numpy()
+    assert count == NUM_LAYERS and not gone
+    assert np.array_equal(payload.reshape(2, NUM_LAYERS, LAYER_BYTES), expected[1:])
+    assert pull(1, KEYS[3:], 3) == (0, None, True)  # past the staging's blocks
+    assert pull(1, KEYS[3:], 0) == (0, None, True)  # not the staging's keys at that place
+    assert pull(1, KEYS[:3], 1) == (0, None, True)  # the staging's keys, elsewhere
+    assert pull(2, KEYS[3:], 0) == (0, None, True)  # a staging never here
 
 
 def test_a_reply_of_another_size_than_asked_is_refused(node_and_client):
