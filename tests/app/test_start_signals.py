@@ -14,12 +14,15 @@ import sys
 import pytest
 from helpers.cluster_util import free_port_block
 
-# {target}: "module:Class.method" that sends the SIGTERM, then runs as it would
+# {target}: "module:function" or "module:Class.method" that sends the SIGTERM, then runs as
+# it would
 CHILD = """
 import importlib, os, signal, sys
 module, attribute = {target!r}.split(":")
-owner_name, method = attribute.split(".")
-owner = getattr(importlib.import_module(module), owner_name)
+owner = importlib.import_module(module)
+*path, method = attribute.split(".")
+for name in path:
+    owner = getattr(owner, name)
 real = getattr(owner, method)
 def patched(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)
@@ -43,5 +46,18 @@ def test_a_sigterm_while_the_worker_starts_stops_it_cleanly(llama_dir, target):
     port = free_port_block(1)
     done = _run(target, ["colocated", "--model", str(llama_dir), "--port", str(port),
                          "--device", "cpu", "--num-kv-blocks", "64", "--insecure-plaintext"])
+    assert done.returncode == 0, (done.returncode, -signal.SIGTERM, done.stderr[-2000:])
+    assert "signal 15, shutting down" in done.stderr
+
+
+@pytest.mark.parametrize("target", [
+    "pdserve.router.app:build_app",  # before the router binds
+    "uvicorn.server:Server.startup",  # as uvicorn binds: its handler, then ours again
+])
+def test_a_sigterm_while_the_router_starts_stops_it_cleanly(llama_dir, target):
+    port = free_port_block(1)
+    done = _run(target, ["router", "--model", str(llama_dir), "--port", str(port),
+                         "--prefill", "tcp://127.0.0.1:1", "--decode", "tcp://127.0.0.1:2",
+                         "--insecure-plaintext"])
     assert done.returncode == 0, (done.returncode, -signal.SIGTERM, done.stderr[-2000:])
     assert "signal 15, shutting down" in done.stderr
