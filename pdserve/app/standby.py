@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 from pdserve.app import cli
@@ -50,7 +51,16 @@ def preload(argv: list[str]) -> None:
         import_backend(args.model)
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main() -> int:
+    # A SIGTERM or SIGINT before the role has its own handlers (while importing, waiting, or
+    # as the role begins: each role installs its handlers before it binds anything) ends the
+    # standby cleanly, with nothing to undo, instead of by the default action.
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     argv = sys.argv[1:]
     try:
         preload(argv)
