@@ -514,8 +514,9 @@ def run(args: argparse.Namespace) -> int:
         return run_node(args)
     # The handlers go in before anything binds (the engine's ranks, the worker's socket, its
     # registration): a SIGTERM while the worker starts (a supervisor stopping it, a rolling
-    # restart) stops it cleanly once the step under way is done, instead of killing it with
-    # the default action. Once it serves, a signal drains it (stop_serving).
+    # restart) stops it cleanly once the start step under way (loading the engine, say) is
+    # done, instead of killing it with the default action. Once it serves, a signal drains it
+    # (stop_serving).
     stop_asked = threading.Event()
     serving: list[Callable[[], None]] = []  # stop_serving, once there is a worker to stop
 
