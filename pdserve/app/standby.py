@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import threading
 
@@ -55,6 +56,10 @@ def preload(argv: list[str]) -> None:
         import_backend(args.model)
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
 def preload_quietly(argv: list[str]) -> str | None:
     """preload(argv) on a thread at the lowest CPU and I/O priority; its error, if any."""
     errors: list[str] = []
@@ -73,6 +78,11 @@ def preload_quietly(argv: list[str]) -> str | None:
 
 
 def main() -> int:
+    # A SIGTERM or SIGINT before the role has its own handlers (while importing, waiting, or
+    # as the role begins: each role installs its handlers before it binds anything) ends the
+    # standby cleanly, with nothing to undo, instead of by the default action.
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     argv = sys.argv[1:]
     error = preload_quietly(argv)
     if error is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
 from dataclasses import fields
 
 from pdserve import discovery, envs, lifecycle
@@ -189,6 +191,23 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.ports import check_port_free
     from pdserve.router.app import build_app
 
+    # The handlers go in before anything binds: a SIGTERM while the router starts (a
+    # supervisor stopping it) stops it cleanly instead of killing it with the default action.
+    # While uvicorn serves, its own handlers stand in for these; when it stops it restores
+    # them and raises the signal it caught again, which lands here (the default action would
+    # end a router that shut down gracefully with -SIGTERM).
+    stop_asked = threading.Event()
+    servers: list[uvicorn.Server] = []
+
+    def shut_down(signum: int, _frame: object) -> None:
+        if not stop_asked.is_set():
+            logger.info("router: signal %d, shutting down", signum)
+        stop_asked.set()
+        if servers:
+            servers[0].should_exit = True
+
+    signal.signal(signal.SIGINT, shut_down)
+    signal.signal(signal.SIGTERM, shut_down)
     try:
         config = config_from_args(args)
         check_port_free(config.host, config.port)  # PortInUse names who holds it
@@ -198,8 +217,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError, discovery.DiscoveryError) as exc:
         logger.error("cannot start the router: %s", exc)
         return 2
+    if stop_asked.is_set():  # asked while the app was built: bind nothing
+        app.state.serving.close()
+        return 0
     logger.info("router on http://%s:%d/v1", config.host, config.port)
     lifecycle.freeze_startup_heap("router")  # (the app and its tokenizer are built)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    servers.append(server)
+    server.should_exit = stop_asked.is_set()  # (asked meanwhile: it stops once started)
+    server.run()
+    if not server.started and not stop_asked.is_set():  # (uvicorn.run's exit code)
+        logger.error("the router did not start on %s:%d", config.host, config.port)
+        return 3
     return 0

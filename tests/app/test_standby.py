@@ -75,6 +75,38 @@ def test_a_standby_whose_input_ends_exits_without_serving(tmp_path):
     assert standby.returncode == 0 and is_free(port)
 
 
+# A standby whose preload tells the test (on stderr) once it is done: then it waits on stdin.
+PRELOADED = """
+import sys
+from pdserve.app import standby
+real_preload = standby.preload
+def preload(argv):
+    real_preload(argv)
+    print("preloaded", file=sys.stderr, flush=True)
+standby.preload = preload
+sys.exit(standby.main())
+"""
+
+
+def test_a_standby_stopped_while_it_waits_exits_0_without_serving():
+    """A supervisor may stop a standby with SIGTERM (stopping its process group) rather than
+    by ending its input: it exits 0, not by the default action (-15)."""
+    port = free_port_block(1)
+    standby = subprocess.Popen([sys.executable, "-c", PRELOADED, *store_argv(port)],
+                               stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert standby.stderr.readline() == "preloaded\n"
+        standby.terminate()
+        assert standby.wait(60) == 0
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+            standby.wait()
+        standby.stdin.close()
+        standby.stderr.close()
+    assert is_free(port)
+
+
 def test_a_command_without_a_standby_is_refused():
     out = subprocess.run([sys.executable, "-m", "pdserve.app.standby", "bench", "--help"],
                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)

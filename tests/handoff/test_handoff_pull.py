@@ -185,6 +185,71 @@ def test_a_staging_gone_mid_pull_frees_the_reservation_and_the_hand_off_loads(
     assert_all_free(prefill, decode, node)
 
 
+def _fail_the_pull_after_layer_0(decode, node):
+    """An after_layer hook: once decode copied layer 0, the staging ends with its blocks
+    nowhere (as when the prefill's save fails), so the pull's next round trip hears it is
+    gone, before the prefill computes layer 1."""
+    def fail(layer: int) -> None:
+        if layer == 0:
+            assert _wait_for(lambda: _follow(decode).num_copied >= 1, decode)
+            node.stagings.end(_follow(decode).staging.staging_id)
+            assert _wait_for(lambda: _follow(decode) is None, decode)
+            failed.append(layer)
+
+    failed: list[int] = []
+    return fail, failed
+
+
+def test_a_failed_pull_s_layers_are_not_counted_with_its_load(
+        network_handoffs, handoff_expected, monkeypatch):
+    """Layer 0 is pulled, then the pull fails and the hand-off loads every block: the
+    hand-off moved the prompt's blocks once (kv_handoff_bytes), not layer 0 twice."""
+    prefill, decode, node = network_handoffs
+    fail, failed = _fail_the_pull_after_layer_0(decode, node)
+    first = _prefill_followed(prefill, decode, monkeypatch, fail)
+    assert failed
+    drive([prefill, decode], lambda outs: not prefill.is_busy)  # (its save's result)
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert "r" in decode.admissions.loaded
+    assert _finish(prefill, decode, first) == handoff_expected
+    totals = decode.kv_transfer.totals()
+    block_bytes = decode.kv_transfer.connector.block_bytes
+    assert totals["pulled_count"] == 0 and totals["load_count"] == 1
+    assert totals["handoff_bytes"] == NUM_BLOCKS * block_bytes
+    assert totals["handoff_reused_bytes"] == 0
+    assert_all_free(prefill, decode, node)
+
+
+def test_a_failed_pull_s_held_blocks_are_counted_once_by_its_fallback_load(
+        network_handoffs, handoff_expected, monkeypatch):
+    """Decode holds the prompt's first two blocks (an earlier prompt's): the follow reserves
+    them, its pull fails after layer 0, and the hand-off's load holds them again and moves
+    the other two. Each block counts once: two reused, two moved."""
+    prefill, decode, node = network_handoffs
+    prefill.add(GenerateRequest("a", PROMPT[:16], GREEDY))  # not followed (no announcer)
+    [first_a] = [o for o in drive([prefill, decode], lambda outs: any(
+        o.finish_reason == "handoff" for o in outs)) if o.finish_reason == "handoff"]
+    decode.add(GenerateRequest("a", PROMPT[:16], GREEDY, handoff=first_a.handoff))
+    drive([prefill, decode], lambda outs: any(
+        o.request_id == "a" and o.finish_reason not in (None, "handoff") for o in outs)
+        and not decode.is_busy and not prefill.is_busy)
+    block_bytes = decode.kv_transfer.connector.block_bytes
+    before = decode.kv_transfer.totals()
+    assert before["handoff_bytes"] == 2 * block_bytes and before["handoff_reused_bytes"] == 0
+
+    fail, failed = _fail_the_pull_after_layer_0(decode, node)
+    first = _prefill_followed(prefill, decode, monkeypatch, fail)
+    assert failed
+    drive([prefill, decode], lambda outs: not prefill.is_busy)
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert "r" in decode.admissions.loaded
+    assert _finish(prefill, decode, first) == handoff_expected
+    totals = decode.kv_transfer.totals()
+    assert totals["handoff_reused_bytes"] == 2 * block_bytes
+    assert totals["handoff_bytes"] - before["handoff_bytes"] == 2 * block_bytes
+    assert_all_free(prefill, decode, node)
+
+
 def test_live_stagings_serve_what_is_staged_then_the_stored_blocks():
     """The node's side alone: a pull gets the layers staged so far (waiting for the first),
     then, once the save ended, the rest from the stored blocks: the same bytes; an unknown

@@ -31,7 +31,8 @@ def node_and_client(request):
         node.close()
 
 
-def test_a_pull_gets_each_layer_as_it_is_staged_then_the_stored_rest(node_and_client):
+def test_a_pull_gets_each_layer_as_it_is_staged_then_the_stored_rest(node_and_client,
+                                                                    monkeypatch):
     node, client = node_and_client
     staging = torch.randint(0, 256, (len(KEYS), NUM_LAYERS * LAYER_BYTES), dtype=torch.uint8)
     expected = staging.view(len(KEYS), NUM_LAYERS, LAYER_BYTES).numpy()
@@ -42,11 +43,25 @@ def test_a_pull_gets_each_layer_as_it_is_staged_then_the_stored_rest(node_and_cl
                                  wait_s)
 
     assert pull(0) == (0, None, False)  # nothing staged yet
-    later = threading.Timer(0.1, lambda: node.stagings.progress(1, 1))
-    later.start()
-    start_s = time.monotonic()
-    count, payload, gone = pull(0, wait_s=1.0)  # answered once layer 0 is there
-    assert time.monotonic() - start_s < 1.0 and count == 1 and not gone
+    # a pull asked before layer 0 is staged waits in the node, and the layer wakes it (its
+    # wait ends notified, not timed out)
+    cond, woken, waiting = node.stagings._cond, [], threading.Event()
+    wait = cond.wait
+
+    def noted_wait(timeout_s=None):
+        waiting.set()
+        woken.append(wait(timeout_s))
+        return woken[-1]
+
+    monkeypatch.setattr(cond, "wait", noted_wait)
+    pulled = []
+    puller = threading.Thread(target=lambda: pulled.append(pull(0, wait_s=1.0)))
+    puller.start()
+    assert waiting.wait(10.0)
+    node.stagings.progress(1, 1)
+    puller.join(10.0)
+    [(count, payload, gone)] = pulled
+    assert woken == [True] and count == 1 and not gone
     assert np.array_equal(payload.reshape(3, 1, LAYER_BYTES), expected[2:, :1])
     node.stagings.progress(1, 3)
     count, payload, _ = pull(1)

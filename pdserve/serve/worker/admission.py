@@ -179,10 +179,12 @@ class HeldPrefix:
         except Exception:  # the request's error (add reports it)
             self.engine.block_manager.unreserve(request_id)
             raise
+        moved_bytes = 0
         if len(block_ids) > num_held:
             staging = [t[:, skip:skip + len(block_ids) - num_held] for t in done.staging]
             self.kv_transfer.install(block_ids[num_held:], staging)
-            self.kv_transfer.note_handoff_bytes(sum(t.nbytes for t in staging))
+            moved_bytes = sum(t.nbytes for t in staging)
+        self.kv_transfer.note_handoff(moved_bytes, num_held)
         return True
 
     def drop(self, request_id: str) -> None:
@@ -294,7 +296,7 @@ class Loaded:
             else:
                 staging = [t[:, :len(block_ids)] for t in done.staging]
                 self.kv_transfer.install(block_ids, staging)
-                self.kv_transfer.note_handoff_bytes(sum(t.nbytes for t in staging))
+                self.kv_transfer.note_handoff(sum(t.nbytes for t in staging))
                 return
         elif not done.ok:
             logger.info("KV of %s not in the store; recomputing", request_id)

@@ -103,6 +103,7 @@ class _Follow:
     active_s: float  # when it last made progress
     num_held: int = 0  # leading blocks this worker held already (not copied)
     num_copied: int = 0
+    num_moved_bytes: int = 0  # copied into the reserved blocks (counted once it completes)
     # on the prefill's host:
     layers: list[torch.Tensor] | None = None  # the staging, per layer, mapped read-only
     progress: Callable[[], int] | None = None  # layers staged so far
@@ -244,7 +245,7 @@ class Followers:
         heads, head_dim] each) into the follow's reserved blocks after the held ones."""
         for layer, blocks in enumerate(layers, start=first):
             self.kv_transfer.install_layer(layer, follow.block_ids[follow.num_held:], blocks)
-            self.kv_transfer.note_handoff_bytes(blocks.nbytes)
+            follow.num_moved_bytes += blocks.nbytes
         if layers:
             follow.num_copied = max(follow.num_copied, first + len(layers))
 
@@ -270,6 +271,7 @@ class Followers:
         elif follow.layers is not None:
             self._copy(follow, self.num_layers)
         del self._follows[request_id]
+        self.kv_transfer.note_handoff(follow.num_moved_bytes, follow.num_held)
         return follow.block_ids, follow.intact, follow.pull is not None
 
     def drop(self, request_id: str) -> None:

@@ -244,8 +244,9 @@ class KVTransfer:
         """Reserve `num_blocks` pool blocks for a hand-off whose blocks are named `keys`
         (BlockManager.reserve): the leading ones this worker holds come from its own pool
         (shared) or its host tier (copied in now), so only the rest need to move. Returns
-        (the reserved blocks, how many of them are held here), counted as reused bytes; None
-        when nothing is held or no blocks are free now (then every block moves, as before)."""
+        (the reserved blocks, how many of them are held here; counted by note_handoff once
+        the hand-off joins); None when nothing is held or no blocks are free now (then every
+        block moves, as before)."""
         bm = self.block_manager
         if not keys or not bm.enable_prefix_caching or not self.can_write_layers:
             return None
@@ -262,12 +263,15 @@ class KVTransfer:
         if held == 0:
             bm.unreserve(request_id)
             return None
-        self._totals["handoff_reused_bytes"] += held * self.connector.block_bytes
         return block_ids, held
 
-    def note_handoff_bytes(self, nbytes: int) -> None:
-        """KV bytes a hand-off moved into this worker's pool (the rest it held)."""
-        self._totals["handoff_bytes"] += nbytes
+    def note_handoff(self, moved_bytes: int, num_held_blocks: int = 0) -> None:
+        """A hand-off's KV is in this worker's pool: the bytes it moved there and the leading
+        blocks it held already (hold_prefix). Called once per hand-off, by the path that
+        completed it: a follow that failed first (its reservation given back, its pulled
+        layers loaded again) counts nothing."""
+        self._totals["handoff_bytes"] += moved_bytes
+        self._totals["handoff_reused_bytes"] += num_held_blocks * self.connector.block_bytes
 
     def attach_host_tier(self, offload: KVOffload | None) -> None:
         """Stand below the engine's host tier: its evictions go down to the store, and its

@@ -425,15 +425,17 @@ def run_node(args: argparse.Namespace) -> int:
     node 0 stops them or a signal comes."""
     from pdserve.serve.executor.model_runner import serve_node
 
+    stop = threading.Event()  # (before anything starts: see run)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         model, cache, parallel, scheduler = engine_configs_from_args(args)
     except ValueError as exc:
         logger.error("cannot start node %d of the %s worker: %s", args.node_rank,
                      args.command, exc)
         return 2
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if stop.is_set():
+        return 0
     return serve_node(model, cache, parallel, scheduler, stop)
 
 
@@ -515,6 +517,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.node_rank > 0:
         return run_node(args)
+    # The handlers go in before anything binds (the engine's ranks, the worker's socket, its
+    # registration): a SIGTERM while the worker starts (a supervisor stopping it, a rolling
+    # restart) stops it cleanly once the start step under way (loading the engine, say) is
+    # done, instead of killing it with the default action. Once it serves, a signal drains it
+    # (stop_serving).
+    stop_asked = threading.Event()
+    serving: list[Callable[[], None]] = []  # stop_serving, once there is a worker to stop
+
+    def on_stop_signal(signum: int, _frame: object) -> None:
+        logger.info("%s worker: signal %d, shutting down", args.command, signum)
+        stop_asked.set()
+        if serving:
+            serving[0]()
+
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGINT, on_stop_signal)
     borrower = None
     try:
         config = discover_store(config_from_args(args))
@@ -528,13 +546,19 @@ def run(args: argparse.Namespace) -> int:
             RendezvousError) as exc:
         logger.error("cannot start the %s worker: %s", args.command, exc)
         return 2
+    if stop_asked.is_set():  # asked while the engine started: bind nothing
+        engine.shutdown()
+        if borrower is not None:
+            borrower.close()
+        logger.info("%s worker stopped before serving", config.role)
+        return 0
     worker = Worker(engine, config.role, f"tcp://{config.host}:{config.port}", config.name,
                     lambda announcer: make_kv_transfer(config, engine, announcer),
                     IdleFlag(config.lend_idle_flag, create=True) if config.lend_idle_flag
                     else None, borrower)
     kv_transfer = worker.gateway.kv_transfer
     registration = None
-    if config.discovery is not None:
+    if config.discovery is not None and not stop_asked.is_set():
         try:
             registration = discovery.Registration(
                 discovery.DiscoveryURL.parse(config.discovery), worker_record(config, worker),
@@ -551,15 +575,16 @@ def run(args: argparse.Namespace) -> int:
                 target=registration.update, args=(worker_record(config, worker),),
                 name="discovery-update", daemon=True).start()
 
-    def on_stop_signal(*_) -> None:
+    def stop_serving() -> None:
         if registration is None or worker.is_draining:  # no fleet to leave, or asked twice
             worker.stop_event.set()
             return
         threading.Thread(target=drain_then_stop, name="drain", daemon=True,
                          args=(worker, registration, config.drain_timeout_s)).start()
 
-    signal.signal(signal.SIGTERM, on_stop_signal)
-    signal.signal(signal.SIGINT, on_stop_signal)
+    serving.append(stop_serving)
+    if stop_asked.is_set():  # asked while it bound or registered: the loop stops at once
+        worker.stop_event.set()
     logger.info("%s worker %s ready on tcp://%s:%d", config.role, config.name, config.host,
                 config.port)
     lifecycle.freeze_startup_heap(f"{config.role} worker")
