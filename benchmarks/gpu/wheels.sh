@@ -4,6 +4,9 @@
 #
 #   bash benchmarks/gpu/wheels.sh            # then carry .whl to the GPU machine
 #
+# PY_VERSION=3.11 WHEELS_DIR=... fetches the same versions for another Python (run.sh --rehearse
+# on a machine whose torch wheel is for 3.11).
+#
 # The image has torch 2.11+cu130, Triton 3.6, transformers, numpy, httpx, msgpack, pytest,
 # uvloop, anyio, click, h11, protobuf, requests, attrs (the "Python packages already there" list
 # of the device's KINDS.md) but none of these. Versions are the ones pdserve's tests pass with
@@ -14,6 +17,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DEST="${WHEELS_DIR:-$REPO/.whl}"
 PY="${PYTHON:-python3}"
+PY_VERSION="${PY_VERSION:-3.12}"  # the GPU image's
 LIMIT_BYTES=$((64 << 20))  # the device's carry limit: the whole working tree, wheels included
 
 WHEELS=(
@@ -43,7 +47,8 @@ if [ -n "${KINDS_MD:-}" ]; then  # refuse a package the image already has
 fi
 
 mkdir -p "$DEST"
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+"$PY" -m pip download -q --no-deps --only-binary=:all: --implementation cp \
+    --python-version "$PY_VERSION" \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
