@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, command in servers.items():
         log = work / f"{name}.log"
         try:
-            process = server_process.start(command, log, f"http://127.0.0.1:{PORT}/v1/models",
+            # /health answers 200 once a worker is ready (/v1/models answers before)
+            process = server_process.start(command, log, f"http://127.0.0.1:{PORT}/health",
                                            args.timeout_s, poll_s=2)
         except RuntimeError as exc:
             summary[name] = {"error": str(exc), "log_tail": _tail(log)}
@@ -131,7 +132,15 @@ def main(argv: list[str] | None = None) -> int:
             server_process.stop(process, timeout_s=20)
             output.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary)[:2000])
-    return 0
+    return 0 if all(_measured(summary[name]) for name in servers) else 1
+
+
+def _measured(result: dict) -> bool:
+    """Whether a server's every rate completed requests (a rate whose requests all failed, or a
+    server that never served, fails the stage)."""
+    rates = result.get("rates", {})
+    return ("error" not in result and bool(rates)
+            and all(rate.get("completed", 0) > 0 for rate in rates.values()))
 
 
 def _tail(log: Path, num_lines: int = 20) -> str:
