@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu/run.sh --rehearse       # here, on a CPU: the same stages, no CUDA
 #
 # Stages, in order, each within its limit (STAGE_LIMITS; their sum leaves a minute of the
-# command's 600 s spare); naming some runs only those:
+# command's 600 s spare); naming some runs only those (and wheels, which the others need):
 #   wheels       the carried wheels (.whl) into a folder on PYTHONPATH (the machine's torch and
 #                Triton stay); the checkout itself is imported from PYTHONPATH
 #   tests        the Triton kernels against their torch references, the fused MoE, the device
@@ -96,7 +96,18 @@ stop_stage() {  # the running stage's whole process group: TERM, then KILL after
     STAGE_PID=""
 }
 trap 'stop_stage; rm -rf "$WORK"' EXIT
-trap 'echo "stopped by a signal" | tee -a "$LOG"; exit 143' TERM INT HUP
+CURRENT_STAGE=""
+CURRENT_START=0
+stopped() {  # a signal: the running stage goes into the summary as stopped, then the EXIT trap
+    echo "stopped by a signal" | tee -a "$LOG"
+    if [ -n "$CURRENT_STAGE" ]; then
+        stop_stage
+        echo "$CURRENT_STAGE 143 $((SECONDS - CURRENT_START))" >> "$STATUS"
+        summarize
+    fi
+    exit 143
+}
+trap stopped TERM INT HUP
 
 limit_of() {  # limit_of STAGE -> its seconds
     local entry
@@ -164,12 +175,15 @@ stage() {  # stage NAME COMMAND...: within NAME's limit, in a process group of i
     echo "== $name: $*" >> "$LOG"
     echo "== $name (limit ${limit} s)"
     local start=$SECONDS
+    CURRENT_STAGE="$name"
+    CURRENT_START=$start
     # timeout leads a process group of its own: TERM to all of it at the limit, KILL 10 s later
     timeout -k 10 "$limit" "$@" >> "$LOG" 2>&1 < /dev/null &
     STAGE_PID=$!
     wait "$STAGE_PID"
     local rc=$?
     stop_stage  # whatever the stage left behind
+    CURRENT_STAGE=""
     echo "$name $rc $((SECONDS - start))" >> "$STATUS"
     echo "   $name: exit $rc, $((SECONDS - start)) s"
     summarize
@@ -245,14 +259,14 @@ print(facts)
 open(sys.argv[1], "w").write(json.dumps(facts))
 EOF
 
-if wanted wheels; then
-    if ls "$WHEELS_DIR"/*.whl > /dev/null 2>&1; then
-        stage wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --upgrade --target "$SITE" "$WHEELS_DIR"/*.whl
-    else
-        echo "no wheels in $WHEELS_DIR: run benchmarks/gpu/wheels.sh and carry .whl" | tee -a "$LOG"
-    fi
-    "$PY" - "$WORK/missing.json" >> "$LOG" 2>&1 <<'EOF'
+# -- the wheels, always: every other stage imports what they hold
+if ls "$WHEELS_DIR"/*.whl > /dev/null 2>&1; then
+    stage wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" "$WHEELS_DIR"/*.whl
+else
+    echo "no wheels in $WHEELS_DIR: run benchmarks/gpu/wheels.sh and carry .whl" | tee -a "$LOG"
+fi
+"$PY" - "$WORK/missing.json" >> "$LOG" 2>&1 <<'EOF'
 import importlib.util, json, sys
 needed = ("zmq", "fastapi", "starlette", "pydantic", "uvicorn", "xgrammar", "opentelemetry.sdk",
           "pytest_asyncio", "jsonschema", "msgpack", "prometheus_client", "transformers",
@@ -266,8 +280,7 @@ missing = [name for name in needed if not found(name)]
 print("missing modules:", missing or "none")
 open(sys.argv[1], "w").write(json.dumps({"missing_modules": missing}))
 EOF
-    summarize
-fi
+summarize
 
 cd "$REPO"
 if [ "$REHEARSE" = 1 ]; then
@@ -313,6 +326,8 @@ fi
 summarize
 num_files=$(find "$OUT" -type f | wc -l)
 echo "files in $OUT: $num_files (at most $MAX_OUT_FILES)" | tee -a "$LOG"
-echo "stage   exit  seconds / limit"
-awk '{ printf "%-12s %4s %6s\n", $1, $2, $3 }' "$STATUS"
+echo "stage        exit  seconds  limit"
+while read -r name rc seconds; do
+    printf "%-12s %4s %8s %6s\n" "$name" "$rc" "$seconds" "$(limit_of "$name")"
+done < "$STATUS"
 [ "$num_files" -le "$MAX_OUT_FILES" ] && ! awk '$2 != 0 { bad = 1 } END { exit !bad }' "$STATUS"

@@ -61,7 +61,9 @@ def test_at_most_eight_files_come_back():
 
 def test_a_trap_kills_the_running_stages_process_group():
     assert re.search(r"""^trap '[^']*stop_stage[^']*' EXIT""", SCRIPT, re.MULTILINE)
-    assert re.search(r"^trap '[^']*exit 143' TERM INT", SCRIPT, re.MULTILINE)
+    assert re.search(r"^trap stopped TERM INT", SCRIPT, re.MULTILINE)
+    stopped = SCRIPT.split("\nstopped() {")[1].split("\n}")[0]
+    assert "stop_stage" in stopped and "summarize" in stopped and "exit 143" in stopped
     assert 'kill -KILL -- "-$STAGE_PID"' in SCRIPT
     # the stage runs in the background (so the trap runs at once), led by timeout's own group
     assert re.search(r'timeout -k \d+ "\$limit" "\$@" .*&\n\s*STAGE_PID=\$!', SCRIPT)
