@@ -16,13 +16,25 @@ from pdserve.serve.default_model import build_random_model, build_tokenizer
 os.environ.setdefault("PDSERVE_CPU_TUNING", "0")
 
 
+def builds_cpu_kernels_first() -> bool:
+    """Whether the session builds the CPU kernels before its first test: not where they are
+    switched off (PDSERVE_CPU_KERNELS=0, as benchmarks/gpu/run.sh sets) nor where CUDA is
+    available, whose GPU tests never run them (a CPU test that needs them builds them then)."""
+    import torch
+
+    from pdserve import envs
+
+    return envs.cpu_kernels() and not torch.cuda.is_available()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the CPU kernels (pdserve/kernels/csrc) once, up front: a first build takes a minute or
     two, and a worker process started by an end-to-end test must not spend its ready timeout
     on it. Where they cannot be built every test runs the plain-torch paths."""
-    from pdserve.kernels import cpu_ops
+    if builds_cpu_kernels_first():
+        from pdserve.kernels import cpu_ops
 
-    cpu_ops.load()
+        cpu_ops.load()
 
 
 @pytest.fixture(scope="session")

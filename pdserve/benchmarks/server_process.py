@@ -1,5 +1,7 @@
 """A server a benchmark starts for itself (`pdserve up`, vLLM): started in a session of its
-own, waited for until a URL answers 200, and stopped with its whole process group."""
+own, waited for until a URL answers 200, and stopped with its whole process group. It never
+outlives the benchmark: its parent-death signal (SIGTERM) is armed, so a benchmark killed by a
+time limit takes its servers, and their GPU memory and port, with it."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.lifecycle import parent_death_preexec
+
 
 def start(command: list[str], log: Path, ready_url: str, timeout_s: float,
           poll_s: float = 0.5) -> subprocess.Popen:
@@ -18,7 +22,8 @@ def start(command: list[str], log: Path, ready_url: str, timeout_s: float,
     again and RuntimeError (naming the log) when it exits or is not ready in `timeout_s`."""
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True,
+                                   preexec_fn=parent_death_preexec(os.getpid()))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -10,10 +10,19 @@ for a dense oracle.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from pdserve import envs
+from pdserve.kernels import cpu_ops
 from pdserve.kernels import reference as ref
+
+
+def cpu_ops_or_none() -> ModuleType | None:
+    """pdserve's compiled CPU ops, or None where PDSERVE_CPU_KERNELS=0 switched them off (a CUDA
+    run, benchmarks/gpu/run.sh: it builds none) or they cannot be built here."""
+    return cpu_ops.load() if envs.cpu_kernels() else None
 
 
 @dataclass

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.kernel_cases import cpu_ops_or_none
 
 from pdserve.kernels import cpu_attention, cpu_ops, get_attention_backend
 from pdserve.kernels import reference as ref
 
-pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
+pytestmark = pytest.mark.skipif(cpu_ops_or_none() is None,
                                 reason="no C++ toolchain to build the CPU kernel")
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}

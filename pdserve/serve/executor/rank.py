@@ -30,6 +30,7 @@ from pdserve.serve.executor.kv_cache import KVCachePlan, KVCachePool
 from pdserve.serve.executor.loader import ModelSpec, load_model
 from pdserve.serve.executor.logit_rows import logit_rows, samples_every_row
 from pdserve.serve.executor.pool_sizing import free_device_memory, plan_pool
+from pdserve.serve.layers import ops
 from pdserve.serve.layers.attention import build_attention_metadata, default_backend_name
 from pdserve.serve.layers.distributed import Rendezvous, TPGroup
 from pdserve.serve.layers.parallel import kv_heads_per_rank
@@ -75,6 +76,7 @@ class Rank:
         self.block_size = block_size
         self.spec = spec
         self.free_before_load = free_device_memory(device)
+        ops.use_device(device.type)  # a CUDA rank never builds the CPU kernels
         self.model = load_model(spec, tp, device, default_backend_name(device),
                                 show_progress=tp.rank == 0, stage=self.pp.stage)
         self.num_local_layers = len(self.pp.stage.layers)  # the KV pool holds these

@@ -18,6 +18,10 @@ path out of the running, for experiments.
 A CPU implementation takes every call its reference takes, running the reference where its
 kernel does not apply (a CUDA tensor, another dtype), so one choice per process serves
 every device. Decided once per process.
+
+A process whose model runs on CUDA (`use_device`, from each rank) never loads the compiled CPU
+ops: every op there runs its reference anyway, and the first load would build them (a minute or
+more on a machine that never built them, before the first forward).
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from pdserve.kernels import registry
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """pdserve's compiled CPU ops (pdserve/kernels/cpu_ops.py), or None: switched off by
-    PDSERVE_CPU_KERNELS=0, or not buildable here."""
-    if not envs.cpu_kernels():
+    PDSERVE_CPU_KERNELS=0, a process serving on CUDA (use_device), or not buildable here."""
+    if not envs.cpu_kernels() or _device_type[-1:] == ["cuda"]:
         return None
     from pdserve.kernels import cpu_ops
 
@@ -86,6 +90,16 @@ class CpuPath:
 
 
 _chosen_path: list[CpuPath] = []  # the path use_path set; empty: the default
+_device_type: list[str] = []  # the device type use_device set; empty: the CPU
+
+
+def use_device(device_type: str) -> None:
+    """The type of device ("cpu", "cuda") this process's model runs on, set before its first
+    forward (pdserve/serve/executor/rank.py); every op is chosen again."""
+    _device_type.clear()
+    _device_type.append(device_type)
+    cpu_kernels.cache_clear()
+    use_path(_chosen_path[-1] if _chosen_path else None)
 
 
 def default_path() -> CpuPath:
@@ -158,6 +172,7 @@ def kernel(op: str) -> Callable[..., Any]:
 def reset() -> None:
     """Forget every choice, the CPU path's too (tests that change the environment's
     switches)."""
+    _device_type.clear()
     cpu_kernels.cache_clear()
     use_path(None)
 
