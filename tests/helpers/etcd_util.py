@@ -76,6 +76,29 @@ def start_etcd(tmp_dir: Path) -> Etcd:
     raise RuntimeError(f"etcd not serving in {START_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
 
 
+def start_members(tmp_dir: Path, prefix: str, client_scheme: str, extra: list[str]
+                  ) -> list[Etcd]:
+    """Three members of one new cluster on free loopback ports, named prefix0..2, clients
+    over `client_scheme` (peers over plain HTTP), `extra` flags on each; not waited for."""
+    base = free_port_block(6)
+    clients, peers = [base + 2 * i for i in range(3)], [base + 2 * i + 1 for i in range(3)]
+    initial = ",".join(f"{prefix}{i}=http://127.0.0.1:{peer}" for i, peer in enumerate(peers))
+    members = []
+    for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
+        name = f"{prefix}{i}"
+        data_dir, log_path = tmp_dir / f"etcd-{name}", tmp_dir / f"etcd-{name}.log"
+        argv = [ETCD, "--name", name, "--data-dir", str(data_dir),
+                "--listen-client-urls", f"{client_scheme}://127.0.0.1:{client}",
+                "--advertise-client-urls", f"{client_scheme}://127.0.0.1:{client}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", initial, "--initial-cluster-state", "new", *extra]
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        members.append(Etcd(process, client, data_dir, log_path))
+    return members
+
+
 # ---- three members over TLS, with a user ---------------------------------------------------
 @dataclass
 class TlsCluster:
@@ -126,23 +149,9 @@ def start_tls_cluster(tmp_dir: Path) -> TlsCluster:
     if ETCD is None or shutil.which("openssl") is None:
         pytest.skip("etcd and openssl are needed (Debian: etcd-server, openssl)")
     files = make_certificates(tmp_dir)
-    base = free_port_block(6)
-    clients, peers = [base + 2 * i for i in range(3)], [base + 2 * i + 1 for i in range(3)]
-    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, peer in enumerate(peers))
-    members = []
-    for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
-        data_dir, log_path = tmp_dir / f"etcd-m{i}", tmp_dir / f"etcd-m{i}.log"
-        argv = [ETCD, "--name", f"m{i}", "--data-dir", str(data_dir),
-                "--listen-client-urls", f"https://127.0.0.1:{client}",
-                "--advertise-client-urls", f"https://127.0.0.1:{client}",
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--cert-file", str(files["server.crt"]), "--key-file", str(files["server.key"]),
+    tls_args = ["--cert-file", str(files["server.crt"]), "--key-file", str(files["server.key"]),
                 "--trusted-ca-file", str(files["ca.crt"]), "--client-cert-auth"]
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        members.append(Etcd(process, client, data_dir, log_path))
+    members = start_members(tmp_dir, "m", "https", tls_args)
     cluster = TlsCluster(members, files)
     context = ssl.create_default_context(cafile=str(files["ca.crt"]))
     context.load_cert_chain(str(files["client.crt"]), str(files["client.key"]))
@@ -162,7 +171,7 @@ def start_tls_cluster(tmp_dir: Path) -> TlsCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError("etcd members not serving in time")
                 time.sleep(0.2)
-        first = f"https://127.0.0.1:{clients[0]}"
+        first = f"https://127.0.0.1:{members[0].client_port}"
         for path, body in (("/v3/auth/role/add", {"name": "root"}),
                            ("/v3/auth/user/add", {"name": "root", "password": "s3cret"}),
                            ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
@@ -207,22 +216,8 @@ def start_trio(tmp_dir: Path) -> Trio:
     """Start three members and wait until they serve (skips where etcd is missing)."""
     if ETCD is None:
         pytest.skip("etcd is not installed (Debian: apt-get install etcd-server; .ci/run does)")
-    base = free_port_block(6)
-    clients, peers = [base + 2 * i for i in range(3)], [base + 2 * i + 1 for i in range(3)]
-    initial = ",".join(f"p{i}=http://127.0.0.1:{peer}" for i, peer in enumerate(peers))
-    members = []
-    for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
-        data_dir, log_path = tmp_dir / f"etcd-p{i}", tmp_dir / f"etcd-p{i}.log"
-        argv = [ETCD, "--name", f"p{i}", "--data-dir", str(data_dir),
-                "--listen-client-urls", f"http://127.0.0.1:{client}",
-                "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--heartbeat-interval", "50", "--election-timeout", "500"]
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        members.append(Etcd(process, client, data_dir, log_path))
+    members = start_members(tmp_dir, "p", "http",
+                            ["--heartbeat-interval", "50", "--election-timeout", "500"])
     trio = Trio(members)
     try:
         _wait_until(lambda: all(_serves(m) for m in members), "the three members serve")
