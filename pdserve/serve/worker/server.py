@@ -153,6 +153,11 @@ class WorkerConfig:
 
 
 class Worker:
+    """One engine behind a ZeroMQ ROUTER socket (`pdserve prefill|decode|colocated`): takes
+    GenerateRequests from routers, steps the engine, streams each Output back to the router
+    that sent the request, answers status and role flips, and drains on SIGTERM. What a
+    request does at its start and end (hand-off, admission) is its RequestGateway's."""
+
     def __init__(self, engine, role: str, address: str, worker_id: str,
                  open_kv_transfer: Callable[[StagingAnnouncer], KVTransfer | None] | None = None,
                  idle_flag: IdleFlag | None = None,
