@@ -107,6 +107,22 @@ def lower_thread_priority(nice: int = 19, idle_io: bool = False) -> None:
             pass
 
 
+def set_session_nice(nice: int) -> bool:
+    """Set the nice of this process's scheduler autogroup (Linux with autogroups on: every
+    session is one group, and the groups share the CPU by their own nice whatever the nice of
+    their threads; a supervised child runs in a session of its own). Only where it can be set
+    back: by root (an unprivileged process may raise it but never lower it again). Whether it
+    was set."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write(str(nice))
+        return True
+    except OSError:  # no autogroups (a kernel without them, or a container hiding /proc)
+        return False
+
+
 def freeze_startup_heap(role: str) -> int:
     """Collect once, then move every object alive now into the collector's permanent
     generation (gc.freeze, as vLLM does after its engine starts), so the full collections

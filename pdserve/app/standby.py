@@ -7,9 +7,11 @@ with the child's command line, environment and cores that imports what the role 
 (PRELOAD, and the model's tokenizer backend), then waits on its stdin. When the child dies
 the supervisor writes GO and the standby runs the role at once; the end of its input (the
 supervisor closed the pipe, or died) makes it exit without serving. The imports run on a
-thread of their own at the lowest CPU and I/O priority, so a standby started beside serving
-processes takes only what they leave; the main thread, which runs the role, keeps its normal
-priority (a process could not raise its own again without privileges). Nothing is forked: a
+thread of their own at the lowest CPU and I/O priority, and (as root) the standby's whole
+session, a scheduler autogroup of its own, at nice 19 until GO, so a standby started beside
+serving processes takes only what they leave; the main thread, which runs the role, keeps its
+normal priority. Without root the session's nice cannot be set back, so it is left alone, and
+on a host with autogroups the imports then compete as the serving processes do. Nothing is forked: a
 standby is an ordinary process that did its imports early, so nothing depends on what is
 safe to fork, and an environment read at import (OMP_*, CUDA_*) is the child's own.
 
@@ -84,6 +86,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     argv = sys.argv[1:]
+    # The standby is a session, hence a scheduler autogroup, of its own: a thread's nice
+    # counts only inside it, so the whole group waits behind the serving processes too.
+    lowered = lifecycle.set_session_nice(19)
     error = preload_quietly(argv)
     if error is not None:
         print(f"pdserve standby: {error}", file=sys.stderr)
@@ -92,6 +97,8 @@ def main() -> int:
     # input, and the parent-death signal the supervisor arms).
     if sys.stdin.buffer.readline() != GO:
         return 0  # the supervisor closed the pipe or went away: nothing to serve
+    if lowered:
+        lifecycle.set_session_nice(0)  # the role competes as any started child does
     devnull = os.open(os.devnull, os.O_RDONLY)  # the role's stdin, as a started child's
     os.dup2(devnull, 0)
     os.close(devnull)

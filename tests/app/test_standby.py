@@ -216,3 +216,18 @@ def test_standbys_wait_until_every_child_is_ready(tmp_path):
             child.drop_standby()
             child.process.kill()
             child.process.wait(10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/autogroup"),
+                    reason="needs root and scheduler autogroups")
+def test_a_standby_session_waits_at_nice_19_and_serves_at_0():
+    """Autogroups share the CPU by session: a standby (a session of its own) lowers its whole
+    session while it imports and waits, and sets it back when told to run its role."""
+    code = ("import os; from pdserve import lifecycle; "
+            "assert lifecycle.set_session_nice(19); print(open('/proc/self/autogroup').read()); "
+            "assert lifecycle.set_session_nice(0); print(open('/proc/self/autogroup').read())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    lowered, restored = [line for line in done.stdout.splitlines() if line.strip()]
+    assert lowered.endswith("nice 19") and restored.endswith("nice 0")
