@@ -110,10 +110,11 @@ def lower_thread_priority(nice: int = 19, idle_io: bool = False) -> None:
 def set_session_nice(nice: int) -> bool:
     """Set the nice of this process's scheduler autogroup (Linux with autogroups on: every
     session is one group, and the groups share the CPU by their own nice whatever the nice of
-    their threads; a supervised child runs in a session of its own). Only where it can be set
-    back: by root (an unprivileged process may raise it but never lower it again). Whether it
-    was set."""
-    if os.geteuid() != 0:
+    their threads; a supervised child runs in a session of its own). Only by a process that
+    leads its session (else it would lower its parent's and every sibling's too), and only
+    where it can be set back: by root (an unprivileged process may raise it but never lower it
+    again). Whether it was set."""
+    if os.geteuid() != 0 or os.getsid(0) != os.getpid():
         return False
     try:
         with open("/proc/self/autogroup", "w") as autogroup:

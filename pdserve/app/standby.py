@@ -58,8 +58,16 @@ def preload(argv: list[str]) -> None:
         import_backend(args.model)
 
 
+_loading = threading.Event()
+"""Set while the imports run on their thread: a stop then waits for them to end (an exit
+while that thread still runs can die at shutdown on a lock it holds, stderr's say)."""
+_stop_asked = threading.Event()
+
+
 def _stop(signum: int, _frame: object) -> None:
-    raise SystemExit(0)
+    _stop_asked.set()
+    if not _loading.is_set():
+        raise SystemExit(0)
 
 
 def preload_quietly(argv: list[str]) -> str | None:
@@ -74,8 +82,10 @@ def preload_quietly(argv: list[str]) -> str | None:
             errors.append(str(exc))
 
     loader = threading.Thread(target=run, name="standby-preload", daemon=True)
+    _loading.set()
     loader.start()
     loader.join()  # no timeout: imports end, and the supervisor's death ends this process
+    _loading.clear()
     return errors[0] if errors else None
 
 
@@ -90,6 +100,8 @@ def main() -> int:
     # counts only inside it, so the whole group waits behind the serving processes too.
     lowered = lifecycle.set_session_nice(19)
     error = preload_quietly(argv)
+    if _stop_asked.is_set():  # asked while importing: nothing to undo
+        return 0
     if error is not None:
         print(f"pdserve standby: {error}", file=sys.stderr)
         return 2

@@ -231,3 +231,8 @@ def test_a_standby_session_waits_at_nice_19_and_serves_at_0():
     assert done.returncode == 0, done.stderr
     lowered, restored = [line for line in done.stdout.splitlines() if line.strip()]
     assert lowered.endswith("nice 19") and restored.endswith("nice 0")
+    # a process in its parent's session leaves the session (its parent's too) alone
+    inside = subprocess.run([sys.executable, "-c", "from pdserve import lifecycle; "
+                             "assert not lifecycle.set_session_nice(19)"],
+                            capture_output=True, text=True, timeout=60)
+    assert inside.returncode == 0, inside.stderr
