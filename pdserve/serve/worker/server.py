@@ -56,6 +56,7 @@ from pdserve.serve.worker.args import (  # noqa: F401 (the flags; tests import t
 from pdserve.serve.worker.follow import StagingAnnouncer
 from pdserve.serve.worker.gateway import RequestGateway
 from pdserve.serve.worker.kv_transfer import KVTransfer, make_kv_transfer
+from pdserve.serve.worker.status import _cpu_path, _kv_tiers, _mean_seconds, _moe_load
 
 logger = logging.getLogger(__name__)
 
@@ -375,37 +376,6 @@ class Worker:
         )
 
 
-def _kv_tiers(engine, kv_transfer: KVTransfer | None) -> dict[str, float]:
-    """WorkerStatus.kv_tiers: the pool's own hits, the host tier's numbers, the store's."""
-    tiers = {"device_hit_tokens": float(getattr(engine.scheduler, "num_device_hit_tokens", 0))}
-    offload = getattr(engine, "kv_offload", None)
-    if offload is not None:
-        tiers.update(offload.as_status())
-    if kv_transfer is not None:
-        totals = kv_transfer.totals()
-        tiers["store_hit_tokens"] = totals["store_hit_tokens"]
-        tiers["store_read_bytes"] = totals["store_read_bytes"]
-    return tiers
-
-
-def _cpu_path(engine) -> dict[str, str]:
-    tuning = getattr(engine.runner, "cpu_tuning", None)  # a test's fake runner: none
-    return tuning.as_status() if tuning is not None else {}
-
-
-def _moe_load(engine) -> dict[str, object]:
-    load = getattr(engine.runner, "moe_load", lambda: None)()  # a test's fake runner: none
-    if load is None:
-        return {}
-    routed, dropped = load
-    return {"moe_expert_tokens": routed, "moe_dropped_tokens": dropped}
-
-
-def _mean_seconds(samples: list) -> float:
-    return sum(s.seconds for s in samples) / len(samples) if samples else 0.0
-
-
-# ---- the command ---------------------------------------------------------------------------
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     if args.port is None:
         raise ValueError("--port is required (the router connects to it)")
