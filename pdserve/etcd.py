@@ -61,6 +61,11 @@ class _MemberFailed(DiscoveryError):
 MEMBER_FAILURE_CODES = frozenset({1, 2, 4, 8, 10, 13, 14, 15})
 
 
+def _failure(status_code: int, body: Any) -> type[DiscoveryError]:
+    """The error an answer raises: _MemberFailed (the next member may serve) or not."""
+    return _MemberFailed if member_failed(status_code, body) else DiscoveryError
+
+
 def member_failed(status_code: int, body: Any) -> bool:
     """Whether an answer (HTTP status, decoded JSON body or None) says the member failed:
     a 5xx with no gRPC code, or a gRPC code of MEMBER_FAILURE_CODES (etcd's gateway puts it in
@@ -234,10 +239,8 @@ class EtcdClient:
         except ValueError:
             reply = None
         if response.status_code != 200 or (isinstance(reply, dict) and "error" in reply):
-            failure = _MemberFailed if member_failed(response.status_code, reply) else \
-                DiscoveryError
-            raise failure(f"etcd {path} answered {response.status_code}: "
-                          f"{response.text[:200]}")
+            raise _failure(response.status_code, reply)(
+                f"etcd {path} answered {response.status_code}: {response.text[:200]}")
         if not isinstance(reply, dict):
             raise _MemberFailed(f"etcd {path} answered non-JSON: {response.text[:200]}")
         return reply
@@ -314,10 +317,8 @@ class EtcdClient:
                         reply = json.loads(stream.text)
                     except ValueError:
                         reply = None
-                    failure = _MemberFailed if member_failed(stream.status_code, reply) else \
-                        DiscoveryError
-                    raise failure(f"etcd watch answered {stream.status_code}: "
-                                  f"{stream.text[:200]}")
+                    raise _failure(stream.status_code, reply)(
+                        f"etcd watch answered {stream.status_code}: {stream.text[:200]}")
                 for line in stream.iter_lines():
                     if not line.strip():
                         continue
@@ -332,8 +333,7 @@ class EtcdClient:
 
 def _watch_events(message: dict[str, Any]) -> list[Event]:
     if "error" in message:
-        failure = _MemberFailed if member_failed(200, message) else DiscoveryError
-        raise failure(f"etcd watch error: {message['error']}")
+        raise _failure(200, message)(f"etcd watch error: {message['error']}")
     result = message.get("result", {})
     if int(result.get("compact_revision", 0) or 0):
         raise Compacted(f"revision compacted (now from {result['compact_revision']})")
