@@ -172,6 +172,25 @@ class LatencyProfile:
         return cls.from_dict(data)
 
 
+BUNDLED_DIR = Path(__file__).parent / "profiles"
+"""Published profiles shipped with pdserve, each with its source (loaded by name)."""
+
+
+def bundled_profiles() -> list[str]:
+    return sorted(path.stem for path in BUNDLED_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> LatencyProfile:
+    """A profile from a JSON file, or one of bundled_profiles() by name."""
+    path = Path(name_or_path)
+    if not path.exists() and path.suffix == "" and path.name in bundled_profiles():
+        path = BUNDLED_DIR / f"{path.name}.json"
+    elif not path.exists():
+        raise ProfileError(f"no profile file {str(name_or_path)!r} (bundled ones: "
+                           f"{', '.join(bundled_profiles())})")
+    return LatencyProfile.load(path)
+
+
 def _entry(model: LinearLatency, names: tuple[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {"intercept_s": model.intercept}
     out.update(zip(names, model.coefs, strict=True))

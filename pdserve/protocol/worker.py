@@ -373,3 +373,7 @@ class WorkerStatus:
     """A CPU worker's kernel choice (pdserve/serve/executor/cpu_tuning.py): "path", "source"
     (measured, cached or default) and each candidate path's step times ("<path label>":
     "decode 1x256 0.912, ..." in ms); empty elsewhere."""
+    sim: dict[str, str] = field(default_factory=dict)
+    """--engine sim (pdserve/serve/executor/sim_runner.py): what it simulates (profile,
+    hardware, tensor_parallel_size, speedup, kv_fraction) and how it went (steps,
+    simulated_s, overrun_steps, kv_mismatches), as text; empty for the model's engine."""

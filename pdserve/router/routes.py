@@ -170,6 +170,7 @@ async def status(serving: Serving) -> dict[str, Any]:
                          max_num_used_blocks=w.status.max_num_used_blocks,
                          kv_transfer=dict(w.status.kv_transfer), is_idle=w.status.is_idle,
                          cpu_path=dict(w.status.cpu_path), kv_tiers=dict(w.status.kv_tiers),
+                         **({"sim": dict(w.status.sim)} if w.status.sim else {}),
                          status_age_s=time.monotonic() - w.status_received_s)
         workers.append(entry)
     out = {"ready": serving.dispatcher.is_ready(), "workers": workers,

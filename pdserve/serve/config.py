@@ -272,3 +272,35 @@ class SpeculativeConfig:
             raise ValueError('speculative config needs "method" (mtp)')
         return cls(method=value["method"],
                    num_speculative_tokens=value.get("num_speculative_tokens", 1))
+
+
+ENGINES = ("torch", "sim")
+"""torch: the model's forward on the device; sim: a wait of a latency profile's predicted time
+(pdserve/serve/executor/sim_runner.py)."""
+DEFAULT_SIM_KV_FRACTION = 1 / 16
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine (`--engine sim`, as Dynamo's mocker and llm-d's inference-sim): the
+    worker runs everything but the forward pass, which becomes a wait of the profile's
+    predicted step time divided by `speedup`; the model's weights are never loaded."""
+
+    profile: str
+    """A latency profile (docs/planner.md): a JSON file, or the name of one bundled in
+    pdserve/planner/profiles/ (pdserve/planner/latency_profile.py load_profile)."""
+    speedup: float = 1.0
+    """Every step takes the profile's time divided by this (>= 1 runs a fleet faster than
+    the hardware it simulates)."""
+    kv_fraction: float = DEFAULT_SIM_KV_FRACTION
+    """Real KV bytes per token, as a fraction of the profile's kv_bytes_per_token: the pool,
+    the hand-off and the store move and index real buffers this much smaller than the
+    simulated model's (the block count is the simulated device's)."""
+
+    def __post_init__(self) -> None:
+        if not self.profile:
+            raise ValueError("the simulated engine needs a latency profile (--sim-profile)")
+        if not (self.speedup > 0 and self.speedup < float("inf")):
+            raise ValueError(f"sim speedup must be a positive number, got {self.speedup}")
+        if not 0 < self.kv_fraction <= 1:
+            raise ValueError(f"sim KV fraction must be in (0, 1], got {self.kv_fraction}")

@@ -81,7 +81,8 @@ BELOW: dict[str, tuple[str, ...]] = {
     "serve.cpu": ("serve.config", "kernels"),  # core_share pins threads with a kernels op
     "serve.layers": ("serve.cpu",),
     "serve.models": ("serve.layers",),
-    "serve.executor": ("serve.models", "kvstore"),  # the KV layout of a block key
+    # the KV layout of a block key; the simulated engine times steps by a latency profile
+    "serve.executor": ("serve.models", "kvstore", "planner"),
     "serve.engine": ("serve.executor",),
     "serve.worker": ("serve.engine", "handoff"),
     "serve.llm": ("serve.worker",),

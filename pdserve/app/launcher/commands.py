@@ -22,6 +22,7 @@ from pdserve.serve.worker.args import (
     handoff_argv,
     model_argv,
     scheduler_argv,
+    sim_config_from_args,
 )
 
 LOOPBACK = "127.0.0.1"
@@ -77,6 +78,7 @@ def check_flags(args: argparse.Namespace) -> None:
         from pdserve.serve.config import SpeculativeConfig
 
         SpeculativeConfig.parse(args.speculative_config)
+    sim_config_from_args(args)
     per_step = args.prefill_max_prefills_per_step
     if per_step is not None and per_step < 0:
         raise ValueError("--prefill-max-prefills-per-step must be >= 0 (0: no limit)")
@@ -113,7 +115,7 @@ def worker_argv(args: argparse.Namespace, model_dir: str, slot: WorkerSlot,
     argv += [*model_argv(args), *expert_argv(args), *cache_argv(args), *scheduler_argv(args)]
     if slot.role != "colocated":
         argv += handoff_argv(args)
-    if slot.role == "prefill":
+    if slot.role == "prefill" and getattr(args, "engine", "torch") != "sim":
         per_step = prefill_steps(args, placement.device)
         if per_step is not None:
             argv += ["--max-prefills-per-step", str(per_step)]

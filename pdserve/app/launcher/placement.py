@@ -81,6 +81,10 @@ def place_workers(args: argparse.Namespace, slots: list[WorkerSlot], gpus: list[
     """`gpus`: the CUDA_VISIBLE_DEVICES entries to hand out (None: this host's, see
     visible_gpus). `run_dir`: where lenders publish whether they are idle (None: no core
     lending). Raises ValueError when the ranks do not fit."""
+    if getattr(args, "engine", "torch") == "sim":
+        # A simulated worker waits out its steps: one thread, no GPU, no cores of its own
+        # (a fleet of dozens shares the host's), no core lending.
+        return Placement("cpu", [WorkerPlace(cpu_threads=1) for _ in slots])
     if args.device != "cpu" and gpus is None:
         gpus = visible_gpus()
     device = resolve_device(args.device, gpus or [])

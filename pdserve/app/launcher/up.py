@@ -174,6 +174,23 @@ def _poll_states(cluster: Cluster, base_url: str, headers: dict[str, str]) -> No
             child.state = "ready" if by_id[child.role].get("is_ready") else "loading"
 
 
+SUMMARY_AFTER_CHILDREN = 12
+"""Above this many children, `pdserve up` shows counts per state instead of a line each."""
+
+
+def _state_counts(children: list[Child]) -> str:
+    """'workers: 30 ready, 2 loading; router: ready; store: ready'."""
+    workers: dict[str, int] = {}
+    others = []
+    for child in children:
+        if child.role in ("router", "store"):
+            others.append(f"{child.role}: {child.state}")
+        else:
+            workers[child.state] = workers.get(child.state, 0) + 1
+    parts = ", ".join(f"{n} {state}" for state, n in sorted(workers.items()))
+    return "; ".join([f"workers: {parts}", *others])
+
+
 def _ports_in_use(children: list[Child]) -> list[PortInUse]:
     """Each port one of `children` would listen on that another process holds (named where
     /proc shows it)."""
@@ -230,8 +247,11 @@ def run(args: argparse.Namespace) -> int:
         state_path = Path(run_dir) / "supervisor.json"
         router = next(c for c in cluster.children if c.role == "router")
         router.argv += ["--supervisor-state-file", str(state_path)]
+        # A simulated worker starts in seconds and holds no model: a standby beside each
+        # would cost more memory than the restart it saves.
+        standbys = args.standby and args.engine != "sim"
         return _supervise(args, cluster, Supervisor(cluster, policy, state_path, _say,
-                                                    standbys=args.standby))
+                                                    standbys=standbys))
 
 
 def provide_cluster_key(args: argparse.Namespace, run_dir: Path) -> None:
@@ -263,23 +283,37 @@ def _supervise(args: argparse.Namespace, cluster: Cluster, supervisor: Superviso
     # still stop the cluster.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # A fleet of many workers is shown as counts per state (one line when they change), not
+    # a line per worker and state.
+    summarize = len(cluster.children) > SUMMARY_AFTER_CHILDREN
     try:
         for child in cluster.children:
             child.start()
             gpus = child.env.get("CUDA_VISIBLE_DEVICES")
             on = f", GPUs {gpus}" if gpus is not None else ""
-            print(f"  {child.role:<12} starting (pid {child.process.pid}{on})", flush=True)
-        deadline = time.monotonic() + args.ready_timeout_s
+            if not summarize:
+                print(f"  {child.role:<12} starting (pid {child.process.pid}{on})", flush=True)
+        if summarize:
+            print(f"  {len(cluster.children)} processes starting", flush=True)
+        start_s = time.monotonic()
+        deadline = start_s + args.ready_timeout_s
         shown = {c.role: "starting" for c in cluster.children}
+        shown_counts = ""
         is_ready = False
         while True:
             supervisor.check(time.monotonic())
             if any(c.state != "ready" for c in cluster.children):  # none to ask otherwise
                 _poll_states(cluster, base_url, headers)
+            if summarize:
+                counts = _state_counts(cluster.children)
+                if counts != shown_counts:
+                    shown_counts = counts
+                    print(f"  [{time.monotonic() - start_s:5.1f}s] {counts}", flush=True)
             for child in cluster.children:
                 if child.state != shown[child.role]:
                     shown[child.role] = child.state
-                    print(f"  {child.role:<12} {child.state}", flush=True)
+                    if not summarize:
+                        print(f"  {child.role:<12} {child.state}", flush=True)
             if not is_ready and all(c.state == "ready" for c in cluster.children):
                 is_ready = True
                 print(f"pdserve is ready: {base_url}/v1  (Ctrl-C stops it)", flush=True)

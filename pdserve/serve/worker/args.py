@@ -19,11 +19,13 @@ from pdserve import discovery, envs
 from pdserve.handoff.registry import AUTO, TRANSPORTS
 from pdserve.serve.config import (
     DTYPES,
+    ENGINES,
     KV_CACHE_DTYPES,
     CacheConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SimConfig,
 )
 from pdserve.serve.cpu.core_share import Lender
 
@@ -83,6 +85,44 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "default a one-rank CUDA worker replays its decode steps from "
                             "graphs captured at start for batch sizes 1, 2, 4, then every 8 "
                             "up to --max-num-seqs)")
+    add_sim_arguments(parser)
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated engine (pdserve/serve/executor/sim_runner.py)."""
+    sim = SimConfig(profile="-")
+    group = parser.add_argument_group("simulated engine")
+    group.add_argument("--engine", choices=ENGINES, default="torch",
+                       help="torch: run the model; sim: run everything else of the worker "
+                            "for real and replace each forward by a wait of --sim-profile's "
+                            "predicted step time (no weights loaded; tokens from a seeded "
+                            "generator, equal on every worker for the same prompt)")
+    group.add_argument("--sim-profile", default=None, metavar="FILE|NAME",
+                       help="--engine sim: the latency profile to simulate (the format of "
+                            "`pdserve profile`, docs/planner.md), or a bundled one by name "
+                            "(distserve-opt-13b-a100); --tensor-parallel-size picks its entry")
+    group.add_argument("--sim-speedup", type=float, default=sim.speedup, metavar="K",
+                       help="--engine sim: every step takes the profile's time divided by K")
+    group.add_argument("--sim-kv-fraction", type=float, default=sim.kv_fraction, metavar="F",
+                       help="--engine sim: real KV bytes a token, as a fraction of the "
+                            "profile's; the pool keeps the simulated device's block count "
+                            "(--kv-cache-memory-gb is the simulated budget), and the host "
+                            "tier and hand-off DRAM shrink by F too so they hold as many "
+                            "blocks as they would")
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig | None:
+    """--engine sim's config (None for the torch engine); a ValueError names what is
+    wrong."""
+    if getattr(args, "engine", "torch") != "sim":
+        if getattr(args, "sim_profile", None) is not None:
+            raise ValueError("--sim-profile is for --engine sim")
+        return None
+    if args.sim_profile is None:
+        raise ValueError("--engine sim needs --sim-profile FILE (a latency profile, "
+                         "docs/planner.md) or a bundled profile's name")
+    return SimConfig(profile=args.sim_profile, speedup=args.sim_speedup,
+                     kv_fraction=args.sim_kv_fraction)
 
 
 def model_argv(args: argparse.Namespace) -> list[str]:

@@ -299,7 +299,8 @@ class KVTransfer:
         MHA pools hold a head slice per rank: those save after the step (save_handoff); an
         MLA latent is whole on rank 0, which saves it layer by layer at any TP degree."""
         runner, bm = self.runner, self.block_manager
-        if runner.tensor_parallel_size > 1 and self.connector.layout.kind == "mha":
+        if runner.tensor_parallel_size > 1 and self.connector.layout.kind == "mha" \
+                and not getattr(runner, "layer_callbacks_see_whole_heads", False):
             return None
         if getattr(runner, "context_parallel_size", 1) > 1:  # rank 0 holds its blocks only
             return None

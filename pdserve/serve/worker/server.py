@@ -43,6 +43,7 @@ from pdserve.serve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SimConfig,
     SpeculativeConfig,
 )
 from pdserve.serve.cpu.core_share import CoreBorrower, IdleFlag, Lender
@@ -52,11 +53,12 @@ from pdserve.serve.worker.args import (  # noqa: F401 (the flags; tests import t
     add_arguments,
     engine_configs_from_args,
     parallel_config_from_args,
+    sim_config_from_args,
 )
 from pdserve.serve.worker.follow import StagingAnnouncer
 from pdserve.serve.worker.gateway import RequestGateway
 from pdserve.serve.worker.kv_transfer import KVTransfer, make_kv_transfer
-from pdserve.serve.worker.status import _cpu_path, _kv_tiers, _mean_seconds, _moe_load
+from pdserve.serve.worker.status import _cpu_path, _kv_tiers, _mean_seconds, _moe_load, _sim
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,9 @@ class WorkerConfig:
     speculative: SpeculativeConfig | None = None
     """MTP speculative decoding (pdserve/serve/engine/spec_decode.py); None: off. A prefill worker
     loads the drafter but never drafts (its requests end at their first token)."""
+    sim: SimConfig | None = None
+    """--engine sim: a simulated forward (pdserve/serve/executor/sim_runner.py); None: the
+    model's."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_NAMES:
@@ -144,6 +149,9 @@ class WorkerConfig:
                 and self.role not in ("prefill", "decode"):
             raise ValueError("only prefill and decode workers lend and borrow cores "
                              "(--lend-idle-flag, --borrow-idle-cores)")
+        if self.sim is not None and (self.borrow_idle_cores or self.speculative is not None):
+            raise ValueError("the simulated engine borrows no cores and drafts nothing "
+                             "(--borrow-idle-cores, --speculative-config)")
         if self.borrow_idle_cores and self.parallel.world_size > 1:
             raise ValueError("only a one-rank worker borrows cores (--borrow-idle-cores): "
                              "its threads are all in one process")
@@ -370,7 +378,7 @@ class Worker:
             num_cached_blocks=stats.num_cached_blocks,
             max_num_used_blocks=engine.block_manager.max_num_used_blocks,
             is_idle=self.is_idle,
-            cpu_path=_cpu_path(engine),
+            cpu_path=_cpu_path(engine), sim=_sim(engine),
             kv_tiers=_kv_tiers(engine, kv_transfer),
             **_moe_load(engine),
         )
@@ -380,19 +388,25 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     if args.port is None:
         raise ValueError("--port is required (the router connects to it)")
     model, cache, parallel, scheduler = engine_configs_from_args(args)
+    sim = sim_config_from_args(args)
+    handoff_dram_gb = args.handoff_dram_gb
+    if sim is not None:  # the tiers hold as many of the smaller blocks as they would
+        cache = dataclasses.replace(
+            cache, kv_offload_bytes=int(cache.kv_offload_bytes * sim.kv_fraction))
+        handoff_dram_gb *= sim.kv_fraction
     return WorkerConfig(
         role=args.command, host=args.host, port=args.port, worker_id=args.worker_id,
         model=model, cache=cache, parallel=parallel, scheduler=scheduler,
         store_address=args.store, store_master_address=args.store_master,
         store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s,
-        handoff_dram_gb=args.handoff_dram_gb, kv_handoff=args.kv_handoff,
+        handoff_dram_gb=handoff_dram_gb, kv_handoff=args.kv_handoff,
         handoff_shm=args.handoff_shm, handoff_follow=args.handoff_follow,
         discovery=args.discovery,
         discovery_ttl_s=args.discovery_ttl_s,
         discovery_store_wait_s=args.discovery_store_wait_s,
         drain_timeout_s=args.drain_timeout_s,
         lend_idle_flag=args.lend_idle_flag, borrow_idle_cores=tuple(args.borrow_idle_cores),
-        speculative=SpeculativeConfig.parse(args.speculative_config))
+        speculative=SpeculativeConfig.parse(args.speculative_config), sim=sim)
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -515,8 +529,14 @@ def run(args: argparse.Namespace) -> int:
             borrower = CoreBorrower(config.borrow_idle_cores,
                                     main_on_lent=config.role == "decode")
         tokenizer = load_tokenizer(config.model.model)
+        runner = None
+        if config.sim is not None:
+            from pdserve.serve.executor.sim_runner import SimRunner
+
+            runner = SimRunner(config.model, config.cache, config.parallel, config.sim)
         engine = Engine(config.model, config.cache, config.parallel, config.scheduler,
-                        tokenizer=tokenizer, speculative_config=config.speculative)
+                        tokenizer=tokenizer, runner=runner,
+                        speculative_config=config.speculative)
     except (ValueError, FileNotFoundError, OSError, discovery.DiscoveryError,
             RendezvousError) as exc:
         logger.error("cannot start the %s worker: %s", args.command, exc)

@@ -27,6 +27,11 @@ def _cpu_path(engine) -> dict[str, str]:
     return tuning.as_status() if tuning is not None else {}
 
 
+def _sim(engine) -> dict[str, str]:
+    stats = getattr(engine.runner, "sim_stats", None)  # the simulated engine only
+    return {k: str(v) for k, v in stats().items()} if stats is not None else {}
+
+
 def _moe_load(engine) -> dict[str, object]:
     load = getattr(engine.runner, "moe_load", lambda: None)()  # a test's fake runner: none
     if load is None:
