@@ -56,7 +56,8 @@ def plan(args: argparse.Namespace, model_dir: str, gpus: list[str] | None = None
         port = args.worker_base_port + offset
         cluster.children.append(Child(
             slot.name, worker_argv(args, model_dir, slot, place, placement, port, store),
-            place.env, place.cpus, ports=[(LOOPBACK, port)]))
+            place.env, place.cpus, ports=[(LOOPBACK, port)],
+            fork=getattr(args, "engine", "torch") == "sim"))
     workers = cluster.children[1 if store else 0:]
     cluster.children.append(Child(
         "router", router_argv(args, model_dir, workers, store), cpus=placement.service_cores,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.app.launcher.forking import ForkedProcess, fork_child
 from pdserve.app.standby import GO
 from pdserve.lifecycle import parent_death_preexec
 
@@ -48,7 +49,7 @@ class Child:
     any of the launcher's."""
     ports: list[tuple[str, int]] = field(default_factory=list)
     """(host, port) the child listens on: checked free before the cluster starts."""
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | ForkedProcess | None = None
     state: str = "starting"
     started_s: float = 0.0
     """time.monotonic() of the last start."""
@@ -58,6 +59,9 @@ class Child:
     restart_at_s: float | None = None
     """When a dead child is due to start again (None: not waiting to)."""
 
+    fork: bool = False
+    """Fork it from the launcher, which did its imports (pdserve/app/launcher/forking.py:
+    simulated workers), instead of starting a fresh interpreter; it has no standby."""
     standby: subprocess.Popen | None = None
     """The next incarnation, waiting with its imports done (None: none started)."""
     num_standby_failures: int = 0
@@ -66,7 +70,10 @@ class Child:
     def start(self) -> None:
         """Run the standby if one is waiting, else start a fresh process."""
         standby, self.standby = self.standby, None
-        self.process = start_from(standby, self.argv, self.environment(), self.cpus)
+        if self.fork:
+            self.process = fork_child(self.argv, self.environment(), self.cpus)
+        else:
+            self.process = start_from(standby, self.argv, self.environment(), self.cpus)
         self.started_s = time.monotonic()
         self.state = "starting"
         self.restart_at_s = None
@@ -77,6 +84,8 @@ class Child:
         return {**os.environ, **self.env, "PDSERVE_LAUNCHER_PID": str(os.getpid())}
 
     def prepare_standby(self) -> None:
+        if self.fork:  # a fork starts in milliseconds: nothing to prepare
+            return
         self.drop_standby()
         self.standby = spawn(self.argv, self.environment(), self.cpus, standby=True)
 

@@ -247,8 +247,14 @@ def run(args: argparse.Namespace) -> int:
         state_path = Path(run_dir) / "supervisor.json"
         router = next(c for c in cluster.children if c.role == "router")
         router.argv += ["--supervisor-state-file", str(state_path)]
-        # A simulated worker starts in seconds and holds no model: a standby beside each
-        # would cost more memory than the restart it saves.
+        if any(child.fork for child in cluster.children):
+            from pdserve.app.launcher.forking import preload
+
+            _say("pdserve up: simulated workers: importing their modules once, then forking "
+                 "each (pdserve/app/launcher/forking.py)")
+            preload(model_dir)
+        # A simulated worker is forked in milliseconds (and a standby of one would hold its
+        # own copy of what the fork shares)
         standbys = args.standby and args.engine != "sim"
         return _supervise(args, cluster, Supervisor(cluster, policy, state_path, _say,
                                                     standbys=standbys))
