@@ -28,6 +28,11 @@ from collections import OrderedDict
 
 logger = logging.getLogger(__name__)
 
+START_TIMEOUT_S = 60.0
+"""The longest a child may take to start (an interpreter and ucxx's import: a second of CPU
+alone, far more on a host where dozens of processes start at once, as a simulated fleet's
+do); an answer's deadline is the request timeout."""
+
 # The child: one UCX worker; per line, make an endpoint to the address and close it again.
 _CHILD = """
 import os, sys
@@ -145,13 +150,14 @@ class UcxAddressProber:
             [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env)
         self._buffer = b""
+        start_timeout_s = max(self.timeout_s, START_TIMEOUT_S)
         try:
-            ready = self._read_line(time.monotonic() + self.timeout_s)
+            ready = self._read_line(time.monotonic() + start_timeout_s)
         except TimeoutError:
             ready = None
         if ready != b"ready":
             logger.warning("store: the UCX address prober did not start within %.1f s",
-                           self.timeout_s)
+                           start_timeout_s)
             self._stop_child(kill=True)
             return False
         return True

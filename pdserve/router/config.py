@@ -106,6 +106,10 @@ class RouterConfig:
     worker's restart (6.4-7.4 s measured on 2 cores); 0: refuse at once."""
     max_pool_waiters: int = 1024
     """At most this many requests wait so at once; the next gets HTTP 503 at once."""
+    prefill_routing: str = "cache-aware"
+    """How a prefill (or colocated) worker is picked (pdserve/router/policies.py
+    PREFILL_ROUTING): cache-aware (the prefix it or the store holds, less a load penalty),
+    least-load, round-robin."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Bodies larger than this get HTTP 413."""
     supervisor_state_file: str | None = None
@@ -151,6 +155,8 @@ class RouterConfig:
             raise ValueError("pool_wait_s must be >= 0")
         if self.max_pool_waiters < 0:
             raise ValueError("max_pool_waiters must be >= 0")
+        if self.prefill_routing not in ("cache-aware", "least-load", "round-robin"):
+            raise ValueError(f"unknown prefill routing {self.prefill_routing!r}")
         for name in ("default_max_tokens", "max_tokens_ceiling"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 when set")

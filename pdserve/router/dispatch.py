@@ -54,10 +54,11 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.fleet_watch import FleetWatch
 from pdserve.router.phases import Migration, RequestPhases, WorkerLeg
 from pdserve.router.policies import (
+    PREFILL_ROUTING,
     AdmissionPolicy,
-    CacheAwarePrefill,
     MostFreeKVDecode,
     NoWorkerAvailable,
+    PrefillPolicy,
     RouteContext,
     num_blocks_needed_now,
     num_queued,
@@ -93,7 +94,7 @@ class Dispatcher:
     def __init__(
         self,
         config: RouterConfig,
-        prefill_policy: CacheAwarePrefill | None = None,
+        prefill_policy: PrefillPolicy | None = None,
         decode_policy: MostFreeKVDecode | None = None,
         admission: AdmissionPolicy | None = None,
     ) -> None:
@@ -106,7 +107,7 @@ class Dispatcher:
         self.colocated = clients(config.colocated_addrs, "colocated")
         self.prefill = clients(config.prefill_addrs, "prefill")
         self.decode = clients(config.decode_addrs, "decode")
-        self.prefill_policy = prefill_policy or CacheAwarePrefill()
+        self.prefill_policy = prefill_policy or PREFILL_ROUTING[config.prefill_routing]()
         self.prefix_index = PrefixIndex()
         self.store_lookup = (StoreLookup(config.store_master_addr)
                              if config.store_master_addr else None)

@@ -72,6 +72,44 @@ class CacheAwarePrefill:
         return tied[next(self._turns) % len(tied)]
 
 
+@dataclass(frozen=True)
+class LeastLoadPrefill:
+    """Prefill score: requests on the worker (in flight from this router and queued on it),
+    cache ignored; ties take turns (SGLang's and vLLM production-stack's least-load)."""
+
+    _turns: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
+
+    def choose(self, workers: Sequence[WorkerClient], ctx: RouteContext) -> WorkerClient:
+        ready = sorted((w for w in workers if w.accepting), key=lambda w: w.address)
+        if not ready:
+            raise NoWorkerAvailable("no prefill worker is ready")
+        loads = [w.num_inflight + num_queued(w) for w in ready]
+        tied = [w for w, load in zip(ready, loads, strict=True) if load == min(loads)]
+        return tied[next(self._turns) % len(tied)]
+
+
+@dataclass(frozen=True)
+class RoundRobinPrefill:
+    """Each ready worker in turn, whatever its cache or load."""
+
+    _turns: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
+
+    def choose(self, workers: Sequence[WorkerClient], ctx: RouteContext) -> WorkerClient:
+        ready = sorted((w for w in workers if w.accepting), key=lambda w: w.address)
+        if not ready:
+            raise NoWorkerAvailable("no prefill worker is ready")
+        return ready[next(self._turns) % len(ready)]
+
+
+PrefillPolicy = CacheAwarePrefill | LeastLoadPrefill | RoundRobinPrefill
+PREFILL_ROUTING: dict[str, type[PrefillPolicy]] = {
+    "cache-aware": CacheAwarePrefill,
+    "least-load": LeastLoadPrefill,
+    "round-robin": RoundRobinPrefill,
+}
+"""--prefill-routing: how the router picks a prefill (or colocated) worker."""
+
+
 def num_blocks_needed_now(num_prompt_tokens: int, block_size: int) -> int:
     """KV blocks a decode worker must have free to admit a handed-off request: its prompt's
     and the next token's. Not prompt + max_tokens: a worker grows a request a block at a

@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pool-waiters", type=int, default=d["max_pool_waiters"],
                         help="requests that may wait so at once; the next gets HTTP 503 at "
                              "once (default %(default)s)")
+    add_routing_arguments(parser)
     add_controller_arguments(parser)
     add_tracing_arguments(parser)
     add_tool_arguments(parser)
@@ -116,6 +117,21 @@ def add_max_tokens_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-ceiling", type=int, default=None, metavar="N",
                         help="the most tokens one request may generate: a larger max_tokens "
                              "is a 400 and a request without one gets at most N")
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the router picks workers (`pdserve router` and `pdserve up`)."""
+    parser.add_argument("--prefill-routing", choices=("cache-aware", "least-load", "round-robin"),
+                        default=RouterConfig.prefill_routing,
+                        help="how a prefill (or colocated) worker is picked: cache-aware (the "
+                             "prompt's prefix it or the store holds, less a penalty per request "
+                             "on it), least-load, or round-robin (default %(default)s)")
+
+
+def routing_argv(args: argparse.Namespace) -> list[str]:
+    if args.prefill_routing == RouterConfig.prefill_routing:
+        return []
+    return ["--prefill-routing", args.prefill_routing]
 
 
 def max_tokens_argv(args: argparse.Namespace) -> list[str]:
@@ -173,7 +189,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         first_token_timeout_s=args.first_token_timeout_s, token_timeout_s=args.token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations,
         pool_wait_s=args.pool_wait_s,
-        max_pool_waiters=args.max_pool_waiters,
+        max_pool_waiters=args.max_pool_waiters, prefill_routing=args.prefill_routing,
         controller=ControllerConfig(
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,

@@ -18,6 +18,7 @@ from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.policies import (
+    PREFILL_ROUTING,
     CacheAwarePrefill,
     MostFreeKVDecode,
     NoWorkerAvailable,
@@ -145,6 +146,26 @@ def test_prefill_pick_takes_cache_then_load_and_ties_take_turns() -> None:
     assert policy.choose([b, a, busy], cached) is busy
     with pytest.raises(NoWorkerAvailable):
         policy.choose([], RouteContext(1))
+
+
+def test_least_load_and_round_robin_ignore_the_cache() -> None:
+    """--prefill-routing least-load picks the emptiest worker (ties in turn), round-robin
+    each in turn; neither looks at a cached prefix."""
+    a, b, c = _Decoder("a", 0), _Decoder("b", 0), _Decoder("c", 0)
+    for worker in (a, b, c):
+        worker.status = None
+    a.num_inflight = 2
+    cached = RouteContext(600, num_worker_cached_tokens={"a": 600})
+    least = PREFILL_ROUTING["least-load"]()
+    assert [least.choose([c, a, b], cached).address for _ in range(3)] == ["b", "c", "b"]
+    turns = PREFILL_ROUTING["round-robin"]()
+    assert [turns.choose([c, a, b], cached).address for _ in range(4)] == ["a", "b", "c", "a"]
+    assert isinstance(PREFILL_ROUTING["cache-aware"](), CacheAwarePrefill)
+    with pytest.raises(NoWorkerAvailable):
+        turns.choose([], cached)
+    with pytest.raises(ValueError, match="prefill routing"):
+        RouterConfig(model="m", colocated_addrs=("tcp://127.0.0.1:1",),
+                     prefill_routing="random")
 
 
 def test_prefill_pick_credits_own_prefix_over_the_store() -> None:

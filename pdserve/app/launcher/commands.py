@@ -15,7 +15,13 @@ from pathlib import Path
 from pdserve import discovery
 from pdserve.app.launcher.placement import Placement, WorkerPlace, WorkerSlot, place_workers
 from pdserve.app.launcher.supervision import Child, Cluster
-from pdserve.router.server import controller_argv, max_tokens_argv, tool_argv, tracing_argv
+from pdserve.router.server import (
+    controller_argv,
+    max_tokens_argv,
+    routing_argv,
+    tool_argv,
+    tracing_argv,
+)
 from pdserve.serve.worker.args import (
     cache_argv,
     expert_argv,
@@ -142,7 +148,8 @@ def prefill_steps(args: argparse.Namespace, device: str) -> int | None:
 def router_argv(args: argparse.Namespace, model_dir: str, workers: list[Child],
                 store: StoreAddresses | None) -> list[str]:
     argv = ["router", "--model", model_dir, "--host", args.host, "--port", str(args.port),
-            *controller_argv(args), *max_tokens_argv(args), *tracing_argv(args),
+            *routing_argv(args), *controller_argv(args), *max_tokens_argv(args),
+            *tracing_argv(args),
             *tool_argv(args)]
     if args.api_key is not None:
         argv += ["--api-key", args.api_key]

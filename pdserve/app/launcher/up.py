@@ -31,6 +31,7 @@ from pdserve.ports import PortInUse, check_port_free
 from pdserve.router.server import (
     add_controller_arguments,
     add_max_tokens_arguments,
+    add_routing_arguments,
     add_tool_arguments,
     add_tracing_arguments,
 )
@@ -66,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_supervision_arguments(parser)
     # the router's own groups, handed to the router
     add_max_tokens_arguments(parser)
+    add_routing_arguments(parser)
     add_controller_arguments(parser)
     add_tracing_arguments(parser)
     add_tool_arguments(parser)
