@@ -57,6 +57,11 @@ class RouterMetrics:
             "pdserve:request_phase_seconds",
             "Time of a request in each phase of its first-token path (pdserve/router/phases.py)",
             PHASE_BUCKETS_S, ["phase"])
+        self.router_added = hist(
+            "pdserve:first_token_router_added_seconds",
+            "Time to first token less the first worker's own phases (queue, prefill, saves): "
+            "routing, the sockets both ways and the token's way out (pdserve/router/phases.py "
+            "ROUTER_PHASES)", PHASE_BUCKETS_S)
         self.handover_phase = hist(
             "pdserve:request_handover_phase_seconds",
             "Time of a request in each phase of the prefill -> decode hand-over, after the "

@@ -25,6 +25,9 @@ from pdserve.protocol.worker import KVHandoff, Output
 TTFT_PHASES = ("router", "queue", "prefill", "layer_save", "kv_save", "transport",
                "first_token_out")
 """The phases of the first-token path, in order; they add up to the router's TTFT."""
+ROUTER_PHASES = ("router", "transport", "first_token_out")
+"""The first-token phases outside the first worker's own accounting: what the router (and the
+wire to the worker, and the worker's wait to read the request) adds to the TTFT."""
 HANDOVER_PHASES = ("second_dispatch", "kv_load", "first_decode", "decode_transport")
 """The prefill -> decode hand-over, from the prefill Output to the decode worker's first."""
 

@@ -31,7 +31,7 @@ from pdserve.router.dispatch import RequestFailed
 from pdserve.router.errors import ApiError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import now_s
-from pdserve.router.phases import RequestPhases
+from pdserve.router.phases import ROUTER_PHASES, RequestPhases
 from pdserve.router.policies import NoWorkerAvailable
 from pdserve.router.prompt_outputs import PromptEcho, with_prompt_outputs
 from pdserve.router.tools import ToolCallOutput
@@ -166,8 +166,12 @@ class RequestObserver:
         metrics.labels(metrics.success, acc.finish_reason or "unknown").inc()
         if timing.first_s is not None:
             metrics.labels(metrics.ttft).observe(ttft_s)
-            for phase, seconds in timing.phases.ttft_phases(timing.first_s).items():
+            phases = timing.phases.ttft_phases(timing.first_s)
+            for phase, seconds in phases.items():
                 metrics.labels(metrics.request_phase, phase).observe(seconds)
+            if phases:
+                metrics.labels(metrics.router_added).observe(
+                    sum(phases[name] for name in ROUTER_PHASES))
             for phase, seconds in timing.phases.handover_phases().items():
                 metrics.labels(metrics.handover_phase, phase).observe(seconds)
             metrics.labels(metrics.e2e).observe(timing.last_s - timing.arrival_s)

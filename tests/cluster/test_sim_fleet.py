@@ -80,6 +80,11 @@ def test_sim_fleet_serves_the_api(sim_fleet, llama_dir):
         finished = [c for e in events for c in e["choices"] if c.get("finish_reason")]
         assert sorted(c["index"] for c in finished) == [0, 1]
         assert all(c["finish_reason"] == "length" for c in finished)
+    # each request's TTFT less its worker's phases: what the router added
+    text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+    [count] = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdserve:first_token_router_added_seconds_count")]
+    assert count == len(PROMPTS) + 1
     steps = sum(int(w["sim"]["steps"]) for w in cluster.status()["workers"])
     assert steps > 0
     assert all(w["sim"]["kv_mismatches"] == "0" for w in cluster.status()["workers"])
