@@ -88,6 +88,17 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _name_process(argv: list[str]) -> None:
+    """The child's name in ps, top and /proc/PID/comm: its --worker-id (a fork keeps the
+    launcher's command line)."""
+    name = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else argv[0]
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
+
+
 def fork_child(argv: list[str], env: dict[str, str], cpus: list[int] | None = None
                ) -> ForkedProcess:
     """Run `pdserve <argv>` in a child forked from this process (after preload)."""
@@ -102,6 +113,7 @@ def fork_child(argv: list[str], env: dict[str, str], cpus: list[int] | None = No
     try:  # the child: never returns into the launcher's code
         os.setsid()
         parent_death_preexec(launcher_pid, pin)()
+        _name_process(argv)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
         os.environ.clear()
