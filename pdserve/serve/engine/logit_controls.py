@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pdserve.serve.engine.request import Request
+from pdserve.serve.layers.uploads import to_device
 
 
 def resolve_logit_controls(request: Request, tokenizer: Any, vocab_size: int) -> None:
@@ -92,14 +93,6 @@ def flat_index(rows_of_ids: list[list[int]], like: torch.Tensor) -> torch.Tensor
     vocab_size = like.shape[-1]
     return to_device(torch.tensor([row * vocab_size + t for row, ids in enumerate(rows_of_ids)
                                    for t in ids], dtype=torch.long), like.device)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor built this step, sent down without making the host wait: from pinned
-    memory on CUDA (a copy from pageable memory would be staged while the host waits)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def banned_now(bad_words: list[list[int]], output_ids: list[int]) -> list[int]:

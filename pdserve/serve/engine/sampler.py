@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.serve.engine.logit_controls import apply_logit_controls, flat_index, to_device
+from pdserve.serve.engine.logit_controls import apply_logit_controls, flat_index
 from pdserve.serve.engine.request import Logprob, Request, TokenLogprobs
+from pdserve.serve.layers.uploads import to_device
 
 
 @dataclass
