@@ -24,8 +24,9 @@ device as batched tensor ops; what the host knows (per-row parameters, which row
 seeded or want logprobs, the token ids that controls and penalties touch) goes down as small
 tensors built once and sent from pinned memory without waiting; rows are picked with index
 tensors and masks are applied with masked ops, never with host lists or boolean indexing.
-Top-k takes `topk` of the largest k asked for; top-p looks only at the candidates top-k
-leaves (a row without top-k ranks its whole row, as vLLM's torch path does). What the host
+Top-k takes `topk` of the largest k asked for; top-p ranks only the candidates top-k leaves,
+exactly, ties included (when a top-p row has no top-k, the step ranks whole rows, as vLLM's
+torch path sorts them). The only host read left in a step is the one below. What the host
 needs back, the sampled ids and the logprobs asked for, crosses in one copy to pinned memory
 (`SampledBatch`); reading it is the step's one wait (tests/serve/test_sampler_syncs.py).
 """
