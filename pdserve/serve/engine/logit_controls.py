@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pdserve.serve.engine.request import Request
+from pdserve.serve.layers.uploads import to_device
 
 
 def resolve_logit_controls(request: Request, tokenizer: Any, vocab_size: int) -> None:
@@ -59,40 +60,39 @@ def bad_words_token_ids(words: tuple[str, ...], tokenizer: Any, vocab_size: int
 
 def apply_logit_controls(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits [len(requests), vocab] on any device (changed in place and returned): one
-    batched write per control."""
-    allowed: list[list[int]] = [[] for _ in requests]
-    restricted_rows, banned, biased, biases = [], [], [], []
-    for row, request in enumerate(requests):
+    batched write per control, each through an index built on the host and sent down once."""
+    restricted, allowed, banned, biased, biases = [], [], [], [], []
+    for request in requests:
         params = request.sampling_params
-        ids_allowed = params.allowed_token_ids if params.has_logit_controls else None
-        if ids_allowed is not None:
-            restricted_rows.append(row)
-            allowed[row] = list(ids_allowed)
-        bias = params.logit_bias if params.has_logit_controls else None
+        controlled = params.has_logit_controls
+        ids_allowed = params.allowed_token_ids if controlled else None
+        restricted.append(ids_allowed is not None)
+        allowed.append(list(ids_allowed) if ids_allowed is not None else [])
         banned.append(banned_now(request.bad_words_token_ids, request.output_token_ids)
-                      if params.has_logit_controls else [])
+                      if controlled else [])
+        bias = params.logit_bias if controlled else None
         biased.append(list(bias) if bias else [])
         biases += list(bias.values()) if bias else []
-    if restricted_rows:
-        outside = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-        outside[restricted_rows] = True
-        outside[ragged_index(allowed, logits.device)] = False
+    flat = logits.view(-1)
+    if any(restricted):
+        outside = to_device(torch.tensor(restricted), logits.device)
+        outside = outside.unsqueeze(1).expand(logits.shape).contiguous()
+        outside.view(-1).index_fill_(0, flat_index(allowed, logits), False)
         logits.masked_fill_(outside, float("-inf"))
     if any(banned):
-        logits[ragged_index(banned, logits.device)] = float("-inf")
-    if biases:
-        values = torch.tensor(biases, dtype=logits.dtype).to(logits.device, non_blocking=True)
-        logits.index_put_(ragged_index(biased, logits.device), values, accumulate=True)
+        flat.index_fill_(0, flat_index(banned, logits), float("-inf"))
+    if biases:  # a request's biased ids are distinct: nothing is added twice
+        flat.index_add_(0, flat_index(biased, logits),
+                        to_device(torch.tensor(biases, dtype=logits.dtype), logits.device))
     return logits
 
 
-def ragged_index(rows_of_ids: list[list[int]], device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs of a ragged list of id lists, as two [N] long tensors."""
-    rows = [row for row, ids in enumerate(rows_of_ids) for _ in ids]
-    ids = [t for row_ids in rows_of_ids for t in row_ids]
-    pairs = torch.tensor([rows, ids], dtype=torch.long).to(device, non_blocking=True)
-    return pairs[0], pairs[1]
+def flat_index(rows_of_ids: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """The positions of (row, token id) pairs of a ragged list of id lists in `like` [B, V]
+    viewed flat, as one [N] long tensor on its device."""
+    vocab_size = like.shape[-1]
+    return to_device(torch.tensor([row * vocab_size + t for row, ids in enumerate(rows_of_ids)
+                                   for t in ids], dtype=torch.long), like.device)
 
 
 def banned_now(bad_words: list[list[int]], output_ids: list[int]) -> list[int]:

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.serve.engine.request import Request, RequestOutput, TokenLogprobs
-from pdserve.serve.engine.sampler import SampleResult
+from pdserve.serve.engine.request import Request, RequestOutput
+from pdserve.serve.engine.sampler import SampledBatch
 from pdserve.serve.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -54,12 +54,10 @@ thread is stuck, and the engine fails instead of hanging."""
 @dataclass
 class StepResult:
     """What a launched step leaves: its sampled ids on the device (the next step's inputs),
-    their copy on the host once `ready` has passed, and the logprobs asked for."""
+    and their copy, with the logprobs asked for, on its way to the host (`SampledBatch`)."""
 
     token_ids: torch.Tensor  # [rows] int64, on the device
-    host_token_ids: torch.Tensor  # [rows] int64, on the host
-    ready: torch.cuda.Event | None  # CUDA: recorded after the copy to the host
-    logprobs: list[TokenLogprobs | None]
+    sampled: SampledBatch
 
 
 @dataclass
@@ -223,20 +221,15 @@ class Overlap:
         if logits.shape[0] != len(to_sample):
             raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for "
                                f"{len(to_sample)} chunks that need logits")
-        token_ids, logprobs = engine.sampler.sample(logits, to_sample, indices)
-        if device.type != "cuda":
-            return StepResult(token_ids, token_ids, None, logprobs)
-        ready = torch.cuda.Event()
-        host = token_ids.to("cpu", non_blocking=True)
-        ready.record()
-        return StepResult(token_ids, host, ready, logprobs)
+        sampled = engine.sampler.launch(logits, to_sample, indices)
+        return StepResult(sampled.token_ids, sampled)
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's ids, publish its blocks, and take its samples."""
         try:
             result = launched.result.result(timeout=STEP_TIMEOUT_S)
-            if result.ready is not None:
-                wait_for(result.ready, STEP_TIMEOUT_S)
+            if result.sampled.ready is not None:
+                wait_for(result.sampled.ready, STEP_TIMEOUT_S)
         except BaseException:
             for request in launched.to_sample:  # nothing of this step will arrive
                 request.num_pending_tokens = 0
@@ -244,13 +237,11 @@ class Overlap:
         engine = self.engine
         engine.scheduler.commit(launched.scheduled, launched.ends)
         requests, results = [], []
-        for request, token_id, logprobs in zip(launched.to_sample,
-                                               result.host_token_ids.tolist(),
-                                               result.logprobs, strict=True):
+        for request, sample in zip(launched.to_sample, result.sampled.results(), strict=True):
             request.num_pending_tokens -= 1
             if not request.is_finished:  # else it ended after this step was launched
                 requests.append(request)
-                results.append(SampleResult(token_id, logprobs))
+                results.append(sample)
         outputs = engine.take_samples(requests, results)
         # Steps overlap: a step's time is from the end of the one before (or its start).
         now_s = time.perf_counter()

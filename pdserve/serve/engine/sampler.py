@@ -12,15 +12,23 @@ Per row (request), in this order:
         └─ draw: argmax(probs / E) with E ~ Exponential(1), the Gumbel-max trick's sibling
 
 Seeded rows draw E from a generator seeded by hash(seed, i), i = the index of the output
-token being sampled. Nothing else feeds that generator, so the draw is reproducible
-regardless of batch composition, and a decode worker that receives only (seed, i) continues
-exactly where the prefill worker stopped. Unseeded rows share the engine's generator.
+token being sampled, made on the logits' device. Nothing else feeds that generator, so the
+draw is reproducible regardless of batch composition, and a decode worker that receives only
+(seed, i) continues exactly where the prefill worker stopped. CPU generators (Mersenne
+Twister) and CUDA generators (Philox) give different streams: a seeded request gives the same
+tokens on every worker of one device type, not across CPU and GPU. Unseeded rows share the
+engine's generator.
 
-Everything runs on the logits' device as batched tensor ops: the per-request parameters go
-down as small tensors, and only the sampled ids (one per row) and the logprobs a request asked
-for come back to the host, in one transfer each. A seeded row's noise is drawn on the host (the
-same draw on every device, so a seeded request gives the same tokens on CPU and GPU) and copied
-down without waiting for it.
+The host never waits for the device while a step samples. Everything runs on the logits'
+device as batched tensor ops; what the host knows (per-row parameters, which rows are greedy,
+seeded or want logprobs, the token ids that controls and penalties touch) goes down as small
+tensors built once and sent from pinned memory without waiting; rows are picked with index
+tensors and masks are applied with masked ops, never with host lists or boolean indexing.
+Top-k takes `topk` of the largest k asked for; top-p ranks only the candidates top-k leaves,
+exactly, ties included (when a top-p row has no top-k, the step ranks whole rows, as vLLM's
+torch path sorts them). The only host read left in a step is the one below. What the host
+needs back, the sampled ids and the logprobs asked for, crosses in one copy to pinned memory
+(`SampledBatch`); reading it is the step's one wait (tests/serve/test_sampler_syncs.py).
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.serve.engine.logit_controls import apply_logit_controls, ragged_index
+from pdserve.serve.engine.logit_controls import apply_logit_controls, flat_index
 from pdserve.serve.engine.request import Logprob, Request, TokenLogprobs
+from pdserve.serve.layers.uploads import to_device
 
 
 @dataclass
@@ -48,14 +57,20 @@ def seed_for_token(seed: int, output_index: int) -> int:
 
 
 def exponential_noise(vocab_size: int, seed: int, output_index: int) -> torch.Tensor:
-    """The Exponential(1) draw of one seeded row: [vocab_size] float32, on the host."""
+    """The Exponential(1) draw of one seeded row on the host: [vocab_size] float32, what
+    `Sampler` draws on a CPU device."""
     generator = torch.Generator().manual_seed(seed_for_token(seed, output_index))
     return torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
 
 
 def row_values(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
     """A per-row parameter as a [B] tensor on `like`'s device and dtype."""
-    return torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=like.dtype), like.device)
+
+
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row numbers as a [R] long index tensor on `device`."""
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]],
@@ -68,11 +83,11 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]],
     """
     num_rows, vocab_size = logits.shape
     output_counts = torch.zeros(num_rows, vocab_size, dtype=logits.dtype, device=logits.device)
-    rows, ids = ragged_index(output_ids, logits.device)
-    output_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=logits.dtype),
-                             accumulate=True)
+    positions = flat_index(output_ids, logits)
+    output_counts.view(-1).index_add_(0, positions, torch.ones_like(positions,
+                                                                    dtype=logits.dtype))
     seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=logits.device)
-    seen[ragged_index(prompt_ids, logits.device)] = True
+    seen.view(-1).index_fill_(0, flat_index(prompt_ids, logits), True)
     seen |= output_counts > 0
     r = repetition.unsqueeze(1)
     logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
@@ -101,16 +116,72 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = N
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest most-likely set with probability mass >= top_p (at least one)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Mass strictly before each token; a token is dropped once that alone reaches top_p.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p.unsqueeze(1)
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, max_candidates: int | None = None
+                ) -> torch.Tensor:
+    """Keep the smallest most-likely set with probability mass >= top_p: a token stays while
+    the mass of the tokens strictly more likely than it is below top_p, so the most likely
+    token always stays and tied tokens stay or go together; top_p >= 1 keeps every token.
+
+    Only a row's `max_candidates` most likely tokens are ranked (all when None), never the
+    whole vocabulary: exact whenever no more than that many tokens can be kept, as after
+    top-k with k <= max_candidates (tokens tied with the last candidate share its fate)."""
+    vocab_size = logits.shape[-1]
+    num_candidates = min(max(max_candidates or vocab_size, 1), vocab_size)
+    probs = torch.softmax(logits, dim=-1)
+    top_probs = probs.topk(num_candidates, dim=-1).values  # [B, K], descending
+    mass_before = top_probs.cumsum(dim=-1) - top_probs
+    # a run of tied candidates takes the mass before its first member
+    starts = torch.cat([torch.ones_like(top_probs[:, :1], dtype=torch.bool),
+                        top_probs[:, 1:] != top_probs[:, :-1]], dim=1)
+    positions = torch.arange(num_candidates, device=logits.device).expand_as(top_probs)
+    run_start = torch.where(starts, positions, 0).cummax(dim=-1).values
+    kept = mass_before.gather(1, run_start) < top_p.unsqueeze(1)
+    kept |= positions == 0
+    threshold = torch.where(kept, top_probs, float("inf")).min(dim=-1, keepdim=True).values
+    drop = (probs < threshold) & (top_p.unsqueeze(1) < 1.0)
     return logits.masked_fill(drop, float("-inf"))
+
+
+@dataclass
+class SampledBatch:
+    """One step's samples on their way to the host. The ids stay on the device (the next
+    step's inputs under async scheduling); one copy of the ids and the logprobs asked for,
+    packed as float64 (ids and ranks are exact in it), is queued into pinned memory behind
+    them, and reading it (`results`) is the step's one wait for the device."""
+
+    token_ids: torch.Tensor  # [B] long, on the device
+    host: torch.Tensor  # [B + R * (3 + 2 * max_top)] float64, pinned on CUDA
+    ready: torch.cuda.Event | None  # CUDA: recorded after the copy
+    logprob_rows: list[int]  # the R rows that asked for logprobs
+    num_tops: list[int]  # and how many top tokens each
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def host_token_ids(self) -> list[int]:
+        self.wait()
+        return self.host[:self.token_ids.shape[0]].long().tolist()
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Each row's logprobs (None where not asked for); waits only when one was asked."""
+        num_rows = self.token_ids.shape[0]
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        if not self.logprob_rows:
+            return logprobs
+        self.wait()
+        num_asked, width = len(self.logprob_rows), max(self.num_tops)
+        values_end = num_rows + num_asked * (1 + width)
+        values = self.host[num_rows:values_end].view(num_asked, 1 + width).tolist()
+        ids = self.host[values_end:].view(num_asked, 2 + width).long().tolist()
+        for row, row_logprobs in zip(self.logprob_rows,
+                                     _logprobs_from(values, ids, self.num_tops), strict=True):
+            logprobs[row] = row_logprobs
+        return logprobs
+
+    def results(self) -> list[SampleResult]:
+        return [SampleResult(token_id, row_logprobs) for token_id, row_logprobs
+                in zip(self.host_token_ids(), self.logprobs(), strict=True)]
 
 
 class Sampler:
@@ -119,15 +190,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
         """logits [len(requests), vocab] on any device: one row per request to sample."""
-        token_ids, logprobs = self.sample(logits, requests)
-        return [SampleResult(token_id, row_logprobs) for token_id, row_logprobs
-                in zip(token_ids.tolist(), logprobs, strict=True)]
+        return self.launch(logits, requests).results()
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
                output_indices: list[int] | None = None
                ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         """The sampled ids, [B] long on the logits' device, and each row's logprobs (None where
-        not asked for; reading them is the only other transfer to the host).
+        not asked for; only these make the host wait)."""
+        sampled = self.launch(logits, requests, output_indices)
+        return sampled.token_ids, sampled.logprobs()
+
+    def launch(self, logits: torch.Tensor, requests: list[Request],
+               output_indices: list[int] | None = None) -> SampledBatch:
+        """Sample every row on the logits' device and queue the copy of what the host needs;
+        nothing here waits for the device.
 
         output_indices: which output token each row samples (default: each request's next);
         async scheduling samples past tokens still in flight (pdserve/serve/engine/overlap.py)."""
@@ -135,16 +211,17 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
         if output_indices is None:
             output_indices = [r.num_output_tokens for r in requests]
+        device = logits.device
         logits = logits.float()
         params = [r.sampling_params for r in requests]
-        wants_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if logprob_rows else None
         banned = self._banned_stops(requests, output_indices)
         controls = any(p.has_logit_controls for p in params)
         if any(banned) or controls:  # both write in place: the caller's logits stay as they were
-            logits = logits.clone()
+            logits = logits.clone(memory_format=torch.contiguous_format)
         if any(banned):
-            logits[ragged_index(banned, logits.device)] = float("-inf")
+            logits.view(-1).index_fill_(0, flat_index(banned, logits), float("-inf"))
         if controls:
             logits = apply_logit_controls(logits, requests)
         if any(p.has_penalties for p in params):
@@ -156,18 +233,32 @@ class Sampler:
                 row_values([p.repetition_penalty for p in params], logits))
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if sampled_rows:
-            token_ids[sampled_rows] = self._draw(logits[sampled_rows],
-                                                 [requests[i] for i in sampled_rows],
-                                                 [output_indices[i] for i in sampled_rows])
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if len(sampled_rows) == len(requests):
+            token_ids = self._draw(logits, requests, output_indices)
+        elif sampled_rows:
+            rows = row_index(sampled_rows, device)
+            token_ids.index_copy_(0, rows, self._draw(
+                logits.index_select(0, rows), [requests[i] for i in sampled_rows],
+                [output_indices[i] for i in sampled_rows]))
+        parts = [token_ids.double()]
+        num_tops = [params[i].logprobs or 0 for i in logprob_rows]
         if raw_logprobs is not None:
-            rows = [i for i, wants in enumerate(wants_logprobs) if wants]
-            for row, row_logprobs in zip(rows, _logprobs_of(
-                    raw_logprobs[rows], token_ids[rows], [params[i].logprobs for i in rows]),
-                    strict=True):
-                logprobs[row] = row_logprobs
-        return token_ids, logprobs
+            if len(logprob_rows) < len(requests):
+                rows = row_index(logprob_rows, device)
+                raw_logprobs, chosen_ids = raw_logprobs.index_select(0, rows), \
+                    token_ids.index_select(0, rows)
+            else:
+                chosen_ids = token_ids
+            parts += [t.flatten().double() for t in _logprob_tensors(raw_logprobs, chosen_ids,
+                                                                     max(num_tops))]
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=packed.is_cuda)
+        host.copy_(packed, non_blocking=True)
+        ready = None
+        if packed.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return SampledBatch(token_ids, host, ready, logprob_rows, num_tops)
 
     @staticmethod
     def _banned_stops(requests: list[Request], output_indices: list[int]) -> list[list[int]]:
@@ -197,8 +288,10 @@ class Sampler:
         if any(p.top_k > 0 for p in params):
             top_k = [p.top_k for p in params]
             logits = apply_top_k(logits, row_values(top_k, logits), max_k=max(top_k))
-        if any(p.top_p < 1.0 for p in params):
-            logits = apply_top_p(logits, row_values([p.top_p for p in params], logits))
+        top_p_ks = [p.top_k for p in params if p.top_p < 1.0]
+        if top_p_ks:  # top-k bounds the candidates unless a top-p row has none
+            logits = apply_top_p(logits, row_values([p.top_p for p in params], logits),
+                                 max_candidates=max(top_p_ks) if min(top_p_ks) > 0 else None)
         return torch.softmax(logits, dim=-1)
 
     def _draw(self, logits: torch.Tensor, requests: list[Request], output_indices: list[int]
@@ -207,28 +300,31 @@ class Sampler:
         # every sampled row draws from the engine's generator, seeded or not, so that its
         # sequence does not depend on which rows are seeded
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        seeded = [(row, r.sampling_params.seed, index)
-                  for row, (r, index) in enumerate(zip(requests, output_indices, strict=True))
-                  if r.sampling_params.seed is not None]
-        if seeded:
-            rows = [row for row, _, _ in seeded]
-            host_noise = torch.stack([exponential_noise(probs.shape[1], seed, index)
-                                      for _, seed, index in seeded])
-            noise[rows] = host_noise.to(noise.device, non_blocking=True)
+        for row, (request, index) in enumerate(zip(requests, output_indices, strict=True)):
+            seed = request.sampling_params.seed
+            if seed is not None:  # its own generator, on the device: one launch, no copy
+                generator = torch.Generator(device=noise.device)
+                noise[row].exponential_(generator=generator.manual_seed(
+                    seed_for_token(seed, index)))
         return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs_of(row_logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
-                 ) -> list[TokenLogprobs]:
-    """Per row, {token: Logprob} for its top num_top tokens and the sampled one (rank 1 = best).
-    row_logprobs [R, V], token_ids [R]: one transfer of [R, 2 + max num_top] values."""
+def _logprob_tensors(row_logprobs: torch.Tensor, token_ids: torch.Tensor, max_top: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_logprobs [R, V], token_ids [R] -> values [R, 1 + max_top] (the sampled token's,
+    then the top ones) and ids [R, 2 + max_top] (the sampled token, its rank, the top ids)."""
     chosen = row_logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
     ranks = (row_logprobs > chosen).sum(dim=1, keepdim=True) + 1
-    max_top = max(num_tops)
     top_values, top_ids = row_logprobs.topk(max_top, dim=-1) if max_top > 0 else (
         row_logprobs[:, :0], token_ids[:, None][:, :0])
-    values = torch.cat([chosen, top_values], dim=1).tolist()
-    ids = torch.cat([token_ids.unsqueeze(1), ranks, top_ids], dim=1).tolist()
+    return (torch.cat([chosen, top_values], dim=1),
+            torch.cat([token_ids.unsqueeze(1), ranks, top_ids], dim=1))
+
+
+def _logprobs_from(values: list[list[float]], ids: list[list[int]], num_tops: list[int]
+                   ) -> list[TokenLogprobs]:
+    """Per row, {token: Logprob} for its top num_top tokens and the sampled one (rank 1 = best),
+    from `_logprob_tensors`' rows on the host."""
     results = []
     for row_values_, row_ids, num_top in zip(values, ids, num_tops, strict=True):
         token_id, rank = row_ids[0], row_ids[1]

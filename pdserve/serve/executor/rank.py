@@ -41,6 +41,7 @@ from pdserve.serve.layers.pipeline import (
     pad_layers,
     run_pipelined_step,
 )
+from pdserve.serve.layers.uploads import to_device
 from pdserve.serve.models.base import ModelOutput
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class Rank:
         if samples_every_row(step):  # a decode step: every row, in order
             return self.model.compute_logits(hidden)
         # The last row of each chunk that samples, then the rows of prompt logprobs
-        logits_rows = torch.from_numpy(logit_rows(step)).to(self.device)
+        logits_rows = to_device(torch.from_numpy(logit_rows(step)), self.device)
         if logits_rows.numel() == 0:
             return None
         # A step without prompt logprobs has at most a row per chunk: one call. Prompt rows
