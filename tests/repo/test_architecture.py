@@ -127,6 +127,10 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # standbys): its leak check reads the store's own counters, and the offline engine gives the
     # greedy streams' reference text
     "benchmarks.chaos_soak": ("pdserve.kvstore", "pdserve.serve", "pdserve.app.launcher"),
+    # simulated fleets: their checkpoint dir starts from the default model's tokenizer, and the
+    # chaos run's leak check reads the store's own counters (as chaos_soak's)
+    "benchmarks.sim_fleet.fleet": ("pdserve.serve.default_model",),
+    "benchmarks.sim_fleet.experiments": ("pdserve.kvstore",),
     # the offline studies' shared model is built with the default model's builder
     "pdserve.benchmarks.offline": ("pdserve.serve.default_model",),
     # arithmetic only: the communication model of a layout (no engine runs)

@@ -215,6 +215,9 @@ class SimRunner:
         self.overrun_steps = 0
         """Steps whose own work took longer than the profile's time (the host is the limit)."""
         self.simulated_s = 0.0
+        self.prefill_tokens = 0
+        """Tokens computed by prefill chunks (a worker's prompt load)."""
+        self.decode_tokens = 0
         self._closed = False
         logger.info("simulated engine: profile %r (%s), TP %d entry, speed-up %g; KV %s, "
                     "%d bytes a token (%.4g of the profile's %d)", self.profile.model,
@@ -266,7 +269,10 @@ class SimRunner:
         vocab = self.spec.vocab_size
         if not step.chunks:
             return torch.empty(0, vocab, dtype=torch.float32)
-        seconds = self.times.predict(StepFeatures.of(step)) / self.speedup
+        features = StepFeatures.of(step)
+        seconds = self.times.predict(features) / self.speedup
+        self.prefill_tokens += features.prefill_tokens
+        self.decode_tokens += features.decode_seqs
         slots, states = self._fold(step)
         num_layers = len(self.kv_caches)
         if layer_done is None:
@@ -364,7 +370,8 @@ class SimRunner:
                 "tensor_parallel_size": self._tp_size, "speedup": self.speedup,
                 "kv_fraction": self.sim_config.kv_fraction, "steps": self.num_steps,
                 "simulated_s": round(self.simulated_s, 3),
-                "overrun_steps": self.overrun_steps, "kv_mismatches": self.kv_mismatches}
+                "overrun_steps": self.overrun_steps, "kv_mismatches": self.kv_mismatches,
+                "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens}
 
     def _check_usable(self) -> None:
         if self._closed:
