@@ -239,9 +239,9 @@ class EmulatedHosts:
             self._is_up = False
         for process in self._processes:
             _kill_group(process)
-        for host in self.hosts:
+        for host in self.hosts:  # PID 1 of a host ignores SIGTERM; SIGKILL ends the host
             if host.holder is not None:
-                _kill_group(host.holder)
+                _kill_group(host.holder, timeout_s=0.0)
         for host in self.hosts:
             _run(["ip", "netns", "del", host.netns], check=False)
             _run(["ip", "link", "del", host.outer_device], check=False)
@@ -278,6 +278,8 @@ class EmulatedHosts:
         # UCX's TCP transport over the host's own link only: not its loopback, which every
         # emulated host has at the same address.
         env.setdefault("UCX_NET_DEVICES", INNER_DEVICE)
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "ab") if log is not None else subprocess.DEVNULL
         try:
             process = subprocess.Popen([*enter, *pin, *argv], env=env, stdin=subprocess.DEVNULL,
@@ -288,6 +290,12 @@ class EmulatedHosts:
                 out.close()
         self._processes.append(process)
         return process
+
+    def host_pid(self, process: subprocess.Popen) -> int | None:
+        """The program a `spawn` started, as this machine numbers it (nsenter's child), for
+        its /proc entries; None once it has gone."""
+        children = _children(process.pid)
+        return children[0] if children else None
 
     def run(self, index: int, argv: Sequence[str], timeout_s: float = 30.0
             ) -> subprocess.CompletedProcess:
@@ -386,16 +394,16 @@ def _comm(pid: int) -> str:
 
 
 def _kill_group(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM the process's group (its session), SIGKILL after `timeout_s`."""
-    if process.poll() is None:
+    """SIGTERM the process's group (its session), SIGKILL after `timeout_s` (0: at once)."""
+    if process.poll() is None and timeout_s > 0:
         try:
             os.killpg(process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
     try:  # what the group still holds (a child that outlived its leader) goes too
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
