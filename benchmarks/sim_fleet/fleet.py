@@ -56,11 +56,13 @@ class Fleet:
 
     @classmethod
     def start(cls, model_dir: Path, log: Path, port: int, *flags: str,
-              timeout_s: float = 300.0) -> Fleet:
-        """`pdserve up --engine sim <flags>` on `port` (store and workers above it)."""
+              timeout_s: float = 300.0, engine: str | None = "sim") -> Fleet:
+        """`pdserve up --engine sim <flags>` on `port` (store and workers above it); engine
+        None: as the flags say (the model's engine unless they name one)."""
         argv = [sys.executable, "-m", "pdserve.app.cli", "up", "--model", str(model_dir),
                 "--port", str(port), "--store-port", str(port + 10),
-                "--worker-base-port", str(port + 100), "--engine", "sim", *flags]
+                "--worker-base-port", str(port + 100),
+                *(["--engine", engine] if engine else []), *flags]
         started = time.monotonic()
         with open(log, "wb") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
