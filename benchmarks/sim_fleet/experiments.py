@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from benchmarks.sim_fleet.fleet import (
     Fleet,
     cpu_seconds,
@@ -24,9 +26,12 @@ from benchmarks.sim_fleet.fleet import (
     kill,
     memory_mib,
     sim_model_dir,
+    start_etcd,
+    start_router,
     wait_until,
 )
 from benchmarks.sim_fleet.load import fresh_prompt, run_load
+from pdserve.benchmarks import server_process
 from pdserve.benchmarks.output import output_dir
 from pdserve.benchmarks.plots import pyplot, save_figure, save_json
 
@@ -147,17 +152,32 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200, 300, 400])
     parser.add_argument("--duration-s", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=2, help="load client processes")
+    parser.add_argument("--two-routers", action="store_true",
+                        help="also run every rate through two routers (a second one that "
+                             "finds the fleet through etcd, started here from PATH)")
 
 
-def _level(fleet: Fleet, args: argparse.Namespace, rate: float, router_pid: int,
-           seed: int) -> dict[str, Any]:
-    _, before = histogram(fleet.metrics(), ROUTER_ADDED)  # no lines before a first request
-    cpu_before, wall_before = cpu_seconds(router_pid), time.monotonic()
-    load = run_load(fleet.base_url, fleet.model, rate, args.duration_s,
-                    output_dir(args, "sim_fleet"), args.clients, seed=seed)
+def _level(fleet: Fleet, args: argparse.Namespace, rate: float, router_pids: list[int],
+           seed: int, urls: list[str] | None = None) -> dict[str, Any]:
+    """One offered rate: the load, the routers' CPU, and the router-added histogram's
+    quantiles over what this level added (every router's summed)."""
+    urls = urls or [fleet.base_url]
+
+    def scrape() -> list[tuple[list[float], list[float]]]:
+        return [histogram(httpx.get(f"{url}/metrics", timeout=30).text, ROUTER_ADDED)
+                for url in urls]
+
+    before = [counts for _, counts in scrape()]  # no lines before a router's first request
+    cpu_before, wall_before = sum(map(cpu_seconds, router_pids)), time.monotonic()
+    load = run_load(urls, fleet.model, rate, args.duration_s, output_dir(args, "sim_fleet"),
+                    max(args.clients, len(urls)), seed=seed)
     wall = time.monotonic() - wall_before
-    router_cpu = (cpu_seconds(router_pid) - cpu_before) / wall
-    bounds, after = histogram(fleet.metrics(), ROUTER_ADDED)
+    router_cpu = (sum(map(cpu_seconds, router_pids)) - cpu_before) / wall
+    scraped = scrape()
+    bounds = scraped[0][0]
+    after = [sum(column) for column in zip(*(c for _, c in scraped), strict=True)]
+    before = [sum(column) for column in
+              zip(*(b or [0.0] * len(bounds) for b in before), strict=True)]
     results = load["results"]
     ok = [r for r in results if r["ok"]]
     span = max((r["start_s"] + r["latency_s"] for r in ok), default=1.0)
@@ -165,8 +185,9 @@ def _level(fleet: Fleet, args: argparse.Namespace, rate: float, router_pid: int,
     for r in results:
         if not r["ok"]:
             causes[r["cause"]] = causes.get(r["cause"], 0) + 1
-    return {"offered_rate": rate, "sent_rate": load["sent_rate"], "sent": load["sent"],
-            "ok": len(ok), "achieved_rate": len(ok) / span, "failures": causes,
+    return {"routers": len(urls), "offered_rate": rate, "sent_rate": load["sent_rate"],
+            "sent": load["sent"], "ok": len(ok), "achieved_rate": len(ok) / span,
+            "failures": causes,
             "ttft_p50_ms": 1000 * _percentile([r["ttft_s"] for r in ok], 0.5),
             "ttft_p99_ms": 1000 * _percentile([r["ttft_s"] for r in ok], 0.99),
             "router_added_p50_ms": 1000 * histogram_quantile(bounds, before, after, 0.5),
@@ -176,44 +197,71 @@ def _level(fleet: Fleet, args: argparse.Namespace, rate: float, router_pid: int,
 
 def capacity(args: argparse.Namespace) -> int:
     """The router's sustained rate and added latency at rising offered rates."""
-    fleet = _start(args, "capacity", *_fleet_flags(args, args.num_prefill, args.num_decode))
-    levels = []
+    flags = _fleet_flags(args, args.num_prefill, args.num_decode)
+    etcd = second = None
+    if args.two_routers:
+        etcd, url = start_etcd(Path(tempfile.mkdtemp(prefix="sim-fleet-etcd-")), args.port + 50)
+        key = Path(tempfile.mkdtemp(prefix="sim-fleet-")) / "cluster.key"
+        flags += ["--discovery", url, "--cluster-key-file", str(key)]
+    levels: list[dict[str, Any]] = []
     try:
-        router_pid = fleet.processes()["router"]
-        for i, rate in enumerate(args.rates):
-            level = _level(fleet, args, rate, router_pid, args.seed + i + 1)
-            levels.append(level)
-            print(f"[capacity] offered {rate:.0f}/s: sent {level['sent_rate']:.1f}/s, "
-                  f"achieved {level['achieved_rate']:.1f}/s, failures {level['failures']}, "
-                  f"TTFT p50/p99 {level['ttft_p50_ms']:.1f}/{level['ttft_p99_ms']:.1f} ms, "
-                  f"router added p50/p99 {level['router_added_p50_ms']:.2f}/"
-                  f"{level['router_added_p99_ms']:.2f} ms, router CPU "
-                  f"{level['router_cpu_cores']:.2f} cores", flush=True)
-            if level["achieved_rate"] < 0.8 * rate:
-                break  # saturated: higher rates only queue
+        fleet = _start(args, "capacity", *flags)
+        try:
+            router_pids = [fleet.processes()["router"]]
+            urls = [fleet.base_url]
+            if args.two_routers:
+                second = start_router(fleet, url, key, args.port + 1,
+                                      output_dir(args, "sim_fleet") / "capacity-router-2.log")
+                router_pids.append(second.pid)
+                urls.append(f"http://127.0.0.1:{args.port + 1}")
+            for i, rate in enumerate(args.rates):
+                for count in range(1, len(urls) + 1):
+                    level = _level(fleet, args, rate, router_pids[:count], args.seed + i + 1,
+                                   urls[:count])
+                    levels.append(level)
+                    _print_level(level)
+                if all(lv["achieved_rate"] < 0.8 * rate for lv in levels[-len(urls):]):
+                    break  # saturated: higher rates only queue
+        finally:
+            if second is not None:
+                server_process.stop(second)
+            fleet.stop()
     finally:
-        fleet.stop()
+        if etcd is not None:
+            server_process.stop(etcd)
     report = {"machine": _machine(), "workers": [args.num_prefill, args.num_decode],
-              "speedup": args.speedup, "levels": levels}
+              "speedup": args.speedup, "clients": args.clients, "levels": levels}
     _write(args, "capacity", report)
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    offered = [lv["offered_rate"] for lv in levels]
-    left.plot(offered, [lv["achieved_rate"] for lv in levels], "o-", label="achieved")
-    left.plot(offered, offered, ":", color="gray", label="offered")
+    for count in sorted({lv["routers"] for lv in levels}):
+        mine = [lv for lv in levels if lv["routers"] == count]
+        offered = [lv["offered_rate"] for lv in mine]
+        left.plot(offered, [lv["achieved_rate"] for lv in mine], "o-",
+                  label=f"achieved, {count} router(s)")
+        for key_name, label in (("router_added_p50_ms", "added p50"),
+                                ("router_added_p99_ms", "added p99")):
+            right.plot(offered, [lv[key_name] for lv in mine], "o-", label=f"{label}, {count}")
+    top = max(lv["offered_rate"] for lv in levels)
+    left.plot([0, top], [0, top], ":", color="gray", label="offered")
     left.set_xlabel("offered req/s")
     left.set_ylabel("req/s")
-    left.legend()
-    for key, label in (("router_added_p50_ms", "router added p50"),
-                       ("router_added_p99_ms", "router added p99"),
-                       ("ttft_p50_ms", "TTFT p50")):
-        right.plot(offered, [lv[key] for lv in levels], "o-", label=label)
+    left.legend(fontsize=7)
     right.set_yscale("log")
     right.set_xlabel("offered req/s")
-    right.set_ylabel("ms")
-    right.legend()
+    right.set_ylabel("ms the router added to the TTFT")
+    right.legend(fontsize=7)
     save_figure(fig, plt, output_dir(args, "sim_fleet") / "capacity.png")
     return 0
+
+
+def _print_level(level: dict[str, Any]) -> None:
+    print(f"[capacity] {level['routers']} router(s), offered {level['offered_rate']:.0f}/s: "
+          f"sent {level['sent_rate']:.1f}/s, achieved {level['achieved_rate']:.1f}/s, failures "
+          f"{level['failures']}, TTFT p50/p99 {level['ttft_p50_ms']:.1f}/"
+          f"{level['ttft_p99_ms']:.1f} ms, router added p50/p99 "
+          f"{level['router_added_p50_ms']:.2f}/{level['router_added_p99_ms']:.2f} ms, router "
+          f"CPU {level['router_cpu_cores']:.2f} cores", flush=True)
 
 
 # ---- KV-aware routing on the Mooncake trace ------------------------------------------------
@@ -349,7 +397,7 @@ def chaos(args: argparse.Namespace) -> int:
         capacity_rate = args.capacity_rate
         if capacity_rate is None:
             probe = _level(fleet, argparse.Namespace(**{**vars(args), "duration_s": 20.0}),
-                           1000.0, fleet.processes()["router"], args.seed + 1)
+                           1000.0, [fleet.processes()["router"]], args.seed + 1)
             capacity_rate = probe["achieved_rate"]
         rate = args.load * capacity_rate
         print(f"[chaos] capacity {capacity_rate:.1f} req/s; load {rate:.1f} req/s for "

@@ -52,6 +52,8 @@ class Fleet:
     ready_s: float = 0.0
     """Seconds from the launch to `pdserve up`'s ready line."""
     model: str = ""
+    """The served model's name."""
+    model_dir: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -67,7 +69,8 @@ class Fleet:
         with open(log, "wb") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                        start_new_session=True)
-        fleet = cls(process, f"http://127.0.0.1:{port}", log, started)
+        fleet = cls(process, f"http://127.0.0.1:{port}", log, started,
+                    model_dir=str(model_dir))
         while time.monotonic() - started < timeout_s:
             if process.poll() is not None:
                 raise RuntimeError(f"pdserve up exited ({process.returncode}): see {log}")
@@ -199,3 +202,27 @@ def _read(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def start_etcd(work_dir: Path, client_port: int) -> tuple[subprocess.Popen, str]:
+    """One etcd member (from PATH) on loopback; (its process, the discovery URL)."""
+    etcd = shutil.which("etcd")
+    if etcd is None:
+        raise RuntimeError("etcd is not on PATH (Debian: apt-get install etcd-server)")
+    endpoint = f"http://127.0.0.1:{client_port}"
+    peer = f"http://127.0.0.1:{client_port + 1}"
+    process = server_process.start(
+        [etcd, "--data-dir", str(work_dir / "etcd"), "--listen-client-urls", endpoint,
+         "--advertise-client-urls", endpoint, "--listen-peer-urls", peer,
+         "--initial-advertise-peer-urls", peer, "--initial-cluster", f"default={peer}"],
+        work_dir / "etcd.log", f"{endpoint}/health", timeout_s=30)
+    return process, f"etcd://127.0.0.1:{client_port}/simfleet"
+
+
+def start_router(fleet: Fleet, discovery: str, key: Path, port: int, log: Path
+                 ) -> subprocess.Popen:
+    """A second router beside `pdserve up`'s, finding the same fleet through etcd."""
+    command = [sys.executable, "-m", "pdserve.app.cli", "router", "--model",
+               fleet.model_dir, "--port", str(port), "--discovery", discovery]
+    return server_process.start(command, log, f"http://127.0.0.1:{port}/health",
+                                timeout_s=120, env={"PDSERVE_CLUSTER_KEY_FILE": str(key)})

@@ -99,12 +99,16 @@ def run_client(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_load(base_url: str, model: str, rate: float, duration_s: float, out_dir: Path,
-             num_clients: int, seed: int = 0, prompt_words: int = 48, max_tokens: int = 16,
-             prompts: Path | None = None, each_once: bool = False) -> dict[str, Any]:
-    """`num_clients` client processes at rate / num_clients each; their reports merged."""
+def run_load(base_url: str | list[str], model: str, rate: float, duration_s: float,
+             out_dir: Path, num_clients: int, seed: int = 0, prompt_words: int = 48,
+             max_tokens: int = 16, prompts: Path | None = None,
+             each_once: bool = False) -> dict[str, Any]:
+    """`num_clients` client processes at rate / num_clients each (over the routers of
+    `base_url`, in turn); their reports merged."""
+    urls = [base_url] if isinstance(base_url, str) else base_url
     procs = []
     for k in range(num_clients):
+        base_url = urls[k % len(urls)]
         out = out_dir / f"client-{seed}-{k}.json"
         argv = [sys.executable, "-m", "benchmarks.sim_fleet", "client", "--base-url", base_url,
                 "--model", model, "--rate", str(rate / num_clients), "--duration-s",

@@ -17,12 +17,14 @@ from pdserve.lifecycle import parent_death_preexec
 
 
 def start(command: list[str], log: Path, ready_url: str, timeout_s: float,
-          poll_s: float = 0.5) -> subprocess.Popen:
-    """Run `command` (its output to `log`) and wait until `ready_url` answers 200; stopped
-    again and RuntimeError (naming the log) when it exits or is not ready in `timeout_s`."""
+          poll_s: float = 0.5, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Run `command` (its output to `log`; `env` added to this process's environment) and
+    wait until `ready_url` answers 200; stopped again and RuntimeError (naming the log) when
+    it exits or is not ready in `timeout_s`."""
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True,
+                                   env={**os.environ, **env} if env else None,
                                    preexec_fn=parent_death_preexec(os.getpid()))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
