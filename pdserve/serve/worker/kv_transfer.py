@@ -88,6 +88,7 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
             lease_ttl_s=config.kv_lease_ttl_s, transport_name=choice.transport,
             handoff_node=node, shm=choice.shm, on_staged=on_staged if choice.follow else None)
         transfer.attach_host_tier(getattr(engine, "kv_offload", None))
+        transfer.saves_answers = config.save_answers
         return transfer
     except Exception as exc:  # the KV cache is a cache: serve by recomputing
         logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
@@ -149,7 +150,11 @@ class KVTransfer:
                         "layerwise_save_count": 0.0, "in_place_count": 0.0,
                         "followed_count": 0.0, "pulled_count": 0.0, "store_hit_tokens": 0.0,
                         "store_read_bytes": 0.0, "handoff_bytes": 0.0,
-                        "handoff_reused_bytes": 0.0}
+                        "handoff_reused_bytes": 0.0, "answer_saved_blocks": 0.0,
+                        "answer_dropped_blocks": 0.0}
+        self.saves_answers = True
+        """A decode worker writes a finished answer's blocks through to the fleet store
+        (save_answer; `--save-answers`)."""
         self.offload: KVOffload | None = None
         """The engine's host tier (pdserve/serve/engine/kv_tiers.py), whose evictions this writes
         down to the store and whose cost rule it asks (make_kv_transfer sets it)."""
@@ -368,6 +373,35 @@ class KVTransfer:
         self._save_keys[request.request_id] = keys
         self._started_s["save", request.request_id] = time.monotonic()
         self._totals["saved_bytes"] += sum(t.nbytes for t in staged)
+
+    # ---- decode side: a finished answer, for the next turn ----------------------------------
+    def save_answer(self, request: Request, block_ids: list[int], block_keys: list[bytes]
+                    ) -> None:
+        """Role hook (decode), called before a finished request's blocks are freed: its full
+        blocks past the prompt's (the answer's, chained on the prompt's keys) go through to
+        the fleet store, so the prefill worker of the conversation's next turn, whose prompt
+        holds this answer, finds them with its store lookup (store_prefix_keys). The prompt's
+        own full blocks are there already (the prefill's write-back). The blocks are copied
+        here, on the engine's thread, and put on the connector's fill thread; nothing is
+        pinned. Off without a store, without prefix caching, or with `saves_answers` False."""
+        bm = self.block_manager
+        first = len(request.prompt_token_ids) // bm.block_size
+        if (not self.saves_answers or self.connector.backend is None
+                or not bm.enable_prefix_caching or len(block_keys) <= first):
+            return
+        keys = list(block_keys[first:])
+        try:
+            layers = self.runner.read_kv_blocks(list(block_ids[first:len(block_keys)]))
+            # per layer [P, n, bs, H, D] -> per block [num_layers, P, bs, H, D]
+            blocks = list(torch.stack(layers).permute(2, 0, 1, 3, 4, 5).unbind(0))
+        except Exception as exc:  # never let a cache copy fail a request
+            logger.warning("reading the answer of %s failed: %s", request.request_id, exc)
+            self._totals["answer_dropped_blocks"] += len(keys)
+            return
+        if self.connector.write_down(keys, blocks):
+            self._totals["answer_saved_blocks"] += len(keys)
+        else:  # MAX_WRITE_DOWNS queued: the store is behind, this answer is recomputed
+            self._totals["answer_dropped_blocks"] += len(keys)
 
     # ---- decode side -----------------------------------------------------------------------
     def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0,
