@@ -9,6 +9,8 @@ engine's (the loaded KV is right), and every block, lease and pin ends free."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 from helpers.engine_util import run_to_completion, token_ids
 from helpers.handoff_util import BLOCK, drive, make_engine
@@ -21,7 +23,7 @@ from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import GenerateRequest, Output
-from pdserve.serve.worker.gateway import RequestGateway
+from pdserve.serve.worker.gateway import ANSWER_HOLD_S, RequestGateway
 from pdserve.serve.worker.kv_transfer import KVTransfer
 
 ANSWER = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -34,17 +36,33 @@ def connect(address: str) -> StoreClient:
     return StoreClient(address, timeout_s=3.0, holder="test", shm=False)
 
 
+class GatedPuts:
+    """The store, whose puts wait until `gate` is set (a store that stopped answering)."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store, self.gate = store, threading.Event()
+
+    def put_many(self, keys, blocks):
+        self.gate.wait(30)
+        return self.store.put_many(keys, blocks)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
 @contextlib.contextmanager
-def workers(llama_dir, store: TieredStore):
-    """(prefill, decode, the prefill's node): `pdserve up`'s 1P+1D over one fleet store."""
+def workers(llama_dir, store: TieredStore, decode_store=None):
+    """(prefill, decode, the prefill's node): `pdserve up`'s 1P+1D over one fleet store
+    (`decode_store`: decode's client of it, if not the store itself)."""
     engines = [make_engine(llama_dir), make_engine(llama_dir)]
     node = HandoffNode("prefill-p", "127.0.0.1", 32, 30.0, 5.0)
     transfers = []
-    for engine, name in zip(engines, ("node", "store"), strict=True):
+    for engine, name, backend in zip(engines, ("node", "store"), (store, decode_store or store),
+                                     strict=True):
         layout = engine.spec.kv_layout(BLOCK)
-        transport = make_transport(name, store, connect, node if name == "node" else None)
+        transport = make_transport(name, backend, connect, node if name == "node" else None)
         transfers.append(KVTransfer(engine.runner, engine.block_manager, HandoffConnector(
-            store, layout, timeout_s=5.0, lease_ttl_s=30.0, transport=transport)))
+            backend, layout, timeout_s=5.0, lease_ttl_s=30.0, transport=transport)))
     try:
         yield (RequestGateway(engines[0], "prefill", "p", transfers[0]),
                RequestGateway(engines[1], "decode", "d", transfers[1]), node)
@@ -129,4 +147,28 @@ def test_an_aborted_answer_or_the_flag_off_writes_nothing(llama_dir):
         decode.abort("gone")  # the client went away mid-answer
         drive([prefill, decode], lambda outs: not decode.is_busy and not prefill.is_busy)
         assert decode.kv_transfer.totals()["answer_saved_blocks"] == 0
+        assert_all_free(store, node, prefill, decode)
+
+
+def test_a_stuck_store_delays_the_last_token_by_the_hold_at_most(llama_dir):
+    store = TieredStore.build(dram_capacity_blocks=64)
+    stuck = GatedPuts(store)
+    with workers(llama_dir, store, stuck) as (prefill, decode, node):
+        prefill.add(GenerateRequest("r", PROMPT, ANSWER))
+        [first] = [o for o in drive([prefill, decode], lambda outs: any(
+            o.finish_reason == "handoff" for o in outs)) if o.finish_reason == "handoff"]
+        decode.add(GenerateRequest("r", PROMPT, ANSWER, handoff=first.handoff))
+        drive([prefill, decode], lambda outs: decode.engine.has_unfinished_requests())
+        outputs = []
+        while decode.engine.has_unfinished_requests():
+            outputs += [w for d in decode.engine.step() if (w := decode.to_wire(d)) is not None]
+        assert not any(o.finish_reason for o in outputs)  # the last one is held: the put
+        assert decode.kv_transfer.is_saving_answer("r")
+        held_s = time.monotonic()
+        [last] = drive([decode], lambda outs: bool(outs))
+        assert last.finish_reason == "length" and time.monotonic() - held_s >= ANSWER_HOLD_S
+        assert decode.kv_transfer.is_saving_answer("r")  # still stuck, and counted later
+        stuck.gate.set()
+        drive([prefill, decode], lambda outs: not decode.kv_transfer.num_in_flight)
+        assert decode.kv_transfer.totals()["answer_saved_blocks"] == NUM_ANSWER_BLOCKS
         assert_all_free(store, node, prefill, decode)

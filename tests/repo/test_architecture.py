@@ -126,6 +126,9 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # standbys): its leak check reads the store's own counters, and the offline engine gives the
     # greedy streams' reference text
     "benchmarks.chaos_soak": ("pdserve.kvstore", "pdserve.serve", "pdserve.app.launcher"),
+    # reads the served default model's tokenizer (the generated ids of an answer, and the
+    # ids its text re-tokenizes to), from where the default model is cached
+    "benchmarks.chat_reuse": ("pdserve.serve.default_model",),
     # the offline studies' shared model is built with the default model's builder
     "pdserve.benchmarks.offline": ("pdserve.serve.default_model",),
     # arithmetic only: the communication model of a layout (no engine runs)

@@ -108,7 +108,7 @@ class PendingLoad:
 @dataclass
 class TransferDone:
     request_id: str
-    kind: str  # "save" | "load"
+    kind: str  # "save" | "load" | "answer" (save_answer's put)
     ok: bool
     keys: list[bytes]
     staging: list[torch.Tensor] | None = None
@@ -142,6 +142,7 @@ class KVTransfer:
         self.connector = connector
         self._save_keys: dict[str, list[bytes]] = {}
         self._loads: dict[str, tuple[list[bytes], PendingLoad]] = {}
+        self._answers: dict[str, list[bytes]] = {}  # request id -> keys of its answer's put
         self._failed: list[TransferDone] = []
         self._started_s: dict[tuple[str, str], float] = {}
         self._layer_save_s: dict[str, float] = {}  # request id -> seconds in layer_done
@@ -382,8 +383,10 @@ class KVTransfer:
         the fleet store, so the prefill worker of the conversation's next turn, whose prompt
         holds this answer, finds them with its store lookup (store_prefix_keys). The prompt's
         own full blocks are there already (the prefill's write-back). The blocks are copied
-        here, on the engine's thread, and put on the connector's fill thread; nothing is
-        pinned. Off without a store, without prefix caching, or with `saves_answers` False."""
+        here, on the engine's thread, and put on the connector's job thread, not at nice 19:
+        the gateway holds the request's last Output until they are in (a client's next turn
+        follows at once, and would miss them), ANSWER_HOLD_S at most. Nothing is pinned. Off
+        without a store, without prefix caching, or with `saves_answers` False."""
         bm = self.block_manager
         first = len(request.prompt_token_ids) // bm.block_size
         if (not self.saves_answers or self.connector.backend is None
@@ -398,10 +401,13 @@ class KVTransfer:
             logger.warning("reading the answer of %s failed: %s", request.request_id, exc)
             self._totals["answer_dropped_blocks"] += len(keys)
             return
-        if self.connector.write_down(keys, blocks):
-            self._totals["answer_saved_blocks"] += len(keys)
-        else:  # MAX_WRITE_DOWNS queued: the store is behind, this answer is recomputed
-            self._totals["answer_dropped_blocks"] += len(keys)
+        self._answers[request.request_id] = keys
+        self.connector.put_blocks(request.request_id, keys, blocks)
+
+    def is_saving_answer(self, request_id: str) -> bool:
+        """The request's answer is on its way to the store (save_answer): poll() reports an
+        "answer" TransferDone once it is there, or failed."""
+        return request_id in self._answers
 
     # ---- decode side -----------------------------------------------------------------------
     def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0,
@@ -517,6 +523,14 @@ class KVTransfer:
             seconds = time.monotonic() - started_s
             self._totals[f"{result.kind}_seconds"] += seconds
             self._totals[f"{result.kind}_count"] += 1
+        if result.kind == "put":  # an answer (save_answer)
+            keys = self._answers.pop(result.request_id, None)
+            if keys is None:  # forgotten meanwhile
+                return None
+            self._totals["answer_saved_blocks"] += result.num_blocks
+            self._totals["answer_dropped_blocks"] += len(keys) - result.num_blocks
+            ok = result.error is None and result.num_blocks == len(keys)
+            return TransferDone(result.request_id, "answer", ok, keys)
         if result.kind == "save":
             keys = self._save_keys.pop(result.request_id, None)
             if keys is None:  # aborted meanwhile: nobody will load these blocks
@@ -549,6 +563,7 @@ class KVTransfer:
     def forget(self, request_id: str) -> None:
         """The request was aborted: drop its transfers' results when they come."""
         self._save_keys.pop(request_id, None)
+        self._answers.pop(request_id, None)
         entry = self._loads.pop(request_id, None)
         if entry is not None:
             self.release(entry[1].lease_id, entry[1].source)
@@ -558,7 +573,7 @@ class KVTransfer:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._save_keys) + len(self._loads)
+        return len(self._save_keys) + len(self._loads) + len(self._answers)
 
     def close(self) -> None:
         self.connector.close()
