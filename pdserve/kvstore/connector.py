@@ -78,9 +78,9 @@ class TransferResult:
     """A finished load or save, as poll() reports it."""
 
     request_id: str
-    kind: str  # "load" | "save"
+    kind: str  # "load" | "save" | "put"
     num_blocks: int
-    """Leading blocks placed in the pool (load) or stored (save)."""
+    """Leading blocks placed in the pool (load) or stored (save, put)."""
     error: str | None = None
     lease_id: int | None = None
     """Save with a lease TTL: the store lease pinning the saved blocks (release it, or it
@@ -243,6 +243,29 @@ class StoreConnector:
 
         self._fills.put(job)
         return True
+
+    def put_blocks(self, request_id: str, keys: Sequence[bytes],
+                   blocks: Sequence[torch.Tensor]) -> None:
+        """Put whole blocks (the store's format, owned by this call) into the fleet store on
+        the job thread, for a caller that waits for them: poll() reports a TransferResult of
+        kind "put" (the leading blocks stored). Unlike write_down, never refused."""
+        keys = list(keys)
+        payload = [block.contiguous().view(-1).view(torch.uint8).numpy() for block in blocks]
+
+        def job() -> None:
+            num_stored, error = 0, None
+            try:
+                if self.backend is None:
+                    raise RuntimeError("no store to put to")
+                stored = self.backend.put_many(keys, payload)
+                num_stored = next((i for i, ok in enumerate(stored) if not ok), len(stored))
+            except Exception as e:  # a lost put only costs a future recompute
+                error = repr(e)
+            with self._lock:
+                self._results.append(TransferResult(request_id, "put", num_stored, error))
+            self._wake()
+
+        self._jobs.put(job)
 
     # ---- load -------------------------------------------------------------------------------
     def start_load(self, request_id: str, keys: Sequence[bytes], block_ids: Sequence[int],

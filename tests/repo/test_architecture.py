@@ -131,6 +131,9 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # chaos run's leak check reads the store's own counters (as chaos_soak's)
     "benchmarks.sim_fleet.fleet": ("pdserve.serve.default_model",),
     "benchmarks.sim_fleet.experiments": ("pdserve.kvstore",),
+    # reads the served default model's tokenizer (the generated ids of an answer, and the
+    # ids its text re-tokenizes to), from where the default model is cached
+    "benchmarks.chat_reuse": ("pdserve.serve.default_model",),
     # the offline studies' shared model is built with the default model's builder
     "pdserve.benchmarks.offline": ("pdserve.serve.default_model",),
     # arithmetic only: the communication model of a layout (no engine runs)

@@ -474,6 +474,10 @@ class Engine:
             handoff = KVHandoff(block_keys=block_keys,
                                 first_token_id=request.output_token_ids[0],
                                 num_output_tokens=request.num_output_tokens)
+        elif status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            # (each sequence of a fork too: its keys chain over the prompt and its own tokens)
+            block_ids, block_keys = self.block_manager.request_blocks(request)
+            self.role.on_finish(request, block_ids, block_keys)  # before the blocks are freed
         detokenizer = self._detokenizers.get(request.request_id)
         ends_text = status is not RequestStatus.FINISHED_HANDOFF
         if detokenizer is not None and ends_text and not isinstance(request.stop_reason, str):

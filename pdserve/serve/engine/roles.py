@@ -5,7 +5,9 @@
                leaves through the role's KV saver: layer by layer during the step that
                completes the prompt, or whole just before the engine frees the blocks.
     decode     a request arrives with its first token and its prompt's KV (or recomputes
-               the prompt); nothing special happens at its end.
+               the prompt); when it ends (stopped or at its length, not aborted) its answer's
+               full blocks go to the role's KV saver, for whichever worker prefills the next
+               turn of the conversation (the answer is in that turn's prompt).
 
 The role is stored once, here: the engine holds the policy (`Engine.role`), the worker's
 hand-off component swaps it on a role flip, and everything else asks `engine.role.name`.
@@ -36,6 +38,10 @@ class KVSaver(Protocol):
                      block_keys: list[bytes]) -> None:
         """The request handed off; its blocks are freed right after this returns."""
 
+    def save_answer(self, request: Request, block_ids: list[int],
+                    block_keys: list[bytes]) -> None:
+        """A decoded request ended; its blocks are freed right after this returns."""
+
 
 class Role:
     """Colocated behaviour; the other roles override what differs."""
@@ -54,6 +60,11 @@ class Role:
     def on_handoff(self, request: Request, block_ids: list[int], block_keys: list[bytes]
                    ) -> None:
         """A request ended at its first token; its blocks are still allocated."""
+
+    def on_finish(self, request: Request, block_ids: list[int], block_keys: list[bytes]
+                  ) -> None:
+        """A request ended here after its last token (stopped or at its length, never an
+        abort); its blocks are still allocated, `block_keys` name its computed full ones."""
 
 
 class PrefillRole(Role):
@@ -80,13 +91,23 @@ class DecodeRole(Role):
     name = "decode"
     can_flip = True
 
+    def __init__(self, saver: KVSaver | None = None) -> None:
+        self.saver = saver
+        """None: an answer's KV stays in this worker's pool and tiers only."""
+
+    def on_finish(self, request: Request, block_ids: list[int], block_keys: list[bytes]
+                  ) -> None:
+        if self.saver is not None:
+            self.saver.save_answer(request, block_ids, block_keys)
+
 
 def make_role(name: str, saver: KVSaver | None = None) -> Role:
-    """The policy for a role name; a prefill role saves through `saver` when given."""
+    """The policy for a role name; a prefill role saves its prompts through `saver` when
+    given, a decode role its answers."""
     if name == "prefill":
         return PrefillRole(saver)
     if name == "decode":
-        return DecodeRole()
+        return DecodeRole(saver)
     if name == "colocated":
         return Role()
     raise ValueError(f"role must be one of {ROLE_NAMES}, got {name!r}")

@@ -232,6 +232,11 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
                        help="decode copies each layer of a prompt as prefill stages it "
                             "(default: on; off: only once handed off; PDSERVE_HANDOFF_FOLLOW "
                             "is a deprecated alias that sets this default)")
+    group.add_argument("--save-answers", action=argparse.BooleanOptionalAction, default=True,
+                       help="decode writes a finished answer's full KV blocks through to the "
+                            "fleet store, so the prefill of a conversation's next turn (whose "
+                            "prompt holds the answer) loads them instead of recomputing them "
+                            "(default: on; needs a store)")
     group.add_argument("--handoff-dram-gb", type=float, default=HANDOFF_DRAM_GB,
                        help="host DRAM of each prefill or decode worker's own hand-off node: "
                             "prefill saves a prompt's KV there and decode workers read it "

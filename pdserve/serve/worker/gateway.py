@@ -56,6 +56,11 @@ from pdserve.serve.worker.kv_transfer import KVTransfer, TransferDone
 
 logger = logging.getLogger(__name__)
 
+ANSWER_HOLD_S = 0.2
+"""Decode: the longest a finished request's last Output waits for its answer's blocks to reach
+the store (KVTransfer.save_answer). A put to a store on the same host or network takes
+milliseconds; past this the store is slow or gone, and the last token goes out anyway."""
+
 
 def check_kv_cache_dtype(handoff: KVHandoff, mine: str) -> None:
     """Refuse a hand-off whose blocks hold another dtype than this worker's cache (an FP8
@@ -84,6 +89,8 @@ class RequestGateway:
         self.kv_transfer = kv_transfer
         self.announcer = announcer
         self._held: dict[str, RequestOutput] = {}  # prefill: hand-offs waiting for the save
+        # decode: last Outputs waiting for their answer's put, until a time.monotonic()
+        self._held_answers: dict[str, tuple[RequestOutput, float]] = {}
         self._write_backs: list[Callable[[], None] | None] = []  # started at the next poll
         # request id -> (time.monotonic() it arrived here, whether it was handed off to this
         # worker), until its first Output reports its phases
@@ -129,7 +136,8 @@ class RequestGateway:
     @property
     def is_busy(self) -> bool:
         """Something is held, loading or waiting for blocks."""
-        return bool(self._held) or self.admissions is not None and self.admissions.is_busy
+        return bool(self._held) or bool(self._held_answers) or (
+            self.admissions is not None and self.admissions.is_busy)
 
     @property
     def copy_early(self) -> bool:
@@ -229,6 +237,7 @@ class RequestGateway:
         if self.admissions is not None:
             self.admissions.drop(request_id)
         self._held.pop(request_id, None)
+        self._held_answers.pop(request_id, None)
         self._forget_arrival(request_id)
         if self.kv_transfer is not None:
             self.kv_transfer.forget(request_id)
@@ -256,9 +265,18 @@ class RequestGateway:
             kv_transfer.start_write_back(job)
         self._write_backs = []
         outputs += admissions.loaded.admit_waiting(self._forget_arrival)
+        now_s = time.monotonic()
+        for request_id, (output, deadline_s) in list(self._held_answers.items()):
+            if now_s >= deadline_s:  # the store is slow: the last token goes out anyway
+                del self._held_answers[request_id]
+                outputs.append(self._wire_output(output, [], None))
         for done in kv_transfer.poll():
             if done.kind == "save":
                 outputs += self._saved(done)
+            elif done.kind == "answer":
+                held = self._held_answers.pop(done.request_id, None)
+                if held is not None:
+                    outputs.append(self._wire_output(held[0], [], None))
             else:
                 outputs += admissions.loaded.finished(done, self._forget_arrival)
         return outputs
@@ -280,9 +298,15 @@ class RequestGateway:
     # ---- deltas out -------------------------------------------------------------------------
     def to_wire(self, output: RequestOutput) -> Output | None:
         """The Output for an engine delta; None for a prefill hand-off, which waits for its
-        save and comes out of poll()."""
-        if output.kv_handoff is not None and self.kv_transfer is not None:
+        save, and for decode's last Output while its answer goes to the store: both come
+        out of poll()."""
+        kv_transfer = self.kv_transfer
+        if output.kv_handoff is not None and kv_transfer is not None:
             self._held[output.request_id] = output
+            return None
+        if output.finished and kv_transfer is not None and kv_transfer.is_saving_answer(
+                output.request_id):  # the next turn must find the answer: see ANSWER_HOLD_S
+            self._held_answers[output.request_id] = (output, time.monotonic() + ANSWER_HOLD_S)
             return None
         return self._wire_output(output, [], None)
 

@@ -88,6 +88,7 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
             lease_ttl_s=config.kv_lease_ttl_s, transport_name=choice.transport,
             handoff_node=node, shm=choice.shm, on_staged=on_staged if choice.follow else None)
         transfer.attach_host_tier(getattr(engine, "kv_offload", None))
+        transfer.saves_answers = config.save_answers
         return transfer
     except Exception as exc:  # the KV cache is a cache: serve by recomputing
         logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
@@ -107,7 +108,7 @@ class PendingLoad:
 @dataclass
 class TransferDone:
     request_id: str
-    kind: str  # "save" | "load"
+    kind: str  # "save" | "load" | "answer" (save_answer's put)
     ok: bool
     keys: list[bytes]
     staging: list[torch.Tensor] | None = None
@@ -141,6 +142,7 @@ class KVTransfer:
         self.connector = connector
         self._save_keys: dict[str, list[bytes]] = {}
         self._loads: dict[str, tuple[list[bytes], PendingLoad]] = {}
+        self._answers: dict[str, list[bytes]] = {}  # request id -> keys of its answer's put
         self._failed: list[TransferDone] = []
         self._started_s: dict[tuple[str, str], float] = {}
         self._layer_save_s: dict[str, float] = {}  # request id -> seconds in layer_done
@@ -149,7 +151,11 @@ class KVTransfer:
                         "layerwise_save_count": 0.0, "in_place_count": 0.0,
                         "followed_count": 0.0, "pulled_count": 0.0, "store_hit_tokens": 0.0,
                         "store_read_bytes": 0.0, "handoff_bytes": 0.0,
-                        "handoff_reused_bytes": 0.0}
+                        "handoff_reused_bytes": 0.0, "answer_saved_blocks": 0.0,
+                        "answer_dropped_blocks": 0.0}
+        self.saves_answers = True
+        """A decode worker writes a finished answer's blocks through to the fleet store
+        (save_answer; `--save-answers`)."""
         self.offload: KVOffload | None = None
         """The engine's host tier (pdserve/serve/engine/kv_tiers.py), whose evictions this writes
         down to the store and whose cost rule it asks (make_kv_transfer sets it)."""
@@ -370,6 +376,40 @@ class KVTransfer:
         self._started_s["save", request.request_id] = time.monotonic()
         self._totals["saved_bytes"] += sum(t.nbytes for t in staged)
 
+    # ---- decode side: a finished answer, for the next turn ----------------------------------
+    def save_answer(self, request: Request, block_ids: list[int], block_keys: list[bytes]
+                    ) -> None:
+        """Role hook (decode), called before a finished request's blocks are freed: its full
+        blocks past the prompt's (the answer's, chained on the prompt's keys) go through to
+        the fleet store, so the prefill worker of the conversation's next turn, whose prompt
+        holds this answer, finds them with its store lookup (store_prefix_keys). The prompt's
+        own full blocks are there already (the prefill's write-back). The blocks are copied
+        here, on the engine's thread, and put on the connector's job thread, not at nice 19:
+        the gateway holds the request's last Output until they are in (a client's next turn
+        follows at once, and would miss them), ANSWER_HOLD_S at most. Nothing is pinned. Off
+        without a store, without prefix caching, or with `saves_answers` False."""
+        bm = self.block_manager
+        first = len(request.prompt_token_ids) // bm.block_size
+        if (not self.saves_answers or self.connector.backend is None
+                or not bm.enable_prefix_caching or len(block_keys) <= first):
+            return
+        keys = list(block_keys[first:])
+        try:
+            layers = self.runner.read_kv_blocks(list(block_ids[first:len(block_keys)]))
+            # per layer [P, n, bs, H, D] -> per block [num_layers, P, bs, H, D]
+            blocks = list(torch.stack(layers).permute(2, 0, 1, 3, 4, 5).unbind(0))
+        except Exception as exc:  # never let a cache copy fail a request
+            logger.warning("reading the answer of %s failed: %s", request.request_id, exc)
+            self._totals["answer_dropped_blocks"] += len(keys)
+            return
+        self._answers[request.request_id] = keys
+        self.connector.put_blocks(request.request_id, keys, blocks)
+
+    def is_saving_answer(self, request_id: str) -> bool:
+        """The request's answer is on its way to the store (save_answer): poll() reports an
+        "answer" TransferDone once it is there, or failed."""
+        return request_id in self._answers
+
     # ---- decode side -----------------------------------------------------------------------
     def start_load(self, request_id: str, keys: list[bytes], lease_id: int = 0,
                    source: str = "") -> None:
@@ -484,6 +524,14 @@ class KVTransfer:
             seconds = time.monotonic() - started_s
             self._totals[f"{result.kind}_seconds"] += seconds
             self._totals[f"{result.kind}_count"] += 1
+        if result.kind == "put":  # an answer (save_answer)
+            keys = self._answers.pop(result.request_id, None)
+            if keys is None:  # forgotten meanwhile
+                return None
+            self._totals["answer_saved_blocks"] += result.num_blocks
+            self._totals["answer_dropped_blocks"] += len(keys) - result.num_blocks
+            ok = result.error is None and result.num_blocks == len(keys)
+            return TransferDone(result.request_id, "answer", ok, keys)
         if result.kind == "save":
             keys = self._save_keys.pop(result.request_id, None)
             if keys is None:  # aborted meanwhile: nobody will load these blocks
@@ -516,6 +564,7 @@ class KVTransfer:
     def forget(self, request_id: str) -> None:
         """The request was aborted: drop its transfers' results when they come."""
         self._save_keys.pop(request_id, None)
+        self._answers.pop(request_id, None)
         entry = self._loads.pop(request_id, None)
         if entry is not None:
             self.release(entry[1].lease_id, entry[1].source)
@@ -525,7 +574,7 @@ class KVTransfer:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._save_keys) + len(self._loads)
+        return len(self._save_keys) + len(self._loads) + len(self._answers)
 
     def close(self) -> None:
         self.connector.close()

@@ -105,6 +105,9 @@ class WorkerConfig:
     handoff_follow: bool = field(default_factory=envs.handoff_follow_default)
     """A prefill announces its stagings and a decode worker copies each layer as it lands
     (default on; the deprecated PDSERVE_HANDOFF_FOLLOW sets the default)."""
+    save_answers: bool = True
+    """Decode: a finished request's answer blocks go through to the fleet store, for the
+    prefill of the conversation's next turn (KVTransfer.save_answer)."""
     discovery_ttl_s: float = discovery.DEFAULT_TTL_S  # (before the field that hides the module)
     """The registration's lease TTL: a killed worker leaves the registry this long after."""
     discovery: str | None = None
@@ -401,7 +404,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s,
         handoff_dram_gb=handoff_dram_gb, kv_handoff=args.kv_handoff,
         handoff_shm=args.handoff_shm, handoff_follow=args.handoff_follow,
-        discovery=args.discovery,
+        save_answers=args.save_answers, discovery=args.discovery,
         discovery_ttl_s=args.discovery_ttl_s,
         discovery_store_wait_s=args.discovery_store_wait_s,
         drain_timeout_s=args.drain_timeout_s,
