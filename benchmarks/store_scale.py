@@ -452,6 +452,7 @@ def run_step(cluster: Cluster, cursor: TraceCursor, rate: float, args: argparse.
                                  "p99": _percentile(v, 99)}
                           for verb, v in sorted(master_rtt.items())},
         "cpu_cores": cpu,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -474,7 +475,7 @@ def measure_index_memory(cluster: Cluster, args: argparse.Namespace, first_key: 
             cluster.ask({"verb": "fill", "first": first_key + k * step, "count": step,
                          "batch": 512})
             target = base + (k + 1) * step
-            _wait(lambda t=target: indexed() >= t, 120, "blocks not indexed")
+            _wait(lambda t=target: indexed() >= t, 600, "blocks not indexed")
             points.append((indexed(), rss_bytes(cluster.master.pid)))
             print(f"index: {points[-1][0]:>9,} blocks, master RSS "
                   f"{points[-1][1] / 2**20:7.1f} MiB ({step / (time.monotonic() - start):,.0f} "
@@ -584,7 +585,8 @@ def drive(args: argparse.Namespace) -> int:
                       f"{rtt.get('lookup_prefix', {}).get('p99') or 0:6.2f} ms, place "
                       f"{rtt.get('place', {}).get('p50') or 0:6.2f}/"
                       f"{rtt.get('place', {}).get('p99') or 0:6.2f} ms | late p99 "
-                      f"{step['late_p99_ms']:7.1f} ms | cpu {step['cpu_cores']} | errors "
+                      f"{step['late_p99_ms']:7.1f} ms | cpu {step['cpu_cores']} load "
+                      f"{step['loadavg_1m']} | errors "
                       f"{step['num_errors']}", flush=True)
             if args.index_blocks:
                 index = measure_index_memory(cluster, args, first_key=1 << 60)
