@@ -323,7 +323,7 @@ def _fill(command: dict, clients: dict, payload: np.ndarray) -> dict:
     """Put `count` fresh blocks from key `first` on, in batches, from every identity at once."""
     identities = sorted(clients)
     first, count, batch = command["first"], command["count"], command["batch"]
-    bounds = np.linspace(first, first + count, len(identities) + 1).astype(int)
+    bounds = [first + count * j // len(identities) for j in range(len(identities) + 1)]
     stored = [0] * len(identities)
 
     def run(j: int) -> None:
@@ -385,13 +385,10 @@ def serve_master(profile_out: str, interval_ms: float, store_argv: list[str]) ->
                 frame = frame.f_back
             inclusive.update(seen)
 
-    sampler = threading.Thread(target=sample, name="sampler", daemon=True)
-    sampler.start()
-    try:
-        return server.run(store_args)
-    finally:
+    def write(*_: object) -> None:  # SIGUSR1 (the sweep is over) or the end: once
+        if stop.is_set():
+            return
         stop.set()
-        sampler.join()
         busy = max(1, num_samples[0] - num_samples[1])
         Path(profile_out).write_text(json.dumps({
             "interval_ms": interval_ms, "num_samples": num_samples[0],
@@ -399,6 +396,13 @@ def serve_master(profile_out: str, interval_ms: float, store_argv: list[str]) ->
             "self": [(f, round(n / busy, 4)) for f, n in own.most_common(40)],
             "inclusive": [(f, round(n / busy, 4)) for f, n in inclusive.most_common(40)]},
             indent=1))
+
+    signal.signal(signal.SIGUSR1, write)
+    threading.Thread(target=sample, name="sampler", daemon=True).start()
+    try:
+        return server.run(store_args)
+    finally:
+        write()
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -515,6 +519,55 @@ def index_breakdown(num_blocks: int, num_nodes: int) -> dict:
             "total_bytes_per_block": round(sum(parts.values()) / num_blocks, 1)}
 
 
+def handler_cost(requests: list[tuple[float, list[int]]], num_nodes: int) -> dict:
+    """CPU microseconds the master's own code spends per verb (decode, handler, encode), in
+    process over the whole trace: the ceiling of one core, apart from sockets and the box.
+    Each node reports each request's placements in one update, as a reporter does when
+    requests are 5 ms apart."""
+    from pdserve.kvstore.master import Master, Usage
+    from pdserve.kvstore.master_service import MasterService
+    from pdserve.kvstore.service import Peer
+    from pdserve.protocol.store.base import (
+        STORE_PROTOCOL,
+        LookupPrefixRequest,
+        decode_store_message,
+    )
+    from pdserve.protocol.store.master import PlacementChange, PlaceRequest, UpdateRequest
+
+    service = MasterService(Master(node_ttl_s=10.0))
+    for i in range(num_nodes):
+        service.master.join(f"node-{i}", f"tcp://127.0.0.1:{9000 + i}", Usage(1 << 24, 0, 0))
+    peer = Peer(b"bench", [])
+    seconds: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+
+    def serve(verb: str, request) -> object:
+        raw = STORE_PROTOCOL.encode(request)
+        start = time.process_time()
+        decoded = decode_store_message(raw)
+        reply = STORE_PROTOCOL.encode(service.handlers[type(decoded)](decoded, peer).reply)
+        seconds[verb] += time.process_time() - start
+        counts[verb] += 1
+        return decode_store_message(reply)
+
+    for i, (_, ids) in enumerate(requests):
+        keys = [block_key(h) for h in ids]
+        found = serve("lookup_prefix", LookupPrefixRequest(request_id=i + 1, keys=keys))
+        new = keys[found.num_blocks:]
+        if not new:
+            continue
+        placed = serve("place", PlaceRequest(request_id=i + 1, keys=new))
+        by_node: dict[str, list[PlacementChange]] = {}
+        for k, targets in zip(new, placed.targets, strict=True):
+            for node_id in targets:
+                by_node.setdefault(node_id, []).append(PlacementChange(k, "dram"))
+        for node_id, changes in by_node.items():
+            serve("update", UpdateRequest(request_id=i + 1, node_id=node_id, changes=changes))
+    per_op = {verb: round(seconds[verb] / counts[verb] * 1e6, 1) for verb in counts}
+    return {"us_per_op": per_op, "ops": dict(counts),
+            "us_per_request": round(sum(seconds.values()) / len(requests) * 1e6, 1)}
+
+
 def plot(steps: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -588,6 +641,8 @@ def drive(args: argparse.Namespace) -> int:
                       f"{step['late_p99_ms']:7.1f} ms | cpu {step['cpu_cores']} load "
                       f"{step['loadavg_1m']} | errors "
                       f"{step['num_errors']}", flush=True)
+            if args.profile_master:  # the profile covers the sweep, not the fill below
+                cluster.master.send_signal(signal.SIGUSR1)
             if args.index_blocks:
                 index = measure_index_memory(cluster, args, first_key=1 << 60)
         finally:
@@ -607,6 +662,7 @@ def drive(args: argparse.Namespace) -> int:
         "steps": steps, "index_memory": index,
         "index_breakdown": index_breakdown(args.breakdown_blocks, args.num_nodes)
         if args.breakdown_blocks else None,
+        "handler_cost": handler_cost(requests, args.num_nodes) if args.handler_cost else None,
         "master_profile": profile, "plot": str(plot_path) if measured else None,
     }
     out.write_text(json.dumps(result, indent=1))
@@ -615,6 +671,8 @@ def drive(args: argparse.Namespace) -> int:
               f"({index['mib_per_million_blocks']:.0f} MiB per million)")
     if result["index_breakdown"]:
         print(f"in process: {result['index_breakdown']}")
+    if result["handler_cost"]:
+        print(f"master handlers in process (CPU us per op): {result['handler_cost']}")
     if profile is not None:
         print(f"master profile: idle {profile['idle_fraction']:.2f}; busy time, top (self): "
               + ", ".join(f"{f} {s:.2f}" for f, s in profile["self"][:8]))
@@ -644,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-points", type=int, default=4)
     parser.add_argument("--breakdown-blocks", type=int, default=1_000_000,
                         help="blocks of the in-process account of the index (0: skip)")
+    parser.add_argument("--no-handler-cost", dest="handler_cost", action="store_false",
+                        help="skip the in-process cost of the master's handlers")
     parser.add_argument("--profile-master", action="store_true",
                         help="sample the master's socket loop (where its CPU goes)")
     parser.add_argument("--sample-interval-ms", type=float, default=2.0)
