@@ -24,10 +24,17 @@ Groups expire after their TTL, as the node leases inside them do.
 
 The router and workers ask `lookup_prefix(keys)`: how many leading blocks of a request exist
 somewhere, and where.
+
+The index's memory. A block's holders are one tuple of (node_id, tier) pairs, sorted fastest
+tier first, and every equal tuple is one shared object (`_intern`): a fleet has few distinct
+holder sets (nodes x tiers, per replica), so a block costs its key, its slot in the index and
+its slot in its holders' key sets, not a holder map of its own (a dict per block was 184 bytes,
+about half of what a block cost). Lookups return the sorted tuples as they are.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import secrets
 import time
@@ -38,6 +45,13 @@ logger = logging.getLogger(__name__)
 
 TIER_ORDER = {"device": 0, "dram": 1, "disk": 2}
 """Holders of a block are listed fastest tier first (a read tries them in order)."""
+
+Holders = tuple[tuple[str, str], ...]
+"""A block's (node_id, tier) pairs, fastest tier first, then by node id."""
+
+
+def _holder_order(holder: tuple[str, str]) -> tuple[int, str]:
+    return TIER_ORDER.get(holder[1], len(TIER_ORDER)), holder[0]
 
 
 @dataclass
@@ -98,7 +112,14 @@ class Master:
         self.replicas = replicas
         self._clock = clock
         self._nodes: dict[str, NodeInfo] = {}
-        self._index: dict[bytes, dict[str, str]] = {}  # key -> {node_id: tier}
+        self._index: dict[bytes, Holders] = {}  # key -> its holders (an interned tuple)
+        self._interned: dict[Holders, Holders] = {}
+        """Every holders tuple the index uses, by itself. It only grows with new node ids
+        and tiers (a few hundred tuples for a fleet), never with blocks."""
+        self._with: dict[tuple[Holders, str, str], Holders] = {}
+        self._without: dict[tuple[Holders, str], Holders] = {}
+        """(holders, node, tier) -> holders with it; (holders, node) -> holders without it:
+        an update costs dict lookups, not a sort and an intern."""
         self._lease_groups: dict[int, LeaseGroup] = {}
         self._copies: dict[str, list[tuple[bytes, str]]] = {}
         """Re-replication: source node -> (key, target node) copies it is to make, handed
@@ -141,11 +162,7 @@ class Master:
             return
         self._copies.pop(node_id, None)
         for key in node.keys:
-            holders = self._index.get(key)
-            if holders is not None:
-                holders.pop(node_id, None)
-                if not holders:
-                    del self._index[key]
+            self._drop_holder(key, node_id)
         num_copies = self._plan_copies(node.keys)
         logger.info("master: node %s left (%d blocks forgotten; %d copies to make, back to "
                     "%d replicas)", node_id, len(node.keys), num_copies, self.replicas)
@@ -176,7 +193,7 @@ class Master:
         taken: list[tuple[bytes, str]] = []
         while queue and len(taken) < limit:
             key, target = queue.pop(0)
-            holders = self._index.get(key, {})
+            holders = {holder for holder, _ in self._index.get(key, ())}
             if (target in self._nodes and target not in holders and node_id in holders
                     and len(holders) < self.replicas):
                 taken.append((key, self._nodes[target].address))
@@ -239,22 +256,40 @@ class Master:
         if node is None:
             return False
         node.last_seen_s = self._clock()  # a report is a sign of life too
+        index, node_keys = self._index, node.keys
         for key, tier in changes:
             if tier is None:
-                node.keys.discard(key)
-                holders = self._index.get(key)
-                if holders is not None:
-                    holders.pop(node_id, None)
-                    if not holders:
-                        del self._index[key]
+                node_keys.discard(key)
+                self._drop_holder(key, node_id)
             else:
-                node.keys.add(key)
-                self._index.setdefault(key, {})[node_id] = tier
+                node_keys.add(key)
+                holders = index.get(key, ())
+                changed = self._with.get((holders, node_id, tier))
+                if changed is None:
+                    changed = self._with[(holders, node_id, tier)] = self._intern(
+                        tuple(sorted([*(h for h in holders if h[0] != node_id),
+                                      (node_id, tier)], key=_holder_order)))
+                index[key] = changed
         return True
 
+    def _drop_holder(self, key: bytes, node_id: str) -> None:
+        holders = self._index.get(key)
+        if holders is None:
+            return
+        changed = self._without.get((holders, node_id))
+        if changed is None:
+            changed = self._without[(holders, node_id)] = self._intern(
+                tuple(h for h in holders if h[0] != node_id))
+        if changed:
+            self._index[key] = changed
+        else:
+            del self._index[key]
+
+    def _intern(self, holders: Holders) -> Holders:
+        return self._interned.setdefault(holders, holders)
+
     def _holders(self, key: bytes) -> list[tuple[str, str]]:
-        found = self._index.get(key) or {}
-        return sorted(found.items(), key=lambda h: (TIER_ORDER.get(h[1], len(TIER_ORDER)), h[0]))
+        return list(self._index.get(key, ()))
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
         holders: list[list[tuple[str, str]]] = []
@@ -282,18 +317,23 @@ class Master:
         targets: list[list[str]] = []
         held: list[bool] = []
         seen: set[bytes] = set()
-        nodes = list(self._nodes.values())
+        # The nodes by (fill, placements in flight, id), least full first: a key takes the
+        # first `replicas` and puts them back with their new fill (log n a key, not a sort).
+        # Ids are unique, so the NodeInfo last in each entry is never compared.
+        order = [(n.fill(), n.num_placed, n.node_id, n) for n in self._nodes.values()]
+        heapq.heapify(order)
+        num_chosen = min(self.replicas, len(order))
         for key in keys:
             is_held = key in self._index
             held.append(is_held)
-            if is_held or key in seen or not nodes:
+            if is_held or key in seen or not order:
                 targets.append([])
                 continue
             seen.add(key)
-            chosen = sorted(nodes, key=lambda n: (n.fill(), n.num_placed, n.node_id))
-            chosen = chosen[:self.replicas]
+            chosen = [heapq.heappop(order)[3] for _ in range(num_chosen)]
             for node in chosen:
                 node.num_placed += 1
+                heapq.heappush(order, (node.fill(), node.num_placed, node.node_id, node))
             targets.append([node.node_id for node in chosen])
         named = {node_id for ts in targets for node_id in ts}
         return targets, held, self._addresses(named)
@@ -342,9 +382,14 @@ class Master:
     def check_integrity(self) -> None:
         """The index and the per-node key sets describe the same placements."""
         from_nodes = {(k, n.node_id) for n in self._nodes.values() for k in n.keys}
-        from_index = {(k, node_id) for k, holders in self._index.items() for node_id in holders}
+        from_index = {(k, node_id) for k, holders in self._index.items()
+                      for node_id, _ in holders}
         if from_nodes != from_index:
             raise AssertionError(
                 f"master index out of sync: {len(from_nodes ^ from_index)} placements differ")
         if any(not holders for holders in self._index.values()):
             raise AssertionError("master index has a key with no holder")
+        if any(self._interned.get(holders) is not holders or
+               list(holders) != sorted(holders, key=_holder_order)
+               for holders in self._index.values()):
+            raise AssertionError("master index has holders not interned or out of order")

@@ -72,6 +72,9 @@ class MasterService:
         self._lock = threading.Lock()  # the Master, against record_local from data threads
         self._local_node_id: str | None = None
         self._local_usage: Callable[[], Usage] | None = None
+        self._wire: dict[tuple[str, str], BlockHolder] = {}
+        """(node_id, tier) -> its BlockHolder: a reply names the same few holders for every
+        block, and a frozen message can be shared rather than built (and checked) per block."""
         self.handlers = {
             JoinRequest: self.join, HeartbeatRequest: self.heartbeat, LeaveRequest: self.leave,
             UpdateRequest: self.update, LookupPrefixRequest: self.lookup_prefix,
@@ -145,12 +148,12 @@ class MasterService:
         with self._lock:
             found = self.master.lookup_prefix(request.keys)
         return Answer(LookupPrefixReply(request.request_id, found.num_blocks,
-                                        _wire_holders(found.holders), found.addresses))
+                                        self._wire_holders(found.holders), found.addresses))
 
     def locate(self, request: LocateRequest, peer: Peer) -> Answer:
         with self._lock:
             holders, addresses = self.master.locate(request.keys)
-        return Answer(LocateReply(request.request_id, _wire_holders(holders), addresses))
+        return Answer(LocateReply(request.request_id, self._wire_holders(holders), addresses))
 
     def place(self, request: PlaceRequest, peer: Peer) -> Answer:
         with self._lock:
@@ -186,6 +189,15 @@ class MasterService:
     def check(self, request: CheckRequest, peer: Peer) -> Answer:
         return answer_check(request, self.check_integrity)
 
-
-def _wire_holders(holders: list[list[tuple[str, str]]]) -> list[list[BlockHolder]]:
-    return [[BlockHolder(node_id, tier) for node_id, tier in hs] for hs in holders]
+    def _wire_holders(self, holders: list[list[tuple[str, str]]]) -> list[list[BlockHolder]]:
+        wire = self._wire
+        out = []
+        for hs in holders:
+            row = []
+            for holder in hs:
+                message = wire.get(holder)
+                if message is None:
+                    message = wire[holder] = BlockHolder(*holder)
+                row.append(message)
+            out.append(row)
+        return out

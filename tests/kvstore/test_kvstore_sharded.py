@@ -88,6 +88,54 @@ def test_placement_spreads_by_fill_deterministically_with_distinct_replicas():
     assert two.place([key(9)])[0] == [[]]  # no live node: nothing to write to
 
 
+def test_placement_takes_the_least_full_nodes_as_a_full_sort_would():
+    """place() keeps the nodes in a heap; the reference sorts every node for every key."""
+    rng = np.random.default_rng(7)
+    for replicas in (1, 2, 3):
+        nodes = {f"n{i}": [int(rng.integers(1, 64)), 0] for i in range(9)}  # capacity, held
+        master = Master(node_ttl_s=10, clock=FakeClock(), replicas=replicas)
+        for name, (capacity, _) in nodes.items():
+            held = int(rng.integers(0, capacity))
+            nodes[name][1] = held
+            master.join(name, f"tcp://{name}", Usage(capacity, held, 0))
+        placed = dict.fromkeys(nodes, 0)
+        expected = []
+        for _ in range(200):
+            order = sorted(nodes, key=lambda n: ((nodes[n][1] + placed[n]) / nodes[n][0],
+                                                 placed[n], n))
+            expected.append(order[:replicas])
+            for name in order[:replicas]:
+                placed[name] += 1
+        targets, _, _ = master.place([key(i) for i in range(200)])
+        assert targets == expected
+
+
+def test_an_indexed_block_costs_its_slots_not_a_holder_map():
+    """A million blocks are a few hundred MiB of master RSS: each block's holders must be a
+    shared object (a dict per block alone was 184 bytes)."""
+    import tracemalloc
+
+    master = Master(node_ttl_s=10, clock=FakeClock())
+    for name in ("a", "b"):
+        master.join(name, f"tcp://{name}", Usage(1 << 20, 0, 0))
+    keys = [key(i) for i in range(20_000)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    master.update("a", [(k, "dram") for k in keys[::2]])
+    master.update("b", [(k, "dram") for k in keys[1::2]])
+    master.update("a", [(k, "disk") for k in keys[:100:2]])  # tier changes, another holder
+    master.update("b", [(k, "disk") for k in keys[:100:2]])
+    per_block = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
+    tracemalloc.stop()
+    assert per_block < 160, f"{per_block:.0f} bytes per indexed block"
+    assert master.locate([keys[0], keys[1]])[0] == [[("a", "disk"), ("b", "disk")],
+                                                   [("b", "dram")]]
+    master.update("a", [(keys[0], None)])
+    master.leave("b")
+    assert master.locate([keys[0], keys[1], keys[200]])[0] == [[], [], [("a", "dram")]]
+    master.check_integrity()
+
+
 def test_holders_lease_groups_and_per_node_stats():
     clock = FakeClock()
     master = Master(node_ttl_s=10, clock=clock, replicas=2)

@@ -111,6 +111,9 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the store's tiers, put/get over data nodes, the UCX data plane (and a hand-off node's)
     "benchmarks.store_replay": ("pdserve.kvstore",),
     "benchmarks.store_sharded": ("pdserve.kvstore",),
+    # the master at fleet scale: worker FleetClients, its server's run() under a sampler, and
+    # an in-process Master for where the index's bytes go
+    "benchmarks.store_scale": ("pdserve.kvstore",),
     "benchmarks.kv_transfer": ("pdserve.kvstore", "pdserve.handoff"),
     "benchmarks.kernels.bench_attention": ("pdserve.kernels",),
     # runs the router's own goodput simulator on what the router's /status published
