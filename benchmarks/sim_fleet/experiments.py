@@ -20,7 +20,9 @@ import httpx
 
 from benchmarks.sim_fleet.fleet import (
     Fleet,
+    box_busy_seconds,
     cpu_seconds,
+    group_cpu_seconds,
     histogram,
     histogram_quantile,
     kill,
@@ -168,11 +170,18 @@ def _level(fleet: Fleet, args: argparse.Namespace, rate: float, router_pids: lis
                 for url in urls]
 
     before = [counts for _, counts in scrape()]  # no lines before a router's first request
+    processes = fleet.processes()
+    groups_before, box_before = group_cpu_seconds(processes), box_busy_seconds()
     cpu_before, wall_before = sum(map(cpu_seconds, router_pids)), time.monotonic()
     load = run_load(urls, fleet.model, rate, args.duration_s, output_dir(args, "sim_fleet"),
                     max(args.clients, len(urls)), seed=seed)
     wall = time.monotonic() - wall_before
     router_cpu = (sum(map(cpu_seconds, router_pids)) - cpu_before) / wall
+    # Where the host's cores went over the level: the fleet's groups, and the rest (the load
+    # clients, the second router, anything else on the host).
+    groups_after = group_cpu_seconds(processes)
+    cpu = {name: (groups_after[name] - groups_before[name]) / wall for name in groups_after}
+    cpu["rest"] = (box_busy_seconds() - box_before) / wall - sum(cpu.values())
     scraped = scrape()
     bounds = scraped[0][0]
     after = [sum(column) for column in zip(*(c for _, c in scraped), strict=True)]
@@ -192,7 +201,7 @@ def _level(fleet: Fleet, args: argparse.Namespace, rate: float, router_pids: lis
             "ttft_p99_ms": 1000 * _percentile([r["ttft_s"] for r in ok], 0.99),
             "router_added_p50_ms": 1000 * histogram_quantile(bounds, before, after, 0.5),
             "router_added_p99_ms": 1000 * histogram_quantile(bounds, before, after, 0.99),
-            "router_cpu_cores": router_cpu}
+            "router_cpu_cores": router_cpu, "cpu_cores": cpu}
 
 
 def capacity(args: argparse.Namespace) -> int:
@@ -261,7 +270,8 @@ def _print_level(level: dict[str, Any]) -> None:
           f"{level['failures']}, TTFT p50/p99 {level['ttft_p50_ms']:.1f}/"
           f"{level['ttft_p99_ms']:.1f} ms, router added p50/p99 "
           f"{level['router_added_p50_ms']:.2f}/{level['router_added_p99_ms']:.2f} ms, router "
-          f"CPU {level['router_cpu_cores']:.2f} cores", flush=True)
+          f"CPU {level['router_cpu_cores']:.2f} cores; host cores: " + ", ".join(
+              f"{name} {cores:.2f}" for name, cores in level["cpu_cores"].items()), flush=True)
 
 
 # ---- KV-aware routing on the Mooncake trace ------------------------------------------------

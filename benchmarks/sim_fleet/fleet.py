@@ -149,6 +149,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def box_busy_seconds() -> float:
+    """CPU seconds every core of the host spent busy so far (/proc/stat: all but idle and
+    iowait), whoever spent them."""
+    fields = [int(v) for v in _read("/proc/stat").splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of a fleet's process groups: the router, the store, and the
+    workers (with their children: a worker's UCX address prober)."""
+    totals = {"router": 0.0, "store": 0.0, "workers": 0.0}
+    for name, pid in processes.items():
+        group = name if name in ("router", "store") else "workers"
+        totals[group] += sum(map(cpu_seconds, [pid, *_children(pid)]))
+    return totals
+
+
 def histogram(text: str, name: str) -> tuple[list[float], list[float]]:
     """(bucket upper bounds, cumulative counts) of an unlabelled Prometheus histogram."""
     bounds, counts = [], []

@@ -82,14 +82,20 @@ def test_prefill_bound_load_flips_a_decode_worker(cluster, llama_dir):
     # Same greedy tokens after the flip; concurrent fresh prompts reach the new prefill worker.
     assert [_complete(base, p, 8) for p in probes] == before
     queries_before = _prefix_queries(base).get(flipped, 0.0)
-    fresh = [[rng.randrange(3, 1000) for _ in range(300)] for _ in range(6)]
-    with ThreadPoolExecutor(6) as pool:
-        outputs = list(pool.map(lambda p: _complete(base, p, 4), fresh))
-    assert all(n == 4 for _, n in outputs)
-    deadline = time.monotonic() + 10
-    while _prefix_queries(base).get(flipped, 0.0) <= queries_before:
-        assert time.monotonic() < deadline, "the flipped worker served no prompt"
-        time.sleep(0.5)
+    for _ in range(3):  # a round at a time: a busy box may serve one round on one worker
+        fresh = [[rng.randrange(3, 1000) for _ in range(300)] for _ in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            outputs = list(pool.map(lambda p: _complete(base, p, 4), fresh))
+        assert all(n == 4 for _, n in outputs)
+        deadline = time.monotonic() + 5
+        while (_prefix_queries(base).get(flipped, 0.0) <= queries_before
+               and time.monotonic() < deadline):
+            time.sleep(0.5)
+        if _prefix_queries(base).get(flipped, 0.0) > queries_before:
+            break
+    assert _prefix_queries(base).get(flipped, 0.0) > queries_before, (
+        "the flipped worker served no prompt", queries_before, _prefix_queries(base),
+        httpx.get(f"{base}/status", timeout=5).json()["workers"], cluster.log()[-4000:])
     metrics = httpx.get(f"{base}/metrics", timeout=5).text
     assert re.search(r"pdserve:controller_role_flips_total\{[^}]*\} 1\.0", metrics)
     assert re.search(r'pdserve:controller_recommended_workers\{[^}]*role="prefill"\} 2\.0',

@@ -20,6 +20,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -150,8 +151,24 @@ def missing_flags(flags: list[str], help_output: str) -> list[str]:
             if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_output)]
 
 
+@functools.cache
+def prefetch_help_texts() -> None:
+    """Every --help the docs need, two at a time (each is a Python start-up of ~1.5 s)."""
+    wanted = {("pdserve.app.cli",)}
+    for doc in DOCS:
+        for kind, words in documented_commands(doc):
+            if kind == "pdserve":
+                wanted.update(("pdserve.app.cli", name) for name in words[1].split("|")
+                              if not name.startswith("-"))
+            elif flags_of(words[1:]) and importlib.util.find_spec(words[0].split(".")[0]):
+                wanted.add((words[0],))
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda argv: help_text(*argv), sorted(wanted)))
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=DOC_IDS)
 def test_every_documented_command_and_flag_exists(doc: Path) -> None:
+    prefetch_help_texts()
     problems = []
     for kind, words in documented_commands(doc):
         shown = " ".join(words)

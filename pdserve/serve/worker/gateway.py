@@ -167,6 +167,11 @@ class RequestGateway:
                                             or admissions.leases)) or (
             kv_transfer is not None and kv_transfer.has_failed)
 
+    def next_deadline_s(self) -> float | None:
+        """The earliest time.monotonic() at which poll() has work with nothing arriving: a
+        held answer's last output going out anyway (None: none)."""
+        return min((deadline for _, deadline in self._held_answers.values()), default=None)
+
     @property
     def wakeup_fd(self) -> int | None:
         """Readable once a transfer finished (None without a KV transfer)."""
