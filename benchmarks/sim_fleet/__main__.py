@@ -5,6 +5,7 @@ fleet scale, measured with pdserve's own router, store, hand-off and supervisor.
     python -m benchmarks.sim_fleet capacity [--rates 50 100 200 400] [--clients 3]
     python -m benchmarks.sim_fleet routing  [--trace FILE --num-requests 2000]
     python -m benchmarks.sim_fleet chaos    [--num-workers 32 --duration-s 300]
+    python -m benchmarks.sim_fleet fidelity --measured-profile P.json [--decode-profile E.json]
 
 scale     starts the fleet, times it to ready, reads every process's memory (Rss, and Pss,
           which shares each page among the processes mapping it: what the fleet sums to),
@@ -16,6 +17,9 @@ capacity  open-loop streamed load (64 words in, 16 tokens out, fresh prompts) at
 routing   the Mooncake conversation trace (lengths scaled to 16-token blocks) over 16 prefill
           workers with each --prefill-routing: prefix tokens reused against one unbounded
           cache's (the ideal), and the busiest worker's prompt tokens against the mean.
+fidelity  a real 1P+1D (pdserve up, --model, default llama-mid) against the same fleet
+          simulated with --measured-profile, alternated, through vLLM's `bench serve` at each
+          rate: TTFT p50/p90, TPOT p50, goodput, throughput, sim against real.
 chaos     a 70%-of-capacity load of greedy requests while a random 10% of the workers is
           SIGKILLed every 30 s (the supervisor restarts them): failures by cause, every stream
           against the same prompt's undisturbed text, and every block, lease and pin free after.

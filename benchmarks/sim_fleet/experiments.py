@@ -384,6 +384,10 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", type=float, default=0.7, help="share of the measured capacity")
     parser.add_argument("--capacity-rate", type=float, default=None,
                         help="skip the capacity probe: the fleet's capacity in req/s")
+    parser.add_argument("--probe-rate", type=float, default=60.0,
+                        help="without --capacity-rate: the capacity is what the fleet serves of "
+                             "this offered rate for 15 s (above what it can serve, below what "
+                             "the clients can send: at 1000 req/s they took the cores)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--clients", type=int, default=2)
 
@@ -406,8 +410,8 @@ def chaos(args: argparse.Namespace) -> int:
         expected = {r["prompt"]: r["text"] for r in reference["results"] if r["ok"]}
         capacity_rate = args.capacity_rate
         if capacity_rate is None:
-            probe = _level(fleet, argparse.Namespace(**{**vars(args), "duration_s": 20.0}),
-                           1000.0, [fleet.processes()["router"]], args.seed + 1)
+            probe = _level(fleet, argparse.Namespace(**{**vars(args), "duration_s": 15.0}),
+                           args.probe_rate, [fleet.processes()["router"]], args.seed + 1)
             capacity_rate = probe["achieved_rate"]
         rate = args.load * capacity_rate
         print(f"[chaos] capacity {capacity_rate:.1f} req/s; load {rate:.1f} req/s for "
@@ -512,6 +516,11 @@ def add_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the real fleet's checkpoint (default: llama-mid)")
     parser.add_argument("--measured-profile", type=Path, required=True,
                         help="`pdserve profile --served` of --model on this machine")
+    parser.add_argument("--decode-profile", type=Path, default=None,
+                        help="take the simulated decode model from this profile instead (the "
+                             "engine profile `pdserve profile --served` writes beside its "
+                             "output, -engine.json: a sim worker runs its own step overheads "
+                             "for real, which the served decode factor already counts)")
     parser.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
@@ -555,11 +564,17 @@ def fidelity(args: argparse.Namespace) -> int:
     out = output_dir(args, "sim_fleet")
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {"real": [], "sim": []}
+    profile = json.loads(args.measured_profile.read_text())
+    if args.decode_profile is not None:
+        profile["decode"] = json.loads(args.decode_profile.read_text())["decode"]
+        profile["source"] = f"{profile.get('source', '')}; decode from {args.decode_profile}"
+    sim_profile = out / "fidelity-sim-profile.json"
+    sim_profile.write_text(json.dumps(profile, indent=1))
     for round_no in range(args.rounds):
         for kind in (("real", "sim") if round_no % 2 == 0 else ("sim", "real")):
             flags = ["--num-prefill", "1", "--num-decode", "1"]
             if kind == "sim":
-                flags += ["--engine", "sim", "--sim-profile", str(args.measured_profile)]
+                flags += ["--engine", "sim", "--sim-profile", str(sim_profile)]
             print(f"[fidelity] round {round_no + 1}: {kind}", flush=True)
             fleet = Fleet.start(model_dir, out / f"fidelity-{kind}.log", args.port, *flags,
                                 timeout_s=900.0, engine=None)
@@ -584,7 +599,7 @@ def fidelity(args: argparse.Namespace) -> int:
         print(f"[fidelity] {rate:g} req/s: " + ", ".join(
             f"{k} {row[k]['sim_vs_real']:+.1%}" for k in row if k != "rate"), flush=True)
     report = {"machine": _machine(), "client": args.client, "model": str(model_dir),
-              "profile": json.loads(args.measured_profile.read_text()),
+              "profile": profile,
               "workload": {"input_len": args.input_len, "output_len": args.output_len,
                            "num_prompts": args.num_prompts},
               "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
