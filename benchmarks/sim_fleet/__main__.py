@@ -10,8 +10,8 @@ fleet scale, measured with pdserve's own router, store, hand-off and supervisor.
 scale     starts the fleet, times it to ready, reads every process's memory (Rss, and Pss,
           which shares each page among the processes mapping it: what the fleet sums to),
           checks that /status and /metrics list every worker, and serves a short load.
-capacity  open-loop streamed load (64 words in, 16 tokens out, fresh prompts) at rising rates
-          from client processes of their own: the router's achieved rate, the clients' TTFT
+capacity  open-loop streamed load (48 words, ~110 tokens, in; 16 out; fresh prompts) at rising
+          rates from client processes of their own: the router's achieved rate, the clients' TTFT
           and what the router added to each first token (pdserve:first_token_router_added_
           seconds, TTFT less the first worker's phases), and the router's CPU.
 routing   the Mooncake conversation trace (lengths scaled to 16-token blocks) over 16 prefill
