@@ -408,7 +408,10 @@ def test_profile_command_on_a_tiny_model(llama_dir, tmp_path, capsys):
     prefill, decode = profile.prefill[1], profile.decode[1]
     # one fitted point per sweep point: 4 lengths x 2 batches, 4 batches x 2 contexts
     assert prefill.num_samples == 8 and decode.num_samples == 8
-    assert prefill(128, 128 * 128) > prefill(16, 16 * 16)
+    # a tiny model's 16- and 128-token prefills differ by microseconds: on a busy host the fit
+    # may find no slope, but never a negative one (a longer prompt is never predicted faster)
+    assert len(prefill.coefs) == 2 and min(prefill.coefs) >= 0 and prefill.intercept >= 0
+    assert prefill(128, 128 * 128) >= prefill(16, 16 * 16) > 0
     samples = json.loads(output.with_name("tiny-profile-samples.json").read_text())["1"]
     prefill_steps = [s for s in samples if s[0] == "prefill"]
     assert len(prefill_steps) == 8 * 2  # every step kept: each point ran twice, one step each
