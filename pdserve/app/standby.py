@@ -58,16 +58,19 @@ def preload(argv: list[str]) -> None:
         import_backend(args.model)
 
 
-_loading = threading.Event()
-"""Set while the imports run on their thread: a stop then waits for them to end (an exit
-while that thread still runs can die at shutdown on a lock it holds, stderr's say)."""
-_stop_asked = threading.Event()
+_role_started = False
+"""Set just before the role runs: until then a stop has nothing to undo."""
 
 
 def _stop(signum: int, _frame: object) -> None:
-    _stop_asked.set()
-    if not _loading.is_set():
-        raise SystemExit(0)
+    # Before the role runs (importing, waiting, or parsing its arguments) nothing is bound or
+    # written, so the standby ends at once: a normal exit would first wait for the imports'
+    # thread (at nice 19 on a busy host, for as long as the host stays busy) and run atexit
+    # hooks the imports registered. Once the role runs, it has installed its own handlers;
+    # this one only covers the moment between, where SystemExit unwinds as usual.
+    if not _role_started:
+        os._exit(0)
+    raise SystemExit(0)
 
 
 def preload_quietly(argv: list[str]) -> str | None:
@@ -82,10 +85,8 @@ def preload_quietly(argv: list[str]) -> str | None:
             errors.append(str(exc))
 
     loader = threading.Thread(target=run, name="standby-preload", daemon=True)
-    _loading.set()
     loader.start()
-    loader.join()  # no timeout: imports end, and the supervisor's death ends this process
-    _loading.clear()
+    loader.join()  # no timeout: imports end, and a stop or the supervisor's death ends this
     return errors[0] if errors else None
 
 
@@ -100,8 +101,6 @@ def main() -> int:
     # counts only inside it, so the whole group waits behind the serving processes too.
     lowered = lifecycle.set_session_nice(19)
     error = preload_quietly(argv)
-    if _stop_asked.is_set():  # asked while importing: nothing to undo
-        return 0
     if error is not None:
         print(f"pdserve standby: {error}", file=sys.stderr)
         return 2
@@ -115,6 +114,8 @@ def main() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.argv = [sys.argv[0], *argv]
+    global _role_started
+    _role_started = True
     return cli.main()
 
 
