@@ -6,6 +6,7 @@ fleet scale, measured with pdserve's own router, store, hand-off and supervisor.
     python -m benchmarks.sim_fleet routing  [--trace FILE --num-requests 2000]
     python -m benchmarks.sim_fleet chaos    [--num-workers 32 --duration-s 300]
     python -m benchmarks.sim_fleet fidelity --measured-profile P.json [--decode-profile E.json]
+    python -m benchmarks.sim_fleet phases   [--num-workers 8 --phase-s 60 --splits 2 4 6]
 
 scale     starts the fleet, times it to ready, reads every process's memory (Rss, and Pss,
           which shares each page among the processes mapping it: what the fleet sums to),
@@ -20,6 +21,9 @@ routing   the Mooncake conversation trace (lengths scaled to 16-token blocks) ov
 fidelity  a real 1P+1D (pdserve up, --model, default llama-mid) against the same fleet
           simulated with --measured-profile, alternated, through vLLM's `bench serve` at each
           rate: TTFT p50/p90, TPOT p50, goodput, throughput, sim against real.
+phases    the goodput controller (--controller flip) under a load alternating between
+          prefill-heavy and decode-heavy phases, against fixed splits and a per-phase oracle
+          (benchmarks/sim_fleet/phases.py).
 chaos     a 70%-of-capacity load of greedy requests while a random 10% of the workers is
           SIGKILLed every 30 s (the supervisor restarts them): failures by cause, every stream
           against the same prompt's undisturbed text, and every block, lease and pin free after.
@@ -34,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.sim_fleet import experiments
+from benchmarks.sim_fleet import experiments, phases
 from benchmarks.sim_fleet.load import add_client_arguments, run_client
 from pdserve.benchmarks.output import add_output_dir
 
@@ -43,16 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sim_fleet",
                                      description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, run in experiments.EXPERIMENTS.items():
+    runs = {**experiments.EXPERIMENTS, "phases": phases.phases}
+    arguments = {**experiments.ARGUMENTS, "phases": phases.add_phases_arguments}
+    for name, run in runs.items():
         sub = commands.add_parser(name, help=run.__doc__.split("\n")[0])
         experiments.add_common_arguments(sub)
-        experiments.ARGUMENTS[name](sub)
+        arguments[name](sub)
         add_output_dir(sub, "sim_fleet")
     add_client_arguments(commands.add_parser("client", help="one load client (internal)"))
     args = parser.parse_args(argv)
     if args.command == "client":
         return run_client(args)
-    return experiments.EXPERIMENTS[args.command](args)
+    return runs[args.command](args)
 
 
 if __name__ == "__main__":

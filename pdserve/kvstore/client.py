@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
 
 from pdserve.kvstore.channel import ControlChannel, StoreRequestError, StoreUnavailable
 from pdserve.kvstore.master import PrefixLookup
-from pdserve.kvstore.memory_tier import BytesLike, as_uint8_tensor
 from pdserve.kvstore.shm_segment import ShmReader, host_identity
 from pdserve.kvstore.ucx_transport import UcxDataPlane, UcxUnavailable
 from pdserve.protocol.store.base import (
@@ -57,6 +57,9 @@ from pdserve.protocol.store.data import (
     RenewRequest,
 )
 from pdserve.protocol.store.master import NodesReply, NodesRequest
+
+if TYPE_CHECKING:  # torch: a router's store lookups never import it
+    from pdserve.kvstore.memory_tier import BytesLike
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +162,8 @@ class StoreClient:
             return [ok for i in range(0, len(keys), step)
                     for ok in self.put_many(keys[i:i + step], blocks[i:i + step])]
         channel = self._data_channel()
+        from pdserve.kvstore.memory_tier import as_uint8_tensor
+
         arrays = [as_uint8_tensor(b).numpy() for b in blocks]
         sizes = [a.nbytes for a in arrays]
         with channel.lock:

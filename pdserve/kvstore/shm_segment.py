@@ -39,11 +39,14 @@ import platform
 import threading
 import weakref
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -115,6 +115,10 @@ class SimulationConfig:
     """Time from a prompt's last step to its first token at the client (the hand-off's save
     tail, the router, HTTP); the hand-off reaches decode as late."""
     num_requests: int = 256
+    """Requests simulated at least..."""
+    max_num_requests: int = 2048
+    """...and at most: in between, enough that the arrivals span three times a request's
+    decode at a full batch (_num_simulated)."""
     seed: int = 0
 
 
@@ -126,10 +130,12 @@ class PhaseModels:
 
 def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, num_decode: int,
              models: PhaseModels, config: SimulationConfig) -> list[tuple[float, float]]:
-    """(TTFT, TPOT) of each of config.num_requests requests arriving at `rate` per second."""
+    """(TTFT, TPOT) of each of the requests arriving at `rate` per second (_num_simulated:
+    config.num_requests, or more to reach the decode pool's steady state)."""
     rng = random.Random(config.seed)
-    gaps = [rng.expovariate(1.0) for _ in range(config.num_requests)]
-    shapes = [workload[rng.randrange(len(workload))] for _ in range(config.num_requests)]
+    num = _num_simulated(workload, rate, models, config)
+    gaps = [rng.expovariate(1.0) for _ in range(num)]
+    shapes = [workload[rng.randrange(len(workload))] for _ in range(num)]
     arrivals = list(itertools.accumulate(g / rate for g in gaps))
     prompt_done = _simulate_prefill(arrivals, shapes, num_prefill, models.prefill, config)
     first_token_at = [t + config.ttft_overhead_s for t in prompt_done]
@@ -140,6 +146,20 @@ def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, nu
         decoded = shape.output_tokens - 1
         results.append((first - arrival, (finish - first) / decoded if decoded > 0 else 0.0))
     return results
+
+
+def _num_simulated(workload: Sequence[RequestShape], rate: float, models: PhaseModels,
+                   config: SimulationConfig) -> int:
+    """config.num_requests, or more (at most config.max_num_requests): enough that the
+    arrivals span three times a request's decode at a full batch. Fewer, and the decode batch
+    never grows to what the rate keeps running (256 requests at 800 req/s fit in one batch
+    of each of a few decode workers), so decode-heavy splits looked unbounded."""
+    outputs = sum(s.output_tokens for s in workload) / len(workload)
+    context = sum(s.prompt_tokens for s in workload) / len(workload) + outputs / 2
+    batch = config.max_num_seqs
+    request_s = outputs * models.decode(batch * context, batch)
+    wanted = math.ceil(rate * 3 * request_s)
+    return max(config.num_requests, min(config.max_num_requests, wanted))
 
 
 def ttft_overhead_s(prefill: LinearLatency,

@@ -27,13 +27,18 @@ class ControllerConfig:
     attainment: float = 0.9
     interval_s: float = 5.0
     min_gain: float = 1.2
-    """Flip only when the best split's goodput is at least this times the current one's."""
-    patience: int = 3
-    """...for this many ticks in a row."""
-    cooldown_s: float = 30.0
-    """No flip within this long after the last one (its effect must show in the samples)."""
+    """Headroom: the current split stays while its capacity is at least this times the
+    arriving rate (and it meets the target); a move needs this times its capacity..."""
+    min_attainment_gain: float = 0.05
+    """...or this much more predicted attainment."""
+    patience: int = 1
+    """Move only when the same split is wanted this many ticks in a row."""
+    cooldown_s: float = 10.0
+    """No move within this long after the last one (the moved workers drain meanwhile)."""
     drain_timeout_s: float = 60.0
     """A worker that does not drain within this keeps its role and rejoins its pool."""
+    window_s: float = 10.0
+    """The arriving load is what arrived in the last this many seconds."""
     window_requests: int = 1000
     window_samples: int = 2000
     profile: str | None = None
@@ -44,13 +49,14 @@ class ControllerConfig:
         if self.mode not in CONTROLLER_MODES:
             raise ValueError(
                 f"controller mode must be one of {CONTROLLER_MODES}, got {self.mode!r}")
-        for name in ("ttft_slo_s", "tpot_slo_s", "interval_s", "drain_timeout_s"):
+        for name in ("ttft_slo_s", "tpot_slo_s", "interval_s", "drain_timeout_s", "window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if not 0 < self.attainment <= 1:
             raise ValueError("attainment must be in (0, 1]")
-        if self.min_gain < 1 or self.patience < 1:
-            raise ValueError("min_gain must be >= 1 and patience >= 1")
+        if self.min_gain < 1 or self.patience < 1 or not 0 <= self.min_attainment_gain <= 1:
+            raise ValueError("min_gain must be >= 1, patience >= 1 and min_attainment_gain "
+                             "in [0, 1]")
 
 
 

@@ -3,15 +3,21 @@
 Every `interval_s` the controller
 
     1. takes the step samples the workers reported since the last tick (StepSample:
-       tokens, attention work, batch, context, seconds) and the shapes of the requests the
-       router finished, keeping a window of each;
+       tokens, attention work, batch, context, seconds), keeping a window of them, and the
+       requests that arrived in the last `window_s` (prompt length, max_tokens);
     2. fits the prefill and decode step-latency models (goodput_model.fit_nonnegative);
-    3. estimates the goodput of every split of the flippable workers (prefill + decode) by
-       simulating the recent workload under the SLOs (goodput_model.goodput_by_split);
+    3. predicts, for every split of the flippable workers (prefill + decode), the SLO
+       attainment of the arriving load (its rate and mix: prompt lengths, the outputs that
+       max_tokens leaves once scaled by what finished requests produced, the cached share)
+       and the split's capacity, the highest rate it serves at the attainment target
+       (goodput_model.simulate, goodput_by_split);
     4. publishes the best split (/status, /metrics; the fitted models also as a latency
-       profile, docs/planner.md, that `pdserve plan` reads), and in `flip` mode moves one worker
-       towards it when it is clearly better (`min_gain`) for `patience` ticks in a row:
-       the worker is drained (no new requests; the ones it holds finish), told its new
+       profile, docs/planner.md, that `pdserve plan` reads), and in `flip` mode moves as many
+       workers as the prediction says, all at once (choose_split): not while the current
+       split meets the target with `min_gain` headroom in capacity (a steady load causes no
+       move), and only to a split that predicts `min_attainment_gain` more attainment or
+       `min_gain` times the capacity (hysteresis: a balanced mix does not oscillate). Each
+       moved worker is drained (no new requests; the ones it holds finish), told its new
        role, and moved to the other pool once it reports that role.
 
 Started with a latency profile (ControllerConfig.profile), the controller uses its model for
@@ -38,8 +44,10 @@ from pdserve.planner.goodput_model import (
     PhaseModels,
     RequestShape,
     SimulationConfig,
+    attainment,
     fit_nonnegative,
     goodput_by_split,
+    simulate,
     ttft_overhead_s,
 )
 from pdserve.planner.latency_profile import LatencyProfile, ProfileError
@@ -55,31 +63,60 @@ MIN_REQUESTS = 16
 
 
 @dataclass(frozen=True)
+class Load:
+    """The load the controller plans for: requests arriving per second and their shapes."""
+
+    rate: float
+    shapes: list[RequestShape]
+
+
+@dataclass(frozen=True)
 class Estimate:
-    """One tick's view: the fitted models and the goodput of each split."""
+    """One tick's view: the fitted models, and for each split its capacity (the highest rate
+    it serves at the attainment target) and its predicted attainment of the current load."""
 
     models: PhaseModels
     goodput: dict[int, float]  # number of prefill workers -> req/s
     current_prefill: int
     num_workers: int
     simulation: SimulationConfig
+    rate: float = 0.0
+    """Requests arriving per second now (0: none arrived in the window)."""
+    attainment: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Number of prefill workers -> predicted share of the current load meeting both SLOs."""
 
     @property
     def best_prefill(self) -> int:
-        """The split with the most goodput; ties go to the one nearest the current split."""
-        return max(self.goodput,
-                   key=lambda p: (self.goodput[p], -abs(p - self.current_prefill)))
+        """The split that meets the target on the current load with the most capacity (where
+        none meets it, the one nearest it); ties go to the one nearest the current split."""
+        target = self.simulation.attainment
+
+        def key(p: int) -> tuple[float, float, int]:
+            return (min(self.attainment.get(p, target), target), self.goodput[p],
+                    -abs(p - self.current_prefill))
+
+        return max(self.goodput, key=key)
 
 
-def wanted_prefill(estimate: Estimate, min_gain: float) -> int | None:
-    """The number of prefill workers to move towards, or None to stay."""
+def choose_split(estimate: Estimate, min_gain: float, min_attainment_gain: float) -> int | None:
+    """The number of prefill workers to move to now, or None to stay: stay while the current
+    split meets the target with `min_gain` headroom in capacity over the arriving rate (or
+    nothing arrives); move only to a split that predicts `min_attainment_gain` more attainment
+    or `min_gain` times the capacity."""
+    current, target = estimate.current_prefill, estimate.simulation.attainment
+    if estimate.rate <= 0:
+        return None
+    capacity = estimate.goodput.get(current, 0.0)
+    attained = estimate.attainment.get(current, 0.0)
+    if attained >= target and capacity >= min_gain * estimate.rate:
+        return None
     best = estimate.best_prefill
-    if best == estimate.current_prefill:
+    if best == current or estimate.goodput[best] <= 0:
         return None
-    current = estimate.goodput.get(estimate.current_prefill, 0.0)
-    if estimate.goodput[best] < min_gain * current or estimate.goodput[best] <= 0:
-        return None
-    return best
+    if (estimate.attainment.get(best, 0.0) >= attained + min_attainment_gain
+            or estimate.goodput[best] >= min_gain * capacity):
+        return best
+    return None
 
 
 class GoodputController:
@@ -89,9 +126,12 @@ class GoodputController:
         self.dispatcher = dispatcher
         self.sim = sim or SimulationConfig(config.ttft_slo_s, config.tpot_slo_s,
                                            config.attainment)
-        # Finished requests: their lengths, and their TTFT at the router (None: not seen).
-        self.requests: deque[tuple[RequestShape, float | None]] = deque(
+        # Finished requests: their lengths, their TTFT at the router (None: not seen) and
+        # their max_tokens (0: unknown).
+        self.requests: deque[tuple[RequestShape, float | None, int]] = deque(
             maxlen=config.window_requests)
+        # Arrived requests: (time.monotonic() seconds, prompt tokens, max_tokens).
+        self.arrivals: deque[tuple[float, int, int]] = deque(maxlen=config.window_requests)
         self.prefill_samples: deque[StepSample] = deque(maxlen=config.window_samples)
         self.decode_samples: deque[StepSample] = deque(maxlen=config.window_samples)
         self.estimate: Estimate | None = None
@@ -99,17 +139,54 @@ class GoodputController:
         """The models to start from (raises ProfileError, a ValueError, on a bad file)."""
         self.state = "warming up"
         self.num_flips = 0
+        self.num_moves = 0
+        """Ticks that moved workers (each may move several)."""
         self._streak: tuple[int | None, int] = (None, 0)  # (wanted split, ticks in a row)
         self._last_flip_s = -float("inf")
+        self._started_s = time.monotonic()
         self._task: asyncio.Task | None = None
 
     # ---- inputs -------------------------------------------------------------------------
+    def record_arrival(self, prompt_tokens: int, max_tokens: int,
+                       at_s: float | None = None) -> None:
+        """A request was admitted with this prompt and max_tokens (at `at_s`, monotonic)."""
+        if prompt_tokens > 0 and max_tokens > 0:
+            self.arrivals.append((time.monotonic() if at_s is None else at_s, prompt_tokens,
+                                  max_tokens))
+
     def record_request(self, prompt_tokens: int, cached_tokens: int, output_tokens: int,
-                       ttft_s: float | None = None) -> None:
+                       ttft_s: float | None = None, max_tokens: int = 0) -> None:
         """A request finished at the router with these lengths (and this TTFT)."""
         if prompt_tokens > 0 and output_tokens > 0:
             self.requests.append((RequestShape(prompt_tokens, cached_tokens, output_tokens),
-                                  ttft_s))
+                                  ttft_s, max_tokens))
+
+    def load(self, now_s: float | None = None) -> Load | None:
+        """The arriving load: the rate over the last window_s (or since the first arrival
+        in it), and the shapes of the requests that arrived in it (the last
+        MIN_REQUESTS ones where fewer did), each output being its max_tokens scaled by what
+        finished requests produced of theirs, each cached share the finished requests'.
+        None before MIN_REQUESTS have arrived."""
+        if len(self.arrivals) < MIN_REQUESTS:
+            return None
+        now_s = time.monotonic() if now_s is None else now_s
+        recent = [a for a in self.arrivals if a[0] >= now_s - self.config.window_s]
+        # over the window, or since the first arrival in it where the load began later (a
+        # load that started 3 s ago is not a third of what it is); at least a second
+        span = max(now_s - recent[0][0], 1.0) if recent else self.config.window_s
+        rate = len(recent) / span
+        if len(recent) < MIN_REQUESTS:
+            recent = list(self.arrivals)[-MIN_REQUESTS:]
+        finished = [(shape, m) for shape, _, m in self.requests if m > 0]
+        produced = sum(shape.output_tokens for shape, _ in finished)
+        allowed = sum(m for _, m in finished)
+        output_share = produced / allowed if allowed else 1.0
+        prompts = sum(shape.prompt_tokens for shape, _, _ in self.requests)
+        cached_share = (sum(shape.cached_tokens for shape, _, _ in self.requests) / prompts
+                        if prompts else 0.0)
+        shapes = [RequestShape(p, min(int(p * cached_share), p - 1),
+                               max(1, round(m * output_share))) for _, p, m in recent]
+        return Load(rate, shapes)
 
     def collect(self) -> None:
         """Move the samples the workers reported since the last call into the windows:
@@ -136,19 +213,26 @@ class GoodputController:
         return PhaseModels(prefill, decode)
 
     # ---- one tick -----------------------------------------------------------------------
-    async def evaluate(self) -> Estimate | None:
+    async def evaluate(self, now_s: float | None = None) -> Estimate | None:
         """Fit and simulate. The inputs are copied here, on the event loop (request handlers
         append to the windows meanwhile); the CPU-bound part runs in a thread."""
         models = self.fit()
         pools = self.dispatcher.prefill, self.dispatcher.decode
         num_prefill, num_decode = (sum(1 for w in pool if w.is_ready) for pool in pools)
-        if models is None or len(self.requests) < MIN_REQUESTS or num_prefill < 1 \
-                or num_decode < 1:
+        load = self.load(now_s)
+        if models is None or load is None or num_prefill < 1 or num_decode < 1:
             return None
-        workload = [shape for shape, _ in self.requests]
         sim, num_workers = self._simulation_config(models), num_prefill + num_decode
-        goodput = await asyncio.to_thread(goodput_by_split, workload, num_workers, models, sim)
-        return Estimate(models, goodput, num_prefill, num_workers, sim)
+
+        def predict() -> tuple[dict[int, float], dict[int, float]]:
+            capacity = goodput_by_split(load.shapes, num_workers, models, sim)
+            attained = ({p: attainment(simulate(load.shapes, load.rate, p, num_workers - p,
+                                                models, sim), sim)
+                         for p in capacity} if load.rate > 0 else {})
+            return capacity, attained
+
+        capacity, attained = await asyncio.to_thread(predict)
+        return Estimate(models, capacity, num_prefill, num_workers, sim, load.rate, attained)
 
     def _simulation_config(self, models: PhaseModels) -> SimulationConfig:
         """The SLOs, with what the workers report (their batch limits, the mean KV load time
@@ -169,17 +253,17 @@ class GoodputController:
                     sim, max_batched_tokens=worker.status.max_num_batched_tokens)
         return dataclasses.replace(sim, handoff_s=seconds / count if count else 0.0,
                                    ttft_overhead_s=ttft_overhead_s(models.prefill, [
-                                       (shape, ttft) for shape, ttft in self.requests
+                                       (shape, ttft) for shape, ttft, _ in self.requests
                                        if ttft is not None]))
 
-    async def tick(self) -> None:
+    async def tick(self, now_s: float | None = None) -> None:
         self.collect()
-        estimate = await self.evaluate()
+        estimate = await self.evaluate(now_s)
         self.estimate = estimate
         if estimate is None:
             self.state = "warming up"
             return
-        wanted = wanted_prefill(estimate, self.config.min_gain)
+        wanted = choose_split(estimate, self.config.min_gain, self.config.min_attainment_gain)
         previous, streak = self._streak
         self._streak = (wanted, streak + 1 if wanted == previous else 1)
         self.state = "balanced" if wanted is None else f"wants {wanted} prefill"
@@ -191,13 +275,19 @@ class GoodputController:
             self.state = f"wants {wanted} prefill; not flipping: the workers' TP degrees differ"
             return
         to_role = "prefill" if wanted > estimate.current_prefill else "decode"
-        self.state = f"flipping a worker to {to_role}"
-        flipped = await self.dispatcher.flip_one(to_role, self.config.drain_timeout_s)
+        count = abs(wanted - estimate.current_prefill)
+        self.state = f"moving {count} worker(s) to {to_role}"
+        # All at once: each flip_one marks its worker draining before its first wait, so the
+        # next picks another; each keeps at least one worker in the pool it leaves.
+        moved = [w for w in await asyncio.gather(*(
+            self.dispatcher.flip_one(to_role, self.config.drain_timeout_s)
+            for _ in range(count))) if w is not None]
         self._last_flip_s = time.monotonic()
         self._streak = (None, 0)
-        if flipped is not None:
-            self.num_flips += 1
-            self.state = f"flipped {flipped.worker_id} to {to_role}"
+        if moved:
+            self.num_flips += len(moved)
+            self.num_moves += 1
+            self.state = f"moved {', '.join(w.worker_id for w in moved)} to {to_role}"
 
     def _workers_alike(self) -> bool:
         """A flipped worker runs at the other pool's fitted speed only if it has the same
@@ -233,6 +323,7 @@ class GoodputController:
         """What /status shows."""
         out: dict[str, Any] = {
             "mode": self.config.mode, "state": self.state, "num_flips": self.num_flips,
+            "num_moves": self.num_moves,
             "slo": {"ttft_s": self.config.ttft_slo_s, "tpot_s": self.config.tpot_slo_s,
                     "attainment": self.config.attainment},
             "num_requests": len(self.requests),
@@ -248,6 +339,9 @@ class GoodputController:
                 recommended={"prefill": best, "decode": estimate.num_workers - best},
                 goodput_by_num_prefill={str(p): round(g, 3)
                                         for p, g in estimate.goodput.items()},
+                arrival_rate=round(estimate.rate, 3),
+                attainment_by_num_prefill={str(p): round(a, 3)
+                                           for p, a in estimate.attainment.items()},
                 models={"prefill": _describe(estimate.models.prefill, ("tokens", "attention")),
                         "decode": _describe(estimate.models.decode, ("context", "batch"))},
                 simulation=dataclasses.asdict(estimate.simulation),

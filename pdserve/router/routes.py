@@ -275,7 +275,8 @@ async def _serve(serving: ServingContext, request: Request, body: SamplingFields
         if trace is not None:
             trace.refuse(exc.message, exc.status)
         raise
-    timing = RequestTiming(arrival_s, trace)
+    timing = RequestTiming(arrival_s, trace, sampling.max_tokens)
+    serving.controller.record_arrival(len(prompt_ids), sampling.max_tokens, arrival_s)
     outputs = serving.dispatcher.run(request_id, prompt_ids, sampling, first_worker,
                                      phases=timing.phases)
     metrics = serving.metrics

@@ -158,8 +158,12 @@ def add_controller_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--controller-interval-s", type=float, default=c.interval_s,
                        help="seconds between two estimates")
     group.add_argument("--controller-min-gain", type=float, default=c.min_gain,
-                       help="flip only when the best split's estimated goodput is at least "
-                            "this times the current split's")
+                       help="headroom: the current split stays while it meets the SLOs and "
+                            "serves this times the arriving rate; a move needs this times the "
+                            "current split's capacity, or 5 points more predicted attainment")
+    group.add_argument("--controller-window-s", type=float, default=c.window_s,
+                       help="the load the controller plans for is what arrived in the last "
+                            "this many seconds (its rate, prompt and output lengths)")
     group.add_argument("--controller-profile", default=c.profile,
                        help="latency profile JSON (pdserve profile) whose step models the "
                             "controller uses until it has fitted its own")
@@ -171,6 +175,7 @@ def controller_argv(args: argparse.Namespace) -> list[str]:
             "--slo-tpot-ms", str(args.slo_tpot_ms),
             "--controller-interval-s", str(args.controller_interval_s),
             "--controller-min-gain", str(args.controller_min_gain),
+            "--controller-window-s", str(args.controller_window_s),
             *(["--controller-profile", args.controller_profile]
               if args.controller_profile else [])]
 
@@ -193,7 +198,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         controller=ControllerConfig(
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,
-            min_gain=args.controller_min_gain, profile=args.controller_profile),
+            min_gain=args.controller_min_gain, window_s=args.controller_window_s,
+            profile=args.controller_profile),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,

@@ -129,6 +129,8 @@ class RequestTiming:
     arrival_s: float
     trace: RequestTrace | None = None
     """The request's trace (pdserve/router/tracing.py); None when tracing is off."""
+    max_tokens: int = 0
+    """The request's max_tokens (0: unknown): the controller scales arrivals' by it."""
     last_s: float = field(init=False)
     first_s: float | None = field(default=None, init=False)
     gaps_s: list[float] = field(default_factory=list, init=False)
@@ -160,7 +162,7 @@ class RequestObserver:
         metrics, num_tokens = self.metrics, len(acc.token_ids)
         ttft_s = None if timing.first_s is None else timing.first_s - timing.arrival_s
         self.controller.record_request(acc.num_prompt_tokens, acc.num_cached_tokens,
-                                       num_tokens, ttft_s)
+                                       num_tokens, ttft_s, timing.max_tokens)
         metrics.labels(metrics.generation_tokens).inc(num_tokens)
         metrics.labels(metrics.cached_tokens).inc(acc.num_cached_tokens)
         metrics.labels(metrics.success, acc.finish_reason or "unknown").inc()

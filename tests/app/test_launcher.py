@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 
 import pytest
 
@@ -188,3 +189,20 @@ def test_the_advertised_address_reaches_every_child() -> None:
         "node-7.example"] * len(cluster.children)
     assert all("--advertise-address" not in c.argv
                for c in launcher.plan(_args(), "/m", gpus=[]).children)
+
+
+def test_without_a_gpu_driver_the_gpus_are_counted_without_importing_torch(monkeypatch):
+    """No nvidia-smi and no driver: 0 GPUs, and no `import torch` subprocess (seconds of CPU
+    before the first child starts); a driver but no nvidia-smi: torch counts them."""
+    ran: list[list[str]] = []
+
+    def run(argv, **kwargs):
+        ran.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="2\n")
+
+    monkeypatch.setattr(launcher.placement.shutil, "which", lambda name: None)
+    monkeypatch.setattr(launcher.placement.subprocess, "run", run)
+    monkeypatch.setattr(launcher.placement, "_gpu_driver_loaded", lambda: False)
+    assert launcher.placement._count_gpus() == 0 and ran == []
+    monkeypatch.setattr(launcher.placement, "_gpu_driver_loaded", lambda: True)
+    assert launcher.placement._count_gpus() == 2 and "import torch" in ran[0][-1]

@@ -1,6 +1,7 @@
 """The goodput controller end to end through `pdserve up --controller flip`: a prefill-bound
-workload on 1 prefill + 2 decode workers makes the router drain a decode worker and flip it to
-prefill; greedy outputs are the same before and after, and the flipped worker serves prompts.
+load on 1 prefill + 2 decode workers, with no headroom left on the one prefill worker,
+makes the router drain a decode worker and flip it to prefill; greedy outputs are the same
+before and after, and the flipped worker serves prompts.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def cluster(llama_dir, tmp_path_factory):
     cluster = start_cluster(
         llama_dir, tmp_path_factory.mktemp("controller-logs"), "--num-prefill", "1",
         "--num-decode", "2", "--num-kv-blocks", "512", "--controller", "flip",
-        "--controller-interval-s", "0.5", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "5000")
+        "--controller-interval-s", "0.5", "--slo-ttft-ms", "100", "--slo-tpot-ms", "5000")
     yield cluster
     assert cluster.stop() == 0, cluster.log()
 
@@ -61,15 +62,20 @@ def test_prefill_bound_load_flips_a_decode_worker(cluster, llama_dir):
         llm.shutdown()
     assert before == offline
 
-    # Long prompts, two output tokens: one prefill worker is the bottleneck.
-    for _ in range(24):
-        _complete(base, [rng.randrange(3, 1000) for _ in range(rng.randint(1200, 1800))], 2)
+    # Long prompts, two output tokens, four at a time: under a 100 ms TTFT SLO the one
+    # prefill worker serves them without the controller's headroom (or misses it), so it
+    # moves a decode worker (the load lasts until it has, or the timeout).
+    prompts = ([rng.randrange(3, 1000) for _ in range(rng.randint(1200, 1800))]
+               for _ in range(10_000))
+
+    def flipped() -> bool:
+        return httpx.get(f"{base}/status", timeout=5).json()["controller"]["num_flips"] >= 1
+
     deadline = time.monotonic() + FLIP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        status = httpx.get(f"{base}/status", timeout=5).json()
-        if status["controller"]["num_flips"] >= 1:
-            break
-        time.sleep(0.5)
+    with ThreadPoolExecutor(4) as pool:
+        while not flipped() and time.monotonic() < deadline:
+            list(pool.map(lambda p: _complete(base, p, 2), [next(prompts) for _ in range(4)]))
+    status = httpx.get(f"{base}/status", timeout=5).json()
     controller = status["controller"]
     assert controller["num_flips"] == 1, (controller, cluster.log()[-3000:])
     assert controller["recommended"] == {"prefill": 2, "decode": 1}

@@ -167,7 +167,7 @@ def start_cluster(model_dir: Path, log_dir: Path, *extra: str, timeout_s: float 
             raise RuntimeError(f"pdserve up exited early:\n{cluster.log()}")
         if "pdserve is ready" in log_path.read_text(errors="replace"):
             return cluster
-        time.sleep(0.5)
+        time.sleep(0.2)
     cluster.stop()
     raise RuntimeError(f"pdserve up not ready in {timeout_s}s:\n{cluster.log()}")
 

@@ -1,5 +1,6 @@
-"""The goodput controller's decisions: when it recommends a split, when it flips, and that it
-waits (patience, min gain, cooldown). The pools here are plain objects holding step samples;
+"""The goodput controller's decisions on recorded arrivals and step samples: a steady load
+causes no move, a phase change moves the predicted number of workers at once, and it waits
+(headroom, gain, cooldown). The pools here are plain objects holding step samples;
 tests/cluster/test_server_controller.py runs the real flip through `pdserve up`."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pdserve.planner.goodput_model import LinearLatency, PhaseModels, Simulation
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import WORKER_PROTOCOL, StepSample, WorkerStatus
 from pdserve.router.config import ControllerConfig
-from pdserve.router.controller import Estimate, GoodputController, wanted_prefill
+from pdserve.router.controller import Estimate, GoodputController, choose_split
 
 PREFILL = LinearLatency(0.01, (1e-4, 1e-8), 0, 0.0)
 DECODE = LinearLatency(0.003, (1e-6, 1e-4), 0, 0.0)
@@ -62,54 +63,148 @@ class Pools:
                 i + 1, 0, 0, b, c, DECODE(c, b) * rng.uniform(0.98, 1.02)))
 
 
-def _controller(pools: Pools, **overrides) -> GoodputController:
+def arrive(controller: GoodputController, start_s: float, rate: float, seconds: float,
+           prompt: int, output: int) -> float:
+    """Requests of `prompt` tokens and max_tokens `output` arriving at `rate` per second
+    from start_s (relative to the controller's start) for `seconds`, each finished at once
+    with all its tokens; the time they end at."""
+    t0 = controller._started_s + start_s
+    for i in range(int(rate * seconds)):
+        controller.record_arrival(prompt, output, at_s=t0 + i / rate)
+        controller.record_request(prompt, 0, output, ttft_s=PREFILL(prompt, prompt * prompt)
+                                  + 0.02, max_tokens=output)
+    return start_s + seconds
+
+
+async def tick_at(controller: GoodputController, seconds: float) -> None:
+    await controller.tick(now_s=controller._started_s + seconds)
+
+
+LONG_PROMPTS = (1500, 2)  # prefill-bound: 0.18 s of prefill, one more token
+LONG_OUTPUTS = (50, 1000)  # decode-bound: a quick prompt, 1000 decode steps
+
+
+def _controller(pools: Pools, rate: float = 6.0, **overrides) -> GoodputController:
+    """A flipping controller (TTFT 0.5 s, TPOT 50 ms) that saw 10 s of long prompts."""
     config = ControllerConfig(**{"mode": "flip", "ttft_slo_s": 0.5, "tpot_slo_s": 0.05,
-                                 "patience": 2, "cooldown_s": 3600.0, **overrides})
+                                 "cooldown_s": 0.0, **overrides})
     controller = GoodputController(config, pools)
-    for _ in range(40):  # long prompts, two output tokens: prefill is the bottleneck
-        controller.record_request(1500, 0, 2, ttft_s=PREFILL(1500, 1500 * 1500) + 0.02)
+    arrive(controller, 0.0, rate, 10.0, *LONG_PROMPTS)
     return controller
 
 
-def test_wanted_split_needs_a_clear_gain():
+def test_a_split_that_meets_the_target_with_headroom_stays():
     models = PhaseModels(PREFILL, DECODE)
 
-    def estimate(goodput: dict[int, float], current: int) -> Estimate:
-        return Estimate(models, goodput, current, 4, SimulationConfig(1, 1))
+    def estimate(goodput: dict[int, float], attained: dict[int, float], rate: float,
+                 current: int) -> Estimate:
+        return Estimate(models, goodput, current, 4, SimulationConfig(1, 1), rate, attained)
 
-    assert wanted_prefill(estimate({1: 10.0, 2: 11.0, 3: 5.0}, 1), 1.2) is None
-    assert wanted_prefill(estimate({1: 10.0, 2: 15.0, 3: 5.0}, 1), 1.2) == 2
-    assert wanted_prefill(estimate({1: 0.0, 2: 0.5, 3: 0.0}, 1), 1.2) == 2
-    assert wanted_prefill(estimate({1: 0.0, 2: 0.0, 3: 0.0}, 2), 1.2) is None
-    # A tie with the current split keeps it.
-    assert estimate({1: 7.0, 2: 7.0, 3: 7.0}, 3).best_prefill == 3
+    meets = {1: 0.95, 2: 0.97, 3: 0.6}
+    # meets the target, 1.5x the rate: stays though 2 has more capacity
+    assert choose_split(estimate({1: 6.0, 2: 9.0, 3: 2.0}, meets, 4.0, 1), 1.2, 0.05) is None
+    # meets it, but with no headroom: to the split with the most capacity
+    assert choose_split(estimate({1: 4.2, 2: 9.0, 3: 2.0}, meets, 4.0, 1), 1.2, 0.05) == 2
+    # misses it: to the one that meets it, however many workers away
+    assert choose_split(estimate({1: 3.0, 2: 3.1, 3: 9.0}, {1: 0.5, 2: 0.6, 3: 0.95}, 4.0, 1),
+                        1.2, 0.05) == 3
+    # none meets it and the best is barely better: no move (no oscillation)
+    assert choose_split(estimate({1: 3.0, 2: 3.1, 3: 3.0}, {1: 0.5, 2: 0.52, 3: 0.4}, 4.0, 1),
+                        1.2, 0.05) is None
+    # nothing arrives: no move
+    assert choose_split(estimate({1: 3.0, 2: 9.0, 3: 9.0}, {}, 0.0, 1), 1.2, 0.05) is None
+    # ties keep the current split
+    assert estimate({1: 7.0, 2: 7.0, 3: 7.0}, {1: 1.0, 2: 1.0, 3: 1.0}, 1.0, 3
+                    ).best_prefill == 3
 
 
-async def test_flips_towards_the_bottleneck_after_patience_then_cools_down():
+async def test_a_steady_load_causes_no_move():
+    pools = Pools(2, 2)
+    controller = _controller(pools, rate=3.0)
+    rng = random.Random(0)
+    end = 10.0
+    for _ in range(4):
+        pools.report(rng)
+        await tick_at(controller, end)
+        end = arrive(controller, end, 3.0, 5.0, *LONG_PROMPTS)
+    estimate = controller.estimate
+    assert estimate.rate == pytest.approx(3.0, rel=0.1)
+    assert estimate.attainment[2] >= 0.9, estimate
+    assert pools.flips == [] and controller.state == "balanced"
+
+
+async def test_a_phase_change_moves_the_predicted_number_at_once():
+    """Long prompts on 1 prefill + 3 decode workers: prefill-bound, so the first tick moves
+    decode workers to prefill; then long outputs at 4 req/s, which only 3 decode workers
+    serve: the next tick moves two back at once, and the one after moves nothing."""
     pools = Pools(1, 3)
-    controller = _controller(pools)
+    controller = _controller(pools, rate=6.0)
     rng = random.Random(0)
     pools.report(rng)
-    await controller.tick()
+    await tick_at(controller, 10.0)
+    first = controller.estimate
+    assert first.attainment[1] < 0.9 <= first.attainment[first.best_prefill], first
+    assert pools.flips == ["prefill"] * (first.best_prefill - 1)
+    assert len(pools.prefill) == first.best_prefill == 3
+    arrive(controller, 10.0, 4.0, 10.0, *LONG_OUTPUTS)
+    pools.report(rng)
+    await tick_at(controller, 20.0)
+    second = controller.estimate
+    assert second.best_prefill == 1 and second.attainment[3] < 0.9 <= second.attainment[1]
+    assert pools.flips[2:] == ["decode", "decode"] and len(pools.decode) == 3
+    assert controller.num_moves == 2 and controller.num_flips == 4
+    arrive(controller, 20.0, 4.0, 5.0, *LONG_OUTPUTS)
+    pools.report(rng)
+    await tick_at(controller, 25.0)
+    assert len(pools.flips) == 4 and controller.state == "balanced"
+    snapshot = controller.snapshot()
+    assert snapshot["num_moves"] == 2 and snapshot["arrival_rate"] == pytest.approx(4.0)
+    assert snapshot["attainment_by_num_prefill"]["1"] >= 0.9
+
+
+async def test_moves_wait_for_patience_and_the_cooldown():
+    pools = Pools(1, 3)
+    controller = _controller(pools, patience=2, cooldown_s=3600.0)
+    rng = random.Random(0)
+    pools.report(rng)
+    await tick_at(controller, 10.0)
     assert controller.estimate is not None and controller.estimate.best_prefill >= 2
     assert pools.flips == []  # one tick is not patience 2
     pools.report(rng)
-    await controller.tick()
-    assert pools.flips == ["prefill"] and controller.num_flips == 1
-    assert (len(pools.prefill), len(pools.decode)) == (2, 2)
-    for _ in range(3):  # still wants more prefill, but the cooldown holds
-        pools.report(rng)
-        await controller.tick()
-    assert pools.flips == ["prefill"]
+    await tick_at(controller, 10.0)
+    assert pools.flips and controller.num_moves == 1
+    moved = len(pools.flips)
+    assert (len(pools.prefill), len(pools.decode)) == (1 + moved, 3 - moved)
     snapshot = controller.snapshot()
-    assert snapshot["num_flips"] == 1 and snapshot["current"] == {"prefill": 2, "decode": 2}
-    assert snapshot["recommended"]["prefill"] >= 2
+    arrive(controller, 10.0, 30.0, 10.0, *LONG_PROMPTS)  # more than any split serves
+    for _ in range(3):  # the cooldown holds
+        pools.report(rng)
+        await tick_at(controller, 20.0)
+    assert len(pools.flips) == moved
     assert snapshot["models"]["prefill"]["per_tokens_s"] == pytest.approx(1e-4, rel=0.2)
     # The simulation runs with what the workers report: batch limits, KV load time.
     sim = snapshot["simulation"]
     assert (sim["max_num_seqs"], sim["max_batched_tokens"]) == (48, 1024)
     assert sim["handoff_s"] == pytest.approx(0.005)
     assert sim["ttft_overhead_s"] == pytest.approx(0.02, abs=0.005)  # measured - modelled
+
+
+def test_the_load_is_the_window_s_arrivals_with_outputs_scaled_by_what_finished():
+    controller = GoodputController(ControllerConfig(window_s=10.0), Pools(1, 1))
+    assert controller.load() is None  # nothing arrived
+    t0 = controller._started_s
+    for i in range(40):  # 20 s at 2 req/s: only the last 10 s count for the rate
+        controller.record_arrival(100 + i, 64, at_s=t0 + i / 2)
+    for _ in range(10):  # finished requests made half their max_tokens, a quarter cached
+        controller.record_request(200, 50, 32, ttft_s=0.1, max_tokens=64)
+    load = controller.load(now_s=t0 + 20.0)
+    assert load.rate == pytest.approx(2.0, rel=0.1)
+    assert [s.prompt_tokens for s in load.shapes] == list(range(120, 140))
+    assert {s.output_tokens for s in load.shapes} == {32}
+    assert all(s.cached_tokens == s.prompt_tokens // 4 for s in load.shapes)
+    # a quiet minute later: no rate, the last shapes still describe the mix
+    quiet = controller.load(now_s=t0 + 80.0)
+    assert quiet.rate == 0.0 and len(quiet.shapes) == 16
 
 
 async def test_workers_of_different_tp_are_not_flipped():
@@ -120,7 +215,7 @@ async def test_workers_of_different_tp_are_not_flipped():
     rng = random.Random(3)
     for _ in range(3):
         pools.report(rng)
-        await controller.tick()
+        await tick_at(controller, 10.0)
     assert pools.flips == [] and "TP degrees differ" in controller.state
 
 
@@ -130,7 +225,7 @@ async def test_recommend_mode_never_flips():
     rng = random.Random(1)
     for _ in range(4):
         pools.report(rng)
-        await controller.tick()
+        await tick_at(controller, 10.0)
     assert pools.flips == [] and controller.estimate.best_prefill >= 2
     assert controller.state.startswith("wants")
 
@@ -156,7 +251,8 @@ def test_mixed_and_idle_steps_fit_neither_phase():
 
 
 @pytest.mark.parametrize("bad", [{"mode": "auto"}, {"ttft_slo_s": 0}, {"min_gain": 0.5},
-                                 {"patience": 0}, {"attainment": 1.5}])
+                                 {"patience": 0}, {"attainment": 1.5}, {"window_s": 0},
+                                 {"min_attainment_gain": 2}])
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         ControllerConfig(**bad)

@@ -147,3 +147,18 @@ def test_ttft_overhead_is_what_the_least_queued_requests_add():
     assert ttft_overhead_s(PREFILL, observed) == pytest.approx(0.03)
     assert ttft_overhead_s(PREFILL, []) == 0.0
     assert ttft_overhead_s(PREFILL, [(shape, alone / 2)] * 3) == 0.0  # never negative
+
+
+def test_a_decode_pool_serves_no_more_than_its_batches_hold():
+    """Little's law: D decode workers of B sequences, each request decoding for T seconds at
+    least, serve at most D·B/T requests a second. A 256-request simulation never filled a
+    batch at such rates and put a decode-heavy split's goodput at hundreds of req/s; the
+    simulation now runs until arrivals span three requests' decode."""
+    sim = SimulationConfig(1.0, 0.05, max_num_seqs=32)
+    shape = RequestShape(64, 0, 512)
+    # each decode step of a full batch takes at least the model at 32 sequences of 64 tokens
+    min_request_s = (shape.output_tokens - 1) * DECODE(32 * 64, 32)
+    for num_decode in (1, 3):
+        bound = num_decode * 32 / min_request_s
+        goodput = estimate_goodput([shape], 1, num_decode, MODELS, sim)
+        assert 0 < goodput <= 1.05 * bound, (num_decode, goodput, bound)

@@ -73,7 +73,7 @@ def test_saturated_prefill_queue_serves_first_come_first_served():
     T1+2·T2, 2·T1+2·T2 with T1 = a + b·1000 + c·1000² and T2 = a + b·2000 + c·2·1000²."""
     profile = make_profile(max_num_batched_tokens=2000)
     config = profile.simulation_config(
-        SimulationConfig(ttft_slo_s=0.25, tpot_slo_s=1, num_requests=6)
+        SimulationConfig(ttft_slo_s=0.25, tpot_slo_s=1, num_requests=6, max_num_requests=6)
     )
     results = simulate([RequestShape(1000, 0, 1)], 1e9, 1, 1, profile.models(1, 1), config)
     t1 = 0.01 + 0.1 + 0.01  # 0.12 s
@@ -246,7 +246,8 @@ async def test_controller_starts_from_a_profile_and_exports_one(tmp_path):
         pools,
     )
     for _ in range(20):
-        controller.record_request(500, 0, 16)
+        controller.record_arrival(500, 16)
+        controller.record_request(500, 0, 16, max_tokens=16)
     controller.collect()
     models = controller.fit()
     assert models is not None

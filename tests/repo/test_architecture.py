@@ -134,6 +134,8 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # chaos run's leak check reads the store's own counters (as chaos_soak's)
     "benchmarks.sim_fleet.fleet": ("pdserve.serve.default_model",),
     "benchmarks.sim_fleet.experiments": ("pdserve.kvstore",),
+    # sizes each phase's rate from the planner's goodput of every split on the simulated profile
+    "benchmarks.sim_fleet.phases": ("pdserve.planner",),
     # reads the served default model's tokenizer (the generated ids of an answer, and the
     # ids its text re-tokenizes to), from where the default model is cached
     "benchmarks.chat_reuse": ("pdserve.serve.default_model",),

@@ -305,7 +305,8 @@ def visible_gpus() -> list[str]:
     """The GPUs children may use, as CUDA_VISIBLE_DEVICES entries: this process's
     CUDA_VISIBLE_DEVICES if set, else one index per GPU that `nvidia-smi -L` lists (without
     nvidia-smi: torch.cuda.device_count() in a subprocess, so the launcher never imports
-    torch)."""
+    torch; none where no GPU driver is loaded, without the subprocess: importing torch costs
+    seconds of CPU before the first child starts)."""
     num_gpus = _count_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if num_gpus == 0 or visible is None:
@@ -321,6 +322,8 @@ def _count_gpus() -> int:
         except (OSError, subprocess.SubprocessError):  # no driver loaded
             return 0
         return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+    if not _gpu_driver_loaded():
+        return 0
     try:
         done = subprocess.run(
             [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
@@ -328,3 +331,10 @@ def _count_gpus() -> int:
         return int(done.stdout.strip() or 0)
     except (OSError, subprocess.SubprocessError, ValueError):
         return 0
+
+
+def _gpu_driver_loaded() -> bool:
+    """Whether a GPU driver torch could use is loaded: NVIDIA's (its /proc entry, or its
+    device nodes in a container that hides /proc/driver) or AMD's (ROCm's /dev/kfd)."""
+    return (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl")
+            or os.path.exists("/dev/kfd") or sys.platform != "linux")

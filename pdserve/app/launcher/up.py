@@ -158,10 +158,10 @@ def _add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
                             "an interpreter with torch imported)")
 
 
-def _poll_states(cluster: Cluster, base_url: str, headers: dict[str, str]) -> None:
+def _poll_states(cluster: Cluster, client: httpx.Client) -> None:
     """Update each child's state from the router's /status (workers) and /health (router)."""
     try:
-        status = httpx.get(f"{base_url}/status", headers=headers, timeout=1.0).json()
+        status = client.get("/status").json()
     except (httpx.HTTPError, ValueError):
         return
     by_id = {w.get("worker_id"): w for w in status.get("workers", [])}
@@ -294,6 +294,8 @@ def _supervise(args: argparse.Namespace, cluster: Cluster, supervisor: Superviso
     # A fleet of many workers is shown as counts per state (one line when they change), not
     # a line per worker and state.
     summarize = len(cluster.children) > SUMMARY_AFTER_CHILDREN
+    # One client for every poll (a client per call builds an SSL context: ~10 ms of CPU).
+    client = httpx.Client(base_url=base_url, headers=headers, timeout=1.0)
     try:
         for child in cluster.children:
             child.start()
@@ -311,7 +313,7 @@ def _supervise(args: argparse.Namespace, cluster: Cluster, supervisor: Superviso
         while True:
             supervisor.check(time.monotonic())
             if any(c.state != "ready" for c in cluster.children):  # none to ask otherwise
-                _poll_states(cluster, base_url, headers)
+                _poll_states(cluster, client)
             if summarize:
                 counts = _state_counts(cluster.children)
                 if counts != shown_counts:
@@ -328,7 +330,7 @@ def _supervise(args: argparse.Namespace, cluster: Cluster, supervisor: Superviso
             if not is_ready and time.monotonic() > deadline:
                 print("pdserve up: not ready in time; stopping", file=sys.stderr, flush=True)
                 return 1
-            time.sleep(0.5)
+            time.sleep(0.5 if is_ready else 0.2)  # sooner while starting: tests wait on it
     except RoleKeepsFailing as exc:
         print(f"pdserve up: {exc}; stopping", file=sys.stderr, flush=True)
         for taken in _ports_in_use([exc.child]):  # the likeliest reason it cannot start
@@ -341,4 +343,5 @@ def _supervise(args: argparse.Namespace, cluster: Cluster, supervisor: Superviso
         # A second Ctrl-C or SIGTERM must not cut the stop short and leave children behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        client.close()
         cluster.stop()

@@ -1,0 +1,205 @@
+"""The goodput controller on a shifting load: a simulated fleet whose load alternates between a
+prefill-heavy phase (long prompts, short outputs) and a decode-heavy one (short prompts, long
+outputs), served by the controller moving workers (`--controller flip`) and by fixed splits.
+
+    python -m benchmarks.sim_fleet phases [--num-workers 8] [--phase-s 60] [--splits 2 4 6]
+
+Each phase's rate is --load (0.8) of what the planner (pdserve/planner, on the simulated
+profile) says the best split of that phase sustains; SLOs are simulated time (TTFT 400 ms,
+TPOT 50 ms by default), so on the wall they are divided by --speedup, as every step is. The
+phases run back to back, A B A B, fresh prompts throughout. Goodput is the requests that met
+both SLOs per second of the whole run; the oracle is, per phase, the best fixed split's goodput
+in that phase (it knows each phase's best split in advance and moves for free). The JSON has
+every run's per-phase goodput and, for the controller, its split each second; the plot shows
+the split over time against each phase's best, and goodput per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+from benchmarks.sim_fleet import experiments as ex
+from benchmarks.sim_fleet.load import run_load
+from pdserve.planner.goodput_model import (
+    PhaseModels,
+    RequestShape,
+    SimulationConfig,
+    goodput_by_split,
+)
+from pdserve.planner.latency_profile import load_profile
+
+TOKENS_PER_WORD = 2.3
+"""The sim model's tokenizer: a fresh prompt's words (benchmarks/sim_fleet/load.py) in tokens."""
+
+
+def add_phases_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--num-workers", type=int, default=8)
+    add("--phase-s", type=float, default=60.0, help="wall seconds of each phase")
+    add("--num-phases", type=int, default=4, help="A, B, A, B, ...")
+    add("--prefill-heavy", type=int, nargs=2, default=(1024, 8), metavar=("IN", "OUT"),
+        help="phase A: prompt and output tokens")
+    add("--decode-heavy", type=int, nargs=2, default=(64, 128), metavar=("IN", "OUT"))
+    add("--slo-ttft-ms", type=float, default=400.0, help="simulated time")
+    add("--slo-tpot-ms", type=float, default=50.0, help="simulated time")
+    add("--load", type=float, default=0.8, help="each phase's rate: this share of what its "
+                                                "best split sustains (the planner's estimate)")
+    add("--max-num-seqs", type=int, default=16, help="each decode worker's batch limit")
+    add("--interval-s", type=float, default=2.0, help="the controller's interval (wall)")
+    add("--window-s", type=float, default=6.0, help="the controller's load window (wall)")
+    add("--splits", type=int, nargs="*", default=None,
+        help="fixed splits to run (prefill workers); default: each phase's best and their "
+             "midpoint")
+    add("--start-prefill", type=int, default=None,
+        help="the controller's starting split (default: half the workers)")
+    add("--clients", type=int, default=2)
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Each phase's shape, the planner's goodput of every split, its best and its rate."""
+    profile = load_profile(args.profile)
+    models = PhaseModels(profile.prefill[1], profile.decode[1])
+    sim = SimulationConfig(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
+                           max_batched_tokens=profile.max_num_batched_tokens,
+                           max_num_seqs=args.max_num_seqs)
+    phases = {}
+    for name, (prompt, output) in (("A", args.prefill_heavy), ("B", args.decode_heavy)):
+        goodput = goodput_by_split([RequestShape(prompt, 0, output)], args.num_workers,
+                                   models, sim)
+        best = max(goodput, key=goodput.get)
+        phases[name] = {"prompt_tokens": prompt, "output_tokens": output,
+                        "planned_goodput": goodput, "best_prefill": best,
+                        "rate": args.load * goodput[best] * args.speedup}
+    return phases
+
+
+def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefill: int,
+         controller: bool) -> dict[str, Any]:
+    ttft_s, tpot_s = (args.slo_ttft_ms / 1000 / args.speedup,
+                      args.slo_tpot_ms / 1000 / args.speedup)
+    flags = ex._fleet_flags(args, num_prefill, args.num_workers - num_prefill,
+                            "--max-num-seqs", str(args.max_num_seqs),
+                            "--controller", "flip" if controller else "off",
+                            "--slo-ttft-ms", str(ttft_s * 1000),
+                            "--slo-tpot-ms", str(tpot_s * 1000),
+                            "--controller-interval-s", str(args.interval_s),
+                            "--controller-window-s", str(args.window_s))
+    fleet = ex._start(args, name, *flags)
+    out = ex.output_dir(args, "sim_fleet")
+    order = ["A" if i % 2 == 0 else "B" for i in range(args.num_phases)]
+    results: list[list[dict[str, Any]]] = [[] for _ in order]
+    timeline: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def phase(i: int, started: float) -> None:
+        time.sleep(max(0.0, started + i * args.phase_s - time.monotonic()))
+        shape = phases[order[i]]
+        report = run_load(fleet.base_url, fleet.model, shape["rate"], args.phase_s, out,
+                          args.clients, seed=args.seed * 100 + i,
+                          prompt_words=max(1, round(shape["prompt_tokens"] / TOKENS_PER_WORD)),
+                          max_tokens=shape["output_tokens"])
+        results[i] = report["results"]
+
+    def watch(started: float) -> None:
+        while not stop.wait(1.0):
+            try:
+                status = fleet.status()
+            except Exception:  # a slow answer under load: the next second's
+                continue
+            roles = [w["role"] for w in status["workers"]]
+            timeline.append({"t_s": time.monotonic() - started,
+                             "prefill": roles.count("prefill"),
+                             "state": status["controller"]["state"]})
+
+    try:
+        started = time.monotonic()
+        threads = [threading.Thread(target=phase, args=(i, started)) for i in range(len(order))]
+        watcher = threading.Thread(target=watch, args=(started,), daemon=True)
+        for thread in [*threads, watcher]:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stop.set()
+        flips = fleet.status()["controller"]["num_flips"]
+    finally:
+        fleet.stop()
+    per_phase = []
+    for i, phase_results in enumerate(results):
+        good = sum(1 for r in phase_results if _meets(r, ttft_s, tpot_s))
+        failed = sum(1 for r in phase_results if not r["ok"])
+        per_phase.append({"phase": order[i], "sent": len(phase_results), "good": good,
+                          "failed": failed, "goodput": good / args.phase_s})
+        print(f"[{name}] phase {i} ({order[i]}): {len(phase_results)} sent, {good} met the "
+              f"SLOs, {failed} failed", flush=True)
+    total = sum(p["good"] for p in per_phase) / (args.phase_s * len(order))
+    print(f"[{name}] goodput {total:.2f} req/s (wall), {flips} flips", flush=True)
+    return {"name": name, "start_prefill": num_prefill, "controller": controller,
+            "phases": per_phase, "goodput": total, "num_flips": flips, "timeline": timeline}
+
+
+def _meets(result: dict[str, Any], ttft_s: float, tpot_s: float) -> bool:
+    if not result["ok"] or result["ttft_s"] is None:
+        return False
+    tokens = result["tokens"] or 0
+    tpot = (result["latency_s"] - result["ttft_s"]) / (tokens - 1) if tokens > 1 else 0.0
+    return result["ttft_s"] <= ttft_s and tpot <= tpot_s
+
+
+def phases(args: argparse.Namespace) -> int:
+    """Goodput of the controller moving workers under alternating phases, against fixed splits
+    and a per-phase oracle."""
+    planned = plan(args)
+    for name, phase in planned.items():
+        print(f"[phases] {name}: {phase['prompt_tokens']} in / {phase['output_tokens']} out, "
+              f"best split {phase['best_prefill']}P, rate {phase['rate']:.1f} req/s (wall)",
+              flush=True)
+    best = sorted({planned["A"]["best_prefill"], planned["B"]["best_prefill"]})
+    splits = args.splits or sorted({*best, (best[0] + best[-1]) // 2})
+    start = args.start_prefill or args.num_workers // 2
+    runs = [_run(args, "phases-controller", planned, start, controller=True)]
+    runs += [_run(args, f"phases-fixed-{p}p", planned, p, controller=False) for p in splits]
+    fixed = [r for r in runs if not r["controller"]]
+    best_fixed = max(fixed, key=lambda r: r["goodput"])
+    oracle = sum(max(r["phases"][i]["good"] for r in fixed)
+                 for i in range(args.num_phases)) / (args.phase_s * args.num_phases)
+    ctl = runs[0]
+    report = {"machine": ex._machine(), "args": vars(args), "plan": planned, "runs": runs,
+              "best_fixed": best_fixed["name"],
+              "controller_vs_best_fixed": ctl["goodput"] / max(best_fixed["goodput"], 1e-9),
+              "controller_vs_oracle": ctl["goodput"] / max(oracle, 1e-9),
+              "oracle_goodput": oracle}
+    print(f"[phases] controller {ctl['goodput']:.2f} req/s, best fixed "
+          f"({best_fixed['name']}) {best_fixed['goodput']:.2f}, oracle {oracle:.2f}: "
+          f"{report['controller_vs_best_fixed']:.2f}x the best fixed split, "
+          f"{report['controller_vs_oracle']:.0%} of the oracle", flush=True)
+    path = ex._write(args, "phases", report)
+    _plot(report, args, path.with_suffix(".png"))
+    return 0
+
+
+def _plot(report: dict[str, Any], args: argparse.Namespace, path) -> None:
+    plt = ex.pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7))
+    ctl = report["runs"][0]
+    top.step([p["t_s"] for p in ctl["timeline"]], [p["prefill"] for p in ctl["timeline"]],
+             where="post", label="controller's prefill workers")
+    for i in range(args.num_phases):
+        name = "A" if i % 2 == 0 else "B"
+        best = report["plan"][name]["best_prefill"]
+        top.hlines(best, i * args.phase_s, (i + 1) * args.phase_s, colors="gray",
+                   linestyles="dashed", label="each phase's planned best" if i == 0 else None)
+    top.set_xlabel("wall seconds")
+    top.set_ylabel("prefill workers")
+    top.legend()
+    width = 0.8 / len(report["runs"])
+    for k, run in enumerate(report["runs"]):
+        bottom.bar([i + k * width for i in range(args.num_phases)],
+                   [p["goodput"] for p in run["phases"]], width, label=run["name"])
+    bottom.set_xticks([i + 0.4 - width / 2 for i in range(args.num_phases)],
+                      ["A" if i % 2 == 0 else "B" for i in range(args.num_phases)])
+    bottom.set_ylabel("goodput per phase (req/s, wall)")
+    bottom.legend(fontsize=7)
+    ex.save_figure(fig, plt, path)
