@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 from benchmarks.sim_fleet import experiments as ex
@@ -129,11 +130,13 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
     per_phase = []
     for i, phase_results in enumerate(results):
         good = sum(1 for r in phase_results if _meets(r, ttft_s, tpot_s))
-        failed = sum(1 for r in phase_results if not r["ok"])
+        failed = [r for r in phase_results if not r["ok"]]
+        causes = Counter(f"{r['cause']}: {r['error'][:80]}" for r in failed)
         per_phase.append({"phase": order[i], "sent": len(phase_results), "good": good,
-                          "failed": failed, "goodput": good / args.phase_s})
+                          "failed": len(failed), "failures": dict(causes.most_common(5)),
+                          "goodput": good / args.phase_s})
         print(f"[{name}] phase {i} ({order[i]}): {len(phase_results)} sent, {good} met the "
-              f"SLOs, {failed} failed", flush=True)
+              f"SLOs, {len(failed)} failed {dict(causes.most_common(3))}", flush=True)
     total = sum(p["good"] for p in per_phase) / (args.phase_s * len(order))
     print(f"[{name}] goodput {total:.2f} req/s (wall), {flips} flips", flush=True)
     return {"name": name, "start_prefill": num_prefill, "controller": controller,
@@ -166,7 +169,10 @@ def phases(args: argparse.Namespace) -> int:
     oracle = sum(max(r["phases"][i]["good"] for r in fixed)
                  for i in range(args.num_phases)) / (args.phase_s * args.num_phases)
     ctl = runs[0]
-    report = {"machine": ex._machine(), "args": vars(args), "plan": planned, "runs": runs,
+    report = {"machine": ex._machine(),
+              "args": {k: v if isinstance(v, (int, float, str, list, tuple, type(None)))
+                       else str(v) for k, v in vars(args).items()},
+              "plan": planned, "runs": runs,
               "best_fixed": best_fixed["name"],
               "controller_vs_best_fixed": ctl["goodput"] / max(best_fixed["goodput"], 1e-9),
               "controller_vs_oracle": ctl["goodput"] / max(oracle, 1e-9),
