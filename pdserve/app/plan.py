@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiplies the trace's lengths (to fit a small machine)",
     )
     parser.add_argument(
-        "--num-requests", type=int, default=1000, help="simulated requests per rate"
+        "--num-requests", type=int, default=1000,
+        help="simulated requests per rate, at least (more, up to 2048, where their arrivals "
+             "would not span three requests' decode)"
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(

@@ -295,7 +295,7 @@ class Roles:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         raise TimeoutError("cluster not ready")
 
     def stop(self) -> None:
