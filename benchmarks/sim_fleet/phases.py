@@ -24,6 +24,8 @@ from typing import Any
 
 from benchmarks.sim_fleet import experiments as ex
 from benchmarks.sim_fleet.load import run_load
+from pdserve.benchmarks.client import RequestOutcome
+from pdserve.benchmarks.metrics import SLOConfig, meets_slo
 from pdserve.planner.goodput_model import (
     PhaseModels,
     RequestShape,
@@ -81,6 +83,7 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
          controller: bool) -> dict[str, Any]:
     ttft_s, tpot_s = (args.slo_ttft_ms / 1000 / args.speedup,
                       args.slo_tpot_ms / 1000 / args.speedup)
+    slo = SLOConfig(ttft_ms=ttft_s * 1000, tpot_ms=tpot_s * 1000)
     flags = ex._fleet_flags(args, num_prefill, args.num_workers - num_prefill,
                             "--max-num-seqs", str(args.max_num_seqs),
                             "--controller", "flip" if controller else "off",
@@ -129,7 +132,7 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
         fleet.stop()
     per_phase = []
     for i, phase_results in enumerate(results):
-        good = sum(1 for r in phase_results if _meets(r, ttft_s, tpot_s))
+        good = sum(1 for r in phase_results if _meets(r, slo))
         failed = [r for r in phase_results if not r["ok"]]
         causes = Counter(f"{r['cause']}: {r['error'][:80]}" for r in failed)
         per_phase.append({"phase": order[i], "sent": len(phase_results), "good": good,
@@ -143,12 +146,11 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
             "phases": per_phase, "goodput": total, "num_flips": flips, "timeline": timeline}
 
 
-def _meets(result: dict[str, Any], ttft_s: float, tpot_s: float) -> bool:
-    if not result["ok"] or result["ttft_s"] is None:
-        return False
-    tokens = result["tokens"] or 0
-    tpot = (result["latency_s"] - result["ttft_s"]) / (tokens - 1) if tokens > 1 else 0.0
-    return result["ttft_s"] <= ttft_s and tpot <= tpot_s
+def _meets(result: dict[str, Any], slo: SLOConfig) -> bool:
+    """Whether a load client's result (benchmarks/sim_fleet/load.py) met both SLOs."""
+    outcome = RequestOutcome(0, success=result["ok"] and result["ttft_s"] is not None,
+                             ttft_s=result["ttft_s"] or 0.0, latency_s=result["latency_s"])
+    return meets_slo(outcome, result["tokens"] or 0, slo)
 
 
 def phases(args: argparse.Namespace) -> int:

@@ -143,7 +143,6 @@ class GoodputController:
         """Ticks that moved workers (each may move several)."""
         self._streak: tuple[int | None, int] = (None, 0)  # (wanted split, ticks in a row)
         self._last_flip_s = -float("inf")
-        self._started_s = time.monotonic()
         self._task: asyncio.Task | None = None
 
     # ---- inputs -------------------------------------------------------------------------

@@ -63,12 +63,16 @@ class Pools:
                 i + 1, 0, 0, b, c, DECODE(c, b) * rng.uniform(0.98, 1.02)))
 
 
+T0 = 1000.0
+"""Where the recorded arrivals' clock starts (time.monotonic() seconds)."""
+
+
 def arrive(controller: GoodputController, start_s: float, rate: float, seconds: float,
            prompt: int, output: int) -> float:
     """Requests of `prompt` tokens and max_tokens `output` arriving at `rate` per second
-    from start_s (relative to the controller's start) for `seconds`, each finished at once
+    from start_s (after T0) for `seconds`, each finished at once
     with all its tokens; the time they end at."""
-    t0 = controller._started_s + start_s
+    t0 = T0 + start_s
     for i in range(int(rate * seconds)):
         controller.record_arrival(prompt, output, at_s=t0 + i / rate)
         controller.record_request(prompt, 0, output, ttft_s=PREFILL(prompt, prompt * prompt)
@@ -77,7 +81,7 @@ def arrive(controller: GoodputController, start_s: float, rate: float, seconds: 
 
 
 async def tick_at(controller: GoodputController, seconds: float) -> None:
-    await controller.tick(now_s=controller._started_s + seconds)
+    await controller.tick(now_s=T0 + seconds)
 
 
 LONG_PROMPTS = (1500, 2)  # prefill-bound: 0.18 s of prefill, one more token
@@ -192,7 +196,7 @@ async def test_moves_wait_for_patience_and_the_cooldown():
 def test_the_load_is_the_window_s_arrivals_with_outputs_scaled_by_what_finished():
     controller = GoodputController(ControllerConfig(window_s=10.0), Pools(1, 1))
     assert controller.load() is None  # nothing arrived
-    t0 = controller._started_s
+    t0 = T0
     for i in range(40):  # 20 s at 2 req/s: only the last 10 s count for the rate
         controller.record_arrival(100 + i, 64, at_s=t0 + i / 2)
     for _ in range(10):  # finished requests made half their max_tokens, a quarter cached
