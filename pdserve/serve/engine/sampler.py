@@ -11,12 +11,11 @@ Per row (request), in this order:
         ├─ temperature ─► min-p ─► top-k ─► top-p (masked tokens get -inf)
         └─ draw: argmax(probs / E) with E ~ Exponential(1), the Gumbel-max trick's sibling
 
-Seeded rows draw E from a generator seeded by hash(seed, i), i = the index of the output
-token being sampled, made on the logits' device. Nothing else feeds that generator, so the
-draw is reproducible regardless of batch composition, and a decode worker that receives only
-(seed, i) continues exactly where the prefill worker stopped. CPU generators (Mersenne
-Twister) and CUDA generators (Philox) give different streams: a seeded request gives the same
-tokens on every worker of one device type, not across CPU and GPU. Unseeded rows share the
+Seeded rows draw E as a pure function of (seed, i, token id), i = the index of the output
+token being sampled, made on the logits' device from integer hashes that give the same bits on
+CPU and GPU (pdserve/serve/engine/seeded_noise.py). Nothing else feeds it, so the draw is
+reproducible regardless of batch composition, and a decode worker that receives only (seed, i)
+continues exactly where the prefill worker stopped, on any device. Unseeded rows share the
 engine's generator.
 
 The host never waits for the device while a step samples. Everything runs on the logits'
@@ -25,10 +24,11 @@ seeded or want logprobs, the token ids that controls and penalties touch) goes d
 tensors built once and sent from pinned memory without waiting; rows are picked with index
 tensors and masks are applied with masked ops, never with host lists or boolean indexing.
 Top-k takes `topk` of the largest k asked for; top-p ranks only the candidates top-k leaves,
-exactly, ties included (when a top-p row has no top-k, the step ranks whole rows, as vLLM's
-torch path sorts them). The only host read left in a step is the one below. What the host
-needs back, the sampled ids and the logprobs asked for, crosses in one copy to pinned memory
-(`SampledBatch`); reading it is the step's one wait (tests/serve/test_sampler_syncs.py).
+exactly, ties included, and when a top-p row has no top-k it searches for the probability
+threshold (a bisection over float32's bits, 30 masked sums per row) instead of sorting rows.
+What the host needs back, the sampled ids and the logprobs asked for, crosses in one copy to
+pinned memory (`SampledBatch`); reading it is the step's one wait
+(tests/serve/test_sampler_syncs.py).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 
 from pdserve.serve.engine.logit_controls import apply_logit_controls, flat_index
 from pdserve.serve.engine.request import Logprob, Request, TokenLogprobs
+from pdserve.serve.engine.seeded_noise import seeded_noise
 from pdserve.serve.layers.uploads import to_device
 
 
@@ -51,16 +52,16 @@ class SampleResult:
 
 
 def seed_for_token(seed: int, output_index: int) -> int:
-    """The generator seed of output token `output_index` of a request seeded with `seed`."""
+    """A host generator's seed for output token `output_index` of a request seeded with
+    `seed` (speculative decoding's acceptance draws, pdserve/serve/engine/spec_decode.py)."""
     digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def exponential_noise(vocab_size: int, seed: int, output_index: int) -> torch.Tensor:
-    """The Exponential(1) draw of one seeded row on the host: [vocab_size] float32, what
-    `Sampler` draws on a CPU device."""
-    generator = torch.Generator().manual_seed(seed_for_token(seed, output_index))
-    return torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+    """The Exponential(1) draw of one seeded row: [vocab_size] float32, what `Sampler` draws
+    for it on any device."""
+    return seeded_noise([seed], [output_index], vocab_size)[0]
 
 
 def row_values(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
@@ -122,24 +123,59 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, max_candidates: int |
     the mass of the tokens strictly more likely than it is below top_p, so the most likely
     token always stays and tied tokens stay or go together; top_p >= 1 keeps every token.
 
-    Only a row's `max_candidates` most likely tokens are ranked (all when None), never the
-    whole vocabulary: exact whenever no more than that many tokens can be kept, as after
-    top-k with k <= max_candidates (tokens tied with the last candidate share its fate)."""
-    vocab_size = logits.shape[-1]
-    num_candidates = min(max(max_candidates or vocab_size, 1), vocab_size)
+    With `max_candidates`, only a row's that many most likely tokens are ranked: exact
+    whenever no more than that many tokens can be kept, as after top-k with k <=
+    max_candidates (tokens tied with the last candidate share its fate). Without, the
+    smallest kept probability is searched for (`_top_p_threshold`); nothing is sorted."""
     probs = torch.softmax(logits, dim=-1)
+    if max_candidates is None:
+        threshold = _top_p_threshold(probs, top_p)
+    else:
+        threshold = _top_p_candidates_threshold(probs, top_p, max_candidates)
+    drop = (probs < threshold) & (top_p.unsqueeze(1) < 1.0)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _top_p_candidates_threshold(probs: torch.Tensor, top_p: torch.Tensor, max_candidates: int
+                                ) -> torch.Tensor:
+    """[B, 1]: the smallest kept probability, ranking each row's `max_candidates` largest."""
+    num_candidates = min(max(max_candidates, 1), probs.shape[-1])
     top_probs = probs.topk(num_candidates, dim=-1).values  # [B, K], descending
     mass_before = top_probs.cumsum(dim=-1) - top_probs
     # a run of tied candidates takes the mass before its first member
     starts = torch.cat([torch.ones_like(top_probs[:, :1], dtype=torch.bool),
                         top_probs[:, 1:] != top_probs[:, :-1]], dim=1)
-    positions = torch.arange(num_candidates, device=logits.device).expand_as(top_probs)
+    positions = torch.arange(num_candidates, device=probs.device).expand_as(top_probs)
     run_start = torch.where(starts, positions, 0).cummax(dim=-1).values
     kept = mass_before.gather(1, run_start) < top_p.unsqueeze(1)
     kept |= positions == 0
-    threshold = torch.where(kept, top_probs, float("inf")).min(dim=-1, keepdim=True).values
-    drop = (probs < threshold) & (top_p.unsqueeze(1) < 1.0)
-    return logits.masked_fill(drop, float("-inf"))
+    return torch.where(kept, top_probs, float("inf")).min(dim=-1, keepdim=True).values
+
+
+# float32's bit patterns of non-negative values order as the values do, and a probability's
+# are below 2^30 (1.0 is 0x3F800000): 30 halvings of [0, bits(max prob)] leave one pattern.
+TOP_P_SEARCH_STEPS = 30
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the smallest kept probability, as the smallest float32 q with
+
+        mass_above(q) = sum of the row's probs > q  <  top_p
+
+    (mass_above only falls as q grows, so a bisection finds it; a token of probability q
+    stays exactly when mass_above(q) < top_p, the sort's rule). The row's largest
+    probability always qualifies (nothing is above it), so it starts as the upper end.
+    Each step is one masked sum per row, on the device, with no host read."""
+    top_p = top_p.unsqueeze(1).to(probs.dtype)
+    high = probs.float().max(dim=-1, keepdim=True).values.view(torch.int32).long()  # [B, 1]
+    low = torch.zeros_like(high)
+    for _ in range(TOP_P_SEARCH_STEPS):
+        middle = (low + high) // 2
+        candidate = middle.int().view(torch.float32).to(probs.dtype)
+        qualifies = torch.where(probs > candidate, probs, 0.0).sum(-1, keepdim=True) < top_p
+        high = torch.where(qualifies, middle, high)
+        low = torch.where(qualifies, low, middle + 1)
+    return high.int().view(torch.float32).to(probs.dtype)
 
 
 @dataclass
@@ -300,12 +336,12 @@ class Sampler:
         # every sampled row draws from the engine's generator, seeded or not, so that its
         # sequence does not depend on which rows are seeded
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, (request, index) in enumerate(zip(requests, output_indices, strict=True)):
-            seed = request.sampling_params.seed
-            if seed is not None:  # its own generator, on the device: one launch, no copy
-                generator = torch.Generator(device=noise.device)
-                noise[row].exponential_(generator=generator.manual_seed(
-                    seed_for_token(seed, index)))
+        seeded = [row for row, r in enumerate(requests) if r.sampling_params.seed is not None]
+        if seeded:  # their own noise, keyed by (seed, index), made on the device
+            own = seeded_noise([requests[row].sampling_params.seed for row in seeded],
+                               [output_indices[row] for row in seeded], probs.shape[1],
+                               probs.device)
+            noise.index_copy_(0, row_index(seeded, probs.device), own)
         return (probs / noise).argmax(dim=-1)
 
 
