@@ -30,7 +30,7 @@ import bisect
 import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -309,3 +309,47 @@ def goodput_by_split(workload: Sequence[RequestShape], num_workers: int, models:
     workers, keyed by P."""
     return {p: estimate_goodput(workload, p, num_workers - p, models, config)
             for p in range(1, num_workers)}
+
+
+def fleet_size(workload: Sequence[RequestShape], rate: float, models: PhaseModels,
+               config: SimulationConfig, max_pool_workers: int = 128
+               ) -> tuple[int, int] | None:
+    """The smallest fleet, (prefill, decode) workers, whose predicted attainment of `rate`
+    arrivals of `workload` meets config.attainment; None where no fleet of at most
+    `max_pool_workers` a pool does (an SLO that even a lone request misses, say).
+
+    Each pool is sized first with the other as large as allowed (the least it can be in any
+    fleet that meets the target), by bisection: attainment grows with a pool's size. The
+    two together may still miss it (each pool spends some of the SLO's slack), so the pair
+    then grows by the one worker that raises attainment most, until it meets the target."""
+    target = config.attainment
+
+    def attained(num_prefill: int, num_decode: int) -> float:
+        return attainment(simulate(workload, rate, num_prefill, num_decode, models, config),
+                          config)
+
+    big = max_pool_workers
+    if rate <= 0 or big < 1 or attained(big, big) < target:
+        return None
+
+    def least(pool_size: Callable[[int], tuple[int, int]]) -> int:
+        low, high = 1, big  # high meets the target
+        while low < high:
+            mid = (low + high) // 2
+            if attained(*pool_size(mid)) >= target:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    prefill = least(lambda n: (n, big))
+    decode = least(lambda n: (big, n))
+    current = attained(prefill, decode)
+    while current < target and (prefill < big or decode < big):
+        more_prefill = attained(prefill + 1, decode) if prefill < big else -1.0
+        more_decode = attained(prefill, decode + 1) if decode < big else -1.0
+        if more_prefill >= more_decode:
+            prefill, current = prefill + 1, more_prefill
+        else:
+            decode, current = decode + 1, more_decode
+    return (prefill, decode) if current >= target else None

@@ -37,8 +37,13 @@ class ControllerConfig:
     """No move within this long after the last one (the moved workers drain meanwhile)."""
     drain_timeout_s: float = 60.0
     """A worker that does not drain within this keeps its role and rejoins its pool."""
+    hand_over: bool = True
+    """A decode worker that moves hands its running requests to the other decode workers
+    (they resume there) instead of finishing them first (pdserve/router/moves.py)."""
     window_s: float = 10.0
     """The arriving load is what arrived in the last this many seconds."""
+    max_pool_workers: int = 64
+    """The largest pool the fleet size it publishes may ask for."""
     window_requests: int = 1000
     window_samples: int = 2000
     profile: str | None = None

@@ -11,14 +11,17 @@ Every `interval_s` the controller
        max_tokens leaves once scaled by what finished requests produced, the cached share)
        and the split's capacity, the highest rate it serves at the attainment target
        (goodput_model.simulate, goodput_by_split);
-    4. publishes the best split (/status, /metrics; the fitted models also as a latency
-       profile, docs/planner.md, that `pdserve plan` reads), and in `flip` mode moves as many
-       workers as the prediction says, all at once (choose_split): not while the current
+    4. publishes the best split and the smallest fleet that meets the target on the load
+       (goodput_model.fleet_size; an autoscaler reads it) in /status and /metrics, the
+       fitted models also as a latency profile (docs/planner.md) that `pdserve plan` reads;
+    5. in `flip` mode, moves as many workers as the prediction says, all at once
+       (choose_split): not while the current
        split meets the target with `min_gain` headroom in capacity (a steady load causes no
        move), and only to a split that predicts `min_attainment_gain` more attainment or
        `min_gain` times the capacity (hysteresis: a balanced mix does not oscillate). Each
-       moved worker is drained (no new requests; the ones it holds finish), told its new
-       role, and moved to the other pool once it reports that role.
+       moved worker gets no new requests; a decode worker hands the ones it holds to the
+       other decode workers (`hand_over`), a prefill worker finishes them; it is told its
+       new role and joins the other pool once it reports it (pdserve/router/moves.py).
 
 Started with a latency profile (ControllerConfig.profile), the controller uses its model for
 a phase, at that pool's TP degree, until it has enough samples of the phase to fit its own.
@@ -46,6 +49,7 @@ from pdserve.planner.goodput_model import (
     SimulationConfig,
     attainment,
     fit_nonnegative,
+    fleet_size,
     goodput_by_split,
     simulate,
     ttft_overhead_s,
@@ -56,6 +60,7 @@ from pdserve.router.config import ControllerConfig
 
 if TYPE_CHECKING:
     from pdserve.router.dispatch import Dispatcher
+    from pdserve.router.moves import Move
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,10 @@ class Estimate:
     """Requests arriving per second now (0: none arrived in the window)."""
     attainment: dict[int, float] = dataclasses.field(default_factory=dict)
     """Number of prefill workers -> predicted share of the current load meeting both SLOs."""
+    needed: tuple[int, int] | None = None
+    """The smallest fleet (prefill, decode workers) predicted to meet the target on the
+    current load, whatever this fleet's size (goodput_model.fleet_size): what an autoscaler
+    reads. None: nothing arrives, or no fleet of at most max_pool_workers a pool meets it."""
 
     @property
     def best_prefill(self) -> int:
@@ -140,6 +149,7 @@ class GoodputController:
         self.state = "warming up"
         self.num_flips = 0
         self.num_moves = 0
+        self.last_moves: list[Move] = []
         """Ticks that moved workers (each may move several)."""
         self._streak: tuple[int | None, int] = (None, 0)  # (wanted split, ticks in a row)
         self._last_flip_s = -float("inf")
@@ -223,15 +233,18 @@ class GoodputController:
             return None
         sim, num_workers = self._simulation_config(models), num_prefill + num_decode
 
-        def predict() -> tuple[dict[int, float], dict[int, float]]:
+        def predict() -> tuple[dict[int, float], dict[int, float], tuple[int, int] | None]:
             capacity = goodput_by_split(load.shapes, num_workers, models, sim)
             attained = ({p: attainment(simulate(load.shapes, load.rate, p, num_workers - p,
                                                 models, sim), sim)
                          for p in capacity} if load.rate > 0 else {})
-            return capacity, attained
+            needed = fleet_size(load.shapes, load.rate, models, sim,
+                                self.config.max_pool_workers)
+            return capacity, attained, needed
 
-        capacity, attained = await asyncio.to_thread(predict)
-        return Estimate(models, capacity, num_prefill, num_workers, sim, load.rate, attained)
+        capacity, attained, needed = await asyncio.to_thread(predict)
+        return Estimate(models, capacity, num_prefill, num_workers, sim, load.rate, attained,
+                        needed)
 
     def _simulation_config(self, models: PhaseModels) -> SimulationConfig:
         """The SLOs, with what the workers report (their batch limits, the mean KV load time
@@ -278,15 +291,17 @@ class GoodputController:
         self.state = f"moving {count} worker(s) to {to_role}"
         # All at once: each flip_one marks its worker draining before its first wait, so the
         # next picks another; each keeps at least one worker in the pool it leaves.
-        moved = [w for w in await asyncio.gather(*(
-            self.dispatcher.flip_one(to_role, self.config.drain_timeout_s)
-            for _ in range(count))) if w is not None]
+        moved = [m for m in await asyncio.gather(*(
+            self.dispatcher.flip_one(to_role, self.config.drain_timeout_s,
+                                     self.config.hand_over)
+            for _ in range(count))) if m is not None]
         self._last_flip_s = time.monotonic()
         self._streak = (None, 0)
         if moved:
             self.num_flips += len(moved)
             self.num_moves += 1
-            self.state = f"moved {', '.join(w.worker_id for w in moved)} to {to_role}"
+            self.last_moves = moved
+            self.state = f"moved {', '.join(m.worker_id for m in moved)} to {to_role}"
 
     def _workers_alike(self) -> bool:
         """A flipped worker runs at the other pool's fitted speed only if it has the same
@@ -323,6 +338,7 @@ class GoodputController:
         out: dict[str, Any] = {
             "mode": self.config.mode, "state": self.state, "num_flips": self.num_flips,
             "num_moves": self.num_moves,
+            "last_moves": [dataclasses.asdict(m) for m in self.last_moves],
             "slo": {"ttft_s": self.config.ttft_slo_s, "tpot_s": self.config.tpot_slo_s,
                     "attainment": self.config.attainment},
             "num_requests": len(self.requests),
@@ -339,6 +355,8 @@ class GoodputController:
                 goodput_by_num_prefill={str(p): round(g, 3)
                                         for p, g in estimate.goodput.items()},
                 arrival_rate=round(estimate.rate, 3),
+                needed=(None if estimate.needed is None else
+                        {"prefill": estimate.needed[0], "decode": estimate.needed[1]}),
                 attainment_by_num_prefill={str(p): round(a, 3)
                                            for p, a in estimate.attainment.items()},
                 models={"prefill": _describe(estimate.models.prefill, ("tokens", "attention")),

@@ -13,8 +13,10 @@
 request ends (finish, error, timeout, client disconnect: the generator is closed), every
 worker that still holds it is told to abort, so no blocks or leases outlive it.
 
-Migration: a worker that dies or goes silent while it holds a request does not fail it. The
-request moves to another worker of the same pool, at most `max_migrations` times:
+Migration: a worker that dies or goes silent while it holds a request does not fail it, nor
+does a decode worker that the controller moves to the prefill pool (it hands its requests
+over: pdserve/router/moves.py). The request moves to another worker of the same pool, at
+most `max_migrations` times:
     before the worker streamed anything   the same request again (a prefill's prompt, or a
                                           decode's hand-off, whose KV is still leased)
     after it streamed some outputs        prompt + those outputs (resume_output_ids): the new
@@ -52,6 +54,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import FollowPrefill, GenerateRequest, KVStaging, Output
 from pdserve.router.config import RouterConfig
 from pdserve.router.fleet_watch import FleetWatch
+from pdserve.router.moves import Move, move_worker
 from pdserve.router.phases import Migration, RequestPhases, WorkerLeg
 from pdserve.router.policies import (
     PREFILL_ROUTING,
@@ -69,8 +72,7 @@ from pdserve.router.worker_client import WorkerClient, WorkerDied
 logger = logging.getLogger(__name__)
 
 HANDOFF = "handoff"
-ROLE_SWITCH_TIMEOUT_S = 5.0  # a drained worker reports its new role within this
-POLL_S = 0.05  # how often a wait looks again (a drain; a pool's first ready worker)
+POLL_S = 0.05  # how often a wait looks again (a pool's first ready worker)
 
 class RequestFailed(RuntimeError):
     """A worker reported an error, died, or went silent past its timeout."""
@@ -208,39 +210,10 @@ class Dispatcher:
         self.prefix_index.record(keys, worker.address)  # it is about to compute them
         return worker
 
-    async def flip_one(self, to_role: str, drain_timeout_s: float) -> WorkerClient | None:
-        """Move one worker of the other pool to `to_role` (prefill | decode): the least busy
-        one stops getting requests, finishes the ones it holds, is told its new role and
-        joins the new pool once it reports it. None if none moved: the other pool has one
-        worker (it must keep it), or the drain or the switch timed out (it stays)."""
-        if to_role not in ("prefill", "decode"):
-            raise ValueError(f"can only flip to prefill or decode, not {to_role!r}")
-        source, target = ((self.decode, self.prefill) if to_role == "prefill"
-                          else (self.prefill, self.decode))
-        candidates = [w for w in source if w.accepting]
-        if len(candidates) < 2:
-            return None
-        worker = min(candidates, key=lambda w: (w.num_inflight + num_queued(w), w.address))
-        worker.draining = True
-        try:
-            if not await _wait_until(lambda: _is_idle(worker), drain_timeout_s):
-                logger.warning("worker %s did not drain within %.0fs; it stays %s",
-                               worker.worker_id, drain_timeout_s, worker.role)
-                return None
-            await worker.set_role(to_role)
-            if not await _wait_until(lambda: worker.status is not None
-                                     and worker.status.role == to_role, ROLE_SWITCH_TIMEOUT_S):
-                logger.warning("worker %s did not switch to %s; it stays %s",
-                               worker.worker_id, to_role, worker.role)
-                return None
-        finally:
-            worker.draining = False
-        source.remove(worker)
-        target.append(worker)
-        logger.info("worker %s is now %s (%d prefill, %d decode)", worker.worker_id, to_role,
-                    len(self.prefill), len(self.decode))
-        worker.role = to_role
-        return worker
+    async def flip_one(self, to_role: str, drain_timeout_s: float, hand_over: bool = True
+                       ) -> Move | None:
+        """Move one worker of the other pool to `to_role` (pdserve/router/moves.py)."""
+        return await move_worker(self, to_role, drain_timeout_s, hand_over)
 
     async def run(
         self,
@@ -327,6 +300,7 @@ class Dispatcher:
             if worker is None:
                 worker = await self._pick_waiting(pool, tried, current)
             tried.add(worker.address)
+            role = worker.role  # (a worker that left its pool has another role by now)
             try:
                 async with aclosing(self._stream(worker, current, leg)) as stream:
                     async for output in stream:
@@ -343,7 +317,7 @@ class Dispatcher:
                     # the pool is empty for now (its workers restarting): wait for one, and
                     # take a restarted one again, a new process at the same address
                     if not await self.wait_for_ready([pool]):
-                        raise NoWorkerAvailable(f"no other {worker.role} worker is ready "
+                        raise NoWorkerAvailable(f"no other {role} worker is ready "
                                                 f"within {self.config.pool_wait_s:g}s") from exc
                     tried = {a for a in tried
                              if not any(w.address == a and w.accepting for w in pool)}
@@ -353,22 +327,22 @@ class Dispatcher:
                     current = self._resume_choices(request, worker, streamed, open_choices,
                                                    pool, exc)
                     logger.warning("%s worker %s failed after %d tokens of %s (%s); resuming "
-                                   "its %d choices on another", worker.role, worker.address,
+                                   "its %d choices on another", role, worker.address,
                                    num_streamed, request.request_id, exc, len(open_choices))
                 elif resumed:
                     current = dataclasses.replace(request, handoff=None,
                                                   resume_output_ids=list(streamed[0]))
                     logger.warning("%s worker %s failed after %d tokens of %s (%s); resuming "
-                                   "on another", worker.role, worker.address, num_streamed,
+                                   "on another", role, worker.address, num_streamed,
                                    request.request_id, exc)
                 else:
                     logger.warning("%s worker %s died before its first token of %s (%s); "
-                                   "moving the request", worker.role, worker.address,
+                                   "moving the request", role, worker.address,
                                    request.request_id, exc)
-                leg.on_migration(Migration(time.monotonic(), worker.role, worker.worker_id,
+                leg.on_migration(Migration(time.monotonic(), role, worker.worker_id,
                                            resumed, str(exc)))
                 if self.on_migration is not None:
-                    self.on_migration(worker.role, resumed)
+                    self.on_migration(role, resumed)
                 worker = None
 
     def _resume_choices(self, request: GenerateRequest, worker: WorkerClient,
@@ -475,19 +449,3 @@ class Dispatcher:
                 worker.finish(request.request_id)
             else:  # closed early: client gone, timeout, or the caller stopped at the hand-off
                 await worker.abort(request.request_id)
-
-
-def _is_idle(worker: WorkerClient) -> bool:
-    """Nothing of it is in flight at the router, and its last status shows no request."""
-    status = worker.status
-    return (worker.num_inflight == 0 and status is not None and status.num_running == 0
-            and status.num_waiting == 0)
-
-
-async def _wait_until(predicate, timeout_s: float) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() >= deadline:
-            return False
-        await asyncio.sleep(POLL_S)
-    return True

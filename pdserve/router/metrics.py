@@ -228,8 +228,9 @@ def _tier_metrics(tiers: dict[str, float], key: list[str], hits, read, written, 
 
 
 class _ControllerCollector(Collector):
-    """The goodput controller's last estimate: recommended workers per role, and the
-    estimated goodput of each split (by its number of prefill workers)."""
+    """The goodput controller's last estimate: recommended workers per role (the split of
+    this fleet), the workers per role the load needs (the fleet's size), and the estimated
+    goodput of each split (by its number of prefill workers)."""
 
     def __init__(self, model_name: str, controller: GoodputController) -> None:
         self._model_name = model_name
@@ -251,12 +252,19 @@ class _ControllerCollector(Collector):
         best = estimate.best_prefill
         recommended.add_metric(name + ["prefill"], best)
         recommended.add_metric(name + ["decode"], estimate.num_workers - best)
+        needed = GaugeMetricFamily("pdserve:controller_needed_workers",
+                                   "Workers per role the smallest fleet predicted to meet the "
+                                   "SLOs on the current load needs (absent: none arrives, or "
+                                   "no fleet meets them)", labels=["model_name", "role"])
+        if estimate.needed is not None:
+            needed.add_metric(name + ["prefill"], estimate.needed[0])
+            needed.add_metric(name + ["decode"], estimate.needed[1])
         goodput = GaugeMetricFamily("pdserve:controller_estimated_goodput",
                                     "Estimated goodput (req/s meeting the SLOs) of a split",
                                     labels=["model_name", "num_prefill", "num_decode"])
         for p, value in estimate.goodput.items():
             goodput.add_metric(name + [str(p), str(estimate.num_workers - p)], value)
-        yield from (recommended, goodput)
+        yield from (recommended, needed, goodput)
 
 
 class SupervisorCollector(Collector):

@@ -43,6 +43,11 @@ class WorkerDied(RuntimeError):
     """The worker stopped answering while a request was in flight."""
 
 
+class WorkerLeft(WorkerDied):
+    """The worker left its pool (the controller moved it) while a request was in flight:
+    the request moves on as from a dead worker (pdserve/router/moves.py)."""
+
+
 class Received(NamedTuple):
     """An Output and when the receive loop read it (time.monotonic seconds)."""
 
@@ -153,6 +158,17 @@ class WorkerClient:
         self.finish(request_id)
         with contextlib.suppress(zmq.ZMQError):
             await self._socket.send(WORKER_PROTOCOL.encode(AbortRequest(request_id)))
+
+    async def hand_over_inflight(self) -> int:
+        """Give up every request in flight here: each one's stream gets WorkerLeft (its
+        dispatcher resumes it on another worker of the pool) and the worker is told to abort
+        it. Returns how many there were."""
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            self._queues[request_id].put_nowait(
+                WorkerLeft(f"worker {self.address} ({self.role}) left its pool"))
+            await self.abort(request_id)
+        return len(request_ids)
 
     async def set_role(self, role: str) -> None:
         """Ask the (drained) worker to switch roles; its next status says if it did."""

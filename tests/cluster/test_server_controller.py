@@ -1,13 +1,15 @@
 """The goodput controller end to end through `pdserve up --controller flip`: a prefill-bound
 load on 1 prefill + 2 decode workers, with no headroom left on the one prefill worker,
-makes the router drain a decode worker and flip it to prefill; greedy outputs are the same
-before and after, and the flipped worker serves prompts.
+makes the router move a decode worker to prefill; greedy outputs are the same before and
+after, long answers streaming while the decode worker leaves are handed over and end the
+same as offline (a move fails no request), and the flipped worker serves prompts.
 """
 
 from __future__ import annotations
 
 import random
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,12 +54,16 @@ def test_prefill_bound_load_flips_a_decode_worker(cluster, llama_dir):
     base = cluster.base_url
     rng = random.Random(0)
     probes = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 130)]
+    long_prompt = [rng.randrange(3, 1000) for _ in range(24)]
     before = [_complete(base, p, 8) for p in probes]
     llm = LLM(str(llama_dir), num_kv_blocks=256)
     try:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         offline = [(o.outputs[0].text, len(o.outputs[0].token_ids))
                    for o in llm.generate(probes, params)]
+        [answer] = llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=64,
+                                                              ignore_eos=True))
+        long_offline = (answer.outputs[0].text, 64)
     finally:
         llm.shutdown()
     assert before == offline
@@ -71,13 +77,34 @@ def test_prefill_bound_load_flips_a_decode_worker(cluster, llama_dir):
     def flipped() -> bool:
         return httpx.get(f"{base}/status", timeout=5).json()["controller"]["num_flips"] >= 1
 
+    # Meanwhile two clients stream long answers, so decode workers hold requests when one
+    # of them leaves its pool (it hands them over; they resume on the other).
+    long_answers: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def stream_long_answers() -> None:
+        while not done.is_set():
+            long_answers.append(_complete(base, long_prompt, 64))
+
+    streams = [threading.Thread(target=stream_long_answers) for _ in range(2)]
+    for thread in streams:
+        thread.start()
     deadline = time.monotonic() + FLIP_TIMEOUT_S
-    with ThreadPoolExecutor(4) as pool:
-        while not flipped() and time.monotonic() < deadline:
-            list(pool.map(lambda p: _complete(base, p, 2), [next(prompts) for _ in range(4)]))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            while not flipped() and time.monotonic() < deadline:
+                list(pool.map(lambda p: _complete(base, p, 2),
+                              [next(prompts) for _ in range(4)]))
+    finally:
+        done.set()
+        for thread in streams:
+            thread.join(120)
     status = httpx.get(f"{base}/status", timeout=5).json()
     controller = status["controller"]
     assert controller["num_flips"] == 1, (controller, cluster.log()[-3000:])
+    assert long_answers and all(a == long_offline for a in long_answers), long_answers
+    [move] = controller["last_moves"]
+    assert move["to_role"] == "prefill" and move["seconds"] > 0
     assert controller["recommended"] == {"prefill": 2, "decode": 1}
     goodput = controller["goodput_by_num_prefill"]
     assert goodput["2"] >= 1.2 * goodput["1"]

@@ -12,11 +12,17 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from pdserve.planner.goodput_model import LinearLatency, PhaseModels, SimulationConfig
+from pdserve.planner.goodput_model import (
+    LinearLatency,
+    PhaseModels,
+    SimulationConfig,
+    fleet_size,
+)
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import WORKER_PROTOCOL, StepSample, WorkerStatus
 from pdserve.router.config import ControllerConfig
 from pdserve.router.controller import Estimate, GoodputController, choose_split
+from pdserve.router.moves import Move
 
 PREFILL = LinearLatency(0.01, (1e-4, 1e-8), 0, 0.0)
 DECODE = LinearLatency(0.003, (1e-6, 1e-4), 0, 0.0)
@@ -44,12 +50,12 @@ class Pools:
         self.config = SimpleNamespace(is_disaggregated=True)
         self.flips: list[str] = []
 
-    async def flip_one(self, to_role: str, drain_timeout_s: float):
+    async def flip_one(self, to_role: str, drain_timeout_s: float, hand_over: bool = True):
         self.flips.append(to_role)
         source, target = (self.decode, self.prefill) if to_role == "prefill" else \
             (self.prefill, self.decode)
         target.append(source.pop())
-        return SimpleNamespace(worker_id=f"w{len(self.flips)}")
+        return Move(f"w{len(self.flips)}", to_role, 0.5, 3 if to_role == "prefill" else 0)
 
     def report(self, rng: random.Random, num: int = 40) -> None:
         """Each pool reports `num` steps timed by the models above (2% noise)."""
@@ -164,6 +170,14 @@ async def test_a_phase_change_moves_the_predicted_number_at_once():
     snapshot = controller.snapshot()
     assert snapshot["num_moves"] == 2 and snapshot["arrival_rate"] == pytest.approx(4.0)
     assert snapshot["attainment_by_num_prefill"]["1"] >= 0.9
+    assert [m["to_role"] for m in snapshot["last_moves"]] == ["decode", "decode"]
+    # the fleet this load needs, whatever this one's size: long outputs at 4 req/s
+    estimate = controller.estimate
+    load = controller.load(now_s=T0 + 25.0)
+    assert estimate.needed == fleet_size(load.shapes, load.rate, estimate.models,
+                                         estimate.simulation, 64)
+    assert snapshot["needed"] == {"prefill": estimate.needed[0], "decode": estimate.needed[1]}
+    assert estimate.needed[1] >= 3 and estimate.needed[0] == 1
 
 
 async def test_moves_wait_for_patience_and_the_cooldown():

@@ -17,6 +17,7 @@ from pdserve.planner.goodput_model import (
     attainment,
     estimate_goodput,
     fit_nonnegative,
+    fleet_size,
     goodput_by_split,
     simulate,
     ttft_overhead_s,
@@ -162,3 +163,23 @@ def test_a_decode_pool_serves_no_more_than_its_batches_hold():
         bound = num_decode * 32 / min_request_s
         goodput = estimate_goodput([shape], 1, num_decode, MODELS, sim)
         assert 0 < goodput <= 1.05 * bound, (num_decode, goodput, bound)
+
+
+@pytest.mark.parametrize("shape,rate", [((1500, 0, 2), 6.0), ((50, 0, 1000), 6.0),
+                                        ((512, 0, 64), 20.0), ((800, 0, 200), 10.0)])
+def test_fleet_size_is_the_smallest_fleet_a_sweep_finds(shape, rate):
+    workload = [RequestShape(*shape)]
+    models, config = PhaseModels(PREFILL, DECODE), SimulationConfig(0.5, 0.05)
+    meets = {(p, d): attainment(simulate(workload, rate, p, d, models, config), config)
+             >= config.attainment for p in range(1, 9) for d in range(1, 9)}
+    smallest = min(p + d for (p, d), ok in meets.items() if ok)
+    prefill, decode = fleet_size(workload, rate, models, config, max_pool_workers=8)
+    assert meets[(prefill, decode)]
+    assert prefill + decode == smallest  # this model's pools are separable: exact
+
+
+def test_no_fleet_meets_an_slo_a_lone_request_misses():
+    models = PhaseModels(PREFILL, DECODE)
+    workload = [RequestShape(1500, 0, 2)]  # its prefill alone takes 0.17 s
+    assert fleet_size(workload, 1.0, models, SimulationConfig(0.1, 0.05)) is None
+    assert fleet_size(workload, 0.0, models, SimulationConfig(0.5, 0.05)) is None

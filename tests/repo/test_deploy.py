@@ -177,7 +177,7 @@ def test_scaled_objects_follow_the_controller_for_their_pool(rendered):
         assert target["kind"] == "Deployment"
         find(objects, "Deployment", target["name"])
         query = scaled["spec"]["triggers"][0]["metadata"]["query"]
-        assert query == f'max(pdserve:controller_recommended_workers{{role="{pool}"}})'
+        assert query == f'max(pdserve:controller_needed_workers{{role="{pool}"}})'
     router = find(objects, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
     assert "--controller=recommend" in router["args"]  # flip would fight the autoscaler
 
@@ -334,7 +334,7 @@ def test_dashboard_and_autoscaler_query_exported_metrics(rendered):
     assert {"pdserve:time_to_first_token_seconds_bucket",
             "pdserve:request_time_per_output_token_seconds_bucket",
             "pdserve:kv_cache_usage_perc", "pdserve:kv_transfer_bytes_total",
-            "pdserve:controller_recommended_workers"} <= used
+            "pdserve:controller_recommended_workers", "pdserve:controller_needed_workers"} <= used
     assert used <= exported_metric_names(), used - exported_metric_names()
     scrape = yaml.safe_load(find(rendered["gpu"], "ConfigMap", "pdserve-prometheus")["data"][
         "scrape.yaml"])
