@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from pdserve.handoff.link_policy import KVSourcePolicy, LinkMeter
 from pdserve.kvstore.connector import BlockBackend, Save
 from pdserve.kvstore.memory_tier import BytesLike
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from pdserve.handoff.layer_pull import LayerPull
     from pdserve.handoff.node_server import HandoffNode
     from pdserve.handoff.peers import PeerNodes
+    from pdserve.handoff.wire_fp8 import Fp8Wire
 
 WriteBlocks = Callable[[list[int], list[torch.Tensor]], None]
 """Writes blocks per layer ([P, n, block_size, heads, head_dim]) into pool blocks (the
@@ -86,6 +88,13 @@ class HandoffTransport(ABC):
         self.peers = peers
         self.node = node
         """This worker's own data node, where offers land (None: they do not)."""
+        self.links = LinkMeter()
+        """What each peer's transfers to this worker gave (pdserve/handoff/link_policy.py)."""
+        self.policy = KVSourcePolicy(self.links, has_store=backend is not None)
+        """Where a hand-off's KV comes from, by predicted time (decode's choice)."""
+        self.wire: Fp8Wire | None = None
+        """How this worker's offers cross (`--handoff-wire`): None raw, else encoded by it
+        (pdserve/handoff/wire_fp8.py); a receiver decodes whatever it is sent."""
 
     # ---- prefill side ----------------------------------------------------------------------
     def staging_buffer(self, nbytes: int) -> torch.Tensor | None:

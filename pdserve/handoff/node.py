@@ -41,6 +41,14 @@ class NodeHandoff(StoreHandoff):
     def _target(self) -> Any:
         return self.node
 
+    def _on_the_wire(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw (adopted, no copy), or each block FP8-encoded (`--handoff-wire fp8`): decode
+        workers read the offer over a slow link at 1 byte a value; the write-back to the
+        fleet store keeps the raw blocks."""
+        if self.wire is None:
+            return blocks
+        return [self.wire.encode(block) for block in blocks]
+
     def _offered(self, num_stored: int, lease_id: int | None, spans: list[ShmSpan] | None,
                  error: str | None, keys: list[bytes], blocks: list[torch.Tensor]) -> Offer:
         assert self.node is not None

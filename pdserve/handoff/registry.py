@@ -26,6 +26,10 @@ TRANSPORTS: dict[str, str] = {
 }
 """Every hand-off transport: its `--kv-handoff` name -> where its class lives."""
 
+WIRES = ("raw", "fp8")
+"""`--handoff-wire`: the pool's bytes, or FP8 with per-block scales (pdserve/handoff/wire_fp8.py;
+the same names as its WIRES, kept here so that the flags import no torch)."""
+
 AUTO = "auto"
 """`--kv-handoff auto`: "node" where the worker has a node (`--handoff-dram-gb` > 0), else
 "store"."""
@@ -63,11 +67,20 @@ class HandoffChoice:
     """With a node: a prefill announces its stagings, for decode workers to follow (on its
     host out of the segment, elsewhere by pulling each layer from the node)
     (`--handoff-follow`)."""
+    wire: str = "raw"
+    """How a node's offers cross (`--handoff-wire`, WIRES): raw, or fp8 (1 byte a value and
+    per-block scales, pdserve/handoff/wire_fp8.py), encoded at offer. A layer pull moves the
+    staging as it lies, so an fp8 wire is not followed (`follow` False)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown hand-off transport {self.transport!r}; known: "
                              f"{sorted(TRANSPORTS)}")
+        if self.wire not in WIRES:
+            raise ValueError(f"unknown hand-off wire {self.wire!r}; known: {list(WIRES)}")
+        if self.wire != "raw" and self.follow:
+            raise ValueError("an fp8 hand-off wire is not followed (a layer pull moves the "
+                             "staging's raw bytes)")
 
     @property
     def needs_node(self) -> bool:
@@ -85,19 +98,26 @@ class HandoffFlags(Protocol):
     kv_handoff: str
     handoff_shm: bool
     handoff_follow: bool
+    handoff_wire: str
 
 
 def choose_handoff(flags: HandoffFlags) -> HandoffChoice | None:
     """The one place a worker's flags pick its hand-off; None: it hands nothing off (a
     colocated worker, or neither a node nor a store: decode recomputes). `--kv-handoff auto`
-    (the default) is "node" with `--handoff-dram-gb` > 0, else "store"."""
+    (the default) is "node" with `--handoff-dram-gb` > 0, else "store". `--handoff-wire fp8`
+    needs a node and turns following off (HandoffChoice.wire)."""
     has_store = flags.store_address is not None or flags.store_master_address is not None
     if flags.role == "colocated" or (not has_store and flags.handoff_dram_gb == 0):
         return None
     name = flags.kv_handoff
     if name == AUTO:
         name = "node" if flags.handoff_dram_gb > 0 else "store"
-    choice = HandoffChoice(name, shm=flags.handoff_shm, follow=flags.handoff_follow)
+    wire = flags.handoff_wire
+    choice = HandoffChoice(name, shm=flags.handoff_shm,
+                           follow=flags.handoff_follow and wire == "raw", wire=wire)
+    if wire != "raw" and not choice.needs_node:
+        raise ValueError(f"--handoff-wire {wire} encodes a node's offers; --kv-handoff {name} "
+                         "puts them in the fleet store, which keeps the pool's bytes")
     if choice.needs_node and flags.handoff_dram_gb <= 0:
         raise ValueError(f"--kv-handoff {name} needs a node: give --handoff-dram-gb > 0")
     if not choice.needs_node and not has_store:

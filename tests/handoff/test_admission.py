@@ -57,15 +57,38 @@ def _gateway(with_transfer: bool) -> RequestGateway:
     return RequestGateway(FakeEngine(), "decode", "d", transfer)  # type: ignore[arg-type]
 
 
+class _Transfer:
+    """A KV transfer whose link policy says `source` (kv_transfer.KVTransfer.decide_source)."""
+
+    def __init__(self, source: str = "transfer") -> None:
+        self.source, self.sources = source, None
+        self.asked: list[int] = []
+
+    def decide_source(self, handoff, num_prompt_tokens: int) -> str:
+        self.asked.append(num_prompt_tokens)
+        return self.source
+
+
+class _Followers(set):
+    def is_pulled(self, request_id: str) -> bool:
+        return False
+
+
 def test_the_kind_of_a_handoff() -> None:
-    transfer, followers = object(), {"r"}
+    transfer, followers = _Transfer(), _Followers({"r"})
     assert handoff_kind(_message(), None, None) == "recompute"  # no transfer
     assert handoff_kind(_message(keys=()), transfer, None) == "recompute"  # nothing saved
-    assert handoff_kind(_message(), transfer, set()) == "load"
+    assert handoff_kind(_message(), transfer, _Followers()) == "load"
     spans = [ShmSpan(64, 0, 1)]
-    assert handoff_kind(_message(segment=SEGMENT, spans=spans), transfer, set()) == "in_place"
+    assert handoff_kind(_message(segment=SEGMENT, spans=spans), transfer,
+                        _Followers()) == "in_place"
     assert handoff_kind(_message(segment=SEGMENT, spans=spans), transfer, followers) == \
         "followed"
+    assert len(transfer.asked) == 1  # only the hand-off whose KV would cross a link
+    # the link policy's choice: a store read is a load (the store read first), a recompute
+    # moves nothing
+    assert handoff_kind(_message(), _Transfer("store"), None) == "load"
+    assert handoff_kind(_message(), _Transfer("recompute"), None) == "recompute"
 
 
 @pytest.mark.parametrize(("kind", "path"), [

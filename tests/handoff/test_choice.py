@@ -16,7 +16,8 @@ from pdserve.serve.worker.args import add_handoff_arguments
 
 def _flags(**changes) -> SimpleNamespace:
     flags = dict(role="prefill", store_address=None, store_master_address=None,
-                 handoff_dram_gb=1.0, kv_handoff="auto", handoff_shm=True, handoff_follow=True)
+                 handoff_dram_gb=1.0, kv_handoff="auto", handoff_shm=True, handoff_follow=True,
+                 handoff_wire="raw")
     return SimpleNamespace(**{**flags, **changes})
 
 

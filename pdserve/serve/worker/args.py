@@ -16,7 +16,7 @@ import argparse
 from collections.abc import Callable
 
 from pdserve import discovery, envs
-from pdserve.handoff.registry import AUTO, TRANSPORTS
+from pdserve.handoff.registry import AUTO, TRANSPORTS, WIRES
 from pdserve.serve.config import (
     DTYPES,
     ENGINES,
@@ -232,6 +232,11 @@ def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
                        help="decode copies each layer of a prompt as prefill stages it "
                             "(default: on; off: only once handed off; PDSERVE_HANDOFF_FOLLOW "
                             "is a deprecated alias that sets this default)")
+    group.add_argument("--handoff-wire", default=WIRES[0], choices=list(WIRES),
+                       help="how this worker's hand-off node sends a prompt's KV: raw (the "
+                            "pool's bytes), or fp8 (1 byte a value plus a scale per layer's K "
+                            "and V of each block, for slow links between hosts; turns "
+                            "--handoff-follow off). Decode workers read either")
     group.add_argument("--save-answers", action=argparse.BooleanOptionalAction, default=True,
                        help="decode writes a finished answer's full KV blocks through to the "
                             "fleet store, so the prefill of a conversation's next turn (whose "

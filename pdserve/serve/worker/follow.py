@@ -147,6 +147,11 @@ class Followers:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._follows
 
+    def is_pulled(self, request_id: str) -> bool:
+        """The request's follow pulls its layers from another host (over a link)."""
+        follow = self._follows.get(request_id)
+        return follow is not None and follow.pull is not None
+
     @property
     def has_layers_to_copy(self) -> bool:
         """A followed prefill still has layers to come, to copy now (the worker loop wakes
@@ -168,6 +173,11 @@ class Followers:
         if mapped is None and not (staging.source_address
                                    and len(staging.block_keys) == staging.num_blocks):
             return False
+        sources = self.kv_transfer.sources  # a pull crosses a link: worth it? (kv_source.py)
+        if mapped is None and sources is not None and sources.choose(
+                message.num_prompt_tokens, staging.num_blocks,
+                staging.source_address) != "transfer":
+            return False  # (its hand-off chooses again, and is counted then)
         # (with a block to spare for each running request's next token: a reservation must
         # not make the batch preempt)
         if bm.num_free_blocks - staging.num_blocks < len(self.engine.scheduler.running):

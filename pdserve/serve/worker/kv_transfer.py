@@ -40,7 +40,9 @@ import torch
 
 from pdserve.handoff.connector import HandoffConnector, OnStaged
 from pdserve.handoff.layer_pull import LayerPull
+from pdserve.handoff.link_policy import KVSource
 from pdserve.handoff.registry import HandoffChoice, choose_handoff, make_transport
+from pdserve.handoff.wire_fp8 import Fp8Wire
 from pdserve.kvstore.block_key import block_keys, next_key
 from pdserve.kvstore.connector import TransferResult, block_nbytes
 from pdserve.protocol.store.data import ShmSegment, ShmSpan
@@ -48,6 +50,7 @@ from pdserve.protocol.worker import KVHandoff, KVStaging
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
 from pdserve.serve.engine.kv_tiers import KVOffload, TierCosts
 from pdserve.serve.engine.request import Request
+from pdserve.serve.worker.kv_source import KVSources, engine_prefill_s_per_token
 
 if TYPE_CHECKING:
     from pdserve.serve.worker.server import WorkerConfig
@@ -89,6 +92,12 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
             handoff_node=node, shm=choice.shm, on_staged=on_staged if choice.follow else None)
         transfer.attach_host_tier(getattr(engine, "kv_offload", None))
         transfer.saves_answers = config.save_answers
+        transport = transfer.connector.transport
+        if choice.wire == "fp8":
+            transport.wire = Fp8Wire.for_block_shape(list(transfer.connector.block_shape),
+                                                     transfer.connector.dtype)
+        transfer.sources = KVSources(transport.policy, transfer.connector.block_bytes,
+                                     lambda: engine_prefill_s_per_token(engine))
         return transfer
     except Exception as exc:  # the KV cache is a cache: serve by recomputing
         logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
@@ -156,6 +165,9 @@ class KVTransfer:
         self.saves_answers = True
         """A decode worker writes a finished answer's blocks through to the fleet store
         (save_answer; `--save-answers`)."""
+        self.sources: KVSources | None = None
+        """Decode: where each hand-off's KV comes from, by predicted time (kv_source.py;
+        make_kv_transfer sets it; None: always as offered)."""
         self.offload: KVOffload | None = None
         """The engine's host tier (pdserve/serve/engine/kv_tiers.py), whose evictions this writes
         down to the store and whose cost rule it asks (make_kv_transfer sets it)."""
@@ -421,6 +433,19 @@ class KVTransfer:
         self._started_s["load", request_id] = time.monotonic()
         self.connector.start_load(request_id, keys, list(range(len(keys))), None, source)
 
+    def decide_source(self, handoff: KVHandoff, num_prompt_tokens: int) -> KVSource:
+        """Decode, a hand-off whose KV would cross a link: where it comes from
+        (KVSources.choose: transfer, store or recompute), counted; an offer that will not be
+        read gives its lease back now."""
+        if self.sources is None:
+            return "transfer"
+        choice = self.sources.choose(num_prompt_tokens, len(handoff.block_keys),
+                                     handoff.source_address)
+        self.sources.note(choice)
+        if choice == "recompute":
+            self.release(handoff.lease_id, handoff.source_address)
+        return choice
+
     def map_handoff(self, handoff: KVHandoff
                     ) -> tuple[list[torch.Tensor], Callable[[], bool]] | None:
         """A hand-off's blocks where they lie, in the prefill worker's shared memory segment
@@ -513,7 +538,8 @@ class KVTransfer:
         leases its hand-off node holds now (hand-offs not yet read by decode) and the saves
         it is staging there (pulled by decode workers elsewhere)."""
         node = self.connector.handoff_node
-        return {**self._totals,
+        sources = self.sources.totals() if self.sources is not None else {}
+        return {**self._totals, **sources,
                 "num_handoff_leases": float(self.connector.transport.num_leases),
                 "num_live_stagings": float(len(node.stagings)) if node is not None else 0.0}
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import zmq
 
 from pdserve import addresses, discovery, envs, lifecycle, security
-from pdserve.handoff.registry import AUTO, TRANSPORTS
+from pdserve.handoff.registry import AUTO, TRANSPORTS, WIRES
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import (
     WORKER_PROTOCOL,
@@ -109,6 +109,10 @@ class WorkerConfig:
     handoff_follow: bool = field(default_factory=envs.handoff_follow_default)
     """A prefill announces its stagings and a decode worker copies each layer as it lands
     (default on; the deprecated PDSERVE_HANDOFF_FOLLOW sets the default)."""
+    handoff_wire: str = WIRES[0]
+    """How this worker's hand-off node sends offers: raw (the pool's bytes), or fp8 (1 byte a
+    value and per-block scales, for slow links; pdserve/handoff/wire_fp8.py). fp8 turns
+    following off. Any decode worker reads either."""
     save_answers: bool = True
     """Decode: a finished request's answer blocks go through to the fleet store, for the
     prefill of the conversation's next turn (KVTransfer.save_answer)."""
@@ -144,6 +148,9 @@ class WorkerConfig:
             raise ValueError("store_timeout_s and kv_lease_ttl_s must be positive")
         if self.handoff_dram_gb < 0:
             raise ValueError(f"handoff_dram_gb must be >= 0, got {self.handoff_dram_gb}")
+        if self.handoff_wire not in WIRES:
+            raise ValueError(f"unknown hand-off wire {self.handoff_wire!r}; known: "
+                             f"{list(WIRES)}")
         if self.kv_handoff != AUTO and self.kv_handoff not in TRANSPORTS:
             raise ValueError(f"unknown hand-off transport {self.kv_handoff!r}; known: "
                              f"{[AUTO, *sorted(TRANSPORTS)]}")
@@ -245,6 +252,8 @@ class Worker:
                     output = self.gateway.to_wire(delta)
                     if output is not None:
                         self._send(output)
+            else:  # idle: a step switches itself (pdserve/serve/executor/cpu_preparation.py)
+                getattr(self.engine.runner, "switch_cpu_path_if_ready", bool)()
 
     def _share_cores(self) -> None:
         """A lender says whether it holds a request; a borrower takes the cores of the idle
@@ -411,7 +420,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         store_timeout_s=args.store_timeout_s, kv_lease_ttl_s=args.kv_lease_ttl_s,
         handoff_dram_gb=handoff_dram_gb, kv_handoff=args.kv_handoff,
         handoff_shm=args.handoff_shm, handoff_follow=args.handoff_follow,
-        save_answers=args.save_answers, discovery=args.discovery,
+        handoff_wire=args.handoff_wire, save_answers=args.save_answers, discovery=args.discovery,
         discovery_ttl_s=args.discovery_ttl_s,
         discovery_store_wait_s=args.discovery_store_wait_s,
         drain_timeout_s=args.drain_timeout_s,
