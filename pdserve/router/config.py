@@ -117,6 +117,10 @@ class RouterConfig:
     worker's restart (6.4-7.4 s measured on 2 cores); 0: refuse at once."""
     max_pool_waiters: int = 1024
     """At most this many requests wait so at once; the next gets HTTP 503 at once."""
+    local_prefill_max_tokens: int = 0
+    """Disaggregated mode: a prompt with at most this many tokens not cached on a decode
+    worker with headroom is computed on that decode worker instead of a prefill worker
+    (pdserve/router/placement.py); 0: every prompt goes to a prefill worker."""
     prefill_routing: str = "cache-aware"
     """How a prefill (or colocated) worker is picked (pdserve/router/policies.py
     PREFILL_ROUTING): cache-aware (the prefix it or the store holds, less a load penalty),
@@ -164,6 +168,8 @@ class RouterConfig:
             raise ValueError("max_migrations must be >= 0")
         if not 0 <= self.pool_wait_s < float("inf"):
             raise ValueError("pool_wait_s must be >= 0")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
         if self.max_pool_waiters < 0:
             raise ValueError("max_pool_waiters must be >= 0")
         if self.prefill_routing not in ("cache-aware", "least-load", "round-robin"):

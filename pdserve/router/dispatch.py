@@ -45,6 +45,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
@@ -56,6 +57,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.fleet_watch import FleetWatch
 from pdserve.router.moves import Move, move_worker
 from pdserve.router.phases import Migration, RequestPhases, WorkerLeg
+from pdserve.router.placement import LocalPrefill
 from pdserve.router.policies import (
     PREFILL_ROUTING,
     AdmissionPolicy,
@@ -72,6 +74,7 @@ from pdserve.router.worker_client import WorkerClient, WorkerDied
 logger = logging.getLogger(__name__)
 
 HANDOFF = "handoff"
+MAX_TRACKED_REQUESTS = 100_000  # prompt keys kept for requests admitted and not ended
 POLL_S = 0.05  # how often a wait looks again (a pool's first ready worker)
 
 class RequestFailed(RuntimeError):
@@ -114,6 +117,12 @@ class Dispatcher:
         self.store_lookup = (StoreLookup(config.store_master_addr)
                              if config.store_master_addr else None)
         self.decode_policy = decode_policy or MostFreeKVDecode()
+        self.placement = LocalPrefill(config.local_prefill_max_tokens)
+        self.num_placed = {"local": 0, "remote": 0}
+        """Disaggregated requests admitted with their prompt on a decode worker / on prefill."""
+        self._prompt_keys: OrderedDict[str, list[bytes]] = OrderedDict()
+        """Admitted requests' prompt block keys, until they end: the decode worker picked
+        for one is recorded in the prefix index as holding its prompt."""
         self.admission = admission or AdmissionPolicy(
             max_inflight_per_worker=config.max_inflight_per_worker,
             max_predicted_ttft_s=config.max_predicted_ttft_s,
@@ -192,13 +201,26 @@ class Dispatcher:
         num_store = 0
         if self.store_lookup is not None:
             num_store = await self.store_lookup.num_cached_blocks(keys) * block_size
+        workers = self.first_pool + (self.decode if self.is_disaggregated else [])
         per_worker = {w.address: self.prefix_index.num_leading_blocks(keys, w.address)
-                      * block_size for w in self.first_pool}
+                      * block_size for w in workers}
         return RouteContext(len(prompt_token_ids), num_store, per_worker), keys
 
     def admit(self, request_id: str, ctx: RouteContext, keys: list[bytes]) -> WorkerClient:
         """Pick the first worker for a request and reserve its slot there, or raise
-        NoWorkerAvailable / Overloaded."""
+        NoWorkerAvailable / Overloaded: in disaggregated mode a decode worker where the
+        request's prompt is placed there (pdserve/router/placement.py), else a prefill one."""
+        if self.is_disaggregated:
+            self._prompt_keys[request_id] = keys
+            while len(self._prompt_keys) > MAX_TRACKED_REQUESTS:  # admitted, never run
+                self._prompt_keys.popitem(last=False)
+            local = self.placement.choose(self.decode, ctx)
+            if local is not None:
+                self.admission.check(local, ctx)
+                local.reserve(request_id)
+                self.prefix_index.record(keys, local.address)
+                self.num_placed["local"] += 1
+                return local
         worker = self.prefill_policy.choose(self.first_pool, ctx)
         self.admission.check(worker, ctx)
         if self.is_disaggregated:
@@ -208,6 +230,8 @@ class Dispatcher:
             self.admission.check(min(decoders, key=lambda w: w.num_inflight), ctx)
         worker.reserve(request_id)
         self.prefix_index.record(keys, worker.address)  # it is about to compute them
+        if self.is_disaggregated:
+            self.num_placed["remote"] += 1
         return worker
 
     async def flip_one(self, to_role: str, drain_timeout_s: float, hand_over: bool = True
@@ -232,6 +256,12 @@ class Dispatcher:
         pool = self.prefill if self.is_disaggregated else self.colocated
         follower: WorkerClient | None = None  # the decode worker following the prefill
         try:
+            if first_worker.role == "decode":  # placed: the decode worker computes the prompt
+                async with aclosing(self._migrating(self.decode, first_worker, request, {},
+                                                    phases.first)) as stream:
+                    async for output in stream:
+                        yield output
+                return
             async with aclosing(self._migrating(pool, first_worker, request, {},
                                                 phases.first)) as stream:
                 async for output in stream:
@@ -263,6 +293,7 @@ class Dispatcher:
                 async for output in stream:
                     yield output
         finally:
+            self._prompt_keys.pop(request_id, None)
             if follower is not None:  # no hand-off came for it: its reservation goes back
                 await follower.abort(request_id)
 
@@ -401,8 +432,12 @@ class Dispatcher:
         if pool is self.decode:
             block_size = max((w.status.block_size for w in pool if w.status), default=16)
             num_tokens = len(request.prompt_token_ids) + len(request.resume_output_ids)
-            return self.decode_policy.choose(candidates,
-                                             num_blocks_needed_now(num_tokens, block_size))
+            chosen = self.decode_policy.choose(candidates,
+                                               num_blocks_needed_now(num_tokens, block_size))
+            keys = self._prompt_keys.get(request.request_id)
+            if keys:  # it will hold the prompt: a next turn may be placed there
+                self.prefix_index.record(keys, chosen.address)
+            return chosen
         ready = [w for w in candidates if w.accepting]
         if not ready:
             raise NoWorkerAvailable("no worker is ready")

@@ -84,6 +84,11 @@ class RouterMetrics:
             "Requests moved off a worker that died or hung (pdserve/router/dispatch.py); resumed: "
             "whether it had streamed outputs, which the next worker recomputed",
             ["role", "resumed"])
+        self.placements = counter(
+            "pdserve:request_placements_total",
+            "Disaggregated requests by where their prompt was computed: local (on the decode "
+            "worker, pdserve/router/placement.py) or remote (on a prefill worker)",
+            ["placement"])
         self._workers: Sequence[WorkerClient] = ()
         self.registry.register(_WorkerCollector(self))
         if controller is not None:

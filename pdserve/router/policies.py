@@ -31,7 +31,8 @@ class RouteContext:
     num_store_cached_tokens: int = 0
     """Leading prompt tokens whose KV blocks the fleet-wide store already holds."""
     num_worker_cached_tokens: dict[str, int] = field(default_factory=dict)
-    """Per prefill worker address: leading prompt tokens it recently computed."""
+    """Per worker address (first pool; decode too in disaggregated mode): leading prompt
+    tokens it recently computed or took."""
 
     def num_cached_tokens(self, worker: WorkerClient) -> float:
         """Prompt tokens the worker need not compute, as they weigh: its own prefix (its

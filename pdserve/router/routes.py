@@ -173,8 +173,11 @@ async def status(serving: Serving) -> dict[str, Any]:
                          **({"sim": dict(w.status.sim)} if w.status.sim else {}),
                          status_age_s=time.monotonic() - w.status_received_s)
         workers.append(entry)
-    out = {"ready": serving.dispatcher.is_ready(), "workers": workers,
-           "controller": serving.controller.snapshot()}
+    dispatcher = serving.dispatcher
+    out = {"ready": dispatcher.is_ready(), "workers": workers,
+           "controller": serving.controller.snapshot(),
+           "placement": {"local_prefill_max_tokens": dispatcher.placement.max_local_tokens,
+                         **dispatcher.num_placed}}
     if serving.dispatcher.fleet_watch is not None:
         out["discovery"] = serving.dispatcher.fleet_watch.snapshot()
     return out
@@ -302,13 +305,17 @@ async def _admit(serving: ServingContext, request_id: str, prompt_ids: list[int]
             metrics.labels(metrics.external_queries).inc(len(prompt_ids))
             metrics.labels(metrics.external_hits).inc(ctx.num_store_cached_tokens)
         try:
-            return dispatcher.admit(request_id, ctx, keys)
+            worker = dispatcher.admit(request_id, ctx, keys)
         except NoWorkerAvailable:  # a pool is empty for now (restarting): wait for a worker
             pools = [dispatcher.first_pool] + ([dispatcher.decode]
                                                if dispatcher.is_disaggregated else [])
             if not await dispatcher.wait_for_ready(pools):
                 raise
-            return dispatcher.admit(request_id, ctx, keys)
+            worker = dispatcher.admit(request_id, ctx, keys)
+        if dispatcher.is_disaggregated:
+            metrics.labels(metrics.placements,
+                           "local" if worker.role == "decode" else "remote").inc()
+        return worker
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     except Overloaded as exc:

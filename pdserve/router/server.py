@@ -126,12 +126,21 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how a prefill (or colocated) worker is picked: cache-aware (the "
                              "prompt's prefix it or the store holds, less a penalty per request "
                              "on it), least-load, or round-robin (default %(default)s)")
+    parser.add_argument("--local-prefill-max-tokens", type=int,
+                        default=RouterConfig.local_prefill_max_tokens,
+                        help="disaggregated mode: a prompt with at most this many tokens not "
+                             "cached on a decode worker that has headroom is computed on that "
+                             "decode worker, not on a prefill worker (conditional "
+                             "disaggregation); 0: never (default %(default)s)")
 
 
 def routing_argv(args: argparse.Namespace) -> list[str]:
-    if args.prefill_routing == RouterConfig.prefill_routing:
-        return []
-    return ["--prefill-routing", args.prefill_routing]
+    argv = []
+    if args.prefill_routing != RouterConfig.prefill_routing:
+        argv += ["--prefill-routing", args.prefill_routing]
+    if args.local_prefill_max_tokens != RouterConfig.local_prefill_max_tokens:
+        argv += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+    return argv
 
 
 def max_tokens_argv(args: argparse.Namespace) -> list[str]:
@@ -202,6 +211,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations,
         pool_wait_s=args.pool_wait_s,
         max_pool_waiters=args.max_pool_waiters, prefill_routing=args.prefill_routing,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
         controller=ControllerConfig(
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,

@@ -5,6 +5,7 @@ and Hugging Face, in colocated and disaggregated (1 prefill + 1 decode over the 
 from __future__ import annotations
 
 import os
+import random
 
 import httpx
 import pytest
@@ -234,6 +235,47 @@ def test_async_scheduling_serves_the_reference_text(llama_dir, reference, tmp_pa
         assert body["choices"][0]["text"] == text[:text.index(stop)]
         assert body["choices"][0]["finish_reason"] == "stop"
         assert "async scheduling on" in cluster.log()
+        cluster.assert_nothing_leaked()
+    finally:
+        assert cluster.stop() == 0, cluster.log()
+
+
+def test_prompts_placed_on_the_decode_worker_serve_the_reference_text(llama_dir, reference,
+                                                                      tmp_path_factory):
+    """`--local-prefill-max-tokens` (pdserve/router/placement.py): short prompts are computed
+    on the decode worker itself, long ones on the prefill worker, and a chat's next turn,
+    long but mostly held by the decode worker that served the last, goes back there; every
+    text is the offline engine's, and nothing is left held."""
+    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("placement-logs"), "--mode",
+                            "disagg", "--num-kv-blocks", "256", "--local-prefill-max-tokens",
+                            "40")
+    try:
+        for prompt in PROMPTS:  # each under 40 tokens
+            body = complete(cluster.base_url, prompt=prompt, max_tokens=MAX_TOKENS,
+                            temperature=0)
+            assert body["choices"][0]["text"] == reference[prompt]
+        assert cluster.status()["placement"] == {"local_prefill_max_tokens": 40, "local": 3,
+                                                  "remote": 0}
+        rng = random.Random(5)
+        first = [rng.randrange(3, 1000) for _ in range(160)]  # remote: 160 uncached tokens
+        llm = LLM(str(llama_dir), num_kv_blocks=256)
+        try:
+            greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            [answer] = llm.generate([first], greedy)
+            second = first + list(answer.outputs[0].token_ids) + [7, 8, 9]
+            [expected] = llm.generate([second], greedy)
+        finally:
+            llm.shutdown()
+        assert complete(cluster.base_url, prompt=first, max_tokens=16, temperature=0,
+                        ignore_eos=True)["choices"][0]["text"] == answer.outputs[0].text
+        assert cluster.status()["placement"]["remote"] == 1
+        # turn 2: 179 tokens, of which the decode worker took the first 160
+        assert complete(cluster.base_url, prompt=second, max_tokens=16, temperature=0,
+                        ignore_eos=True)["choices"][0]["text"] == expected.outputs[0].text
+        assert cluster.status()["placement"] == {"local_prefill_max_tokens": 40, "local": 4,
+                                                  "remote": 1}
+        metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=5).text
+        assert 'placement="local"} 4.0' in metrics
         cluster.assert_nothing_leaked()
     finally:
         assert cluster.stop() == 0, cluster.log()
