@@ -21,11 +21,14 @@ from helpers.handoff_util import (
     drive,
     finished,
     handoff_pair,
+    prefill_prompt,
 )
 
 from pdserve.kvstore.live_staging import LiveStagings, read_layers
+from pdserve.kvstore.tiered_store import TieredStore
 from pdserve.protocol.store.data import GetLayersRequest
 from pdserve.protocol.worker import FollowPrefill, GenerateRequest, Output
+from pdserve.serve.worker.kv_source import KVSources
 
 NUM_BLOCKS = 4  # 25 tokens in blocks of 8
 
@@ -350,3 +353,89 @@ def test_a_decode_worker_lending_its_cores_pulls_only_once_the_hand_off_comes(
         .totals()["saved_bytes"]
     decode.copy_early = True  # (takes its cores back: nothing left to resume)
     assert_all_free(prefill, decode, node)
+
+
+def test_a_pull_whose_link_drops_mid_transfer_completes_from_the_store(
+        network_handoffs, handoff_expected, monkeypatch):
+    """Both workers share a fleet store (the prefill's offer is written back to it). Decode
+    pulls layer 0, then the link to the prefill's node drops (stubbed: every request to it
+    times out, as UCX or ZeroMQ would): the pull fails, its reservation goes back, and the
+    hand-off loads from the store — the node passed over — with a colocated engine's
+    tokens. The node's lease, which decode can no longer give back, is left to expire."""
+    prefill, decode, node = network_handoffs
+    fleet = TieredStore.build(32)
+    for worker in (prefill, decode):  # (what --store gives a worker)
+        connector = worker.kv_transfer.connector
+        connector.backend = connector.transport.backend = fleet
+        connector.transport.policy.has_store = True
+    transfer = decode.kv_transfer  # (make_kv_transfer's choice of source; no prefill measured)
+    transfer.sources = KVSources(transfer.connector.transport.policy,
+                                 transfer.connector.block_bytes, lambda: None)
+    store_reads: list[int] = []
+    fleet_get = fleet.get_many
+    monkeypatch.setattr(fleet, "get_many", lambda keys: store_reads.append(len(keys))
+                        or fleet_get(keys))
+    peers = decode.kv_transfer.connector.transport.peers
+    backend_for = peers.backend_for
+    node_reads: list[str] = []
+
+    def link(source: str):
+        node_reads.append(source)
+        if dropped:
+            raise TimeoutError(f"no answer from {source} (the link is down)")
+        return backend_for(source)
+
+    monkeypatch.setattr(peers, "backend_for", link)
+
+    def drop_the_link(layer: int) -> None:
+        if layer == 0:
+            assert _wait_for(lambda: _follow(decode).num_copied >= 1, decode)
+            dropped.append(layer)
+            assert _wait_for(lambda: _follow(decode) is None, decode)  # the pull failed
+            assert decode.engine.block_manager.num_reserved_blocks == 0
+
+    dropped: list[int] = []
+    first = _prefill_followed(prefill, decode, monkeypatch, drop_the_link)
+    assert dropped and peers.recently_failed(first.handoff.source_address)
+    drive([prefill, decode], lambda outs: not prefill.is_busy)
+    prefill.poll()  # the write-back starts the turn after the hand-off went out
+    assert prefill.kv_transfer.connector.drain(20.0)
+    assert fleet.get_many(list(first.handoff.block_keys)).count(None) == 0
+    store_reads.clear()
+    node_reads_before = len(node_reads)
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert "r" in decode.admissions.loaded
+    assert _finish(prefill, decode, first) == handoff_expected
+    assert store_reads == [NUM_BLOCKS]  # every block from the store...
+    assert len(node_reads) == node_reads_before  # ...and nothing asked of the dropped link
+    totals = decode.kv_transfer.totals()
+    assert totals["pulled_count"] == 0 and totals["load_count"] == 1
+    assert totals["handoff_source_transfer"] == 1  # chosen as offered: its load fell back
+    assert totals["handoff_bytes"] == NUM_BLOCKS * decode.kv_transfer.connector.block_bytes
+    assert decode.engine.block_manager.num_reserved_blocks == 0
+    assert node.num_leases == 1  # decode cannot reach the node: the lease expires there
+    node.release(first.handoff.lease_id)
+    assert_all_free(prefill, decode, node)
+
+
+def test_a_hand_off_over_a_link_measured_slow_is_recomputed(
+        network_handoffs, handoff_expected):
+    """Decode measured the prefill's node at 100 KB/s and computes a prompt token in a
+    nanosecond (stubbed): the hand-off is not read but recomputed, with a colocated engine's
+    tokens, and its lease goes back at once."""
+    prefill, decode, node = network_handoffs
+    first = prefill_prompt(prefill)
+    transfer = decode.kv_transfer
+    transport = transfer.connector.transport
+    transport.links.note(first.handoff.source_address, 1 << 20, 10.0)
+    transfer.sources = KVSources(transport.policy, transfer.connector.block_bytes,
+                                 lambda: 1e-9)
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert "r" not in decode.admissions.loaded and "r" in decode.engine.scheduler.requests
+    assert _finish(prefill, decode, first) == handoff_expected
+    totals = transfer.totals()
+    assert totals["handoff_source_recompute"] == 1 and totals["load_count"] == 0
+    assert totals["handoff_bytes"] == 0
+    assert totals[f"link_bytes_per_s:{first.handoff.source_address}"] == \
+        pytest.approx((1 << 20) / 10.0)
+    assert_all_free(prefill, decode, node)  # (the lease released, not left to expire)
