@@ -14,10 +14,11 @@ gathers the block's input rows, and walks K with W[expert] tiles:
     act[i]     = silu(gate_up[i, :I]) * gate_up[i, I:]
     out[i]     = act[i] @ W2[e_i]^T              [N, H]
 
-The layout is built on the device from the expert ids alone (bincount, cumsum, a scatter), so
-no count comes back to the host: the grid is sized by the bound sum_e ceil(c_e / BLOCK_M) <=
-ceil(N / BLOCK_M) + E, and blocks past the real end see expert -1 and return. The caller
-weights and sums the N outputs into their tokens (SparseMoE._weighted_sum).
+The layout is built on the device from the expert ids alone (counts by index_add_, cumsum, a
+scatter), so no count comes back to the host: the grid is sized by the bound
+sum_e ceil(c_e / BLOCK_M) <= ceil(N / BLOCK_M) + E, and blocks past the real end see expert -1
+and return. An assignment dropped past capacity carries expert id E: it lands in no block.
+The caller weights and sums the N outputs into their tokens (SparseMoE._weighted_sum).
 `reference_fused_experts` is the plain-torch reference: the same MLP expert by expert.
 """
 
@@ -88,12 +89,17 @@ class ExpertLayout:
 
 
 def expert_layout(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
-    """expert_ids [N] (local expert of each assignment, in [0, num_experts)) -> the padded
-    layout, built with device ops only."""
+    """expert_ids [N] (local expert of each assignment, in [0, num_experts], num_experts
+    meaning none: a dropped assignment, in no block) -> the padded layout, built with device
+    ops only (counts by index_add_: `bincount` reads its input's max back on CUDA).
+
+        sorted_slots: [e0 run, padded][e1 run, padded] ... [-1 ...][dropped ones, cut off]
+    """
     num = expert_ids.shape[0]
     device = expert_ids.device
     ids = expert_ids.long()
-    counts = torch.bincount(ids, minlength=num_experts)  # [E]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.index_add_(0, ids, torch.ones_like(ids))  # [E + 1], the last: dropped
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
     starts = counts.cumsum(0) - counts
@@ -102,8 +108,14 @@ def expert_layout(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     rank = torch.arange(num, device=device) - starts[sorted_ids]
     destination = padded_ends[sorted_ids] - padded[sorted_ids] + rank
     num_blocks = -(-num // block_m) + num_experts  # a bound on sum_e ceil(c_e / block_m)
-    sorted_slots = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=device)
-    sorted_slots[destination] = order.to(torch.int32)
+    # the dropped ones land past the blocks' end: num_blocks * block_m + their rank
+    destination = torch.where(sorted_ids < num_experts, destination,
+                              num_blocks * block_m + rank)
+    sorted_slots = torch.full((num_blocks * block_m + num,), -1, dtype=torch.int32,
+                              device=device)
+    sorted_slots.scatter_(0, destination, order.to(torch.int32))
+    sorted_slots = sorted_slots[:num_blocks * block_m]
+    padded_ends = padded_ends[:num_experts]
     block_starts = torch.arange(num_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)

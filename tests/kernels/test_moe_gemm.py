@@ -99,3 +99,64 @@ def test_an_moe_model_on_the_grouped_gemm_gives_hf_tokens(make_model_dir, archit
         gate_up = expert._modules[expert.gate_up_name].weight
         assert gate_up.data_ptr() == first._stacked[0][0].data_ptr()  # a view, not a copy
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 5)
+
+
+def test_dropped_assignments_get_no_block_and_no_output() -> None:
+    """An id of num_experts is a dropped assignment: in no block, its row never computed."""
+    ids = torch.tensor([2, 3, 0, 3, 2, 1, 3], device=DEVICE)
+    layout = expert_layout(ids, num_experts=3, block_m=2)
+    assert layout.block_expert.tolist() == [0, 1, 2, -1, -1, -1, -1]
+    assert layout.sorted_slots[:6].tolist() == [2, -1, 5, -1, 0, 4]
+    assert (layout.sorted_slots[6:] == -1).all()
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(7, 32, generator=gen).to(DEVICE)
+    w13 = torch.randn(3, 16, 32, generator=gen).to(DEVICE)
+    w2 = torch.randn(3, 32, 8, generator=gen).to(DEVICE)
+    kept = ids < 3
+    got = fused_experts(rows, ids, w13, w2)[kept]
+    expected = reference_fused_experts(rows[kept], ids[kept], w13, w2)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_building_the_layout_reads_nothing_back() -> None:
+    from helpers.host_reads import host_reads
+
+    ids = torch.tensor([2, 0, 2, 1, 0, 4, 2], device=DEVICE)
+    with host_reads(ids) as seen:
+        expert_layout(ids, num_experts=4, block_m=4)
+    assert list(seen) == [], seen
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_an_moe_layer_on_the_grouped_gemm_reads_nothing_back(make_model_dir, monkeypatch,
+                                                              capacity_factor) -> None:
+    """Routing, capacity, the expert layout, the kernels and the load counts: with the layer's
+    parameters and input tagged as on the device, nothing is read back to the host. (The
+    shared expert, a dense MLP, is left out: the CPU's own linear kernels make tensors the
+    recorder cannot follow.)"""
+    from helpers.host_reads import host_reads
+
+    from pdserve.serve import LLM
+    from pdserve.serve.models.moe import SparseMoE
+
+    with LLM(make_model_dir("deepseek_v3"), num_kv_blocks=8, block_size=8, device=DEVICE,
+             expert_capacity_factor=capacity_factor) as llm:
+        layer = next(m for m in llm.engine.runner._rank.model.modules()
+                     if isinstance(m, SparseMoE))
+        layer.use_fused_kernel = True
+        monkeypatch.setattr(layer, "shared_output", lambda hidden: None)
+        hidden = torch.randn(12, layer.gate.weight.shape[1], device=DEVICE)
+        expected = layer(hidden)
+        # every tensor the layer holds: parameters, the weights packed or stacked from them
+        # after loading, the counts of the first call
+        holders = [*layer.modules(), layer.load]
+        held = [t for holder in holders for t in vars(holder).values()
+                if isinstance(t, torch.Tensor)]
+        stacked = list(layer._stacked or ())
+        with host_reads(hidden, *layer.parameters(), *held, *stacked) as seen:
+            got = layer(hidden)
+        torch.testing.assert_close(got, expected)
+        routed, dropped = layer.load.totals()
+    assert list(seen) == [], seen
+    assert sum(routed) + dropped == 2 * 12 * layer.gate.top_k
+    assert (dropped > 0) == (capacity_factor is not None)

@@ -209,11 +209,15 @@ class SparseMoE(nn.Module):
             top_k = expert_ids.shape[1]
             tokens = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
             ids, flat_weights = expert_ids.flatten(), weights.flatten()
-            if kept is not None:
-                mask = kept.flatten()
-                tokens, ids, flat_weights = tokens[mask], ids[mask], flat_weights[mask]
-            out = self._weighted_sum(hidden, tokens, self._apply_experts(hidden, ids, tokens),
-                                     flat_weights)
+            outputs = None
+            if kept is not None:  # dropped: expert id num_experts, which no expert computes
+                flat_kept = kept.flatten()
+                ids = ids.masked_fill(~flat_kept, self.gate.num_experts)
+                outputs = self._apply_experts(hidden, ids, tokens).masked_fill(
+                    ~flat_kept.unsqueeze(1), 0.0)  # their rows were never written
+            else:
+                outputs = self._apply_experts(hidden, ids, tokens)
+            out = self._weighted_sum(hidden, tokens, outputs, flat_weights)
         shared = self.shared_output(hidden)
         if shared is not None:
             out = out + shared
@@ -259,10 +263,12 @@ class SparseMoE(nn.Module):
                        row_of: torch.Tensor | None = None) -> torch.Tensor:
         """y[i] = expert expert_ids[i] (rows[row_of[i]]) (row_of: i itself when None), expert
         by expert over just its rows, each row gathered once; every id is one of this rank's
-        experts.
+        experts, or one past the last (a dropped assignment: its row y[i] is left unwritten).
 
             pairs sorted by expert:  e0: i3 i7 | e1: (none) | e2: i0 i4 i9 ...
-        """
+
+        The fused kernel (CUDA) lays the rows out on the device and reads nothing back; the
+        loop (CPU) reads each expert's count to slice its rows."""
         stacked = self._fused_weights(rows)
         if stacked is not None:
             from pdserve.kernels.moe_gemm import fused_experts
@@ -270,7 +276,7 @@ class SparseMoE(nn.Module):
             local_ids = expert_ids - self.local_experts.start
             return fused_experts(rows, local_ids, *stacked, row_of)
         order = expert_ids.argsort(stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.gate.num_experts).tolist()
+        counts = expert_counts(expert_ids, self.gate.num_experts + 1)[:-1].tolist()
         out = rows.new_empty((expert_ids.shape[0], rows.shape[1]))
         start = 0
         for expert, count in enumerate(counts):
@@ -311,6 +317,13 @@ def _stack_into_views(layers: list[nn.Module]) -> torch.Tensor:
     return stacked
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[num_experts] int64: how many of expert_ids name each expert, on their device. Not
+    `bincount`, which sizes its output from the data (a read of its max) on CUDA."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
+    return counts.index_add_(0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int64))
+
+
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     """Assignments one expert takes per step: ceil(factor x tokens x top_k / experts)."""
     return math.ceil(factor * num_tokens * top_k / num_experts)
@@ -331,10 +344,10 @@ def apply_capacity(weights: torch.Tensor, expert_ids: torch.Tensor, num_experts:
     capacity = expert_capacity(num_tokens, top_k, num_experts, factor)
     flat = expert_ids.flatten()
     order = flat.argsort(stable=True)  # by expert, then token order
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     first = torch.cumsum(counts, 0) - counts  # where each expert's run starts in `order`
-    place = torch.empty_like(flat)
-    place[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+    place = torch.empty_like(flat).scatter_(
+        0, order, torch.arange(flat.numel(), device=flat.device) - first[flat[order]])
     kept = (place < capacity).view(num_tokens, top_k)
     kept_weights = weights * kept
     total, kept_total = weights.sum(-1, keepdim=True), kept_weights.sum(-1, keepdim=True)
@@ -354,9 +367,14 @@ class ExpertLoad:
         self._dropped: torch.Tensor | None = None  # [] int64
 
     def add(self, expert_ids: torch.Tensor, kept: torch.Tensor | None) -> None:
-        ids = expert_ids.flatten() if kept is None else expert_ids[kept]
-        routed = torch.bincount(ids, minlength=self.num_experts)
-        dropped = (expert_ids.numel() - ids.numel()) + routed.new_zeros(())
+        ids = expert_ids.flatten()
+        if kept is None:
+            routed = expert_counts(ids, self.num_experts)
+            dropped = routed.new_zeros(())
+        else:  # a dropped assignment counts for expert num_experts, cut off
+            routed = expert_counts(ids.masked_fill(~kept.flatten(), self.num_experts),
+                                   self.num_experts + 1)[:-1]
+            dropped = ids.numel() - routed.sum()
         if self._routed is None or self._dropped is None:
             self._routed, self._dropped = routed, dropped
         else:
