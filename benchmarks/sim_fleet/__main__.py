@@ -7,6 +7,8 @@ fleet scale, measured with pdserve's own router, store, hand-off and supervisor.
     python -m benchmarks.sim_fleet chaos    [--num-workers 32 --duration-s 300]
     python -m benchmarks.sim_fleet fidelity --measured-profile P.json [--decode-profile E.json]
     python -m benchmarks.sim_fleet phases   [--num-workers 8 --phase-s 60 --splits 2 4 6]
+    python -m benchmarks.sim_fleet placement  [--num-prefill 2 --num-decode 2 --local-tokens 64]
+    python -m benchmarks.sim_fleet fleet-size [--rates 12 24 40 --shape 512 64]
 
 scale     starts the fleet, times it to ready, reads every process's memory (Rss, and Pss,
           which shares each page among the processes mapping it: what the fleet sums to),
@@ -24,6 +26,9 @@ fidelity  a real 1P+1D (pdserve up, --model, default llama-mid) against the same
 phases    the goodput controller (--controller flip) under a load alternating between
           prefill-heavy and decode-heavy phases, against fixed splits and a per-phase oracle
           (benchmarks/sim_fleet/phases.py).
+placement, fleet-size: placement per request against always-remote prefill on a mixed load,
+          and the controller's fleet size against a sweep of served fleets
+          (benchmarks/sim_fleet/sizing.py).
 chaos     a 70%-of-capacity load of greedy requests while a random 10% of the workers is
           SIGKILLed every 30 s (the supervisor restarts them): failures by cause, every stream
           against the same prompt's undisturbed text, and every block, lease and pin free after.
@@ -38,7 +43,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.sim_fleet import experiments, phases
+from benchmarks.sim_fleet import experiments, phases, sizing
 from benchmarks.sim_fleet.load import add_client_arguments, run_client
 from pdserve.benchmarks.output import add_output_dir
 
@@ -47,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sim_fleet",
                                      description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    runs = {**experiments.EXPERIMENTS, "phases": phases.phases}
-    arguments = {**experiments.ARGUMENTS, "phases": phases.add_phases_arguments}
+    runs = {**experiments.EXPERIMENTS, "phases": phases.phases,
+            "placement": sizing.placement, "fleet-size": sizing.fleet_size}
+    arguments = {**experiments.ARGUMENTS, "phases": phases.add_phases_arguments,
+                 "placement": sizing.add_placement_arguments,
+                 "fleet-size": sizing.add_fleet_size_arguments}
     for name, run in runs.items():
         sub = commands.add_parser(name, help=run.__doc__.split("\n")[0])
         experiments.add_common_arguments(sub)

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 from benchmarks.sim_fleet import experiments as ex
+from benchmarks.sim_fleet.fleet import Fleet
 from benchmarks.sim_fleet.load import run_load
 from pdserve.benchmarks.client import RequestOutcome
 from pdserve.benchmarks.metrics import SLOConfig, meets_slo
@@ -59,10 +60,21 @@ def add_phases_arguments(parser: argparse.ArgumentParser) -> None:
     add("--start-prefill", type=int, default=None,
         help="the controller's starting split (default: half the workers)")
     add("--clients", type=int, default=2)
+    add("--model", default=None,
+        help="serve this checkpoint on the real engine instead of simulating (then give "
+             "--rates; --speedup is 1 and the SLOs are wall time)")
+    add("--rates", type=float, nargs=2, default=None, metavar=("A", "B"),
+        help="each phase's rate (req/s, wall) instead of --load of the planned best split's")
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """Each phase's shape, the planner's goodput of every split, its best and its rate."""
+    if args.model:
+        return {name: {"prompt_tokens": prompt, "output_tokens": output, "best_prefill": None,
+                       "rate": rate}
+                for (name, (prompt, output)), rate in zip(
+                    (("A", args.prefill_heavy), ("B", args.decode_heavy)), args.rates,
+                    strict=True)}
     profile = load_profile(args.profile)
     models = PhaseModels(profile.prefill[1], profile.decode[1])
     sim = SimulationConfig(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
@@ -75,7 +87,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         best = max(goodput, key=goodput.get)
         phases[name] = {"prompt_tokens": prompt, "output_tokens": output,
                         "planned_goodput": goodput, "best_prefill": best,
-                        "rate": args.load * goodput[best] * args.speedup}
+                        "rate": (args.rates[name == "B"] if args.rates
+                                 else args.load * goodput[best] * args.speedup)}
     return phases
 
 
@@ -84,15 +97,20 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
     ttft_s, tpot_s = (args.slo_ttft_ms / 1000 / args.speedup,
                       args.slo_tpot_ms / 1000 / args.speedup)
     slo = SLOConfig(ttft_ms=ttft_s * 1000, tpot_ms=tpot_s * 1000)
-    flags = ex._fleet_flags(args, num_prefill, args.num_workers - num_prefill,
-                            "--max-num-seqs", str(args.max_num_seqs),
-                            "--controller", "flip" if controller else "off",
-                            "--slo-ttft-ms", str(ttft_s * 1000),
-                            "--slo-tpot-ms", str(tpot_s * 1000),
-                            "--controller-interval-s", str(args.interval_s),
-                            "--controller-window-s", str(args.window_s))
-    fleet = ex._start(args, name, *flags)
+    common = ["--max-num-seqs", str(args.max_num_seqs),
+              "--controller", "flip" if controller else "off",
+              "--slo-ttft-ms", str(ttft_s * 1000), "--slo-tpot-ms", str(tpot_s * 1000),
+              "--controller-interval-s", str(args.interval_s),
+              "--controller-window-s", str(args.window_s)]
     out = ex.output_dir(args, "sim_fleet")
+    if args.model:
+        out.mkdir(parents=True, exist_ok=True)
+        fleet = Fleet.start(args.model, out / f"{name}.log", args.port, "--num-prefill",
+                            str(num_prefill), "--num-decode",
+                            str(args.num_workers - num_prefill), *common, engine=None)
+    else:
+        fleet = ex._start(args, name, *ex._fleet_flags(
+            args, num_prefill, args.num_workers - num_prefill, *common))
     order = ["A" if i % 2 == 0 else "B" for i in range(args.num_phases)]
     results: list[list[dict[str, Any]]] = [[] for _ in order]
     timeline: list[dict[str, Any]] = []
@@ -132,7 +150,7 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
         fleet.stop()
     per_phase = []
     for i, phase_results in enumerate(results):
-        good = sum(1 for r in phase_results if _meets(r, slo))
+        good = sum(1 for r in phase_results if meets_slos(r, slo))
         failed = [r for r in phase_results if not r["ok"]]
         causes = Counter(f"{r['cause']}: {r['error'][:80]}" for r in failed)
         per_phase.append({"phase": order[i], "sent": len(phase_results), "good": good,
@@ -142,11 +160,47 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
               f"SLOs, {len(failed)} failed {dict(causes.most_common(3))}", flush=True)
     total = sum(p["good"] for p in per_phase) / (args.phase_s * len(order))
     print(f"[{name}] goodput {total:.2f} req/s (wall), {flips} flips", flush=True)
-    return {"name": name, "start_prefill": num_prefill, "controller": controller,
-            "phases": per_phase, "goodput": total, "num_flips": flips, "timeline": timeline}
+    run = {"name": name, "start_prefill": num_prefill, "controller": controller,
+           "phases": per_phase, "goodput": total, "num_flips": flips, "timeline": timeline}
+    if controller:
+        run["moves"] = moves_by_phase(timeline, args.phase_s, len(order))
+        print(f"[{name}] moves: " + "; ".join(
+            f"phase {m['phase']}: first after {m['first_move_s']} s, {m['num_changes']} "
+            f"changes, split {m['splits']}" for m in run["moves"]), flush=True)
+    return run
 
 
-def _meets(result: dict[str, Any], slo: SLOConfig) -> bool:
+def moves_by_phase(timeline: list[dict[str, Any]], phase_s: float, num_phases: int
+                   ) -> list[dict[str, Any]]:
+    """Per phase, from the controller run's split each second: the seconds from the phase's
+    start to the first change of the split (None: none), how many times it changed, and the
+    splits it went through."""
+    out = []
+    for i in range(num_phases):
+        start, end = i * phase_s, (i + 1) * phase_s
+        before = [p["prefill"] for p in timeline if p["t_s"] < start]
+        points = [p for p in timeline if start <= p["t_s"] < end]
+        current = before[-1] if before else (points[0]["prefill"] if points else None)
+        first = None
+        splits, changes = [current], 0
+        for point in points:
+            if point["prefill"] != splits[-1]:
+                changes += 1
+                splits.append(point["prefill"])
+                if first is None:
+                    first = round(point["t_s"] - start, 1)
+        out.append({"phase": i, "first_move_s": first, "num_changes": changes,
+                    "splits": splits})
+    return out
+
+
+def plain_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's values as JSON takes them."""
+    return {k: v if isinstance(v, (int, float, str, list, tuple, type(None))) else str(v)
+            for k, v in vars(args).items()}
+
+
+def meets_slos(result: dict[str, Any], slo: SLOConfig) -> bool:
     """Whether a load client's result (benchmarks/sim_fleet/load.py) met both SLOs."""
     outcome = RequestOutcome(0, success=result["ok"] and result["ttft_s"] is not None,
                              ttft_s=result["ttft_s"] or 0.0, latency_s=result["latency_s"])
@@ -156,13 +210,20 @@ def _meets(result: dict[str, Any], slo: SLOConfig) -> bool:
 def phases(args: argparse.Namespace) -> int:
     """Goodput of the controller moving workers under alternating phases, against fixed splits
     and a per-phase oracle."""
+    if args.model:
+        if args.rates is None:
+            raise SystemExit("--model needs --rates (each phase's req/s on this host)")
+        args.speedup = 1.0  # the real engine's steps: the SLOs are wall time
     planned = plan(args)
     for name, phase in planned.items():
         print(f"[phases] {name}: {phase['prompt_tokens']} in / {phase['output_tokens']} out, "
-              f"best split {phase['best_prefill']}P, rate {phase['rate']:.1f} req/s (wall)",
+              f"planned best split {phase['best_prefill']}P, rate {phase['rate']:.1f} req/s (wall)",
               flush=True)
-    best = sorted({planned["A"]["best_prefill"], planned["B"]["best_prefill"]})
-    splits = args.splits or sorted({*best, (best[0] + best[-1]) // 2})
+    if args.model:  # no plan: every split
+        splits = args.splits or list(range(1, args.num_workers))
+    else:
+        best = sorted({planned["A"]["best_prefill"], planned["B"]["best_prefill"]})
+        splits = args.splits or sorted({*best, (best[0] + best[-1]) // 2})
     start = args.start_prefill or args.num_workers // 2
     runs = [_run(args, "phases-controller", planned, start, controller=True)]
     runs += [_run(args, f"phases-fixed-{p}p", planned, p, controller=False) for p in splits]
@@ -172,8 +233,7 @@ def phases(args: argparse.Namespace) -> int:
                  for i in range(args.num_phases)) / (args.phase_s * args.num_phases)
     ctl = runs[0]
     report = {"machine": ex._machine(),
-              "args": {k: v if isinstance(v, (int, float, str, list, tuple, type(None)))
-                       else str(v) for k, v in vars(args).items()},
+              "args": plain_args(args),
               "plan": planned, "runs": runs,
               "best_fixed": best_fixed["name"],
               "controller_vs_best_fixed": ctl["goodput"] / max(best_fixed["goodput"], 1e-9),
@@ -197,6 +257,8 @@ def _plot(report: dict[str, Any], args: argparse.Namespace, path) -> None:
     for i in range(args.num_phases):
         name = "A" if i % 2 == 0 else "B"
         best = report["plan"][name]["best_prefill"]
+        if best is None:  # (the real engine: no plan)
+            continue
         top.hlines(best, i * args.phase_s, (i + 1) * args.phase_s, colors="gray",
                    linestyles="dashed", label="each phase's planned best" if i == 0 else None)
     top.set_xlabel("wall seconds")

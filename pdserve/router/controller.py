@@ -158,7 +158,8 @@ class GoodputController:
     # ---- inputs -------------------------------------------------------------------------
     def record_arrival(self, prompt_tokens: int, max_tokens: int,
                        at_s: float | None = None) -> None:
-        """A request was admitted with this prompt and max_tokens (at `at_s`, monotonic)."""
+        """A request arrived with this prompt and max_tokens (at `at_s`, monotonic), admitted
+        or refused: refused requests are demand too."""
         if prompt_tokens > 0 and max_tokens > 0:
             self.arrivals.append((time.monotonic() if at_s is None else at_s, prompt_tokens,
                                   max_tokens))

@@ -272,6 +272,9 @@ async def _serve(serving: ServingContext, request: Request, body: SamplingFields
         raise ApiError(400, str(exc), getattr(exc, "param", None)) from None
     trace = start_trace(serving.tracer, request.headers, request_id, serving.model.name,
                         sampling, len(prompt_ids), arrival_s)
+    # Counted before admission: the requests an overloaded pool refuses (429, 503) are
+    # demand too, and the controller must plan for it (it would see a lighter load).
+    serving.controller.record_arrival(len(prompt_ids), sampling.max_tokens, arrival_s)
     try:
         first_worker = await _admit(serving, request_id, prompt_ids, body.cache_salt)
     except ApiError as exc:
@@ -279,7 +282,6 @@ async def _serve(serving: ServingContext, request: Request, body: SamplingFields
             trace.refuse(exc.message, exc.status)
         raise
     timing = RequestTiming(arrival_s, trace, sampling.max_tokens)
-    serving.controller.record_arrival(len(prompt_ids), sampling.max_tokens, arrival_s)
     outputs = serving.dispatcher.run(request_id, prompt_ids, sampling, first_worker,
                                      phases=timing.phases)
     metrics = serving.metrics

@@ -278,6 +278,8 @@ def test_refused_request_is_traced_with_an_error(traced):
     assert set(children) == {"admission"}
     assert root.status.status_code == StatusCode.ERROR
     assert root.attributes[A.HTTP_STATUS_CODE] == 429
+    # the controller counts it as arriving load all the same (refused requests are demand)
+    assert len(client.app.state.serving.controller.arrivals) == 1
 
 
 def test_migration_is_an_event(traced):
