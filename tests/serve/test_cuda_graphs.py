@@ -151,3 +151,46 @@ def test_a_replayed_decode_step_never_waits_for_the_device(llama_dir) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert graphs.num_replays == 2 and logits.shape == (3, runner.spec.vocab_size)
+
+
+@pytest.mark.parametrize("error", [ValueError("an op with no capture rule"),
+                                   AssertionError("Torch not compiled with CUDA enabled"),
+                                   RuntimeError("operation not permitted when capturing")])
+def test_any_capture_failure_leaves_eager_decode_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: Exception) -> None:
+    """Not only RuntimeError: whatever capturing raises, the step runs eagerly after it."""
+    model = SimpleNamespace(model=lambda ids, caches, meta: SimpleNamespace(
+        hidden=ids[:, None].float()), compute_logits=lambda hidden: hidden)
+    graphs = DecodeGraphs(model, max_num_seqs=4, max_model_len=32, block_size=16,
+                          device=torch.device("cpu"))
+    graphs.device = torch.device("cuda")  # as built for a GPU; capture is stubbed below
+
+    def fail() -> None:
+        graphs._graphs[4] = "half-captured"  # type: ignore[assignment]
+        raise error
+
+    monkeypatch.setattr(graphs, "_capture_buckets", fail)
+    with caplog.at_level("WARNING", logger="pdserve.serve.executor.cuda_graphs"):
+        assert graphs.capture([]) is False
+    assert not graphs.is_captured and graphs.kv_caches is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert type(error).__name__ in caplog.records[0].getMessage()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_bucket_warms_up_on_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    streams: list[int] = []
+    model = SimpleNamespace(model=lambda ids, caches, meta: SimpleNamespace(
+        hidden=ids[:, None].float()), compute_logits=lambda hidden: hidden * 2)
+    graphs = DecodeGraphs(model, max_num_seqs=8, max_model_len=32, block_size=16,
+                          device=torch.device("cuda"))
+    original = graphs._warm_up
+
+    def warm_up(size, stream):
+        streams.append(stream.stream_id)
+        original(size, stream)
+
+    monkeypatch.setattr(graphs, "_warm_up", warm_up)
+    assert graphs.capture([]) and graphs.is_captured
+    assert len(streams) == len(graphs.batch_sizes) and len(set(streams)) == 1

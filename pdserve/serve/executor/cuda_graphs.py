@@ -19,7 +19,8 @@ every replay.
 Only one-rank workers (TP, PP and CP 1, no MTP drafter) capture: a TP or PP rank's forward
 holds collectives that a graph would have to capture with it (left for later), and the MTP
 drafter reads the step's hidden states, which the graph does not keep. MoE models stay eager
-(their routing counts tokens per expert on the host), and so does the torch attention backend
+(the grouped-GEMM routing reads nothing back, but it has not been captured on a GPU yet, and
+FP8 or biased experts run the host's expert loop), and so does the torch attention backend
 (it reads lengths on the host). --enforce-eager (ModelConfig.enforce_eager) turns graphs off.
 
 On CPU nothing is captured; with PDSERVE_CUDA_GRAPHS_ON_CPU=1 a one-rank CPU worker runs its
@@ -76,7 +77,7 @@ def eager_reason(model: nn.Module, device: torch.device, backend_name: str,
     if has_drafter:
         return "MTP speculative decoding reads each step's hidden states"
     if any(isinstance(module, SparseMoE) for module in model.modules()):
-        return "MoE routing counts tokens per expert on the host"
+        return "MoE layers: not yet captured (FP8 or biased experts loop on the host)"
     if device.type == "cuda" and backend_name != "triton":
         return f"the {backend_name} attention backend reads sequence lengths on the host"
     return None
@@ -153,33 +154,41 @@ class DecodeGraphs:
     def capture(self, kv_caches: list[torch.Tensor]) -> bool:
         """Capture every bucket's graph over these caches (the largest first, all in one
         memory pool, each after an eager warm-up run that compiles its kernels); on CPU only
-        bind the caches. False, with a warning, where capture fails: decode stays eager."""
+        bind the caches. False, with one warning line, where capture fails in any way
+        (a CUDA error, an op that cannot be captured, a host read inside): decode stays
+        eager."""
         self.kv_caches = kv_caches
         if self.device.type != "cuda":
             logger.info("decode steps run eagerly over the graphs' static buffers "
                         "(PDSERVE_CUDA_GRAPHS_ON_CPU), batch sizes %s", self.batch_sizes)
             return True
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
         try:
-            for size in reversed(self.batch_sizes):
-                self._warm_up(size)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._logits[size] = self._forward(size)
-                self._graphs[size] = graph
-            torch.cuda.synchronize(self.device)
-        except RuntimeError as exc:
+            self._capture_buckets()
+        except Exception as exc:  # any failure leaves eager decode, which always works
             self._graphs.clear()
             self._logits.clear()
             self.kv_caches = None
             logger.warning("capturing CUDA graphs for decode failed, decode steps run "
-                           "eagerly: %s", exc)
+                           "eagerly: %s: %s", type(exc).__name__, exc)
             return False
         self.capture_s = time.perf_counter() - start
         logger.info("CUDA graphs captured for decode batch sizes %s in %.2f s",
                     self.batch_sizes, self.capture_s)
         return True
+
+    def _capture_buckets(self) -> None:
+        """Every bucket's graph, the largest first, in one memory pool, each after an eager
+        warm-up on one side stream made once for all of them."""
+        pool = torch.cuda.graph_pool_handle()
+        side_stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.batch_sizes):
+            self._warm_up(size, side_stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size] = self._forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self.device)
 
     def run(self, step: StepInput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The logits [n, vocab] of a decode step of n rows (can_run), by replaying its
@@ -213,10 +222,11 @@ class DecodeGraphs:
         out = self.model.model(self.input_ids[:size], caches, self._metas[size])
         return self.model.compute_logits(out.hidden)
 
-    def _warm_up(self, size: int) -> None:
+    def _warm_up(self, size: int, stream: torch.cuda.Stream) -> None:
         """One eager run on a side stream before capture (PyTorch's recipe): Triton compiles,
-        cuBLAS picks its kernels and the allocator has its blocks before recording starts."""
-        stream = torch.cuda.Stream(self.device)
+        cuBLAS picks its kernels and the allocator has its blocks before recording starts.
+        Every bucket warms up on the same stream: a stream per bucket would leave the
+        allocator blocks cached per stream that the next warm-up cannot reuse."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._forward(size)
