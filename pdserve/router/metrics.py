@@ -149,6 +149,15 @@ class _WorkerCollector(Collector):
         handoff_reused = family(CounterMetricFamily, "pdserve:kv_handoff_reused_bytes",
                                 "KV bytes of hand-offs not moved: the decode worker held those "
                                 "blocks (its pool or host tier)")
+        # a decode worker's choice per hand-off over a link, and what each link gave
+        # (pdserve/handoff/link_policy.py)
+        source_choices = family(CounterMetricFamily, "pdserve:kv_handoff_source_choices",
+                                "Hand-offs over a link by where their KV came from: moved "
+                                "(transfer), the fleet store, or recomputed, by predicted "
+                                "time", ["source"])
+        link_rates = family(GaugeMetricFamily, "pdserve:kv_link_bytes_per_second",
+                            "KV bytes per second a decode worker measured from each peer "
+                            "(store: the fleet store)", ["peer"])
         tier_blocks = family(GaugeMetricFamily, "pdserve:kv_tier_blocks",
                              "Blocks a worker's host tier holds", ["tier"])
         tier_choices = family(CounterMetricFamily, "pdserve:kv_tier_load_decisions",
@@ -203,6 +212,13 @@ class _WorkerCollector(Collector):
             if "handoff_bytes" in totals:
                 handoff_bytes.add_metric(key, totals["handoff_bytes"])
                 handoff_reused.add_metric(key, totals.get("handoff_reused_bytes", 0.0))
+            for name, value in totals.items():
+                if name.startswith("handoff_source_"):
+                    source_choices.add_metric(key + [name.removeprefix("handoff_source_")],
+                                              value)
+                elif name.startswith("link_bytes_per_s:"):
+                    link_rates.add_metric(key + [name.removeprefix("link_bytes_per_s:")],
+                                          value)
             for direction, verb in (("save", "saved"), ("load", "loaded")):
                 if f"{direction}_count" not in totals:
                     continue
@@ -212,7 +228,8 @@ class _WorkerCollector(Collector):
         yield from (running, waiting, usage, queries, hits, preemptions, kv_bytes, kv_seconds,
                     spec_drafts, spec_draft_tokens, spec_accepted, spec_per_pos, moe_tokens,
                     moe_dropped, tier_hits, tier_read, tier_written, tier_evictions,
-                    tier_dropped, tier_blocks, tier_choices, handoff_bytes, handoff_reused)
+                    tier_dropped, tier_blocks, tier_choices, handoff_bytes, handoff_reused,
+                    source_choices, link_rates)
 
 
 def _tier_metrics(tiers: dict[str, float], key: list[str], hits, read, written, evictions,

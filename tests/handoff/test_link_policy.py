@@ -148,3 +148,31 @@ def test_kv_sources_counts_what_was_taken_and_reports_the_links() -> None:
     assert totals["handoff_source_transfer"] == 0.0
     assert totals["recompute_prefill_tokens_per_s"] == pytest.approx(1000.0)
     assert totals[f"link_bytes_per_s:{PEER}"] == pytest.approx(12.5e6)
+
+
+def test_the_choices_and_the_links_reach_the_router_s_metrics() -> None:
+    """A decode worker's totals cross in WorkerStatus.kv_transfer (over the wire codec) and
+    the router's /metrics shows the choice counts and each peer's rate."""
+    from types import SimpleNamespace
+
+    from pdserve.protocol.worker import WORKER_PROTOCOL, WorkerStatus
+    from pdserve.router.metrics import RouterMetrics
+
+    sources = KVSources(KVSourcePolicy(_meter({PEER: 12.5e6}), has_store=True),
+                        block_bytes=MB, prefill_speed=lambda: None)
+    sources.note("transfer")
+    sources.note("recompute")
+    sources.note("recompute")
+    status = WorkerStatus(worker_id="d0", role="decode", model="m", max_model_len=64,
+                          is_ready=True, num_running=0, num_waiting=0, num_free_blocks=8,
+                          num_total_blocks=8, block_size=8, kv_transfer=sources.totals())
+    status = WORKER_PROTOCOL.decode(WORKER_PROTOCOL.encode(status))
+    worker = SimpleNamespace(status=status, worker_id="d0", role="decode")
+    text = RouterMetrics("m").render([worker]).decode()
+    labels = 'model_name="m",role="decode"'
+    assert (f'pdserve:kv_handoff_source_choices_total{{{labels},source="recompute",'
+            f'worker="d0"}} 2.0') in text
+    assert (f'pdserve:kv_handoff_source_choices_total{{{labels},source="store",'
+            f'worker="d0"}} 0.0') in text
+    assert (f'pdserve:kv_link_bytes_per_second{{model_name="m",peer="{PEER}",role="decode",'
+            f'worker="d0"}} 1.25e+07') in text

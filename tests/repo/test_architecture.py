@@ -115,6 +115,8 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # an in-process Master for where the index's bytes go
     "benchmarks.store_scale": ("pdserve.kvstore",),
     "benchmarks.kv_transfer": ("pdserve.kvstore", "pdserve.handoff"),
+    # the FP8 hand-off wire's effect on greedy tokens: two workers' gateways in one process
+    "benchmarks.handoff_wire": ("pdserve.serve", "pdserve.handoff"),
     "benchmarks.kernels.bench_attention": ("pdserve.kernels",),
     # runs the router's own goodput simulator on what the router's /status published
     "benchmarks.controller_check": ("pdserve.planner.goodput_model",),
