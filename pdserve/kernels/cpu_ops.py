@@ -26,16 +26,21 @@ a killed builder leaves behind, and such a lock, once older than the time limit,
 `load()` returns None, with one warning, where the library cannot be had (no compiler, no
 ninja, a build past its limit); every caller then keeps its plain-torch path, which is also the
 reference the tests compare these kernels with.
+
+A worker that must serve before the build is done (pdserve/serve/executor/cpu_preparation.py)
+has another process build the library: between `build_elsewhere()` and `built_elsewhere()`,
+`load()` in this process never compiles; it imports the library if it is there and otherwise
+returns None without settling on that, so a later call imports what the other process built.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -92,23 +97,74 @@ def _build(name: str, directory: Path) -> None:
         raise RuntimeError(lines[-1][:300] if lines else f"exit code {done.returncode}")
 
 
-@functools.cache
+_outcome: list[ModuleType | None] = []  # load()'s settled answer, once there is one
+_lock = threading.Lock()
+_num_elsewhere = [0]  # build_elsewhere() calls not yet ended by built_elsewhere()
+
+
 def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once) where it cannot be had."""
+    """The compiled extension, or None (logged once) where it cannot be had; while another
+    process builds it (build_elsewhere), None until that build is done, never a build here."""
+    if _outcome:
+        return _outcome[0]
+    with _lock:
+        if _outcome:
+            return _outcome[0]
+        try:
+            name = library_name()
+            directory = _build_directory(name)
+            library = directory / f"{name}.so"
+            if not library.exists():
+                if _num_elsewhere[0]:
+                    return None  # not settled: asked again once the other build is done
+                _build(name, directory)
+            module = _import(name, library)
+        except Exception as exc:  # no compiler, no ninja, a read-only cache: torch paths stay
+            first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
+            _settle_unavailable(f"{type(exc).__name__}: {first_line}")
+            return None
+        _outcome.append(module)
+        return module
+
+
+def is_built() -> bool:
+    """Whether load() would import the library at once (it is built, or loaded already)."""
+    if _outcome:
+        return _outcome[0] is not None
     try:
         name = library_name()
-        directory = _build_directory(name)
-        library = directory / f"{name}.so"
-        if not library.exists():
-            _build(name, directory)
-        spec = importlib.util.spec_from_file_location(name, library)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot import {library}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path stays
-        first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
-        logger.warning("pdserve's CPU kernels are unavailable (%s: %s); the plain-torch "
-                       "paths run instead", type(exc).__name__, first_line)
-        return None
+        return (_build_directory(name) / f"{name}.so").exists()
+    except Exception:  # whatever keeps load() from finding it: not built
+        return False
+
+
+def build_elsewhere() -> None:
+    """From now until the matching built_elsewhere(), load() builds nothing in this process
+    (another process is building the library)."""
+    with _lock:
+        _num_elsewhere[0] += 1
+
+
+def built_elsewhere(reason_unavailable: str | None = None) -> None:
+    """Ends one build_elsewhere(): the other process's build is done (load() imports it) or
+    was stopped; with `reason_unavailable` (that build failed), load() answers None for good
+    in this process, logged once."""
+    with _lock:
+        _num_elsewhere[0] = max(0, _num_elsewhere[0] - 1)
+        if reason_unavailable is not None and not _outcome:
+            _settle_unavailable(reason_unavailable)
+
+
+def _settle_unavailable(reason: str) -> None:
+    logger.warning("pdserve's CPU kernels are unavailable (%s); the plain-torch paths run "
+                   "instead", reason)
+    _outcome.append(None)
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

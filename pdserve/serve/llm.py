@@ -117,6 +117,14 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    @property
+    def cpu_path(self) -> dict[str, str]:
+        """Which CPU path serves (a one-rank CPU engine; empty elsewhere), as a worker's
+        /status cpu_path: "path" ("portable" until the kernels are built and the paths
+        measured in the background; then the one chosen, switched to between two steps),
+        "source", each path's step times, and "background" (what is under way, or took)."""
+        return getattr(self.engine.runner, "cpu_path_status", dict)()
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

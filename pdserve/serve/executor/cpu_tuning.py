@@ -15,10 +15,10 @@ ratio): no point is much slower than it could be. Besides the paths as measured,
 packed layout split by rows (CpuPath.plain_rows): decode steps of at most T sequences on the
 plain weights, the rest on the packed copy, whose times at each point are the two measured
 paths' (a step runs exactly one of them); the plain weights are kept anyway, so a split costs no
-memory. The choice and its times are cached in a
-JSON file beside the kernel library, keyed by what decides them (CPU model and flags, cores,
-cache sizes, torch version, the kernel library, the model's products and dtype); a later start
-with the same key reads it back. An entry that does not parse, or whose key differs, is
+memory (the choice itself: pdserve/serve/executor/cpu_path_choice.py). The choice and its times
+are cached in a JSON file beside the kernel library, keyed by what decides them (CPU model and
+flags, cores, cache sizes, torch version, the kernel library, the model's products and dtype); a
+later start with the same key reads it back. An entry that does not parse, or whose key differs, is
 measured again, never trusted.
 
 A measurement taken while something else runs on the cores is wrong for good once cached (a
@@ -28,6 +28,10 @@ only when a quick re-check agrees with it: the chosen path is timed again at eve
 is the fastest other path at each point; a time off by more than RECHECK_TOLERANCE either way
 measures everything again, once; a second disagreement serves the choice but does not cache
 it.
+
+A worker does not wait for any of this: it serves at once on what is ready and has a child
+process build the kernels and measure (pdserve/serve/executor/cpu_preparation.py); `pdserve
+tune` does it all ahead.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +54,12 @@ from torch import nn
 
 from pdserve.protocol.tp import SeqChunk, StepInput
 from pdserve.serve.config import SchedulerConfig
+from pdserve.serve.executor.cpu_path_choice import (
+    Point,
+    Tuning,
+    candidate_paths,
+    decide,
+)
 from pdserve.serve.layers import ops
 
 if TYPE_CHECKING:
@@ -71,124 +80,6 @@ RECHECK_FLOOR_S = 1e-3
 more than that, and no choice between them matters)."""
 LOCK_TIMEOUT_S = 900.0
 """Longest wait for another process's measurement on this host; past it, measure anyway."""
-
-
-@dataclass(frozen=True)
-class Point:
-    """One step shape timed for every path: `num_seqs` sequences of `context_len` tokens
-    decoding one token each, or (num_seqs 0) one prompt of `context_len` tokens."""
-
-    num_seqs: int
-    context_len: int
-
-    @property
-    def label(self) -> str:
-        if self.num_seqs == 0:
-            return f"prefill {self.context_len}"
-        return f"decode {self.num_seqs}x{self.context_len}"
-
-
-@dataclass
-class Tuning:
-    """What a worker chose, from what (seconds per point per path label), and how."""
-
-    chosen: ops.CpuPath
-    seconds: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per path label, seconds per point: the measured paths, then the splits composed of
-    them."""
-    source: str = "default"
-    """"measured", "cached" (read back from cache_file) or "default" (nothing to choose)."""
-    cache_file: str = ""
-    paths: dict[str, ops.CpuPath] = field(default_factory=dict)
-    """The path of each label in `seconds`."""
-    num_measured: int = 0
-    """The first this many labels of `seconds` were measured; the rest are splits of them."""
-
-    def summary(self) -> str:
-        """One line: the choice, why (its times against the runner-up's), and the source."""
-        if not self.seconds:
-            return f"cpu path {self.chosen.label} ({self.source})"
-        mine = self.seconds[self.chosen.label]
-        parts = [f"{point} {mine[point] * 1e3:.2f} ms" for point in mine]
-        others = sorted((label for label in self.seconds if label != self.chosen.label),
-                        key=lambda label: worst_ratio(self.seconds, label))
-        runner_up = ""
-        if others:
-            ratio = worst_ratio(self.seconds, others[0])
-            runner_up = f"; next best {others[0]} is up to {ratio:.2f}x its points' best"
-        where = f" {self.cache_file}" if self.source == "cached" else ""
-        return (f"cpu path {self.chosen.label}: {', '.join(parts)}{runner_up} "
-                f"({self.source}{where})")
-
-    def as_status(self) -> dict[str, str]:
-        """What /status shows: the choice, its source and every path's times in ms."""
-        status = {"path": self.chosen.label, "source": self.source}
-        for label, times in self.seconds.items():
-            status[label] = ", ".join(f"{p} {s * 1e3:.3f}" for p, s in times.items())
-        return status
-
-
-def worst_ratio(seconds: dict[str, dict[str, float]], label: str) -> float:
-    """The path's largest ratio, over the points, of its time to the point's best time."""
-    times = seconds[label]
-    return max(t / min(other[point] for other in seconds.values()) for point, t in times.items())
-
-
-def choose(seconds: dict[str, dict[str, float]]) -> str:
-    """The label of the path whose worst point is nearest its best (ties: the first)."""
-    if not seconds:
-        raise ValueError("nothing was measured")
-    points = set(next(iter(seconds.values())))
-    if any(set(times) != points for times in seconds.values()):
-        raise ValueError("every path must be timed at the same points")
-    return min(seconds, key=lambda label: worst_ratio(seconds, label))
-
-
-def split_paths(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
-                step_points: Sequence[Point]) -> dict[str, tuple[ops.CpuPath, dict[str, float]]]:
-    """Every packed path split by rows at each decode point's batch: its times composed from
-    the packed path's and the plain one's (same fused loop), as a step of either runs."""
-    by_label = {p.label: p for p in candidates}
-    splits = {}
-    for packed in candidates:
-        plain = ops.CpuPath("none", packed.fused_decode, False)
-        if packed.prepack == "none" or plain.label not in measured:
-            continue
-        for rows in sorted({p.num_seqs for p in step_points if p.num_seqs})[:-1]:
-            split = ops.CpuPath(packed.prepack, packed.fused_decode, packed.amx, rows)
-            times = {point.label: measured[(plain if 0 < point.num_seqs <= rows
-                                            else packed).label][point.label]
-                     for point in step_points}
-            splits[split.label] = (split, times)
-    assert not set(splits) & set(by_label)
-    return splits
-
-
-def options(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
-            step_points: Sequence[Point]) -> dict[str, tuple[ops.CpuPath, dict[str, float]]]:
-    """What the choice is among: every measured path, then every split of them (ties go to
-    the measured, in candidate order)."""
-    return {**{p.label: (p, measured[p.label]) for p in candidates},
-            **split_paths(measured, candidates, step_points)}
-
-
-def decide(measured: dict[str, dict[str, float]], candidates: Sequence[ops.CpuPath],
-           step_points: Sequence[Point], source: str, cache_file: Path) -> Tuning:
-    """The choice among the measured paths and their splits."""
-    choices = options(measured, candidates, step_points)
-    seconds = {label: times for label, (_, times) in choices.items()}
-    return Tuning(choices[choose(seconds)][0], seconds, source, str(cache_file),
-                  {label: path for label, (path, _) in choices.items()}, len(measured))
-
-
-def candidate_paths(has_panels: bool, has_amx: bool, has_fused: bool) -> list[ops.CpuPath]:
-    """Every path this machine and model can run that the environment's switches allow."""
-    prepacks = (["panels"] if has_panels else []) + ["onednn", "none"]
-    paths = [ops.CpuPath(prepack, fused, amx)
-             for prepack in prepacks
-             for fused in ((True, False) if has_fused else (False,))
-             for amx in ((True, False) if has_amx and prepack == "panels" else (False,))]
-    return [p for p in paths if p.allowed_by_environment()]
 
 
 # ---- the cache -------------------------------------------------------------------------------
@@ -266,12 +157,30 @@ def cache_directory() -> Path:
     return Path(_get_build_directory("pdserve_cpu_tuning", verbose=False))
 
 
+def key_facts(model: nn.Module, step_points: Sequence[Point],
+              candidates: Sequence[ops.CpuPath],
+              machine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a choice is keyed by (`machine`: machine_facts() as taken earlier)."""
+    return {**(machine or machine_facts()), **model_facts(model),
+            "points": [p.label for p in step_points],
+            "candidates": [p.label for p in candidates]}
+
+
 def read_cached(path: Path, facts: dict[str, Any], candidates: Sequence[ops.CpuPath],
                 step_points: Sequence[Point]) -> Tuning | None:
     """The tuning saved at `path` for exactly these facts, or None (missing, unreadable,
     another version or key, or a choice that is no longer a candidate)."""
     try:
         entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return from_entry(entry, facts, candidates, step_points, "cached", path)
+
+
+def from_entry(entry: Any, facts: dict[str, Any], candidates: Sequence[ops.CpuPath],
+               step_points: Sequence[Point], source: str, path: Path) -> Tuning | None:
+    """The tuning a cache entry (write_cached's JSON) holds for exactly these facts, or None."""
+    try:
         if entry["version"] != CACHE_VERSION or entry["facts"] != facts:
             return None
         labels = [p.label for p in candidates]
@@ -281,17 +190,22 @@ def read_cached(path: Path, facts: dict[str, Any], candidates: Sequence[ops.CpuP
         # in candidate order, as measured: ties go to the same path
         measured = {label: {str(point): float(s) for point, s in saved[label].items()}
                     for label in labels}
-        tuning = decide(measured, candidates, step_points, "cached", path)
+        tuning = decide(measured, candidates, step_points, source, path)
         return tuning if tuning.chosen.label == entry["chosen"] else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def write_cached(path: Path, facts: dict[str, Any], tuning: Tuning,
-                 measured: dict[str, dict[str, float]]) -> None:
+def cache_entry(facts: dict[str, Any], tuning: Tuning) -> dict[str, Any]:
+    """What the cache keeps of a measured tuning (from_entry reads it back)."""
+    measured = dict(list(tuning.seconds.items())[:tuning.num_measured])
+    return {"version": CACHE_VERSION, "facts": facts, "chosen": tuning.chosen.label,
+            "seconds": measured}
+
+
+def write_cached(path: Path, facts: dict[str, Any], tuning: Tuning) -> None:
     """Write atomically (a reader never sees half a file); a failure only costs a re-measure."""
-    entry = {"version": CACHE_VERSION, "facts": facts, "chosen": tuning.chosen.label,
-             "seconds": measured}
+    entry = cache_entry(facts, tuning)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
@@ -372,36 +286,50 @@ def measure(model: nn.Module, paths: Sequence[ops.CpuPath], run_point: Callable[
 
 def tune(model: nn.Module, run_point: Callable[[Point], float], step_points: Sequence[Point],
          has_panels: bool, has_amx: bool, has_fused: bool, use_cache: bool = True,
-         progress: Progress | None = None) -> Tuning:
-    """Choose the CPU path for `model` (cached, or measured and cached) and apply it."""
+         progress: Progress | None = None, cache_dir: Path | None = None) -> Tuning:
+    """Choose the CPU path for `model` (cached, or measured and cached in `cache_dir`,
+    default cache_directory()) and apply it."""
+    cache_dir = cache_dir or cache_directory()
+    tuning = known_choice(model, step_points, has_panels, has_amx, has_fused, use_cache,
+                          cache_dir=cache_dir)
+    if tuning is None:
+        candidates = candidate_paths(has_panels, has_amx, has_fused)
+        facts = key_facts(model, step_points, candidates)
+        path = cache_dir / f"{cache_key(facts)}.json"
+        with measuring_alone(cache_dir / "measure.lock"):
+            # another worker of this host may have measured the same key while this one waited
+            tuning = read_cached(path, facts, candidates, step_points) if use_cache else None
+            if tuning is None:
+                for attempt in (1, 2):
+                    measured = measure(model, candidates, run_point, step_points, progress)
+                    tuning = decide(measured, candidates, step_points, "measured", path)
+                    off = recheck(model, tuning, run_point, step_points, candidates)
+                    if not off:
+                        write_cached(path, facts, tuning)
+                        break
+                    logger.warning("cpu path timings disagree with a re-check (%s): %s", off,
+                                   "measuring again" if attempt == 1 else
+                                   "serving the choice without caching it")
+        tuning.facts = facts
+    apply(model, tuning.chosen)
+    return tuning
+
+
+def known_choice(model: nn.Module, step_points: Sequence[Point], has_panels: bool,
+                 has_amx: bool, has_fused: bool, use_cache: bool = True,
+                 machine: dict[str, Any] | None = None, cache_dir: Path | None = None
+                 ) -> Tuning | None:
+    """The choice where it needs no timing (nothing to choose from, or cached), else None;
+    not applied. `machine`: machine_facts() as taken earlier."""
     candidates = candidate_paths(has_panels, has_amx, has_fused)
     if len(candidates) <= 1:
-        chosen = candidates[0] if candidates else ops.CpuPath("none", False, False)
-        apply(model, chosen)
-        return Tuning(chosen, source="default")
-    facts = {**machine_facts(), **model_facts(model),
-             "points": [p.label for p in step_points],
-             "candidates": [p.label for p in candidates]}
-    path = cache_directory() / f"{cache_key(facts)}.json"
+        return Tuning(candidates[0] if candidates else ops.CpuPath("none", False, False),
+                      source="default")
+    facts = key_facts(model, step_points, candidates, machine)
+    path = (cache_dir or cache_directory()) / f"{cache_key(facts)}.json"
     tuning = read_cached(path, facts, candidates, step_points) if use_cache else None
     if tuning is not None:
-        apply(model, tuning.chosen)
-        return tuning
-    with measuring_alone(cache_directory() / "measure.lock"):
-        # another worker of this host may have measured the same key while this one waited
-        tuning = read_cached(path, facts, candidates, step_points) if use_cache else None
-        if tuning is None:
-            for attempt in (1, 2):
-                measured = measure(model, candidates, run_point, step_points, progress)
-                tuning = decide(measured, candidates, step_points, "measured", path)
-                off = recheck(model, tuning, run_point, step_points, candidates)
-                if not off:
-                    write_cached(path, facts, tuning, measured)
-                    break
-                logger.warning("cpu path timings disagree with a re-check (%s): %s", off,
-                               "measuring again" if attempt == 1 else
-                               "serving the choice without caching it")
-    apply(model, tuning.chosen)
+        tuning.facts = facts
     return tuning
 
 
@@ -471,12 +399,17 @@ def recheck(model: nn.Module, tuning: Tuning, run_point: Callable[[Point], float
 
 
 def tune_rank(rank: Rank, scheduler_config: SchedulerConfig, use_cache: bool = True,
-              progress: Progress | None = None) -> Tuning:
+              progress: Progress | None = None, cache_dir: Path | None = None) -> Tuning:
     """Choose and apply the CPU path of a one-rank CPU worker, timing its own model's steps
     on a scratch pool (the served pool is untouched)."""
-    from pdserve.kernels import cpu_linear
+    step_points, run_point = rank_timer(rank, scheduler_config)
+    return tune(rank.model, run_point, step_points, *abilities(rank.model), use_cache,
+                progress, cache_dir)
 
-    model = rank.model
+
+def rank_timer(rank: Rank, scheduler_config: SchedulerConfig
+               ) -> tuple[list[Point], Callable[[Point], float]]:
+    """A one-rank CPU worker's points and what times its model at one of them."""
     step_points = points(scheduler_config.max_num_seqs, rank.spec.max_model_len,
                          scheduler_config.max_num_batched_tokens)
     steps = {p: point_step(p, rank.block_size, rank.spec.vocab_size) for p in step_points}
@@ -492,14 +425,21 @@ def tune_rank(rank: Rank, scheduler_config: SchedulerConfig, use_cache: bool = T
     def run_point(point: Point) -> float:
         return time_step(lambda: rank.forward(steps[point], scratch_caches()))
 
+    return step_points, run_point
+
+
+def abilities(model: nn.Module) -> tuple[bool, bool, bool]:
+    """(has_panels, has_amx, has_fused): what this machine's kernels and the model can take
+    (the model is left on a path that has them all)."""
+    from pdserve.kernels import cpu_linear
+
     kernels = ops.cpu_kernels() is not None
     has_panels = kernels and cpu_linear.panel_width() > 0
-    # what the model can take: the fused loop (built on a path that has it) and AMX (only
-    # bf16 panels go to AMX: a half-precision checkpoint's weights)
+    # the fused loop (built on a path that has it) and AMX (only bf16 panels go to AMX: a
+    # half-precision checkpoint's weights)
     apply(model, ops.CpuPath("panels" if has_panels else "onednn", True, False))
     has_fused = kernels and getattr(model, "fused_decode", lambda: None)() is not None
     first = next((m for m in model.modules() if hasattr(m, "repack")), None)
     has_amx = (has_panels and first is not None and cpu_linear.amx_min_rows() != float("inf")
                and cpu_linear.panel_dtype(first.weight) == torch.bfloat16)
-    return tune(model, run_point, step_points, has_panels, has_amx, has_fused, use_cache,
-                progress)
+    return has_panels, has_amx, has_fused

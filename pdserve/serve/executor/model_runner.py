@@ -44,6 +44,7 @@ from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.protocol.tp import TP_PROTOCOL, ReadKV, StepInput, WriteKV
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.executor.context_parallel import assemble_owned_blocks
+from pdserve.serve.executor.cpu_preparation import BackgroundCpuPath
 from pdserve.serve.executor.cpu_tuning import Tuning, tune_rank
 from pdserve.serve.executor.kv_cache import KVCachePlan, KVCachePool
 from pdserve.serve.executor.loader import ModelSpec, load_model_spec
@@ -122,6 +123,11 @@ class ModelRunner:
         # by the next one, so send one every few seconds however long the timeout is.
         self._procs = RankProcesses(heartbeat_s=min(dist_timeout_s / 4, HEARTBEAT_MAX_S))
         procs = self._procs
+        self._can_tune = (size == 1 and device_for(parallel_config, 0).type == "cpu"
+                          and getattr(parallel_config, "context_parallel_size", 1) == 1)
+        # made before the model loads, so that nothing there waits for the kernels' build
+        self._cpu_path = (BackgroundCpuPath() if self._can_tune and envs.cpu_tuning()
+                          else None)
         try:
             for rank in parallel_config.local_ranks[1:]:  # the other nodes start their own
                 procs.spawn(worker_main, rank, model_config, cache_config, scheduler_config,
@@ -134,6 +140,8 @@ class ModelRunner:
             )
         except BaseException:
             procs.stop(send_stop=False)
+            if self._cpu_path is not None:
+                self._cpu_path.close()
             raise
         rendezvous = self._rank.rendezvous
         if rendezvous is not None:
@@ -150,27 +158,47 @@ class ModelRunner:
         self.kv_pool: KVCachePool = self._rank.pool
         self.kv_caches: list[torch.Tensor] = self._rank.pool.kv_caches
         _log_plan(self.plan, model_config)
-        self.cpu_tuning: Tuning | None = None
-        """The CPU path this worker serves with and the times it was chosen by (one-rank CPU
-        workers; None elsewhere)."""
+        self._tuned: Tuning | None = None  # tune_cpu_path's
         self._scheduler_config = scheduler_config
-        self._can_tune = (size == 1 and self.device.type == "cpu"
-                          and getattr(parallel_config, "context_parallel_size", 1) == 1)
-        if self._can_tune and envs.cpu_tuning():
-            self.tune_cpu_path()
+        if self._cpu_path is not None:
+            self._cpu_path.start(self._rank, scheduler_config)
+            weakref.finalize(self, self._cpu_path.close)
         if size > 1:
             procs.start_heartbeat()
 
+    @property
+    def cpu_tuning(self) -> Tuning | None:
+        """The CPU path this worker serves with and the times it was chosen by (one-rank CPU
+        workers; None elsewhere, and while the portable path serves)."""
+        return self._cpu_path.tuning if self._cpu_path is not None else self._tuned
+
+    def cpu_path_status(self) -> dict[str, str]:
+        """/status's cpu_path: the path that serves, its source, every path's times, and
+        what is under way in the background (pdserve/serve/executor/cpu_preparation.py)."""
+        if self._cpu_path is not None:
+            return self._cpu_path.status()
+        return self._tuned.as_status() if self._tuned is not None else {}
+
+    def switch_cpu_path_if_ready(self) -> bool:
+        """Switch to the fast CPU path once its background preparation is done (a cheap poll
+        until then): called before every step, and by an idle worker's loop. Whether it
+        switched now."""
+        return self._cpu_path is not None and self._cpu_path.switch_if_ready()
+
     def tune_cpu_path(self, use_cache: bool = True,
                       progress: Callable[[int, int, str], None] | None = None) -> Tuning:
-        """Choose the CPU path by measuring every candidate on this model (or read the choice
-        back from the cache), apply it and log it (pdserve/serve/executor/cpu_tuning.py).
-        One-rank CPU workers only: a TP or PP group's ranks would each have to agree on one."""
+        """Choose the CPU path by measuring every candidate on this model, in the foreground
+        (or read the choice back from the cache), apply it and log it
+        (pdserve/serve/executor/cpu_tuning.py; `pdserve tune`). One-rank CPU workers only: a
+        TP or PP group's ranks would each have to agree on one."""
         if not self._can_tune:
             raise RuntimeError("the CPU path is measured on a one-rank CPU worker only")
-        self.cpu_tuning = tune_rank(self._rank, self._scheduler_config, use_cache, progress)
-        logger.info("%s", self.cpu_tuning.summary())
-        return self.cpu_tuning
+        if self._cpu_path is not None:  # measured here instead
+            self._cpu_path.close()
+            self._cpu_path = None
+        self._tuned = tune_rank(self._rank, self._scheduler_config, use_cache, progress)
+        logger.info("%s", self._tuned.summary())
+        return self._tuned
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -236,6 +264,8 @@ class ModelRunner:
             raise ValueError("per-layer callbacks see only the first stage's layers: PP must "
                              "be 1")
         self._rank.validate(step)
+        if self._cpu_path is not None:  # between two steps
+            self._cpu_path.switch_if_ready()
         if not step.chunks:
             self._check_usable()
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=self.device)
@@ -341,6 +371,8 @@ class ModelRunner:
         """Stop workers (stop message, join, terminate) and leave the process group.
         Idempotent; also what happens when the last reference to the runner goes."""
         self._closed = True
+        if self._cpu_path is not None:
+            self._cpu_path.close()
         self._finalizer()  # runs RankProcesses.stop once, whoever calls first
 
     def __enter__(self) -> ModelRunner:

@@ -23,8 +23,8 @@ def _kv_tiers(engine, kv_transfer: KVTransfer | None) -> dict[str, float]:
 
 
 def _cpu_path(engine) -> dict[str, str]:
-    tuning = getattr(engine.runner, "cpu_tuning", None)  # a test's fake runner: none
-    return tuning.as_status() if tuning is not None else {}
+    status = getattr(engine.runner, "cpu_path_status", None)  # a test's fake runner: none
+    return status() if status is not None else {}
 
 
 def _sim(engine) -> dict[str, str]:

@@ -1,0 +1,167 @@
+"""A one-rank CPU engine serves at once and switches to its fast path between two steps once a
+child process has built the kernels and measured the paths
+(pdserve/serve/executor/cpu_preparation.py).
+
+"A fresh machine" here: this process sees no kernel library (its build directory is pointed at
+an empty folder, and a build in this process fails the test) and an empty tuning cache; the
+child sees the library the session built, so it builds nothing, and is held behind a gate until
+the test opens it. Every path's greedy tokens are Hugging Face's, before the switch, after it,
+and for a request whose prompt ran on one path and whose decode ran on the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.engine_util import token_ids
+from helpers.model_util import hf_greedy, random_prompts
+
+from pdserve.kernels import cpu_ops
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.serve import LLM
+from pdserve.serve.executor import cpu_preparation
+from pdserve.serve.executor import cpu_tuning as tuning
+from pdserve.serve.layers import ops
+from pdserve.serve.worker.status import _cpu_path
+
+GATED_CHILD = ("import pathlib, runpy, sys, time\n"
+               "gate = pathlib.Path(sys.argv.pop())\n"
+               "while not gate.exists():\n"
+               "    time.sleep(0.05)\n"
+               "runpy.run_module('pdserve.serve.executor.cpu_preparation', run_name='__main__')\n")
+CHILD_WAIT_S = 600.0  # a bound on the wait for the child, not a timing assertion
+MAX_TOKENS = 6
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+class FreshMachine:
+    """The stubs of a machine that never built the kernels, and the gate on the child."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+        self.monkeypatch = monkeypatch
+        self.gate = folder / "gate"
+        self.build_directory = cpu_ops._build_directory
+        monkeypatch.setattr(cpu_ops, "_outcome", [])
+        monkeypatch.setattr(cpu_ops, "_num_elsewhere", [0])
+        monkeypatch.setattr(cpu_ops, "_build_directory", lambda name: folder / "no-library")
+        monkeypatch.setattr(cpu_ops, "_build", self._no_build_here)
+        monkeypatch.setattr(cpu_preparation, "child_command",
+                            lambda job: [sys.executable, "-c", GATED_CHILD, str(job),
+                                         str(self.gate)])
+
+    @staticmethod
+    def _no_build_here(*args: object) -> None:
+        raise AssertionError("the serving process compiled the kernels")
+
+    def release(self) -> None:
+        """The child goes on; what it builds (here: finds built) this process sees too."""
+        self.monkeypatch.setattr(cpu_ops, "_build_directory", self.build_directory)
+        self.gate.touch()
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path) -> FreshMachine:
+    if cpu_ops.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    monkeypatch.setenv("PDSERVE_CPU_TUNING", "1")
+    monkeypatch.setattr(tuning, "cache_directory", lambda: tmp_path / "cache")
+    machine = FreshMachine(monkeypatch, tmp_path)
+    ops.reset()
+    yield machine
+    ops.reset()
+
+
+def wait_for_child(llm: LLM) -> None:
+    preparation = llm.engine.runner._cpu_path.preparation
+    deadline = time.monotonic() + CHILD_WAIT_S
+    while not preparation.is_done():
+        assert time.monotonic() < deadline, "the background preparation never ended"
+        time.sleep(0.2)
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.slow
+def test_a_fresh_engine_serves_portable_then_switches_between_steps(fresh, llama_dir,
+                                                                    caplog) -> None:
+    caplog.set_level(logging.INFO, logger="pdserve")
+    prompts = random_prompts([5, 19], vocab_size=1000, seed=4)
+    expected = hf_greedy(llama_dir, prompts + prompts[:1], MAX_TOKENS)
+    with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu") as llm:
+        runner = llm.engine.runner
+        assert llm.cpu_path["path"] == "portable" and "background" in llm.cpu_path
+        assert _cpu_path(llm.engine) == llm.cpu_path  # what a worker's /status shows
+        assert ops.cpu_kernels() is None and ops.chosen("rms_norm") == "torch"
+        assert "serving on the portable path" in caplog.text
+        assert generate(llm, prompts) == expected[:2]  # held back: the portable path serves
+        assert runner.cpu_tuning is None
+
+        # a request starts on the portable path ...
+        engine = llm.engine
+        engine.add_request(prompts[0], PARAMS)
+        outputs = engine.step()  # its prompt
+        assert llm.cpu_path["path"] == "portable"
+        fresh.release()
+        wait_for_child(llm)
+        assert llm.cpu_path["path"] == "portable"  # nothing switches but a step
+        while engine.has_unfinished_requests():  # ... and ends on the fast one
+            outputs += engine.step()
+        assert token_ids(outputs) == expected[2]
+
+        status = llm.cpu_path
+        assert status["path"] == runner.cpu_tuning.chosen.label == ops.path().label
+        assert status["source"] in ("measured", "cached")
+        assert status["background"].startswith("prepared in the background")
+        assert ops.cpu_kernels() is not None and ops.chosen("rms_norm") == "cpu"
+        assert caplog.text.count("cpu path: switched from the portable path (plain torch) to") == 1
+        assert generate(llm, prompts) == expected[:2]  # the fast path, after the switch
+
+
+def test_a_warm_cache_serves_its_choice_at_once(monkeypatch, llama_dir, tmp_path,
+                                                caplog) -> None:
+    """`pdserve tune` first (here: the same foreground measurement, its re-check made to
+    agree), then a start: the cached choice serves from the first step, and no child runs."""
+    if cpu_ops.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    monkeypatch.setattr(tuning, "cache_directory", lambda: tmp_path)
+    monkeypatch.setattr(tuning, "RECHECK_TOLERANCE", float("inf"))
+    monkeypatch.setattr(cpu_preparation, "child_command", lambda job: pytest.fail("a child ran"))
+    caplog.set_level(logging.INFO, logger="pdserve")
+    ops.reset()
+    try:
+        with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu") as llm:
+            tuned = llm.engine.runner.tune_cpu_path()
+        assert len(list(tmp_path.glob("*.json"))) == 1
+        monkeypatch.setenv("PDSERVE_CPU_TUNING", "1")
+        with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu") as llm:
+            assert llm.cpu_path["path"] == tuned.chosen.label
+            assert llm.cpu_path["source"] == "cached" and "background" not in llm.cpu_path
+            assert ops.path() == tuned.chosen
+        assert "(cached " in caplog.text
+    finally:
+        ops.reset()
+
+
+def test_a_failed_build_keeps_the_portable_path(fresh, llama_dir, caplog) -> None:
+    """The child could not build the kernels (no compiler): the engine keeps serving on the
+    portable path, says so, and never tries the build itself."""
+    fresh.monkeypatch.setattr(cpu_preparation, "child_command",
+                              lambda job: [sys.executable, "-c", "raise SystemExit(3)"])
+    prompts = random_prompts([7], vocab_size=1000, seed=5)
+    expected = hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu") as llm:
+        wait_for_child(llm)
+        assert generate(llm, prompts) == expected
+        assert llm.cpu_path["path"] == "portable"
+        assert llm.cpu_path["background"].startswith("the background preparation failed")
+        assert ops.cpu_kernels() is None and cpu_ops.load() is None
+        assert "CPU kernels are unavailable (the background build failed" in caplog.text
+        assert "staying on the portable path" in caplog.text
+        assert ops.chosen("rms_norm") == "torch"
