@@ -10,7 +10,10 @@ recomputed here, whichever is predicted fastest.
 The rule (choose), in order:
   1. A link not measured yet, or measured longer than STALE_S ago: transfer (today's path;
      it measures the link, so a link that got faster is seen again).
-  2. Otherwise the fastest of the three, where the store or the recompute is known (a store
+  2. This worker's prefill speed unknown (it never computed a prompt) and the transfer
+     predicted longer than EXPLORE_S: recompute, which measures the speed (its steps), so
+     that a slow link is not paid for ever for want of the other number.
+  3. Otherwise the fastest of the three, where the store or the recompute is known (a store
      read measured, a prefill speed measured); it replaces the transfer only when predicted
      faster by MARGIN, so that noise in the estimates does not flip requests back and forth.
 Recompute needs no bytes and no peer: it is what happens anyway when a transfer fails.
@@ -43,6 +46,8 @@ STALE_S = 30.0
 """A peer's rate older than this is not trusted: the next hand-off from it transfers."""
 MARGIN = 1.25
 """Another source replaces the transfer only when predicted this many times faster."""
+EXPLORE_S = 1.0
+"""A transfer predicted this long is worth one recompute to learn the prefill speed."""
 MAX_PEERS = 64
 """Peers remembered (the least recently measured forgotten first)."""
 
@@ -137,6 +142,9 @@ class KVSourcePolicy:
         free: the caller counts what it did."""
         predicted = self.predict(num_tokens, num_bytes, source,
                                  prefill_s_per_token if can_recompute else None)
+        if (can_recompute and prefill_s_per_token is None and predicted.transfer_s is not None
+                and predicted.transfer_s > EXPLORE_S):
+            return "recompute"  # (rule 2: it measures the prefill speed)
         return choose_from(predicted)
 
     def reads_store_first(self, num_bytes: int, source: str) -> bool:

@@ -54,8 +54,10 @@ TOKENS, KV_BYTES = 2000, 64 * MB
     (12.5e6, 1e9, 1e-3, True, "store"),
     # the store measured but the transport has none: recompute
     (12.5e6, 1e9, 1e-3, False, "recompute"),
-    # the prefill speed unknown (decode never recomputed): transfer, however slow
-    (12.5e6, None, None, True, "transfer"),
+    # the prefill speed unknown (decode never computed a prompt): a transfer over EXPLORE_S
+    # is worth one recompute, which measures it; a shorter one transfers
+    (12.5e6, None, None, True, "recompute"),
+    (1e9, None, None, True, "transfer"),
     # within MARGIN: no switch (5.4 s transfer vs 4.5 s recompute)
     (12.5e6, None, 4.5 / TOKENS, True, "transfer"),
     # just past MARGIN: switch
@@ -138,7 +140,10 @@ def test_kv_sources_counts_what_was_taken_and_reports_the_links() -> None:
     speed = [None]
     sources = KVSources(KVSourcePolicy(_meter({PEER: 12.5e6}), has_store=False),
                         block_bytes=MB, prefill_speed=lambda: speed[0])
-    assert sources.choose(TOKENS, 64, PEER) == "transfer"  # the prefill speed unknown
+    assert sources.choose(TOKENS, 4, PEER) == "transfer"  # 0.3 s, the prefill speed unknown
+    assert sources.choose(TOKENS, 64, PEER) == "recompute"  # 5.4 s: worth learning the speed
+    speed[0] = 1e-2  # 20 s to recompute: the transfer
+    assert sources.choose(TOKENS, 64, PEER) == "transfer"
     speed[0] = 1e-3
     assert sources.choose(TOKENS, 64, PEER) == "recompute"
     assert sources.counts == {"transfer": 0, "store": 0, "recompute": 0}  # choose counts not

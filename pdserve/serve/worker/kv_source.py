@@ -32,7 +32,8 @@ def prefill_s_per_token(samples: Iterable[StepSample],
     rule has it (TierCosts, prefill-only steps), else the median over recent steps that
     computed at least MIN_PREFILL_TOKENS prompt tokens of (step seconds, less a decode-only
     step's median where the step also decoded) / prompt tokens; None where no such step ran
-    (a decode worker that never recomputed: the policy then never recomputes)."""
+    (a decode worker that never computed a prompt: the policy's rule 2 then recomputes one,
+    which measures it, where a transfer is slow)."""
     if measured:
         return measured
     samples = list(samples)
