@@ -1,9 +1,11 @@
 """`pdserve tune [--model DIR]`: prepare this machine for serving, in the foreground.
 
-Builds pdserve's CPU kernels (once per machine; a worker's first start otherwise spends a minute
-or more on it), then times every CPU path a worker could serve the model with (pdserve/serve/cpu/
-tuning.py: the weights' packed layout, the fused decode loop, AMX) and caches the choice where
-every worker on this machine reads it back. A choice is keyed by the cores and threads it was
+Builds pdserve's CPU kernels (once per machine: a minute or more), then times every CPU path a
+worker could serve the model with (pdserve/serve/executor/cpu_tuning.py: the weights' packed
+layout, the fused decode loop, AMX) and caches the choice where every worker on this machine
+reads it back. Without it a worker serves at once anyway, on plain torch, while a child of it
+does the same in the background (pdserve/serve/executor/cpu_preparation.py); with it, the
+worker serves its cached choice from the first step. A choice is keyed by the cores and threads it was
 timed on, so it measures each shape a worker will have: this process's own (all the cores it
 may use: `LLM(...)`, a worker started by hand without pinning), and every one-rank worker's
 placement that `pdserve up` makes here by default (each timed in a child pinned as `up` pins

@@ -370,9 +370,11 @@ class WorkerStatus:
     store_read_gb_per_s, store_latency_ms, prefill_tokens_per_s, *_measured) and its
     decisions (loads_chosen, recomputes_chosen)."""
     cpu_path: dict[str, str] = field(default_factory=dict)
-    """A CPU worker's kernel choice (pdserve/serve/executor/cpu_tuning.py): "path", "source"
-    (measured, cached or default) and each candidate path's step times ("<path label>":
-    "decode 1x256 0.912, ..." in ms); empty elsewhere."""
+    """A CPU worker's kernel choice (pdserve/serve/executor/cpu_tuning.py): "path" (a path's
+    label, or "portable": plain torch while the kernels build), "source" (portable, default,
+    measured or cached), each candidate path's step times ("<path label>": "decode 1x256 0.912,
+    ..." in ms), and "background" while a child builds and measures, or once it has
+    (pdserve/serve/executor/cpu_preparation.py); empty elsewhere."""
     sim: dict[str, str] = field(default_factory=dict)
     """--engine sim (pdserve/serve/executor/sim_runner.py): what it simulates (profile,
     hardware, tensor_parallel_size, speedup, kv_fraction) and how it went (steps,
