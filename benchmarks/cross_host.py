@@ -190,6 +190,15 @@ async def one_at_a_time(url: str, requests: Sequence[BenchRequest]) -> list[Requ
         return [await send_request(http, endpoint, r) for r in requests]
 
 
+def handoff_sources(url: str) -> dict[str, float]:
+    """The decode workers' hand-off choices so far (transfer, store, recompute: pdserve/
+    handoff/link_policy.py) and the rates they measured per peer, from the router's /status."""
+    workers = httpx.get(f"{url}/status", timeout=5).json()["workers"]
+    return {name: value for w in workers if w["role"] == "decode"
+            for name, value in w.get("kv_transfer", {}).items()
+            if name.startswith(("handoff_source_", "link_bytes_per_s:"))}
+
+
 def measure(fleet: Fleet, setup: str, requests: Sequence[BenchRequest],
             args: argparse.Namespace) -> dict[str, Any]:
     hosts = fleet.hosts
@@ -198,6 +207,7 @@ def measure(fleet: Fleet, setup: str, requests: Sequence[BenchRequest],
     asyncio.run(one_at_a_time(fleet.routers[setup], requests[:NUM_WARMUP]))
     links_before = [hosts.link_bytes(i) for i in (0, 1)]
     cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    sources_before = handoff_sources(fleet.routers[setup])
     start_s = time.monotonic()
     outcomes = asyncio.run(one_at_a_time(fleet.routers[setup],
                                          requests[NUM_WARMUP:]))
@@ -216,6 +226,10 @@ def measure(fleet: Fleet, setup: str, requests: Sequence[BenchRequest],
         total, low = (a - b for a, b in zip(cpu_seconds(pid), cpu_before[role], strict=True))
         result[f"{role}_cpu_s_per_request"] = total / n
         result[f"{role}_nice19_cpu_s_per_request"] = low / n
+    sources = handoff_sources(fleet.routers[setup])
+    result["handoff_sources"] = {  # this run's choices, and the rates measured by its end
+        name: value - sources_before.get(name, 0.0) if name.startswith("handoff_") else value
+        for name, value in sources.items()}
     if setup == "disagg" and moved[0].sent:
         result["sender_nice19_cpu_s_per_gb"] = (
             result["prefill_nice19_cpu_s_per_request"] * n / (moved[0].sent / 1e9))
@@ -270,6 +284,11 @@ def format_run(run: dict[str, Any]) -> str:
             f" ms, h1 sent {run['h1_sent_mib_per_request']:.1f} MiB/req")
     if "sender_nice19_cpu_s_per_gb" in run:
         text += f", sender {run['sender_nice19_cpu_s_per_gb']:.2f} CPU s/GB"
+    chosen = {name.removeprefix("handoff_source_"): int(value)
+              for name, value in run.get("handoff_sources", {}).items()
+              if name.startswith("handoff_source_") and value}
+    if chosen:
+        text += f", latency p50 {run['latency_p50_ms']:.0f} ms, KV source {chosen}"
     if run["num_failed"]:
         text += f", {run['num_failed']} FAILED"
     return text

@@ -22,8 +22,9 @@ Rates are of KV bytes delivered (decoded: an FP8 wire, pdserve/handoff/wire_fp8.
 the bytes it stands for), so a prediction from a prompt's KV bytes holds whatever the wire.
 A transfer's round trip is one sample; under MIN_SAMPLE_BYTES its latency, not the link,
 decides, and it is not counted. A layer pull's round trip (pdserve/handoff/layer_pull.py) may
-include waiting for the prefill's next layer: its rate is only a lower bound on the link's,
-and raises the estimate but never lowers it.
+include waiting for the prefill's next layer (at most its WAIT_S, 50 ms: little beside a
+layer's time on a link slow enough to matter): its rate is only a lower bound on the link's,
+and raises the estimate but never lowers it (a peer's first sample sets it, whatever it is).
 """
 
 from __future__ import annotations
