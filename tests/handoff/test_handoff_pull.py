@@ -439,3 +439,23 @@ def test_a_hand_off_over_a_link_measured_slow_is_recomputed(
     assert totals[f"link_bytes_per_s:{first.handoff.source_address}"] == \
         pytest.approx((1 << 20) / 10.0)
     assert_all_free(prefill, decode, node)  # (the lease released, not left to expire)
+
+
+def test_a_follow_over_a_link_measured_slow_is_not_pulled(
+        network_handoffs, handoff_expected, monkeypatch):
+    """The same link policy before the hand-off: the FollowPrefill is declined (no blocks
+    reserved, nothing pulled), and the hand-off that follows is recomputed, counted once."""
+    prefill, decode, node = network_handoffs
+    transfer = decode.kv_transfer
+    transport = transfer.connector.transport
+    transport.links.note(node.address, 1 << 20, 10.0)  # 100 KB/s
+    transfer.sources = KVSources(transport.policy, transfer.connector.block_bytes,
+                                 lambda: 1e-9)
+    first = _prefill_followed(prefill, decode, monkeypatch)
+    assert _follow(decode) is None and decode.engine.block_manager.num_reserved_blocks == 0
+    decode.add(GenerateRequest("r", PROMPT, GREEDY, handoff=first.handoff))
+    assert _finish(prefill, decode, first) == handoff_expected
+    totals = transfer.totals()
+    assert totals["handoff_source_recompute"] == 1 and totals["handoff_source_transfer"] == 0
+    assert totals["pulled_count"] == 0 and totals["load_count"] == 0
+    assert_all_free(prefill, decode, node)
