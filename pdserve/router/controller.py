@@ -279,7 +279,14 @@ class GoodputController:
         wanted = choose_split(estimate, self.config.min_gain, self.config.min_attainment_gain)
         previous, streak = self._streak
         self._streak = (wanted, streak + 1 if wanted == previous else 1)
-        self.state = "balanced" if wanted is None else f"wants {wanted} prefill"
+        state = "balanced" if wanted is None else f"wants {wanted} prefill"
+        if state != self.state:  # what it decided and on what, once per change
+            logger.info("goodput controller: %s at %dP%dD; arriving %.2f req/s; attainment "
+                        "by prefill workers %s; capacity %s", state, estimate.current_prefill,
+                        estimate.num_workers - estimate.current_prefill, estimate.rate,
+                        {p: round(a, 2) for p, a in estimate.attainment.items()},
+                        {p: round(g, 2) for p, g in estimate.goodput.items()})
+        self.state = state
         if (self.config.mode != "flip" or wanted is None
                 or self._streak[1] < self.config.patience
                 or time.monotonic() - self._last_flip_s < self.config.cooldown_s):
