@@ -22,7 +22,8 @@ carries a hash of the sources and flags: a process whose library is already buil
 directly (milliseconds, no lock, no compiler). A missing library is built in a child process
 with a time limit (the first build takes one to three minutes on 2 cores), so neither a slow
 nor a killed build can hang a worker: torch's builder waits without limit on a lock file that
-a killed builder leaves behind, and such a lock, once older than the time limit, is removed.
+a killed builder leaves behind, and such a lock is removed once no builder holds the build
+directory's flock (or it is older than the time limit).
 `load()` returns None, with one warning, where the library cannot be had (no compiler, no
 ninja, a build past its limit); every caller then keeps its plain-torch path, which is also the
 reference the tests compare these kernels with.
@@ -35,6 +36,7 @@ returns None without settling on that, so a later call imports what the other pr
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -55,6 +57,7 @@ SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fuse
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0
+BUILDER_FLOCK = "builder.flock"
 
 
 def library_name() -> str:
@@ -77,16 +80,20 @@ def _build(name: str, directory: Path) -> None:
     """Compile in a child process, within BUILD_TIMEOUT_S (RuntimeError past it or on a
     compiler error)."""
     lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > BUILD_TIMEOUT_S:
+    if lock.exists() and (not _is_builder_alive(directory)
+                          or time.time() - lock.stat().st_mtime > BUILD_TIMEOUT_S):
         logger.warning("removing a stale build lock left by a killed build: %s", lock)
         lock.unlink(missing_ok=True)
     logger.warning("building pdserve's CPU kernels once for this machine (a minute or two)")
-    script = ("import sys; from torch.utils.cpp_extension import load; "
+    # the builder holds an flock while it builds (the kernel drops it when the builder dies,
+    # however it dies): a torch lock file with no builder alive is stale
+    script = ("import fcntl, sys; from torch.utils.cpp_extension import load; "
+              "held = open(sys.argv[6], 'a'); fcntl.flock(held, fcntl.LOCK_EX); "
               "load(name=sys.argv[1], sources=sys.argv[2].split(','), "
               "extra_include_paths=[sys.argv[3]], extra_cflags=sys.argv[4].split(','), "
               "extra_ldflags=sys.argv[5].split(','), verbose=False)")
     command = [sys.executable, "-c", script, name, ",".join(str(CSRC / s) for s in SOURCES),
-               str(CSRC), ",".join(CFLAGS), ",".join(LDFLAGS)]
+               str(CSRC), ",".join(CFLAGS), ",".join(LDFLAGS), str(directory / BUILDER_FLOCK)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -95,6 +102,20 @@ def _build(name: str, directory: Path) -> None:
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise RuntimeError(lines[-1][:300] if lines else f"exit code {done.returncode}")
+
+
+def _is_builder_alive(directory: Path) -> bool:
+    """Whether a builder holds the build directory's flock (an older pdserve's builder held
+    none: then only the lock's age tells)."""
+    try:
+        with open(directory / BUILDER_FLOCK, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(held, fcntl.LOCK_UN)
+            return False
+    except BlockingIOError:
+        return True
+    except OSError:  # cannot tell
+        return True
 
 
 _outcome: list[ModuleType | None] = []  # load()'s settled answer, once there is one

@@ -12,6 +12,7 @@ and for a request whose prompt ran on one path and whose decode ran on the other
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -165,3 +166,52 @@ def test_a_failed_build_keeps_the_portable_path(fresh, llama_dir, caplog) -> Non
         assert "CPU kernels are unavailable (the background build failed" in caplog.text
         assert "staying on the portable path" in caplog.text
         assert ops.chosen("rms_norm") == "torch"
+
+
+def test_stopping_a_worker_mid_build_ends_its_compiler_and_frees_the_build(fresh, llama_dir,
+                                                                           tmp_path) -> None:
+    """A worker stopped while its child builds (a user's Ctrl-C in the first minute): the
+    child's whole process group goes (here a stand-in compiler), and the lock file a killed
+    build leaves is seen as stale by the next build (no builder holds the flock)."""
+    compiler_pid = tmp_path / "compiler.pid"
+    stand_in = ("import subprocess, sys, time\n"
+                "compiler = subprocess.Popen([sys.executable, '-c', 'import time; "
+                "time.sleep(600)'])\n"
+                f"open({str(compiler_pid)!r}, 'w').write(str(compiler.pid))\n"
+                "time.sleep(600)\n")
+    fresh.monkeypatch.setattr(cpu_preparation, "child_command",
+                              lambda job: [sys.executable, "-c", stand_in])
+    with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu") as llm:
+        deadline = time.monotonic() + CHILD_WAIT_S
+        while not compiler_pid.exists() or not compiler_pid.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        pid = int(compiler_pid.read_text())
+        assert _is_running(pid)
+        preparation = llm.engine.runner._cpu_path.preparation
+    assert preparation.is_done() and not _is_running(pid)
+
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").touch()  # what torch's builder leaves when killed
+    assert not cpu_ops._is_builder_alive(build)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.readline()",
+         str(build / cpu_ops.BUILDER_FLOCK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert cpu_ops._is_builder_alive(build)  # a live builder's lock stays
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert not cpu_ops._is_builder_alive(build)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1][:1] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -32,6 +32,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,8 +89,13 @@ class CpuPreparation:
         self.finished_s: float | None = None
         self._folder = Path(tempfile.mkdtemp(prefix="pdserve-cpu-preparation-"))
         (self._folder / "job.pickle").write_bytes(pickle.dumps(job))
+        # a process group of its own (not a session: it stays in the worker's scheduler
+        # autogroup, where its nice puts it behind the worker), so that stopping it stops its
+        # compiler too
+        group: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
+                                 else {"preexec_fn": os.setpgrp})
         self._process = subprocess.Popen(child_command(self._folder), stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "TQDM_DISABLE": "1"})
+                                         env={**os.environ, "TQDM_DISABLE": "1"}, **group)
 
     @property
     def pid(self) -> int:
@@ -123,15 +129,23 @@ class CpuPreparation:
         return f"prepared in the background in {seconds:.1f} s"
 
     def stop(self) -> None:
-        """End the child if it still runs (the worker stops) and remove its folder."""
+        """End the child and its compiler if it still runs (the worker stops) and remove its
+        folder."""
         if self._process.poll() is None:
-            self._process.terminate()
+            _signal_group(self._process.pid, signal.SIGTERM)
             try:
                 self._process.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                self._process.kill()
+                _signal_group(self._process.pid, signal.SIGKILL)
                 self._process.wait()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _signal_group(group: int, signum: int) -> None:
+    try:
+        os.killpg(group, signum)
+    except (ProcessLookupError, PermissionError):  # gone already
+        pass
 
 
 class BackgroundCpuPath:
@@ -286,6 +300,14 @@ def _exit_with_parent(parent_pid: int) -> None:
     """The worker died without stopping this child: stop too (its work is for that worker)."""
     while os.getppid() == parent_pid:
         time.sleep(1.0)
+    _end_group()
+
+
+def _end_group(*_: object) -> None:
+    """This child and what it started (a compiler), at once: nothing of it is worth keeping
+    half done (a build's lock left behind is cleared by the next build, cpu_ops._build)."""
+    if os.getpgrp() == os.getpid():  # the group is this child's own (CpuPreparation made it)
+        os.killpg(0, signal.SIGKILL)
     os._exit(1)
 
 
@@ -295,6 +317,7 @@ def prepare(folder: Path) -> int:
 
     job: PreparationJob = pickle.loads((folder / "job.pickle").read_bytes())
     lifecycle.lower_thread_priority(19, idle_io=True)  # before any thread: they inherit it
+    signal.signal(signal.SIGTERM, _end_group)
     threading.Thread(target=_exit_with_parent, args=(job.parent_pid,), daemon=True).start()
     logging.basicConfig(level=envs.log_level(),
                         format="%(asctime)s %(levelname)s cpu-preparation: %(message)s")
