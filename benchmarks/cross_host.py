@@ -196,7 +196,8 @@ def handoff_sources(url: str) -> dict[str, float]:
     workers = httpx.get(f"{url}/status", timeout=5).json()["workers"]
     return {name: value for w in workers if w["role"] == "decode"
             for name, value in w.get("kv_transfer", {}).items()
-            if name.startswith(("handoff_source_", "link_bytes_per_s:"))}
+            if name.startswith(("handoff_source_", "link_bytes_per_s:",
+                                "recompute_prefill_tokens_per_s"))}
 
 
 def measure(fleet: Fleet, setup: str, requests: Sequence[BenchRequest],

@@ -69,19 +69,14 @@ class _Transfer:
         return self.source
 
 
-class _Followers(set):
-    def is_pulled(self, request_id: str) -> bool:
-        return False
-
-
 def test_the_kind_of_a_handoff() -> None:
-    transfer, followers = _Transfer(), _Followers({"r"})
+    transfer, followers = _Transfer(), {"r"}
     assert handoff_kind(_message(), None, None) == "recompute"  # no transfer
     assert handoff_kind(_message(keys=()), transfer, None) == "recompute"  # nothing saved
-    assert handoff_kind(_message(), transfer, _Followers()) == "load"
+    assert handoff_kind(_message(), transfer, set()) == "load"
     spans = [ShmSpan(64, 0, 1)]
     assert handoff_kind(_message(segment=SEGMENT, spans=spans), transfer,
-                        _Followers()) == "in_place"
+                        set()) == "in_place"
     assert handoff_kind(_message(segment=SEGMENT, spans=spans), transfer, followers) == \
         "followed"
     assert len(transfer.asked) == 1  # only the hand-off whose KV would cross a link

@@ -126,6 +126,8 @@ def test_a_hand_off_ahead_of_its_last_layers_waits_for_them(
     starts, nothing is copied twice) and joins once they came, from the node's store."""
     prefill, decode, node = network_handoffs
     connector = decode.kv_transfer.connector
+    decode.kv_transfer.sources = KVSources(connector.transport.policy, connector.block_bytes,
+                                           lambda: None)
     pull_layers = connector._pull
     held: list = []
     monkeypatch.setattr(connector, "_pull", held.append)  # the pull waits to start...
@@ -140,6 +142,8 @@ def test_a_hand_off_ahead_of_its_last_layers_waits_for_them(
     totals = decode.kv_transfer.totals()
     assert totals["pulled_count"] == 1 and totals["loaded_bytes"] == prefill.kv_transfer \
         .totals()["saved_bytes"]
+    # admitted twice (waiting, then once its layers came), its pull counted once
+    assert totals["handoff_source_transfer"] == 1
     assert_all_free(prefill, decode, node)
 
 

@@ -53,9 +53,7 @@ def handoff_kind(message: GenerateRequest, kv_transfer: KVTransfer | None,
     if kv_transfer is None or not handoff.block_keys:
         return "recompute"
     if followers is not None and message.request_id in followers:
-        if followers.is_pulled(message.request_id) and kv_transfer.sources is not None:
-            kv_transfer.sources.note("transfer")  # (chosen as its follow started)
-        return "followed"
+        return "followed"  # (a pull was chosen as it started: counted once it completes)
     if handoff.shm_segment is not None and handoff.shm_spans:
         return "in_place"
     # over a link: moved, read from the store first, or recomputed, by predicted time

@@ -147,11 +147,6 @@ class Followers:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._follows
 
-    def is_pulled(self, request_id: str) -> bool:
-        """The request's follow pulls its layers from another host (over a link)."""
-        follow = self._follows.get(request_id)
-        return follow is not None and follow.pull is not None
-
     @property
     def has_layers_to_copy(self) -> bool:
         """A followed prefill still has layers to come, to copy now (the worker loop wakes

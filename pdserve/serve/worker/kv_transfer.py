@@ -512,6 +512,8 @@ class KVTransfer:
         self._totals["in_place_count"] += not pulled
         self._totals["followed_count"] += followed
         self._totals["pulled_count"] += pulled
+        if pulled and self.sources is not None:  # (its pull was the link policy's choice)
+            self.sources.note("transfer")
 
     def install(self, block_ids: list[int], staging: list[torch.Tensor]) -> None:
         """Scatter a completed load into this worker's pool (every TP rank), as the transport
