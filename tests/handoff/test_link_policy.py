@@ -181,3 +181,21 @@ def test_the_choices_and_the_links_reach_the_router_s_metrics() -> None:
             f'worker="d0"}} 0.0') in text
     assert (f'pdserve:kv_link_bytes_per_second{{model_name="m",peer="{PEER}",role="decode",'
             f'worker="d0"}} 1.25e+07') in text
+
+
+def test_the_engine_s_prefill_speed_is_kept_once_its_steps_age_out() -> None:
+    from collections import deque
+    from types import SimpleNamespace
+
+    from pdserve.serve.worker.kv_source import EnginePrefillSpeed
+
+    engine = SimpleNamespace(kv_offload=None, step_samples=deque(maxlen=4))
+    speed = EnginePrefillSpeed(engine)
+    assert speed() is None
+    engine.step_samples.append(_sample(1, 100, 0, 0.2))
+    assert speed() == pytest.approx(0.002)
+    engine.step_samples.extend(_sample(i, 0, 4, 0.01) for i in range(2, 6))  # aged out
+    assert prefill_s_per_token(engine.step_samples) is None
+    assert speed() == pytest.approx(0.002)
+    engine.kv_offload = SimpleNamespace(costs=SimpleNamespace(prefill_s_per_token=0.003))
+    assert speed() == 0.003  # the host tier's measure, where it has one

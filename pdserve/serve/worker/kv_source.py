@@ -46,11 +46,22 @@ def prefill_s_per_token(samples: Iterable[StepSample],
     return statistics.median(rates) if rates else None
 
 
-def engine_prefill_s_per_token(engine) -> float | None:
-    """An engine's prefill seconds per token: its host tier's measure, else its steps'."""
-    offload = getattr(engine, "kv_offload", None)
-    measured = offload.costs.prefill_s_per_token if offload is not None else None
-    return prefill_s_per_token(engine.step_samples, measured)
+class EnginePrefillSpeed:
+    """An engine's prefill seconds per token (prefill_s_per_token over its host tier's measure
+    and its recent steps), the last one known kept: a decode worker's recompute ages out of
+    its step samples within a few hundred decode steps, and is not forgotten with them."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.s_per_token: float | None = None
+
+    def __call__(self) -> float | None:
+        offload = getattr(self.engine, "kv_offload", None)
+        measured = offload.costs.prefill_s_per_token if offload is not None else None
+        fresh = prefill_s_per_token(self.engine.step_samples, measured)
+        if fresh is not None:
+            self.s_per_token = fresh
+        return self.s_per_token
 
 
 class KVSources:

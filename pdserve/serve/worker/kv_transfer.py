@@ -50,7 +50,7 @@ from pdserve.protocol.worker import KVHandoff, KVStaging
 from pdserve.serve.engine.block_manager import NoFreeBlocksError
 from pdserve.serve.engine.kv_tiers import KVOffload, TierCosts
 from pdserve.serve.engine.request import Request
-from pdserve.serve.worker.kv_source import KVSources, engine_prefill_s_per_token
+from pdserve.serve.worker.kv_source import EnginePrefillSpeed, KVSources
 
 if TYPE_CHECKING:
     from pdserve.serve.worker.server import WorkerConfig
@@ -97,7 +97,7 @@ def make_kv_transfer(config: WorkerConfig, engine, on_staged: OnStaged | None = 
             transport.wire = Fp8Wire.for_block_shape(list(transfer.connector.block_shape),
                                                      transfer.connector.dtype)
         transfer.sources = KVSources(transport.policy, transfer.connector.block_bytes,
-                                     lambda: engine_prefill_s_per_token(engine))
+                                     EnginePrefillSpeed(engine))
         return transfer
     except Exception as exc:  # the KV cache is a cache: serve by recomputing
         logger.warning("KV transfer unavailable (store %s: %s): decode will recompute prompts",
