@@ -56,6 +56,7 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
              num_kv_blocks=args.batch * blocks_per_seq + 16, max_num_seqs=args.batch,
              max_model_len=args.context + args.steps + 8,
              max_num_batched_tokens=max(2048, args.context)) as llm:
+        llm.wait_for_cpu_path()  # time the CPU path a worker ends on, not its first one
         torch.set_num_threads(args.threads)
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)

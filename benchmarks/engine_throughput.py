@@ -91,6 +91,7 @@ def measure_pdserve(model_dir: Path, prompts: list[list[int]], args: argparse.Na
              enable_prefix_caching=False, seed=args.seed,
              tensor_parallel_size=args.tensor_parallel_size,
              enable_expert_parallel=args.enable_expert_parallel) as llm:
+        llm.wait_for_cpu_path()  # time the CPU path a worker ends on, not its first one
         engine = llm.engine
         # Time inside the model runner: the rest is scheduling, sampling, detokenization.
         runner, execute = engine.runner, engine.runner.execute

@@ -52,6 +52,7 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=longest, enable_prefix_caching=False,
               max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(budget, longest),
               seed=0)
+    llm.wait_for_cpu_path()  # time the CPU path a worker ends on, not its first one
     rng = random.Random(1234)
 
     def fresh(length: int) -> TokensPrompt:

@@ -207,6 +207,7 @@ def measure_pdserve(model_dir: Path, args: argparse.Namespace, facts: dict[str, 
                     max_num_seqs=max(args.batch_sizes), max_model_len=longest,
                     max_num_batched_tokens=budget, enable_prefix_caching=False)
     with LLM(str(model_dir), async_scheduling=args.async_scheduling, **settings) as llm:
+        llm.wait_for_cpu_path()  # its chosen path and the times it was chosen by (--paths)
         torch.set_num_threads(args.threads)  # the engine set its share; use the asked number
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=decode_tokens + head_start + 4,

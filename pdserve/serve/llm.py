@@ -125,6 +125,16 @@ class LLM:
         "source", each path's step times, and "background" (what is under way, or took)."""
         return getattr(self.engine.runner, "cpu_path_status", dict)()
 
+    def wait_for_cpu_path(self, timeout_s: float | None = None) -> dict[str, str]:
+        """Block until the CPU kernels are built and the paths measured (at once where the
+        choice was cached, or there is none to make), serve on the chosen path from the next
+        step, and return cpu_path. For measurements of the path a worker ends on; raises
+        TimeoutError past timeout_s."""
+        wait = getattr(self.engine.runner, "wait_for_cpu_path", None)
+        if wait is not None and not wait(timeout_s):
+            raise TimeoutError(f"the CPU path was still being prepared after {timeout_s} s")
+        return self.cpu_path
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

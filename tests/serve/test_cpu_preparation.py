@@ -144,6 +144,7 @@ def test_a_warm_cache_serves_its_choice_at_once(monkeypatch, llama_dir, tmp_path
         with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu") as llm:
             assert llm.cpu_path["path"] == tuned.chosen.label
             assert llm.cpu_path["source"] == "cached" and "background" not in llm.cpu_path
+            assert llm.wait_for_cpu_path(0) == llm.cpu_path  # nothing to wait for
             assert ops.path() == tuned.chosen
         assert "(cached " in caplog.text
     finally:
@@ -158,7 +159,7 @@ def test_a_failed_build_keeps_the_portable_path(fresh, llama_dir, caplog) -> Non
     prompts = random_prompts([7], vocab_size=1000, seed=5)
     expected = hf_greedy(llama_dir, prompts, MAX_TOKENS)
     with LLM(llama_dir, num_kv_blocks=64, block_size=16, device="cpu") as llm:
-        wait_for_child(llm)
+        assert llm.wait_for_cpu_path(CHILD_WAIT_S)["path"] == "portable"
         assert generate(llm, prompts) == expected
         assert llm.cpu_path["path"] == "portable"
         assert llm.cpu_path["background"].startswith("the background preparation failed")

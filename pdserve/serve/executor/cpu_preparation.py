@@ -205,6 +205,17 @@ class BackgroundCpuPath:
         preparation.stop()  # its folder
         return True
 
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the child is done, then switch (a benchmark times the path a worker
+        ends on, not the one it starts on). False: still preparing after timeout_s."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.preparation is not None and not self.preparation.is_done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        self.switch_if_ready()
+        return True
+
     def _switch(self, rank: Rank, scheduler_config: SchedulerConfig,
                 preparation: CpuPreparation) -> Tuning | None:
         """Serve on what the child found: its choice, or the kernels' default path where its

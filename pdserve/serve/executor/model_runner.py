@@ -185,6 +185,11 @@ class ModelRunner:
         switched now."""
         return self._cpu_path is not None and self._cpu_path.switch_if_ready()
 
+    def wait_for_cpu_path(self, timeout_s: float | None = None) -> bool:
+        """Block until the background preparation is done and serve on its path (offline
+        benchmarks time that path). False: still preparing after timeout_s."""
+        return self._cpu_path is None or self._cpu_path.wait(timeout_s)
+
     def tune_cpu_path(self, use_cache: bool = True,
                       progress: Callable[[int, int, str], None] | None = None) -> Tuning:
         """Choose the CPU path by measuring every candidate on this model, in the foreground
