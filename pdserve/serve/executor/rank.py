@@ -236,7 +236,7 @@ class Rank:
         before the last, (hidden, residual) for the next stage."""
         meta = build_attention_metadata(step, self.block_size, self.device)
         if input_ids is None:
-            input_ids = step_token_ids(step).to(self.device)
+            input_ids = to_device(step_token_ids(step), self.device)
         return self.model(input_ids, kv_caches, meta, layer_done, carried)
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from pdserve import envs
 from pdserve.protocol.tp import StepInput
+from pdserve.serve.layers.uploads import to_device
 
 
 @dataclass
@@ -75,11 +76,11 @@ def build_attention_metadata(step: StepInput, block_size: int, device: torch.dev
     slot_mapping = (block_tables[seq_of_token, positions // block_size] * block_size
                     + positions % block_size)
     return AttentionMetadata(
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+        positions=to_device(torch.from_numpy(positions), device),
+        slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
+        cu_seqlens_q=to_device(torch.from_numpy(cu_seqlens_q.astype(np.int32)), device),
+        seq_lens=to_device(torch.from_numpy(seq_lens.astype(np.int32)), device),
+        block_tables=to_device(torch.from_numpy(block_tables.astype(np.int32)), device),
         max_query_len=int(query_lens.max(initial=0)),
         is_decode_only=bool(len(chunks) > 0 and (query_lens == 1).all()),
         **_verify_rows(chunks, query_lens, positions, seq_of_token, block_tables, device),
@@ -111,22 +112,22 @@ class DecodeMetadata(AttentionMetadata):
         self._block_size = block_size
         self._device = device
         self.cu_seqlens_q = torch.arange(len(chunks) + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.from_numpy((self._last + 1).astype(np.int32)).to(device)
-        self.block_tables = torch.from_numpy(self._tables).to(device)
+        self.seq_lens = to_device(torch.from_numpy((self._last + 1).astype(np.int32)), device)
+        self.block_tables = to_device(torch.from_numpy(self._tables), device)
         self.max_query_len = 1
         self.is_decode_only = True
         self.token_seq_lens = self.token_block_tables = self.context_parallel = None
 
     @functools.cached_property
     def positions(self) -> torch.Tensor:  # type: ignore[override]
-        return torch.from_numpy(self._last).to(self._device)
+        return to_device(torch.from_numpy(self._last), self._device)
 
     @functools.cached_property
     def slot_mapping(self) -> torch.Tensor:  # type: ignore[override]
         last, size = self._last, self._block_size
         slots = (self._tables[np.arange(len(last)), last // size].astype(np.int64) * size
                  + last % size)
-        return torch.from_numpy(slots).to(self._device)
+        return to_device(torch.from_numpy(slots), self._device)
 
 
 def _verify_rows(chunks: list, query_lens: np.ndarray, positions: np.ndarray,
@@ -139,9 +140,9 @@ def _verify_rows(chunks: list, query_lens: np.ndarray, positions: np.ndarray,
                          count=len(chunks))
     if not drafts.any() or not (query_lens == drafts + 1).all():
         return {}
-    return {"token_seq_lens": torch.from_numpy((positions + 1).astype(np.int32)).to(device),
-            "token_block_tables": torch.from_numpy(
-                block_tables[seq_of_token].astype(np.int32)).to(device)}
+    return {"token_seq_lens": to_device(torch.from_numpy((positions + 1).astype(np.int32)), device),
+            "token_block_tables": to_device(torch.from_numpy(
+                block_tables[seq_of_token].astype(np.int32)), device)}
 
 
 def default_backend_name(device: torch.device) -> str:
