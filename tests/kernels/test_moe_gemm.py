@@ -1,6 +1,10 @@
 """The fused MoE's grouped GEMM (pdserve/kernels/moe_gemm.py) against the expert-by-expert loop, in
 Triton's interpreter without CUDA. Tolerances: fp32 differs only in summation order (1e-5);
-fp16 rounds the gate/up product and the activation to fp16 in both paths (2e-3)."""
+fp16 rounds the gate/up product and the activation to fp16 in both paths (2e-3); bf16 keeps 8
+bits of mantissa (an ulp is 2^-8 of the value), the kernel rounds its gate/up product to bf16
+where the reference keeps fp32, and the interpreter truncates its fp32 -> bf16 casts
+(FACTS.md): measured within 2.5 ulps, 3e-2 (the kernel upcasts after loading, as the
+interpreter's bf16 arithmetic is wrong)."""
 
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ def test_an_expert_with_no_rows_gets_no_block() -> None:
     assert (layout.block_expert[2:] == -1).all()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3),
+                                       (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (37, 2), (70, 3)])
 def test_fused_experts_equal_the_loop(dtype, tol, num_tokens: int, top_k: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)

@@ -101,6 +101,21 @@ def test_block_attention_matches_sdpa(dtype, causal, heads, kv_heads, head_dim, 
         _close(lse, _sdpa_lse(q, k, 0.3, causal), dtype)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_triton_block_attention_in_bf16(causal):
+    """bf16 inputs (the interpreter's bf16 arithmetic is wrong: the kernel upcasts right after
+    loading) against SDPA in fp32 over the same bf16 values. The products of bf16 values are
+    exact in fp32, so only a GPU's rounding of the probabilities to bf16 before P @ V (2^-8
+    relative) separates them: 2e-2."""
+    q, k, v = _qkv(70, 2, 1, 64, 32, torch.bfloat16, seed=3)  # two query tiles, one ragged
+    pos = torch.arange(70, device=DEVICE)
+    positions = (pos, pos) if causal else (None, None)
+    out, lse = ATTENDS["triton"](q, k, v, 0.125, *positions)
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out, _sdpa(q, k, v, 0.125, causal), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, _sdpa_lse(q, k, 0.125, causal), atol=2e-2, rtol=2e-2)
+
+
 def test_block_attention_rows_that_see_nothing_are_the_merge_identity():
     """Queries before every key (a block wholly in their future): out 0, lse -inf; merging
     that into a partial leaves it exactly as it was."""
