@@ -24,7 +24,8 @@ A transfer's round trip is one sample; under MIN_SAMPLE_BYTES its latency, not t
 decides, and it is not counted. A layer pull's round trip (pdserve/handoff/layer_pull.py) may
 include waiting for the prefill's next layer (at most its WAIT_S, 50 ms: little beside a
 layer's time on a link slow enough to matter): its rate is only a lower bound on the link's,
-and raises the estimate but never lowers it (a peer's first sample sets it, whatever it is).
+and raises the estimate but never lowers it (a peer's first sample sets it, whatever it is,
+and so does any sample once its rate is STALE_S old: a link that slowed is seen again).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class LinkMeter:
         rate, now_s = nbytes / seconds, self._clock()
         with self._lock:
             known = self._rates.get(peer)
-            if known is None:
+            if known is None or now_s - known.measured_s > STALE_S:  # (a stale rate is gone)
                 self._rates[peer] = LinkRate(rate, now_s)
                 while len(self._rates) > MAX_PEERS:
                     oldest = min(self._rates, key=lambda p: self._rates[p].measured_s)

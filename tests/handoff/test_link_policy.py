@@ -119,6 +119,9 @@ def test_the_meter_smooths_ignores_small_reads_and_forgets_stale_links() -> None
     clock.now_s += STALE_S + 1  # stale: the next hand-off transfers and measures again
     assert meter.bytes_per_s(PEER) is None
     assert KVSourcePolicy(meter, True).choose(TOKENS, KV_BYTES, PEER, 1.0) == "transfer"
+    # the link slowed: a pull's lower bound now replaces the stale rate (and is fresh)
+    meter.note(PEER, 1 * MB, 1.0, lower_bound=True)
+    assert meter.bytes_per_s(PEER) == pytest.approx(1 * MB)
 
 
 def _sample(seq: int, prefill: int, decode: int, seconds: float) -> StepSample:
