@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory instead of the random tiny Llamas "
+                             "(--dtypes then ignored); `mid`: the llama-mid-like random "
+                             "model of pdserve/benchmarks/offline.py")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default="")
     parser.add_argument("--output", default=None, help="the JSON file (default: the run's "
@@ -176,24 +180,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from pdserve.serve.default_model import build_random_model
 
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype in args.dtypes:
-            model_dir = build_random_model(Path(tmp) / dtype, "llama", seed=args.seed,
-                                           dtype=dtype)
-            vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            prompts = _prompts(args, vocab_size)
-            raw = run_wire(model_dir, prompts, "raw", args.max_tokens)
-            fp8 = run_wire(model_dir, prompts, "fp8", args.max_tokens)
-            results[dtype] = compare(raw, fp8)
-    print(f"{'model':>9} {'KV pool':>15} {'identical':>10} {'first diffs':>20} {'KV max abs':>11} "
+
+    def measure(name: str, model_dir: Path) -> None:
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompts = _prompts(args, vocab_size)
+        raw = run_wire(model_dir, prompts, "raw", args.max_tokens)
+        fp8 = run_wire(model_dir, prompts, "fp8", args.max_tokens)
+        results[name] = compare(raw, fp8)
+
+    if args.model is not None:
+        from pdserve.benchmarks.offline import mid_model_dir
+
+        model_dir = mid_model_dir() if args.model == "mid" else Path(args.model)
+        measure(model_dir.name, model_dir)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for dtype in args.dtypes:
+                measure(dtype, build_random_model(Path(tmp) / dtype, "llama", seed=args.seed,
+                                                  dtype=dtype))
+    print(f"{'model':>17} {'KV pool':>15} {'identical':>10} {'first diffs':>20} {'KV max abs':>11} "
           f"{'KV max rel':>11} {'wire B/raw B':>13}")
     for dtype, r in results.items():
-        print(f"{dtype:>9} {r['kv_pool_dtype']:>15} "
+        print(f"{dtype:>17} {r['kv_pool_dtype']:>15} "
               f"{r['num_identical']:>4} / {r['num_prompts']:<3} "
               f"{str(r['first_diff_positions'][:6]):>20} {r['kv_max_abs_error']:>11.4g} "
               f"{r['kv_max_rel_error']:>11.4g} {r['wire_bytes_per_raw_byte']:>13.3f}")
-    report = {"benchmark": "handoff_wire", "model": "random llama (default_model, seed "
-              f"{args.seed})", "block_size": BLOCK_SIZE, "num_prompts": args.num_prompts,
+    report = {"benchmark": "handoff_wire", "model": args.model or "random llama "
+              f"(default_model, seed {args.seed})", "block_size": BLOCK_SIZE,
+              "num_prompts": args.num_prompts,
               "prompt_len": [args.min_prompt_len, args.max_prompt_len],
               "max_tokens": args.max_tokens, "note": args.note,
               "load_average_1_5_15": list(os.getloadavg()), "results": results}
