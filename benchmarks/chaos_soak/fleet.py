@@ -8,7 +8,8 @@ of their own, and the benchmark as their supervisor:
 
 Each process logs to RUN_DIR/<name>.log and talks CurveZMQ under one cluster key; as `pdserve
 up` does, the fleet keeps a standby of each ready process (pdserve/app/standby.py), and a
-restart runs it; on a host of few cores every worker takes one thread, waiting passively.
+restart runs it (unless use_standbys is off: then a restart is a fresh process); on a host of
+few cores every worker takes one thread, waiting passively.
 
 Ready means what a client of the role needs, checked from outside, never a count that the dead
 process could still satisfy:
@@ -45,9 +46,10 @@ PROBE_KEY_BYTES = 16  # a block key's length (pdserve.protocol.worker.BLOCK_KEY_
 
 
 class Fleet:
-    def __init__(self, model: str, run_dir: Path, base_port: int, num_kv_blocks: int = 256
-                 ) -> None:
+    def __init__(self, model: str, run_dir: Path, base_port: int, num_kv_blocks: int = 256,
+                 use_standbys: bool = True) -> None:
         self.model, self.run_dir, self.num_kv_blocks = model, run_dir, num_kv_blocks
+        self.use_standbys = use_standbys
         self.ports = {name: base_port + i for i, name in enumerate(NAMES)}
         self.key_path = security.ClusterKey.generate().save(run_dir / "cluster.key")
         self.processes: dict[str, subprocess.Popen] = {}
@@ -90,6 +92,8 @@ class Fleet:
         self.started_at[name] = time.monotonic()
 
     def prepare_standby(self, name: str) -> None:
+        if not self.use_standbys:
+            return
         with open(self.run_dir / f"{name}.log", "ab") as log:
             self.standbys[name] = spawn(self.argv(name), self._env(), standby=True,
                                         stdout=log.fileno())
@@ -162,6 +166,8 @@ class Fleet:
 
     def worker_ready_at(self, router: str, worker: str) -> bool:
         """`router` shows `worker` alive and ready by a status received after its start."""
+        if worker not in self.started_at:
+            return False  # never started
         since_start_s = time.monotonic() - self.started_at[worker]  # before the query
         workers = self.router_status(router) or []
         port = f":{self.ports[worker]}"

@@ -136,7 +136,8 @@ def print_table(result: dict[str, Any]) -> None:
                   f"{step['sent_rate']:6.2f} "
                   f"{step['served_rate']:6.2f}  {step['num_completed']}/{step['num_sent']}  "
                   f"{step['keeps_up']}")
-        print(f"capacity {capacity['capacity_req_s']} req/s ({capacity['definition']})")
+        bound = "at least " if capacity.get("is_lower_bound") else ""
+        print(f"capacity {bound}{capacity['capacity_req_s']} req/s ({capacity['definition']})")
     print(f"offered {result['rate']:.2f} req/s, planned {load['planned_rate']:.2f}, sent "
           f"{load['sent_rate']:.2f} req/s "
           f"(send lag p50 {load.get('send_lag_p50_s', 0):.3f} s, p99 "

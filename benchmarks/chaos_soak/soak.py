@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -53,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="n2 requests run undisturbed before the kills; the soak's n2 requests repeat them")
     add("--victims", nargs="+", default=list(VICTIMS),
         help="killed in turn; a+b kills both at once")
+    add("--standbys", action=argparse.BooleanOptionalAction, default=True,
+        help="restart from a standby that did its imports ahead, as `pdserve up` does (a "
+             "standby imports at nice 19: on a host saturated by other work it may not be "
+             "ready when needed, and --no-standbys restarts fresh processes)")
     add("--kill-every-s", type=float, default=45.0)
     add("--first-kill-s", type=float, default=30.0)
     add("--restart-after-s", type=float, default=1.0)
@@ -120,6 +125,8 @@ def sweep(fleet: Fleet, args: argparse.Namespace, work_dir: Path) -> dict[str, A
             break
         rate *= args.sweep_factor
     return {"capacity_req_s": capacity_of(steps), "definition": CAPACITY_DEFINITION,
+            # no step fell behind within --sweep-max-steps: the fleet may take more
+            "is_lower_bound": all(step.keeps_up for step in steps),
             "step_s": args.sweep_step_s, "drain_s": args.sweep_drain_s,
             "steps": [asdict(step) for step in steps]}
 
@@ -196,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_dir())
     max_tokens = tuple(args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as tmp:
-        fleet = Fleet(model, Path(tmp), args.base_port)
+        fleet = Fleet(model, Path(tmp), args.base_port, use_standbys=args.standbys)
         try:
             fleet.start_all()
             capacity, rate = None, args.rate
@@ -206,8 +213,9 @@ def run(args: argparse.Namespace) -> int:
                     raise SystemExit("the sweep's first rate already falls behind: lower "
                                      "--sweep-start-rate")
                 rate = args.capacity_fraction * capacity["capacity_req_s"]
-                print(f"capacity {capacity['capacity_req_s']:.2f} req/s: load at {rate:.2f} "
-                      "req/s", flush=True)
+                bound = " at least" if capacity["is_lower_bound"] else ""
+                print(f"capacity{bound} {capacity['capacity_req_s']:.2f} req/s: load at "
+                      f"{rate:.2f} req/s", flush=True)
             pool = n2_pool(args.n2_references, args.seed + 99, max_tokens, 1 / rate)
             _, undisturbed = run_clients(fleet.router_urls, pool, args.num_clients,
                                          Path(tmp) / "n2", args.request_timeout_s)
@@ -242,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos_soak",
                                      description=(doc or "").splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    # a SIGTERM unwinds like an error, so that the fleet is stopped and the run dir removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return run(args)
 
 
 if __name__ == "__main__":

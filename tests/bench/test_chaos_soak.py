@@ -2,7 +2,8 @@
 asked for and the rate sent is measured; the capacity sweep's rule; every failure gets one
 cause, and a broken stream counts as lost with a killed router only when that router held it;
 each kind's answer check on canned answers; the client's parsing of streams, errors and
-logprobs (on a mock transport); goodput per window; every kind of request is well formed."""
+logprobs (on a mock transport); goodput per window; every kind of request is well formed; a
+restarted worker is ready only by a status its new process sent."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import asyncio
 import json
 import math
 import random
+import time
 
 import httpx
 import pytest
 
 from benchmarks.chaos_soak import checks, client, report, soak, workload
 from benchmarks.chaos_soak.checks import Kill
+from benchmarks.chaos_soak.fleet import Fleet
 from benchmarks.chaos_soak.workload import Outcome, PlannedRequest
 
 
@@ -319,3 +322,23 @@ def test_every_kind_of_request_is_fresh_and_well_formed(kind: str) -> None:
     assert body.get("stream", False) == (kind in ("stream", "n2", "json-schema"))
     if kind == "json-schema":
         assert json.loads(body["structured_outputs"]["json"]) == workload.SCHEMA
+
+
+# ---- ready -----------------------------------------------------------------------------------
+def test_a_worker_is_ready_only_by_a_status_sent_after_its_restart(tmp_path, monkeypatch
+                                                                   ) -> None:
+    fleet = Fleet("model", tmp_path, base_port=30000)
+    fleet.started_at["decode-0"] = time.monotonic() - 2.0  # restarted 2 s ago
+    address = fleet.address("decode-0")
+    seen: list[dict] = []
+    monkeypatch.setattr(fleet, "router_status", lambda router: seen)
+    seen[:] = [{"address": address, "is_alive": True, "is_ready": True, "status_age_s": 5.0}]
+    assert not fleet.worker_ready_at("router-1", "decode-0")  # the dead process's last word
+    seen[:] = [{"address": address, "is_alive": True, "is_ready": True, "status_age_s": 0.3}]
+    assert fleet.worker_ready_at("router-1", "decode-0")
+    seen[:] = [{"address": address, "is_alive": True, "is_ready": False, "status_age_s": 0.3}]
+    assert not fleet.worker_ready_at("router-1", "decode-0")
+    seen[:] = [{"address": address, "is_alive": False, "is_ready": False}]
+    assert not fleet.worker_ready_at("router-1", "decode-0")
+    fleet.started_at["decode-1"] = fleet.started_at["decode-0"]
+    assert not fleet.worker_ready_at("router-1", "decode-1")  # another worker's port
