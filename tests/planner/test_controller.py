@@ -207,6 +207,25 @@ async def test_moves_wait_for_patience_and_the_cooldown():
     assert sim["ttft_overhead_s"] == pytest.approx(0.02, abs=0.005)  # measured - modelled
 
 
+async def test_a_backlog_at_the_workers_is_planned_on_top_of_the_arrivals():
+    """Long prompts at 3 req/s meet the target on 2P2D (the steady test above); the same
+    with 40 requests queued at the prefill workers is planned as 3 + (40 - 1.5) / 10 s (a
+    steady load's queue, what arrives within the 0.5 s TTFT SLO, is not backlog), which 2
+    prefill workers do not serve: the controller moves decode workers to prefill."""
+    pools = Pools(2, 2)
+    for worker in pools.prefill:
+        worker.status.num_waiting = 20
+    controller = _controller(pools, rate=3.0)
+    pools.report(random.Random(0))
+    await tick_at(controller, 10.0)
+    estimate = controller.estimate
+    assert estimate.arrival_rate == pytest.approx(3.0, rel=0.1)
+    assert estimate.num_queued == 40
+    assert estimate.rate == pytest.approx(3.0 + 38.5 / 10, rel=0.05)
+    assert pools.flips and set(pools.flips) == {"prefill"}
+    assert controller.snapshot()["num_queued"] == 40
+
+
 def test_the_load_is_the_window_s_arrivals_with_outputs_scaled_by_what_finished():
     controller = GoodputController(ControllerConfig(window_s=10.0), Pools(1, 1))
     assert controller.load() is None  # nothing arrived
