@@ -14,8 +14,8 @@ from pdserve.serve.engine.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
-    exponential_noise,
 )
+from pdserve.serve.engine.seeded_draw import seeded_tokens
 
 
 def apply_logit_controls(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -114,11 +114,13 @@ class HostSampler:
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = self.sampling_probs(logits, requests)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        token_ids = (probs / noise).argmax(dim=-1)
         for row, request in enumerate(requests):
             seed = request.sampling_params.seed
             if seed is not None:
-                noise[row] = exponential_noise(probs.shape[1], seed, request.num_output_tokens)
-        return (probs / noise).argmax(dim=-1)
+                token_ids[row] = seeded_tokens(probs[row:row + 1], [seed],
+                                               [request.num_output_tokens])[0]
+        return token_ids
 
 
 def _logprobs_of(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:

@@ -17,8 +17,8 @@ from pdserve.serve.engine.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
-    exponential_noise,
 )
+from pdserve.serve.engine.seeded_draw import seeded_uniform
 
 VOCAB = 50
 EOS = 3
@@ -154,7 +154,7 @@ def test_seeded_sampling_is_reproducible_and_resumable() -> None:
     assert sample_sequence(Sampler(7), resumed, 8, batch_noise=2) == full
     other = sample_sequence(Sampler(0), make_request(**{**params, "seed": 4321}), 20)
     assert other != full
-    assert torch.equal(exponential_noise(VOCAB, 1234, 5), exponential_noise(VOCAB, 1234, 5))
+    assert seeded_uniform(1234, 5) == seeded_uniform(1234, 5) != seeded_uniform(1234, 6)
 
 
 def test_unseeded_sampling_follows_the_engine_seed() -> None:

@@ -9,14 +9,15 @@ Per row (request), in this order:
         ├─ repetition penalty (prompt + output tokens), frequency and presence (output tokens)
         ├─ greedy rows: argmax here
         ├─ temperature ─► min-p ─► top-k ─► top-p (masked tokens get -inf)
-        └─ draw: argmax(probs / E) with E ~ Exponential(1), the Gumbel-max trick's sibling
+        └─ draw: argmax(probs / E) with E ~ Exponential(1), the Gumbel-max trick's sibling;
+                 seeded rows: the inverse CDF at a uniform keyed by (seed, i)
 
-Seeded rows draw E as a pure function of (seed, i, token id), i = the index of the output
-token being sampled, made on the logits' device from integer hashes that give the same bits on
-CPU and GPU (pdserve/serve/engine/seeded_noise.py). Nothing else feeds it, so the draw is
-reproducible regardless of batch composition, and a decode worker that receives only (seed, i)
-continues exactly where the prefill worker stopped, on any device. Unseeded rows share the
-engine's generator.
+Seeded rows instead take the token where a uniform u, a pure function of (seed, i) with i
+the index of the output token being sampled, falls in the row's cumulative distribution
+(pdserve/serve/engine/seeded_draw.py): one number per row, made on the host alike on every
+worker, so the draw is reproducible regardless of batch composition, and a decode worker that
+receives only (seed, i) continues exactly where the prefill worker stopped, on CPU or GPU.
+Unseeded rows share the engine's generator.
 
 The host never waits for the device while a step samples. Everything runs on the logits'
 device as batched tensor ops; what the host knows (per-row parameters, which rows are greedy,
@@ -40,7 +41,7 @@ import torch
 
 from pdserve.serve.engine.logit_controls import apply_logit_controls, flat_index
 from pdserve.serve.engine.request import Logprob, Request, TokenLogprobs
-from pdserve.serve.engine.seeded_noise import seeded_noise
+from pdserve.serve.engine.seeded_draw import seeded_tokens
 from pdserve.serve.layers.uploads import to_device
 
 
@@ -57,11 +58,6 @@ def seed_for_token(seed: int, output_index: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
-
-def exponential_noise(vocab_size: int, seed: int, output_index: int) -> torch.Tensor:
-    """The Exponential(1) draw of one seeded row: [vocab_size] float32, what `Sampler` draws
-    for it on any device."""
-    return seeded_noise([seed], [output_index], vocab_size)[0]
 
 
 def row_values(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
@@ -336,13 +332,15 @@ class Sampler:
         # every sampled row draws from the engine's generator, seeded or not, so that its
         # sequence does not depend on which rows are seeded
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        token_ids = (probs / noise).argmax(dim=-1)
         seeded = [row for row, r in enumerate(requests) if r.sampling_params.seed is not None]
-        if seeded:  # their own noise, keyed by (seed, index), made on the device
-            own = seeded_noise([requests[row].sampling_params.seed for row in seeded],
-                               [output_indices[row] for row in seeded], probs.shape[1],
-                               probs.device)
-            noise.index_copy_(0, row_index(seeded, probs.device), own)
-        return (probs / noise).argmax(dim=-1)
+        if seeded:  # their own draw, keyed by (seed, index)
+            rows = row_index(seeded, probs.device)
+            token_ids.index_copy_(0, rows, seeded_tokens(
+                probs.index_select(0, rows), [requests[row].sampling_params.seed
+                                              for row in seeded],
+                [output_indices[row] for row in seeded]))
+        return token_ids
 
 
 def _logprob_tensors(row_logprobs: torch.Tensor, token_ids: torch.Tensor, max_top: int
