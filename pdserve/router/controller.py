@@ -173,7 +173,9 @@ class GoodputController:
 
     def record_request(self, prompt_tokens: int, cached_tokens: int, output_tokens: int,
                        ttft_s: float | None = None, max_tokens: int = 0) -> None:
-        """A request finished at the router with these lengths (and this TTFT)."""
+        """A request finished at the router with these lengths (and this TTFT, less the time
+        it waited in a worker's queue: the simulation models queueing itself, and only the
+        fixed part of the rest, ttft_overhead_s, is added to its prefill)."""
         if prompt_tokens > 0 and output_tokens > 0:
             self.requests.append((RequestShape(prompt_tokens, cached_tokens, output_tokens),
                                   ttft_s, max_tokens))

@@ -161,8 +161,13 @@ class RequestObserver:
     def observe(self, timing: RequestTiming, acc: R.Accumulated) -> None:
         metrics, num_tokens = self.metrics, len(acc.token_ids)
         ttft_s = None if timing.first_s is None else timing.first_s - timing.arrival_s
+        # (under overload even the least-queued requests wait: the controller's TTFT overhead
+        # would grow with the queue and make every split look as if it missed the SLO)
+        queued_s = timing.phases.first.worker_phases.get("queue", 0.0)
         self.controller.record_request(acc.num_prompt_tokens, acc.num_cached_tokens,
-                                       num_tokens, ttft_s, timing.max_tokens)
+                                       num_tokens,
+                                       None if ttft_s is None else max(0.0, ttft_s - queued_s),
+                                       timing.max_tokens)
         metrics.labels(metrics.generation_tokens).inc(num_tokens)
         metrics.labels(metrics.cached_tokens).inc(acc.num_cached_tokens)
         metrics.labels(metrics.success, acc.finish_reason or "unknown").inc()

@@ -306,3 +306,25 @@ def test_a_bad_step_sample_is_a_malformed_status(bad):
     plain["step_samples"][0].update(bad)
     with pytest.raises(WireError):
         WORKER_PROTOCOL.decode(msgpack.packb(plain))
+
+
+def test_a_request_s_ttft_reaches_the_controller_without_its_worker_queue_wait():
+    """The TTFT overhead the simulation adds is taken from the requests' TTFTs less their wait
+    in a worker's queue (the simulation models queueing): under overload every request
+    queues, and with the wait the overhead grew until every split looked as if it missed."""
+    from pdserve.protocol.worker import Output
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.responses import Accumulated
+    from pdserve.router.streaming import RequestObserver, RequestTiming
+
+    controller = GoodputController(ControllerConfig(), Pools(1, 1))
+    timing = RequestTiming(100.0, None, max_tokens=8)
+    timing.phases.first.on_sent(100.01)
+    timing.phases.first.on_output(
+        Output("r", [1], "a", phase_seconds={"queue": 0.7, "prefill": 0.2}), 100.95)
+    timing.first_s = 101.0
+    RequestObserver(RouterMetrics("m"), controller).observe(
+        timing, Accumulated(token_ids=[1, 2, 3], num_prompt_tokens=50, finish_reason="length"))
+    [(shape, ttft_s, max_tokens)] = list(controller.requests)
+    assert ttft_s == pytest.approx(1.0 - 0.7) and max_tokens == 8
+    assert (shape.prompt_tokens, shape.output_tokens) == (50, 3)
