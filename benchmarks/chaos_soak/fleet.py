@@ -6,10 +6,10 @@ of their own, and the benchmark as their supervisor:
     decode-0, decode-1
     router-0, router-1                each knows every worker; clients try router-0 first
 
-Each process logs to RUN_DIR/<name>.log and talks CurveZMQ under one cluster key; as `pdserve
-up` does, the fleet keeps a standby of each ready process (pdserve/app/standby.py), and a
-restart runs it (unless use_standbys is off: then a restart is a fresh process); on a host of
-few cores every worker takes one thread, waiting passively.
+Each process logs to LOG_DIR/<name>.log (appended across its restarts) and talks CurveZMQ
+under one cluster key; as `pdserve up` does, the fleet keeps a standby of each ready process
+(pdserve/app/standby.py), and a restart runs it (unless use_standbys is off: then a restart is
+a fresh process); on a host of few cores every worker takes one thread, waiting passively.
 
 Ready means what a client of the role needs, checked from outside, never a count that the dead
 process could still satisfy:
@@ -47,8 +47,10 @@ PROBE_KEY_BYTES = 16  # a block key's length (pdserve.protocol.worker.BLOCK_KEY_
 
 class Fleet:
     def __init__(self, model: str, run_dir: Path, base_port: int, num_kv_blocks: int = 256,
-                 use_standbys: bool = True) -> None:
+                 use_standbys: bool = True, log_dir: Path | None = None) -> None:
         self.model, self.run_dir, self.num_kv_blocks = model, run_dir, num_kv_blocks
+        self.log_dir = log_dir or run_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.use_standbys = use_standbys
         self.ports = {name: base_port + i for i, name in enumerate(NAMES)}
         self.key_path = security.ClusterKey.generate().save(run_dir / "cluster.key")
@@ -86,7 +88,7 @@ class Fleet:
 
     def start(self, name: str) -> None:
         """Run `name`'s standby if one waits, else start a fresh process."""
-        with open(self.run_dir / f"{name}.log", "ab") as log:
+        with open(self.log_dir / f"{name}.log", "ab") as log:
             self.processes[name] = start_from(self.standbys.pop(name, None), self.argv(name),
                                               self._env(), stdout=log.fileno())
         self.started_at[name] = time.monotonic()
@@ -94,7 +96,7 @@ class Fleet:
     def prepare_standby(self, name: str) -> None:
         if not self.use_standbys:
             return
-        with open(self.run_dir / f"{name}.log", "ab") as log:
+        with open(self.log_dir / f"{name}.log", "ab") as log:
             self.standbys[name] = spawn(self.argv(name), self._env(), standby=True,
                                         stdout=log.fileno())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -202,8 +203,12 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model or str(default_model_dir())
     max_tokens = tuple(args.max_tokens)
+    output = output_path(args, "chaos_soak", "chaos_soak.json", args.output)
+    log_dir = output.parent / f"{output.stem}-logs"  # every process's log, kept for the causes
+    shutil.rmtree(log_dir, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as tmp:
-        fleet = Fleet(model, Path(tmp), args.base_port, use_standbys=args.standbys)
+        fleet = Fleet(model, Path(tmp), args.base_port, use_standbys=args.standbys,
+                      log_dir=log_dir)
         try:
             fleet.start_all()
             capacity, rate = None, args.rate
@@ -235,9 +240,8 @@ def run(args: argparse.Namespace) -> int:
     judge(outcomes, by_index, greedy_reference(model, outcomes, by_index),
           {o.index: o for o in undisturbed})
     result = summarise(outcomes, kills, leaks, rate, capacity, args)
-    output = output_path(args, "chaos_soak", "chaos_soak.json", args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     print_table(result)
+    print(f"logs: {log_dir}")
     print(f"plot: {plot(result, output.with_suffix('.png'))}")
     output.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "outcomes"}))
