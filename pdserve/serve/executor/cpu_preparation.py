@@ -18,7 +18,9 @@ The first start on a fresh machine thus answers in seconds instead of minutes (t
 one to three on 2 cores), and no request sees the switch: it falls between steps, and every
 path gives the same tokens (tests/serve/test_cpu_preparation.py). A measurement taken while the
 worker serves may be disturbed: the re-check then keeps it out of the cache, and the next start
-measures again. `pdserve tune` prepares it all ahead.
+measures again. The child holds a second copy of the weights while it measures (its KV is a
+small scratch pool): where memory is short, `pdserve tune` prepares it all ahead, and a start
+with the choice cached starts no child.
 
 The child is started from the worker itself and reads the job (the model's spec, the scheduler's
 limits, the cores and threads the worker's choice is keyed by) from a file in a private
@@ -200,8 +202,13 @@ class BackgroundCpuPath:
             if self._has_switched:
                 return False
             assert self._rank is not None and self._scheduler_config is not None
-            self.tuning = self._switch(self._rank, self._scheduler_config, preparation)
             self._has_switched = True
+            try:
+                self.tuning = self._switch(self._rank, self._scheduler_config, preparation)
+            except Exception:  # the step that asked must not fail for it
+                logger.exception("cpu path: the switch failed; serving the default path")
+                self.tuning = Tuning(ops.default_path(), source="default")
+                cpu_tuning.apply(self._rank.model, self.tuning.chosen)
         preparation.stop()  # its folder
         return True
 
