@@ -16,7 +16,9 @@ The rule (choose), in order:
   3. Otherwise the fastest of the three, where the store or the recompute is known (a store
      read measured, a prefill speed measured); it replaces the transfer only when predicted
      faster by MARGIN, so that noise in the estimates does not flip requests back and forth.
-Recompute needs no bytes and no peer: it is what happens anyway when a transfer fails.
+Recompute needs no bytes and no peer: it is what happens anyway when a transfer fails. A
+pull that starts with the prefill's forward (a follow) crosses while the prompt computes:
+the caller says how much of it that hides (`overlap_s`), and only the rest is charged.
 
 Rates are of KV bytes delivered (decoded: an FP8 wire, pdserve/handoff/wire_fp8.py, counts
 the bytes it stands for), so a prediction from a prompt's KV bytes holds whatever the wire.
@@ -139,11 +141,17 @@ class KVSourcePolicy:
         return Prediction(over(source), store_s, recompute_s)
 
     def choose(self, num_tokens: int, num_bytes: int, source: str,
-               prefill_s_per_token: float | None, can_recompute: bool = True) -> KVSource:
-        """The source predicted fastest (the rule in the module docstring). Side-effect
-        free: the caller counts what it did."""
+               prefill_s_per_token: float | None, can_recompute: bool = True,
+               overlap_s: float = 0.0) -> KVSource:
+        """The source predicted fastest (the rule in the module docstring). `overlap_s`: the
+        part of a transfer hidden behind the prefill's forward (a pull that starts as it
+        does); the transfer is charged only the rest. Side-effect free: the caller counts
+        what it did."""
         predicted = self.predict(num_tokens, num_bytes, source,
                                  prefill_s_per_token if can_recompute else None)
+        if predicted.transfer_s is not None and overlap_s > 0:
+            predicted = Prediction(max(0.0, predicted.transfer_s - overlap_s),
+                                   predicted.store_s, predicted.recompute_s)
         if (can_recompute and prefill_s_per_token is None and predicted.transfer_s is not None
                 and predicted.transfer_s > EXPLORE_S):
             return "recompute"  # (rule 2: it measures the prefill speed)

@@ -149,6 +149,14 @@ def test_kv_sources_counts_what_was_taken_and_reports_the_links() -> None:
     assert sources.choose(TOKENS, 64, PEER) == "transfer"
     speed[0] = 1e-3
     assert sources.choose(TOKENS, 64, PEER) == "recompute"
+    # as the prefill starts (a follow), its forward (2 s at this speed) hides as much of
+    # the transfer: 3.4 s left, still more than 1.25 x 2 s of recompute
+    assert sources.choose(TOKENS, 64, PEER, during_prefill=True) == "recompute"
+    speed[0] = 2e-3  # 4 s to recompute: 1.25 x 4 s < 5.4 s of transfer...
+    assert sources.choose(TOKENS, 64, PEER) == "recompute"
+    # ...but a follow's 4 s forward hides all but 1.4 s of it
+    assert sources.choose(TOKENS, 64, PEER, during_prefill=True) == "transfer"
+    speed[0] = 1e-3
     assert sources.counts == {"transfer": 0, "store": 0, "recompute": 0}  # choose counts not
     sources.note("recompute")
     totals = sources.totals()

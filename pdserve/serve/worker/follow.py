@@ -170,8 +170,8 @@ class Followers:
             return False
         sources = self.kv_transfer.sources  # a pull crosses a link: worth it? (kv_source.py)
         if mapped is None and sources is not None and sources.choose(
-                message.num_prompt_tokens, staging.num_blocks,
-                staging.source_address) != "transfer":
+                message.num_prompt_tokens, staging.num_blocks, staging.source_address,
+                during_prefill=True) != "transfer":
             return False  # (its hand-off chooses again, and is counted then)
         # (with a block to spare for each running request's next token: a reservation must
         # not make the batch preempt)

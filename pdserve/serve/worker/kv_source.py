@@ -75,11 +75,16 @@ class KVSources:
         self._prefill_speed = prefill_speed
         self.counts: dict[KVSource, int] = dict.fromkeys(KV_SOURCES, 0)
 
-    def choose(self, num_prompt_tokens: int, num_blocks: int, source: str) -> KVSource:
+    def choose(self, num_prompt_tokens: int, num_blocks: int, source: str,
+               during_prefill: bool = False) -> KVSource:
         """Where the KV of a prompt of `num_prompt_tokens` (`num_blocks` blocks offered at
-        `source`) comes from; counts nothing."""
+        `source`) comes from; counts nothing. `during_prefill`: asked as the prefill's
+        forward starts (a follow), whose time — this worker's prefill speed standing in for
+        the prefill worker's — hides as much of a transfer."""
+        speed = self._prefill_speed()
+        overlap_s = num_prompt_tokens * speed if during_prefill and speed else 0.0
         return self.policy.choose(num_prompt_tokens, num_blocks * self.block_bytes, source,
-                                  self._prefill_speed())
+                                  speed, overlap_s=overlap_s)
 
     def note(self, choice: KVSource) -> None:
         """A hand-off took `choice` (once per hand-off)."""
