@@ -6,7 +6,8 @@ A completed answer is right when:
   logprobs                 also: one finite log probability <= 0 per generated token, each
                            with 1 to LOGPROBS finite top entries;
   json-schema              it finished ("stop"), parses as JSON and validates against SCHEMA
-                           (jsonschema);
+                           (jsonschema), and is the offline engine's greedy answer of the same
+                           chat under the same schema (a wrong answer says whether it is);
   n2                       each of its two seeded choices streams the same pieces, token by
                            token, as the undisturbed run of the same request before the kills.
 
@@ -72,7 +73,13 @@ def check_answer(outcome: Outcome, planned: PlannedRequest, greedy_text: str | N
     if outcome.kind == "logprobs":
         return check_logprobs(outcome)
     if outcome.kind == "json-schema":
-        return check_json(outcome)
+        wrong = check_json(outcome)
+        if greedy_text is None:
+            return wrong
+        if outcome.texts[0] != greedy_text:
+            return f"{wrong or 'valid'}, and differs from the offline engine's at character " \
+                   f"{_first_difference(outcome.texts[0], greedy_text)}"
+        return None if wrong is None else f"{wrong} (as the offline engine's)"
     if outcome.kind == "n2":
         if reference is None or reference.pieces is None:
             return "no undisturbed run to compare with"
@@ -146,17 +153,31 @@ def overlapping_kills(outcome: Outcome, kills: list[Kill]) -> list[Kill]:
 
 def greedy_reference(model: str, outcomes: list[Outcome], planned: dict[int, PlannedRequest]
                      ) -> dict[int, str]:
-    """The offline engine's greedy text of every completed greedy request, by index."""
+    """The offline engine's greedy text of every completed greedy request, by index (the JSON
+    ones through its chat template, under the same schema)."""
+    from pdserve.protocol.sampling import StructuredOutputs
     from pdserve.serve import LLM, SamplingParams
 
-    picked = [planned[o.index] for o in outcomes if o.ok and o.kind in GREEDY_KINDS]
-    if not picked:
-        return {}
+    completions = [planned[o.index] for o in outcomes if o.ok and o.kind in GREEDY_KINDS]
+    chats = [planned[o.index] for o in outcomes if o.ok and o.kind == "json-schema"]
+    texts: dict[int, str] = {}
     with LLM(model) as llm:
-        outs = llm.generate([p.body["prompt"] for p in picked],
-                            [SamplingParams(temperature=0, max_tokens=p.body["max_tokens"],
-                                            ignore_eos=True) for p in picked])
-    return {p.index: out.outputs[0].text for p, out in zip(picked, outs, strict=True)}
+        if completions:
+            outs = llm.generate([p.body["prompt"] for p in completions],
+                                [SamplingParams(temperature=0, max_tokens=p.body["max_tokens"],
+                                                ignore_eos=True) for p in completions])
+            texts.update((p.index, out.outputs[0].text)
+                         for p, out in zip(completions, outs, strict=True))
+        if chats:
+            structured = chats[0].body["structured_outputs"]
+            outs = llm.chat([p.body["messages"] for p in chats], SamplingParams(
+                temperature=0, max_tokens=chats[0].body["max_tokens"],
+                structured_outputs=StructuredOutputs(
+                    json=structured["json"],
+                    disable_any_whitespace=structured["disable_any_whitespace"])))
+            texts.update((p.index, out.outputs[0].text)
+                         for p, out in zip(chats, outs, strict=True))
+    return texts
 
 
 def judge(outcomes: list[Outcome], planned: dict[int, PlannedRequest],

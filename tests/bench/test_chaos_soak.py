@@ -171,6 +171,22 @@ def test_a_json_answer_must_finish_parse_and_match_the_schema(text: str, finish:
     assert (found is None) if wrong is None else found.startswith(wrong)
 
 
+def test_a_json_answer_says_whether_the_offline_engine_answers_the_same() -> None:
+    valid, invalid = '{"name":"ab","tags":[]}', '{"name":"abcdefghij","tags":[]}'
+    planned = _planned("json-schema")
+
+    def check(text: str, offline: str) -> str | None:
+        outcome = make_outcome("json-schema", texts=[text], finish_reasons=["stop"])
+        return checks.check_answer(outcome, planned, offline, None)
+
+    assert check(valid, valid) is None
+    assert check(valid, '{"name":"ac","tags":[]}') == \
+        "valid, and differs from the offline engine's at character 10"
+    assert check(invalid, invalid).endswith("is too long (as the offline engine's)")
+    assert check(invalid, valid).startswith("not the schema's")
+    assert check(invalid, valid).endswith("differs from the offline engine's at character 11")
+
+
 @pytest.mark.parametrize(("logprobs", "tops", "wrong"), [
     ([-0.1, -2.0], [{"a": -0.1, "b": -3.0}, {"c": -2.0}], None),
     (None, None, "no logprobs"),
