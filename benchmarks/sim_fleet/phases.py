@@ -60,6 +60,9 @@ def add_phases_arguments(parser: argparse.ArgumentParser) -> None:
     add("--start-prefill", type=int, default=None,
         help="the controller's starting split (default: half the workers)")
     add("--clients", type=int, default=2)
+    add("--hand-over", action=argparse.BooleanOptionalAction, default=True,
+        help="--controller-hand-over: a decode worker that moves hands its requests over "
+             "(--no-hand-over: it finishes them first, to measure what a move costs)")
     add("--model", default=None,
         help="serve this checkpoint on the real engine instead of simulating (then give "
              "--rates; --speedup is 1 and the SLOs are wall time)")
@@ -101,7 +104,8 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
               "--controller", "flip" if controller else "off",
               "--slo-ttft-ms", str(ttft_s * 1000), "--slo-tpot-ms", str(tpot_s * 1000),
               "--controller-interval-s", str(args.interval_s),
-              "--controller-window-s", str(args.window_s)]
+              "--controller-window-s", str(args.window_s),
+              "--controller-hand-over" if args.hand_over else "--no-controller-hand-over"]
     out = ex.output_dir(args, "sim_fleet")
     if args.model:
         out.mkdir(parents=True, exist_ok=True)
@@ -145,7 +149,8 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
         for thread in threads:
             thread.join()
         stop.set()
-        flips = fleet.status()["controller"]["num_flips"]
+        controller_status = fleet.status()["controller"]
+        flips = controller_status["num_flips"]
     finally:
         fleet.stop()
     per_phase = []
@@ -163,6 +168,7 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
     run = {"name": name, "start_prefill": num_prefill, "controller": controller,
            "phases": per_phase, "goodput": total, "num_flips": flips, "timeline": timeline}
     if controller:
+        run["last_moves"] = controller_status.get("last_moves", [])
         run["moves"] = moves_by_phase(timeline, args.phase_s, len(order))
         print(f"[{name}] moves: " + "; ".join(
             f"phase {m['phase']}: first after {m['first_move_s']} s, {m['num_changes']} "
