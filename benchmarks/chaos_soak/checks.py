@@ -9,7 +9,9 @@ A completed answer is right when:
                            (jsonschema), and is the offline engine's greedy answer of the same
                            chat under the same schema (a wrong answer says whether it is);
   n2                       each of its two seeded choices streams the same pieces, token by
-                           token, as the undisturbed run of the same request before the kills.
+                           token, as the undisturbed run of the same request before the kills
+                           (whose choices are checked in turn against the offline engine's,
+                           seeded alike).
 
 A failed request has one cause (Outcome.cause, from the client), except that a broken
 connection to a router while that router was being killed is "lost_with_killed_router": only a
@@ -151,16 +153,20 @@ def overlapping_kills(outcome: Outcome, kills: list[Kill]) -> list[Kill]:
     return [k for k in kills if outcome.start_s <= k.back_at_s and outcome.end_s >= k.at_s]
 
 
-def greedy_reference(model: str, outcomes: list[Outcome], planned: dict[int, PlannedRequest]
-                     ) -> dict[int, str]:
-    """The offline engine's greedy text of every completed greedy request, by index (the JSON
-    ones through its chat template, under the same schema)."""
+def offline_reference(model: str, outcomes: list[Outcome],
+                      planned: dict[int, PlannedRequest], n2_pool: list[PlannedRequest]
+                      ) -> tuple[dict[int, str], dict[int, list[str]]]:
+    """The offline engine's answers: the greedy text of every completed greedy request, by
+    index (the JSON ones through its chat template, under the same schema); and each n2 pool
+    request's choices, seeded as served (a seeded draw depends on (seed, token index) only),
+    by pool index, to check the undisturbed runs themselves."""
     from pdserve.protocol.sampling import StructuredOutputs
     from pdserve.serve import LLM, SamplingParams
 
     completions = [planned[o.index] for o in outcomes if o.ok and o.kind in GREEDY_KINDS]
     chats = [planned[o.index] for o in outcomes if o.ok and o.kind == "json-schema"]
     texts: dict[int, str] = {}
+    n2_choices: dict[int, list[str]] = {}
     with LLM(model) as llm:
         if completions:
             outs = llm.generate([p.body["prompt"] for p in completions],
@@ -177,7 +183,13 @@ def greedy_reference(model: str, outcomes: list[Outcome], planned: dict[int, Pla
                     disable_any_whitespace=structured["disable_any_whitespace"])))
             texts.update((p.index, out.outputs[0].text)
                          for p, out in zip(chats, outs, strict=True))
-    return texts
+        if n2_pool:
+            outs = llm.generate([p.body["prompt"] for p in n2_pool], [SamplingParams(
+                n=p.body["n"], temperature=p.body["temperature"], seed=p.body["seed"],
+                max_tokens=p.body["max_tokens"], ignore_eos=True) for p in n2_pool])
+            n2_choices.update((p.index, [choice.text for choice in out.outputs])
+                              for p, out in zip(n2_pool, outs, strict=True))
+    return texts, n2_choices
 
 
 def judge(outcomes: list[Outcome], planned: dict[int, PlannedRequest],

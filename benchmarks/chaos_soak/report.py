@@ -149,6 +149,10 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"checked by kind {result['checked_by_kind']}  wrong by kind "
           f"{result['wrong_by_kind']}  failed during worker kills "
           f"{result['failed_during_worker_kills']}")
+    if "n2_references" in result:
+        print(f"n2 undisturbed runs the same as the offline engine's (seeded alike): "
+              f"{result['n2_references']['same_as_offline_engine']}/"
+              f"{result['n2_references']['num']}")
     for kill in result["kills"]:
         print(f"  {kill['at_s']:6.0f} s  {kill['victim']:<20} ready {kill['ready_after_s']} s "
               f"after its restart; {kill['num_requests_overlapping']} requests overlapped its "

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.chaos_soak.checks import Kill, greedy_reference, judge
+from benchmarks.chaos_soak.checks import Kill, judge, offline_reference
 from benchmarks.chaos_soak.client import run_clients
 from benchmarks.chaos_soak.fleet import NAMES, Fleet
 from benchmarks.chaos_soak.report import plot, print_table, send_stats, summarise
@@ -237,9 +237,11 @@ def run(args: argparse.Namespace) -> int:
         finally:
             fleet.stop()
     by_index = {p.index: p for p in planned}
-    judge(outcomes, by_index, greedy_reference(model, outcomes, by_index),
-          {o.index: o for o in undisturbed})
+    greedy, n2_offline = offline_reference(model, outcomes, by_index, pool)
+    judge(outcomes, by_index, greedy, {o.index: o for o in undisturbed})
     result = summarise(outcomes, kills, leaks, rate, capacity, args)
+    result["n2_references"] = {"num": len(pool), "same_as_offline_engine": sum(
+        o.texts == n2_offline.get(o.index) for o in undisturbed)}
     print_table(result)
     print(f"logs: {log_dir}")
     print(f"plot: {plot(result, output.with_suffix('.png'))}")
