@@ -203,8 +203,10 @@ def test_prefill_handoff_then_decode_equals_colocated(llama_dir: Path) -> None:
     decode = Engine(model_config, cache_config, tokenizer=tokenizer, role=DecodeRole())
     try:
         with LLM(llama_dir, num_kv_blocks=64) as colocated:
+            # ignore_eos: the hand-off needs a first token that does not end the request
+            # (seed 7's first draw is eos)
             for params in (GREEDY, SamplingParams(temperature=1.0, seed=7, max_tokens=20,
-                                                  stop=["never appears"])):
+                                                  stop=["never appears"], ignore_eos=True)):
                 expected_out = colocated.generate([prompt], params)[0].outputs[0]
                 expected = expected_out.token_ids
                 prefill.add_request(prompt, params, request_id="r")
