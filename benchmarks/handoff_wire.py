@@ -15,6 +15,10 @@ decoded greedily (--max-tokens), once with the raw wire and once with FP8:
                   original: the block the prefill offered; decoded: what decode installs)
     KV max rel    the same over the value's group scale x 448 (its group's largest value)
     wire bytes    the bytes the node offered per raw byte
+    FP8 cache     for reference, prompts whose greedy tokens with pdserve's FP8 KV cache
+                  (`--kv-cache-dtype fp8`, one scale of 1.0) are a bf16/fp32 cache's, one
+                  colocated engine each (and the raw wire's tokens are checked equal to the
+                  colocated engine's: raw_wire_equals_colocated)
 
 Prints a table, then the JSON as the last line, and writes it to --output.
 """
@@ -63,7 +67,7 @@ def _prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
             for n in lengths]
 
 
-def _drive(gateways, done, timeout_s: float = 120.0) -> list:
+def _drive(gateways, done, timeout_s: float = 600.0) -> list:
     """The two workers' loops without sockets: poll transfers, step, collect outputs."""
     outputs: list = []
     deadline = time.monotonic() + timeout_s
@@ -158,6 +162,32 @@ def run_wire(model_dir: Path, prompts: list[list[int]], wire: str, max_tokens: i
     return {"wire": wire, "tokens": tokens, "kv_dtype": str(connector.dtype), **errors}
 
 
+def cache_tokens(model_dir: Path, prompts: list[list[int]], max_tokens: int,
+                 kv_cache_dtype: str) -> list[list[int]]:
+    """Greedy tokens of one colocated engine whose KV cache is `kv_cache_dtype` (the
+    reference: what pdserve's own FP8 cache, one scale of 1.0, does on the same model)."""
+    from transformers import AutoTokenizer
+
+    from pdserve.protocol.sampling import SamplingParams
+    from pdserve.serve.config import CacheConfig, ModelConfig
+    from pdserve.serve.engine.engine import Engine
+
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine = Engine(ModelConfig(str(model_dir)), CacheConfig(
+        block_size=BLOCK_SIZE, num_blocks=512, kv_cache_dtype=kv_cache_dtype),
+        tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    tokens: dict[str, list[int]] = {}
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, greedy, f"r{i}")
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    finally:
+        engine.shutdown()
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
 def compare(raw: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
     """How the FP8 run's tokens differ from the raw run's (over the prompts whose KV crossed
     in both runs: a failed read is recomputed, which says nothing of the wire)."""
@@ -187,6 +217,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raw = run_wire(model_dir, prompts, "raw", args.max_tokens)
         fp8 = run_wire(model_dir, prompts, "fp8", args.max_tokens)
         results[name] = compare(raw, fp8)
+        cache = [cache_tokens(model_dir, prompts, args.max_tokens, dtype)
+                 for dtype in ("auto", "fp8")]
+        results[name]["fp8_cache_num_identical"] = sum(
+            a == b for a, b in zip(*cache, strict=True))
+        results[name]["raw_wire_equals_colocated"] = sum(
+            a == b for a, b in zip(raw["tokens"], cache[0], strict=True))
 
     if args.model is not None:
         from pdserve.benchmarks.offline import mid_model_dir
@@ -199,12 +235,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 measure(dtype, build_random_model(Path(tmp) / dtype, "llama", seed=args.seed,
                                                   dtype=dtype))
     print(f"{'model':>17} {'KV pool':>15} {'identical':>10} {'first diffs':>20} {'KV max abs':>11} "
-          f"{'KV max rel':>11} {'wire B/raw B':>13}")
+          f"{'KV max rel':>11} {'wire B/raw B':>13} {'FP8 cache identical':>20}")
     for dtype, r in results.items():
         print(f"{dtype:>17} {r['kv_pool_dtype']:>15} "
               f"{r['num_identical']:>4} / {r['num_prompts']:<3} "
               f"{str(r['first_diff_positions'][:6]):>20} {r['kv_max_abs_error']:>11.4g} "
-              f"{r['kv_max_rel_error']:>11.4g} {r['wire_bytes_per_raw_byte']:>13.3f}")
+              f"{r['kv_max_rel_error']:>11.4g} {r['wire_bytes_per_raw_byte']:>13.3f} "
+              f"{r['fp8_cache_num_identical']:>13} / {r['num_prompts']:<4}")
     report = {"benchmark": "handoff_wire", "model": args.model or "random llama "
               f"(default_model, seed {args.seed})", "block_size": BLOCK_SIZE,
               "num_prompts": args.num_prompts,
