@@ -27,6 +27,7 @@ read from a latency profile (pdserve/planner/latency_profile.py), one per phase 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 import random
@@ -131,14 +132,19 @@ class PhaseModels:
 def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, num_decode: int,
              models: PhaseModels, config: SimulationConfig) -> list[tuple[float, float]]:
     """(TTFT, TPOT) of each of the requests arriving at `rate` per second (_num_simulated:
-    config.num_requests, or more to reach the decode pool's steady state)."""
+    config.num_requests, or more to reach the decode pool's steady state). Where the rate is
+    over what the decode pool completes at full batches (decode_capacity_rps), every TPOT
+    is infinite: its queue grows for as long as the load lasts, however few requests a run
+    simulates."""
     rng = random.Random(config.seed)
     num = _num_simulated(workload, rate, models, config)
-    gaps = [rng.expovariate(1.0) for _ in range(num)]
+    arrivals = _arrivals(rng, num, rate)
     shapes = [workload[rng.randrange(len(workload))] for _ in range(num)]
-    arrivals = list(itertools.accumulate(g / rate for g in gaps))
     prompt_done = _simulate_prefill(arrivals, shapes, num_prefill, models.prefill, config)
     first_token_at = [t + config.ttft_overhead_s for t in prompt_done]
+    if rate > num_decode * decode_capacity_rps(workload, models.decode, config):
+        return [(first - arrival, math.inf)
+                for arrival, first in zip(arrivals, first_token_at, strict=True)]
     finish_at = _simulate_decode(first_token_at, shapes, num_decode, models.decode, config)
     results = []
     for arrival, first, finish, shape in zip(arrivals, first_token_at, finish_at, shapes,
@@ -146,6 +152,40 @@ def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, nu
         decoded = shape.output_tokens - 1
         results.append((first - arrival, (finish - first) / decoded if decoded > 0 else 0.0))
     return results
+
+
+def decode_capacity_rps(workload: Sequence[RequestShape], model: LinearLatency,
+                        config: SimulationConfig) -> float:
+    """Requests per second one decode worker completes, at most: its batch full
+    (config.max_num_seqs) of sequences at the workload's mean context, weighted by decode
+    steps (a request of prompt L and output O decodes O - 1 steps at contexts L+1 .. L+O-1).
+
+    A rate over it cannot be sustained, and a finite run does not show it: a waiting
+    request's wait is spread over its output's tokens, so a pool a few percent over its
+    capacity only misses the TPOT SLO after minutes of backlog, longer than the thousand
+    requests a run simulates (DistServe's simulator, which shares a full batch round robin
+    among all its requests, shows it sooner)."""
+    steps = sum(s.output_tokens - 1 for s in workload)
+    if steps <= 0:
+        return math.inf
+    context = sum((s.output_tokens - 1) * (s.prompt_tokens + s.output_tokens / 2)
+                  for s in workload) / steps
+    batch = config.max_num_seqs
+    tokens_per_s = batch / model(batch * context, batch)
+    return tokens_per_s * len(workload) / steps
+
+
+def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
+    """The arrival times simulate() gives its first `num` requests with config.seed = seed
+    (so another simulator can be fed the same ones)."""
+    return _arrivals(random.Random(seed), num, rate)
+
+
+def _arrivals(rng: random.Random, num: int, rate: float) -> list[float]:
+    """One seeded sequence of unit-rate exponential gaps, scaled by 1/rate: every rate sees
+    the same requests in the same order (common random numbers)."""
+    gaps = [rng.expovariate(1.0) for _ in range(num)]
+    return list(itertools.accumulate(g / rate for g in gaps))
 
 
 def _num_simulated(workload: Sequence[RequestShape], rate: float, models: PhaseModels,
@@ -182,37 +222,69 @@ def _prefill_cost(shape: RequestShape) -> tuple[int, int]:
 
 def _simulate_prefill(arrivals: list[float], shapes: Sequence[RequestShape], num_workers: int,
                       model: LinearLatency, config: SimulationConfig) -> list[float]:
-    """When each request's first token is out. A request goes to the worker expected to be
-    free first; each worker runs FCFS batches of the requests that have arrived, up to the
-    token budget (a longer prompt runs alone, in budget-sized chunks)."""
-    expected_free = [0.0] * num_workers
-    assigned: list[list[int]] = [[] for _ in range(num_workers)]
+    """When each request's first token is out. A request goes to the worker with the fewest
+    requests on it (its running batch and its queue), ties taking turns: the router's
+    least-load score, which counts requests and cannot see how far a batch has got. Each
+    worker runs FCFS batches of the requests that have arrived, up to the token budget (a
+    longer prompt runs alone, in budget-sized chunks)."""
+    workers = [_PrefillWorker(model, config.max_batched_tokens, shapes, arrivals)
+               for _ in range(num_workers)]
     for i, arrival in enumerate(arrivals):
-        w = min(range(num_workers), key=lambda k: expected_free[k])
-        expected_free[w] = max(expected_free[w], arrival) + model(*_prefill_cost(shapes[i]))
-        assigned[w].append(i)
+        for worker in workers:
+            worker.advance(arrival)
+        loads = [worker.num_requests for worker in workers]
+        tied = [k for k, load in enumerate(loads) if load == min(loads)]
+        chosen = workers[tied[i % len(tied)]]
+        chosen.queue.append(i)
+        chosen.advance(arrival)  # an idle worker starts it now
     done = [0.0] * len(arrivals)
-    budget = config.max_batched_tokens
-    for queue in assigned:
-        now, head = 0.0, 0
-        while head < len(queue):
-            now = max(now, arrivals[queue[head]])
-            tokens = attention = 0
-            batch: list[int] = []
-            while head < len(queue) and arrivals[queue[head]] <= now:
-                n, a = _prefill_cost(shapes[queue[head]])
-                if batch and tokens + n > budget:
-                    break
-                batch.append(queue[head])
-                tokens, attention, head = tokens + n, attention + a, head + 1
-            if tokens <= budget:
-                now += model(tokens, attention)
-            else:  # one long prompt, chunked: each chunk attends to everything before it
-                chunks = math.ceil(tokens / budget)
-                now += chunks * model(tokens / chunks, attention / chunks)
-            for i in batch:
-                done[i] = now
+    for worker in workers:
+        worker.advance(math.inf)
+        for i, at in worker.done:
+            done[i] = at
     return done
+
+
+class _PrefillWorker:
+    """One prefill worker's FCFS batches, simulated up to a given time (advance), so that
+    the dispatch can see how many requests each worker holds when a request arrives."""
+
+    def __init__(self, model: LinearLatency, budget: int, shapes: Sequence[RequestShape],
+                 arrivals: list[float]) -> None:
+        self.model, self.budget, self.shapes, self.arrivals = model, budget, shapes, arrivals
+        self.queue: collections.deque[int] = collections.deque()
+        self.running: list[int] = []
+        self.free_at = 0.0  # when the running batch ends (or ended)
+        self.done: list[tuple[int, float]] = []
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.queue)
+
+    def advance(self, now: float) -> None:
+        """Finish the batches that end by `now`; start the next one while the worker is
+        free by then (the queue holds only requests that have arrived)."""
+        while True:
+            if self.running and self.free_at <= now:
+                self.done.extend((i, self.free_at) for i in self.running)
+                self.running = []
+            if self.running or not self.queue:
+                return
+            start = max(self.free_at, self.arrivals[self.queue[0]])
+            if start > now:
+                return
+            tokens = attention = 0
+            while self.queue:
+                n, a = _prefill_cost(self.shapes[self.queue[0]])
+                if self.running and tokens + n > self.budget:
+                    break
+                self.running.append(self.queue.popleft())
+                tokens, attention = tokens + n, attention + a
+            if tokens <= self.budget:
+                self.free_at = start + self.model(tokens, attention)
+            else:  # one long prompt, chunked: each chunk attends to everything before it
+                chunks = math.ceil(tokens / self.budget)
+                self.free_at = start + chunks * self.model(tokens / chunks, attention / chunks)
 
 
 def _simulate_decode(starts: list[float], shapes: Sequence[RequestShape], num_workers: int,

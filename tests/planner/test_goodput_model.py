@@ -14,11 +14,14 @@ from pdserve.planner.goodput_model import (
     RequestShape,
     SimulationConfig,
     _decode_worker,
+    _simulate_prefill,
     attainment,
+    decode_capacity_rps,
     estimate_goodput,
     fit_nonnegative,
     fleet_size,
     goodput_by_split,
+    poisson_arrivals,
     simulate,
     ttft_overhead_s,
 )
@@ -115,6 +118,67 @@ def test_decode_event_jumps_match_stepping(max_num_seqs):
     got = _decode_worker(ready, shapes, DECODE, max_num_seqs)
     want = _decode_step_by_step(ready, shapes, DECODE, max_num_seqs)
     assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_prefill_goes_to_the_worker_holding_the_fewest_requests():
+    """The router's least-load score counts requests (ties take turns), blind to how long
+    they take: the fourth request joins the worker running one long prompt rather than the
+    one holding two short ones, which is free far sooner. The simulation used to send each
+    request to the worker expected free first, a router that knows every worker's remaining
+    work, and so queued prompts less than served (or DistServe's simulator, which counts
+    too): the fourth request then ended at 2.03 s."""
+    model = LinearLatency(1.0, (1e-3, 0.0), 0, 0.0)  # 1 s a batch + 1 ms a prompt token
+    config = SimulationConfig(1, 1, max_batched_tokens=10_000)
+    short, long = RequestShape(10, 0, 2), RequestShape(4000, 0, 2)
+    done = _simulate_prefill([0.0, 0.001, 0.002, 0.003], [short, long, short, short], 2,
+                             model, config)
+    # worker 0: request 0 at 0 s, then 2 (a tie with worker 1, worker 0's turn) at 1.01 s;
+    # worker 1: the long request 1 from 0.001 s to 5.001 s, then 3 (1 request against 2)
+    assert done == pytest.approx([1.01, 5.001, 2.02, 6.011])
+
+
+def test_decode_capacity_is_what_full_batches_complete():
+    """Waves of max_num_seqs identical requests, all ready at once: the step simulation
+    ends them exactly at num / decode_capacity_rps (the context grows linearly, so a wave's
+    steps average the model at the mean context)."""
+    config = SimulationConfig(1, 1, max_num_seqs=8)
+    shape = RequestShape(100, 0, 33)
+    capacity = decode_capacity_rps([shape], DECODE, config)
+    assert capacity == pytest.approx(8 / (32 * DECODE(8 * 116.5, 8)))
+    finish = _decode_worker([0.0] * 40, [shape] * 40, DECODE, 8)
+    assert max(finish) == pytest.approx(40 / capacity, rel=1e-9)
+    assert decode_capacity_rps([RequestShape(100, 0, 1)], DECODE, config) == float("inf")
+
+
+def test_a_rate_over_the_decode_pools_capacity_misses_every_tpot():
+    """2% over the decode pool's capacity, 1000 requests only queue ~20 deep by the end of
+    the run, and that wait is spread over 63 tokens: the step simulation alone met the TPOT
+    SLO there (goodput above capacity, +7% against DistServe's simulator on its OPT-13B
+    profile with one decode worker). No fleet sustains such a rate: every TPOT is now
+    infinite over capacity, and the goodput stays within it."""
+    config = SimulationConfig(10.0, 0.05, max_num_seqs=32, num_requests=1000)
+    shape = RequestShape(64, 0, 64)
+    capacity = decode_capacity_rps([shape], DECODE, config)
+    for num_decode in (1, 2):
+        pool = num_decode * capacity
+        under = simulate([shape], 0.98 * pool, 8, num_decode, MODELS, config)
+        assert attainment(under, config) >= 0.9
+        over = simulate([shape], 1.02 * pool, 8, num_decode, MODELS, config)
+        assert all(tpot == float("inf") for _, tpot in over)
+        assert attainment(over, config) == 0.0
+        assert estimate_goodput([shape], 8, num_decode, MODELS, config) <= pool
+
+
+def test_poisson_arrivals_are_the_simulations_own():
+    """Another simulator fed poisson_arrivals sees simulate()'s requests: requests alone
+    (no queueing) end their prefill exactly one prefill after these arrival times."""
+    shape = RequestShape(100, 0, 1)
+    config = SimulationConfig(1, 1, num_requests=50, seed=7)
+    arrivals = poisson_arrivals(50, 1e-3, 7)
+    assert len(arrivals) == 50 and arrivals == sorted(arrivals)
+    results = simulate([shape], 1e-3, 1, 1, MODELS, config)
+    assert [ttft for ttft, _ in results] == pytest.approx([PREFILL(100, 100 * 100)] * 50)
+    assert poisson_arrivals(50, 2e-3, 7) == pytest.approx([a / 2 for a in arrivals])
 
 
 def test_goodput_is_where_attainment_crosses_the_target():

@@ -122,6 +122,8 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "benchmarks.controller_check": ("pdserve.planner.goodput_model",),
     # checks `pdserve plan`'s sizing with the planner's library (not the command)
     "benchmarks.plan_check": ("pdserve.planner",),
+    # the planner's simulation against DistServe's simulator, on the same arrivals
+    "benchmarks.planner_vs_distserve": ("pdserve.planner",),
     # starts its clusters with `pdserve up`'s launcher; times an offline prefill for reference
     "benchmarks.ttft_breakdown": ("pdserve.app.launcher", "pdserve.serve"),
     # benchmarks/gpu/run.sh's served stage builds its random ~1B Llama as the default model is;
