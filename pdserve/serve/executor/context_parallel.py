@@ -51,6 +51,7 @@ from pdserve.kernels.ring import ring_pass
 from pdserve.kernels.zigzag import zigzag_ranges
 from pdserve.protocol.tp import StepInput
 from pdserve.serve.layers.attention import AttentionMetadata
+from pdserve.serve.layers.uploads import to_device
 
 DECODE_GROUP_SLOTS = 1 << 16
 """Most K/V rows one batched decode-shard attention gathers (rows x longest shard): bounds
@@ -305,7 +306,8 @@ class ContextParallelStep:
     # ---- shared pieces -----------------------------------------------------------------
 
     def _tensor(self, values: Any) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+        return to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
+                         self.device)
 
     def _write_decodes(self, write: Any) -> None:
         if self._decode_write:
@@ -445,11 +447,11 @@ def run_context_parallel_step(model: Any, step: StepInput, kv_caches: list[torch
     plan = ContextParallelStep(step, block_size, cp, device, backend_name)
     token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in step.chunks),
                             dtype=np.int64, count=step.num_tokens)
-    input_ids = torch.from_numpy(token_ids[plan.local_flat]).to(device)
+    input_ids = to_device(torch.from_numpy(token_ids[plan.local_flat]), device)
     num_rows = plan.num_local_rows
     unused = torch.zeros(1, dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        positions=torch.from_numpy(plan.positions).to(device),
+        positions=to_device(torch.from_numpy(plan.positions), device),
         slot_mapping=torch.full((num_rows,), -1, dtype=torch.int64, device=device),
         cu_seqlens_q=unused, seq_lens=unused, block_tables=unused.view(1, 1),
         max_query_len=0, is_decode_only=False, context_parallel=plan)
