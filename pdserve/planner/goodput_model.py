@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import heapq
 import itertools
 import math
 import random
@@ -227,64 +228,63 @@ def _simulate_prefill(arrivals: list[float], shapes: Sequence[RequestShape], num
     least-load score, which counts requests and cannot see how far a batch has got. Each
     worker runs FCFS batches of the requests that have arrived, up to the token budget (a
     longer prompt runs alone, in budget-sized chunks)."""
-    workers = [_PrefillWorker(model, config.max_batched_tokens, shapes, arrivals)
+    workers = [_PrefillWorker(model, config.max_batched_tokens, shapes)
                for _ in range(num_workers)]
-    for i, arrival in enumerate(arrivals):
-        for worker in workers:
-            worker.advance(arrival)
-        loads = [worker.num_requests for worker in workers]
-        tied = [k for k, load in enumerate(loads) if load == min(loads)]
-        chosen = workers[tied[i % len(tied)]]
-        chosen.queue.append(i)
-        chosen.advance(arrival)  # an idle worker starts it now
+    num_held = [0] * num_workers  # requests on each worker: running and queued
+    ends: list[tuple[float, int]] = []  # heap: (when the running batch ends, worker)
     done = [0.0] * len(arrivals)
-    for worker in workers:
-        worker.advance(math.inf)
-        for i, at in worker.done:
+
+    def end_batch() -> None:
+        at, k = heapq.heappop(ends)
+        for i in workers[k].running:
             done[i] = at
+        num_held[k] -= len(workers[k].running)
+        if workers[k].start(at):  # everything queued arrived before `at`: one batch
+            heapq.heappush(ends, (workers[k].free_at, k))
+
+    for i, arrival in enumerate(arrivals):
+        while ends and ends[0][0] <= arrival:
+            end_batch()
+        least = min(num_held)
+        tied = [k for k, held in enumerate(num_held) if held == least]
+        k = tied[i % len(tied)]
+        workers[k].queue.append(i)
+        num_held[k] += 1
+        if num_held[k] == 1 and workers[k].start(arrival):  # it was idle: starts now
+            heapq.heappush(ends, (workers[k].free_at, k))
+    while ends:
+        end_batch()
     return done
 
 
 class _PrefillWorker:
-    """One prefill worker's FCFS batches, simulated up to a given time (advance), so that
-    the dispatch can see how many requests each worker holds when a request arrives."""
+    """One prefill worker's queue and running batch (the dispatch above drives the clock)."""
 
-    def __init__(self, model: LinearLatency, budget: int, shapes: Sequence[RequestShape],
-                 arrivals: list[float]) -> None:
-        self.model, self.budget, self.shapes, self.arrivals = model, budget, shapes, arrivals
+    def __init__(self, model: LinearLatency, budget: int,
+                 shapes: Sequence[RequestShape]) -> None:
+        self.model, self.budget, self.shapes = model, budget, shapes
         self.queue: collections.deque[int] = collections.deque()
         self.running: list[int] = []
-        self.free_at = 0.0  # when the running batch ends (or ended)
-        self.done: list[tuple[int, float]] = []
+        self.free_at = 0.0
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.running) + len(self.queue)
-
-    def advance(self, now: float) -> None:
-        """Finish the batches that end by `now`; start the next one while the worker is
-        free by then (the queue holds only requests that have arrived)."""
-        while True:
-            if self.running and self.free_at <= now:
-                self.done.extend((i, self.free_at) for i in self.running)
-                self.running = []
-            if self.running or not self.queue:
-                return
-            start = max(self.free_at, self.arrivals[self.queue[0]])
-            if start > now:
-                return
-            tokens = attention = 0
-            while self.queue:
-                n, a = _prefill_cost(self.shapes[self.queue[0]])
-                if self.running and tokens + n > self.budget:
-                    break
-                self.running.append(self.queue.popleft())
-                tokens, attention = tokens + n, attention + a
-            if tokens <= self.budget:
-                self.free_at = start + self.model(tokens, attention)
-            else:  # one long prompt, chunked: each chunk attends to everything before it
-                chunks = math.ceil(tokens / self.budget)
-                self.free_at = start + chunks * self.model(tokens / chunks, attention / chunks)
+    def start(self, now: float) -> bool:
+        """Start the next FCFS batch at `now`, up to the token budget; False if none waits."""
+        self.running = []
+        tokens = attention = 0
+        while self.queue:
+            n, a = _prefill_cost(self.shapes[self.queue[0]])
+            if self.running and tokens + n > self.budget:
+                break
+            self.running.append(self.queue.popleft())
+            tokens, attention = tokens + n, attention + a
+        if not self.running:
+            return False
+        if tokens <= self.budget:
+            self.free_at = now + self.model(tokens, attention)
+        else:  # one long prompt, chunked: each chunk attends to everything before it
+            chunks = math.ceil(tokens / self.budget)
+            self.free_at = now + chunks * self.model(tokens / chunks, attention / chunks)
+        return True
 
 
 def _simulate_decode(starts: list[float], shapes: Sequence[RequestShape], num_workers: int,
