@@ -162,3 +162,45 @@ def test_a_store_predicted_faster_is_read_first() -> None:
     decode.links.note("", 8 << 20, 0.001)  # 8 GiB/s
     assert len(decode.receive(keys, node.address, block_bytes)) == 4
     assert reads == ["node", "store"]
+
+
+
+def test_a_hand_off_over_the_fp8_wire_crosses_encoded_and_lands_within_the_bound(llama_dir):
+    """Two workers' gateways (tests/helpers/handoff_util.py), no shared memory, no follow:
+    the prefill's node holds the offer encoded, decode loads and decodes it, and what it
+    installs is within the format's bound of the prefill's KV (the tokens may differ:
+    benchmarks/handoff_wire.py measures by how much)."""
+    from helpers.handoff_util import assert_all_free, decode_handoff, handoff_pair, prefill_prompt
+
+    with handoff_pair(llama_dir, 0, shm=False, follow=False) as (prefill, decode, node):
+        connector = prefill.kv_transfer.connector
+        wire = Fp8Wire.for_block_shape(list(connector.block_shape), connector.dtype)
+        sent: list[torch.Tensor] = []
+        encode = wire.encode
+        wire.encode = lambda block: sent.append(block.clone()) or encode(block)  # type: ignore
+        connector.transport.wire = wire
+        first = prefill_prompt(prefill)
+        keys = list(first.handoff.block_keys)
+        assert [b.nbytes for b in node.get_many(keys)] == [wire.nbytes] * len(keys)
+        installed: list[list[torch.Tensor]] = []
+        install = decode.kv_transfer.install
+
+        def install_and_keep(block_ids, staging):
+            installed.append([layer.clone() for layer in staging])
+            install(block_ids, staging)
+
+        decode.kv_transfer.install = install_and_keep  # type: ignore[method-assign]
+        tokens = decode_handoff(prefill, decode, first)
+        assert len(tokens) > 1
+        [layers] = installed  # per layer [P, n, block_size, heads, head_dim]
+        got = torch.stack(layers).permute(2, 0, 1, 3, 4, 5).float()  # [n, L, P, bs, H, D]
+        shape = list(connector.block_shape)
+        want = torch.stack([b.view(connector.dtype).view(shape) for b in sent]).float()
+        assert got.shape == want.shape and len(sent) == len(keys)
+        groups, error = want.flatten(3), (got - want).abs().flatten(3)
+        scales = groups.abs().amax(dim=3, keepdim=True) / 448
+        assert bool((error <= groups.abs() / 16 + scales / 1024).all())
+        totals = decode.kv_transfer.totals()
+        assert totals["load_count"] == 1 and totals["in_place_count"] == 0
+        assert totals["handoff_bytes"] == len(keys) * connector.block_bytes
+        assert_all_free(prefill, decode, node)
