@@ -40,6 +40,8 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -76,12 +78,12 @@ def _build_directory(name: str) -> Path:
     return Path(_get_build_directory(name, verbose=False))
 
 
-def _build(name: str, directory: Path) -> None:
-    """Compile in a child process, within BUILD_TIMEOUT_S (RuntimeError past it or on a
-    compiler error)."""
+def _build(name: str, directory: Path, timeout_s: float = BUILD_TIMEOUT_S) -> None:
+    """Compile in a child process, within timeout_s (RuntimeError past it or on a compiler
+    error)."""
     lock = directory / "lock"
     if lock.exists() and (not _is_builder_alive(directory)
-                          or time.time() - lock.stat().st_mtime > BUILD_TIMEOUT_S):
+                          or time.time() - lock.stat().st_mtime > timeout_s):
         logger.warning("removing a stale build lock left by a killed build: %s", lock)
         lock.unlink(missing_ok=True)
     logger.warning("building pdserve's CPU kernels once for this machine (a minute or two)")
@@ -94,14 +96,36 @@ def _build(name: str, directory: Path) -> None:
               "extra_ldflags=sys.argv[5].split(','), verbose=False)")
     command = [sys.executable, "-c", script, name, ",".join(str(CSRC / s) for s in SOURCES),
                str(CSRC), ",".join(CFLAGS), ",".join(LDFLAGS), str(directory / BUILDER_FLOCK)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        lock.unlink(missing_ok=True)  # the builder we started is gone: its lock is stale
-        raise RuntimeError(f"the build took longer than {BUILD_TIMEOUT_S:.0f} s") from None
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        raise RuntimeError(lines[-1][:300] if lines else f"exit code {done.returncode}")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as builder:
+        try:
+            stdout, stderr = builder.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(builder.pid)  # ninja and the compilers too, not the builder alone
+            builder.communicate()
+            lock.unlink(missing_ok=True)  # the builder we started is gone: its lock is stale
+            raise RuntimeError(f"the build took longer than {timeout_s:.0f} s") from None
+    if builder.returncode != 0:
+        lines = (stderr or stdout).strip().splitlines()
+        raise RuntimeError(lines[-1][:300] if lines else f"exit code {builder.returncode}")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (as /proc lists them), children first seen."""
+    found, pending = [], [pid]
+    while pending:
+        parent = pending.pop()
+        found.append(parent)
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                pending += [int(child) for child in children.read_text().split()]
+            except OSError:  # it ended meanwhile
+                pass
+    for each in found:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _is_builder_alive(directory: Path) -> bool:
@@ -123,9 +147,10 @@ _lock = threading.Lock()
 _num_elsewhere = [0]  # build_elsewhere() calls not yet ended by built_elsewhere()
 
 
-def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once) where it cannot be had; while another
-    process builds it (build_elsewhere), None until that build is done, never a build here."""
+def load(build_timeout_s: float = BUILD_TIMEOUT_S) -> ModuleType | None:
+    """The compiled extension, or None (logged once) where it cannot be had, built first
+    within build_timeout_s where it is missing; while another process builds it
+    (build_elsewhere), None until that build is done, never a build here."""
     if _outcome:
         return _outcome[0]
     with _lock:
@@ -138,7 +163,7 @@ def load() -> ModuleType | None:
             if not library.exists():
                 if _num_elsewhere[0]:
                     return None  # not settled: asked again once the other build is done
-                _build(name, directory)
+                _build(name, directory, build_timeout_s)
             module = _import(name, library)
         except Exception as exc:  # no compiler, no ninja, a read-only cache: torch paths stay
             first_line = str(exc).splitlines()[0][:300] if str(exc) else ""

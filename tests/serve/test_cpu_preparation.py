@@ -210,6 +210,28 @@ def test_stopping_a_worker_mid_build_ends_its_compiler_and_frees_the_build(fresh
     assert not cpu_ops._is_builder_alive(build)
 
 
+def test_a_build_past_its_limit_ends_with_its_compilers(tmp_path) -> None:
+    """cpu_ops._build's timeout kills the builder's whole tree (ninja, the compilers), not
+    the builder alone, which left them compiling into the directory a next build uses."""
+    compiler_pid = tmp_path / "compiler.pid"
+    builder = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "compiler = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+         f"open({str(compiler_pid)!r}, 'w').write(str(compiler.pid))\n"
+         "time.sleep(600)\n"])
+    deadline = time.monotonic() + CHILD_WAIT_S
+    while not compiler_pid.exists() or not compiler_pid.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    compiler = int(compiler_pid.read_text())
+    cpu_ops._kill_tree(builder.pid)
+    builder.wait(10)
+    deadline = time.monotonic() + 10
+    while _is_running(compiler) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _is_running(compiler)
+
+
 def _is_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:

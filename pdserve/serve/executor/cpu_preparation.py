@@ -61,6 +61,10 @@ logger = logging.getLogger(__name__)
 PORTABLE = {"path": "portable", "source": "portable"}
 """The status of a worker on the plain-torch path (no compiled kernels)."""
 STOP_GRACE_S = 5.0
+BUILD_TIMEOUT_S = 3600.0
+"""The child's limit on the kernels' build: nothing waits for it, and at nice 19 on a busy host
+it outlasts a foreground build's limit (cpu_ops.BUILD_TIMEOUT_S): one took over 15 minutes
+beside a load average of 20 on 2 cores."""
 
 
 @dataclass(frozen=True)
@@ -345,7 +349,9 @@ def prepare(folder: Path) -> int:
 
     os.sched_setaffinity(0, job.cores)
     torch.set_num_threads(job.threads)
-    kernels = ops.cpu_kernels()  # the build, in a child of this one (cpu_ops._build)
+    if envs.cpu_kernels():  # the build, in a child of this one (cpu_ops._build)
+        cpu_ops.load(build_timeout_s=BUILD_TIMEOUT_S)
+    kernels = ops.cpu_kernels()
     rank = Rank(job.spec, job.block_size, job.tp, torch.device("cpu"))
     if job.with_mtp:
         rank.add_mtp()
