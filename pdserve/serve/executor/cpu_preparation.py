@@ -177,7 +177,7 @@ class BackgroundCpuPath:
         machine = cpu_tuning.machine_facts()
         if not envs.cpu_kernels() or cpu_ops.is_built():
             self._end_wait()  # nothing to wait for: load() imports it (milliseconds)
-            _refresh_kernels(rank)
+            refresh_kernels(rank)
             step_points, _ = cpu_tuning.rank_timer(rank, scheduler_config)
             known = cpu_tuning.known_choice(rank.model, step_points,
                                             *cpu_tuning.abilities(rank.model), machine=machine,
@@ -242,7 +242,7 @@ class BackgroundCpuPath:
                                preparation.describe())
                 return self.tuning
         self._end_wait()
-        _refresh_kernels(rank)
+        refresh_kernels(rank)
         step_points, _ = cpu_tuning.rank_timer(rank, scheduler_config)
         abilities = cpu_tuning.abilities(rank.model)
         candidates = candidate_paths(*abilities)
@@ -291,7 +291,7 @@ class BackgroundCpuPath:
             cpu_ops.built_elsewhere()
 
 
-def _refresh_kernels(rank: Rank) -> None:
+def refresh_kernels(rank: Rank) -> None:
     """Every op and attention layer on what this process would choose now (the kernels where
     they are loaded)."""
     ops.use_device(rank.device.type)

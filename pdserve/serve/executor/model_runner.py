@@ -44,7 +44,7 @@ from pdserve.kvstore.memory_tier import fp8_as_bytes
 from pdserve.protocol.tp import TP_PROTOCOL, ReadKV, StepInput, WriteKV
 from pdserve.serve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.serve.executor.context_parallel import assemble_owned_blocks
-from pdserve.serve.executor.cpu_preparation import BackgroundCpuPath
+from pdserve.serve.executor.cpu_preparation import BackgroundCpuPath, refresh_kernels
 from pdserve.serve.executor.cpu_tuning import Tuning, tune_rank
 from pdserve.serve.executor.kv_cache import KVCachePlan, KVCachePool
 from pdserve.serve.executor.loader import ModelSpec, load_model_spec
@@ -198,9 +198,10 @@ class ModelRunner:
         TP or PP group's ranks would each have to agree on one."""
         if not self._can_tune:
             raise RuntimeError("the CPU path is measured on a one-rank CPU worker only")
-        if self._cpu_path is not None:  # measured here instead
+        if self._cpu_path is not None:  # measured here instead, on the kernels built here
             self._cpu_path.close()
             self._cpu_path = None
+            refresh_kernels(self._rank)
         self._tuned = tune_rank(self._rank, self._scheduler_config, use_cache, progress)
         logger.info("%s", self._tuned.summary())
         return self._tuned
