@@ -15,10 +15,14 @@
                      a transport (staging per layer, offers, announcements, pulls)
     staging.py       SegmentMaps: other prefill workers' segments on this host, mapped
     layer_pull.py    LayerPull: a decode worker's pull of a staging on another host
+    link_policy.py   LinkMeter (each peer's measured KV bytes per second) and KVSourcePolicy:
+                     per request, transfer, store or recompute, by predicted time
+    wire_fp8.py      the FP8 wire of an offered block (`--handoff-wire fp8`): encode, decode
 
 The engine-aware half lives with the worker (pdserve/serve/worker/): kv_transfer.py (KVTransfer:
 the pool, block keys, the host tier), follow.py (reservations of followed prompts, the
-prefill's staging announcer) and admission.py (how a handed-off request joins the batch). This
+prefill's staging announcer), kv_source.py (the link policy's engine-side inputs and counts)
+and admission.py (how a handed-off request joins the batch). This
 package imports the shared base and pdserve.kvstore only, never the engine: block ids are ints
 and the pool is written through a callable.
 """
