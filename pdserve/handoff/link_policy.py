@@ -9,7 +9,9 @@ recomputed here, whichever is predicted fastest.
 
 The rule (choose), in order:
   1. A link not measured yet, or measured longer than STALE_S ago: transfer (today's path;
-     it measures the link, so a link that got faster is seen again).
+     it measures the link, so a link that got faster is seen again). A re-measure that
+     finds the link no faster (within MARGIN) doubles how long its rate is trusted, up to
+     MAX_STALE_S: on a slow link each such probe costs a whole prompt's transfer.
   2. This worker's prefill speed unknown (it never computed a prompt) and the transfer
      predicted longer than EXPLORE_S: recompute, which measures the speed (its steps), so
      that a slow link is not paid for ever for want of the other number.
@@ -47,7 +49,9 @@ EMA = 0.3
 MIN_SAMPLE_BYTES = 256 << 10
 """Smaller transfers are latency, not bandwidth: not counted."""
 STALE_S = 30.0
-"""A peer's rate older than this is not trusted: the next hand-off from it transfers."""
+"""A peer's rate older than this is not trusted: the next hand-off from it transfers..."""
+MAX_STALE_S = 480.0
+"""...and each re-measure that finds it no faster doubles that, up to this."""
 MARGIN = 1.25
 """Another source replaces the transfer only when predicted this many times faster."""
 EXPLORE_S = 1.0
@@ -58,11 +62,16 @@ MAX_PEERS = 64
 
 @dataclass
 class LinkRate:
-    """One peer's smoothed rate: KV bytes per second, and when it was last sampled."""
+    """One peer's smoothed rate: KV bytes per second, when it was last sampled, and how long
+    it is trusted."""
 
     bytes_per_s: float
     measured_s: float
     num_samples: int = 1
+    stale_s: float = STALE_S
+
+    def is_stale(self, now_s: float) -> bool:
+        return now_s - self.measured_s > self.stale_s
 
 
 class LinkMeter:
@@ -83,8 +92,13 @@ class LinkMeter:
         rate, now_s = nbytes / seconds, self._clock()
         with self._lock:
             known = self._rates.get(peer)
-            if known is None or now_s - known.measured_s > STALE_S:  # (a stale rate is gone)
-                self._rates[peer] = LinkRate(rate, now_s)
+            if known is None or known.is_stale(now_s):  # (a stale rate is gone)
+                # a re-measure that finds the link no faster trusts it twice as long: each
+                # probe of a slow link costs a whole transfer over it
+                stale_s = (min(2 * known.stale_s, MAX_STALE_S)
+                           if known is not None and rate <= MARGIN * known.bytes_per_s
+                           else STALE_S)
+                self._rates[peer] = LinkRate(rate, now_s, stale_s=stale_s)
                 while len(self._rates) > MAX_PEERS:
                     oldest = min(self._rates, key=lambda p: self._rates[p].measured_s)
                     del self._rates[oldest]
@@ -99,7 +113,7 @@ class LinkMeter:
         """The peer's rate; None where never measured or STALE_S old."""
         with self._lock:
             known = self._rates.get(peer)
-            if known is None or self._clock() - known.measured_s > STALE_S:
+            if known is None or known.is_stale(self._clock()):
                 return None
             return known.bytes_per_s
 

@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.handoff.link_policy import (
     MARGIN,
+    MAX_STALE_S,
     MIN_SAMPLE_BYTES,
     STALE_S,
     KVSourcePolicy,
@@ -122,6 +123,25 @@ def test_the_meter_smooths_ignores_small_reads_and_forgets_stale_links() -> None
     # the link slowed: a pull's lower bound now replaces the stale rate (and is fresh)
     meter.note(PEER, 1 * MB, 1.0, lower_bound=True)
     assert meter.bytes_per_s(PEER) == pytest.approx(1 * MB)
+
+
+def test_a_link_found_no_faster_is_re_measured_less_and_less_often() -> None:
+    clock = Clock()
+    meter = LinkMeter(clock)
+    meter.note(PEER, 10 * MB, 10.0)  # 1 MB/s: trusted STALE_S
+    clock.now_s += STALE_S + 1
+    for window_s in (2 * STALE_S, 4 * STALE_S, 8 * STALE_S, MAX_STALE_S, MAX_STALE_S):
+        assert meter.bytes_per_s(PEER) is None  # stale: the next hand-off probes
+        meter.note(PEER, 10 * MB, 10.0)  # the probe finds it no faster
+        clock.now_s += window_s - 1
+        assert meter.bytes_per_s(PEER) == pytest.approx(1 * MB)  # trusted twice as long
+        clock.now_s += 2
+    assert meter.bytes_per_s(PEER) is None
+    meter.note(PEER, 100 * MB, 10.0)  # faster: trusted STALE_S again
+    clock.now_s += STALE_S - 1
+    assert meter.bytes_per_s(PEER) == pytest.approx(10 * MB)
+    clock.now_s += 2
+    assert meter.bytes_per_s(PEER) is None
 
 
 def _sample(seq: int, prefill: int, decode: int, seconds: float) -> StepSample:
