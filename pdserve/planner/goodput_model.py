@@ -11,13 +11,14 @@ prefix or a batch of prompts, A counts each sequence's attention work on its own
 `estimate_goodput` replays a workload (the lengths of recently finished requests) through a
 small discrete-event simulation of P prefill and D decode workers driven by those models:
 
-    Poisson arrivals ─► least-work prefill worker: FCFS batches up to a token budget
+    Poisson arrivals ─► least-loaded prefill worker: FCFS batches up to a token budget
                      ─► (+ measured TTFT overhead: first token out; + KV load time)
                      ─► decode worker, round robin: continuous batching
 
 and finds the highest arrival rate at which at least `attainment` of requests meet both SLOs
-(TTFT and TPOT). Arrivals are one fixed sequence of unit-rate gaps scaled by 1/rate (common
-random numbers), so every split and every rate sees the same requests in the same order.
+(TTFT and TPOT); a rate over the decode pool's full-batch capacity never does. Arrivals
+are one fixed sequence of unit-rate gaps scaled by 1/rate (common random numbers), so every
+split and every rate sees the same requests in the same order.
 Everything here is plain numbers: no sockets, no clocks, no randomness beyond `seed`.
 
 The offline planner (pdserve/planner/search.py, `pdserve plan`) runs this same simulation on models
@@ -164,8 +165,7 @@ def decode_capacity_rps(workload: Sequence[RequestShape], model: LinearLatency,
     A rate over it cannot be sustained, and a finite run does not show it: a waiting
     request's wait is spread over its output's tokens, so a pool a few percent over its
     capacity only misses the TPOT SLO after minutes of backlog, longer than the thousand
-    requests a run simulates (DistServe's simulator, which shares a full batch round robin
-    among all its requests, shows it sooner)."""
+    requests a run simulates."""
     steps = sum(s.output_tokens - 1 for s in workload)
     if steps <= 0:
         return math.inf
