@@ -201,7 +201,8 @@ class Dispatcher:
         num_store = 0
         if self.store_lookup is not None:
             num_store = await self.store_lookup.num_cached_blocks(keys) * block_size
-        workers = self.first_pool + (self.decode if self.is_disaggregated else [])
+        workers = self.first_pool + (self.decode if self.is_disaggregated
+                                     and self.placement.max_local_tokens > 0 else [])
         per_worker = {w.address: self.prefix_index.num_leading_blocks(keys, w.address)
                       * block_size for w in workers}
         return RouteContext(len(prompt_token_ids), num_store, per_worker), keys
@@ -210,7 +211,8 @@ class Dispatcher:
         """Pick the first worker for a request and reserve its slot there, or raise
         NoWorkerAvailable / Overloaded: in disaggregated mode a decode worker where the
         request's prompt is placed there (pdserve/router/placement.py), else a prefill one."""
-        if self.is_disaggregated:
+        if self.is_disaggregated and self.placement.max_local_tokens > 0:
+            # (only then does a decode worker's prefix matter: the index's room is shared)
             self._prompt_keys[request_id] = keys
             while len(self._prompt_keys) > MAX_TRACKED_REQUESTS:  # admitted, never run
                 self._prompt_keys.popitem(last=False)
