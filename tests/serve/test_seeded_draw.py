@@ -89,19 +89,20 @@ def test_top_p_search_keeps_the_sorts_set(round_to_bf16: bool) -> None:
     logits[::5, :40] = float("-inf")
     top_p = torch.rand(48, generator=generator)
     top_p[:4] = torch.tensor([1e-6, 1.0, 0.999999, 0.5])
-    masked = apply_top_p(logits, top_p)
+    masked = apply_top_p(logits, top_p, search=True)
     probs = torch.softmax(logits, dim=-1)
     for row in range(48):
         got = set(torch.isfinite(masked[row]).nonzero().flatten().tolist())
         assert got == sort_reference(probs[row], float(top_p[row])), row
     # and the candidates' ranking over the whole row gives the same threshold
-    search = apply_top_p(logits, top_p)
+    search = apply_top_p(logits, top_p, search=True)
     assert torch.equal(search, apply_top_p(logits, top_p, max_candidates=200))
+    assert torch.equal(search, apply_top_p(logits, top_p))  # the CPU's default: the ranking
     assert _top_p_candidates_threshold(probs, top_p, 200).shape == (48, 1)
 
 
 def test_top_p_search_reads_nothing_back() -> None:
     logits = torch.randn(4, 300)
     with host_reads(logits) as seen:
-        apply_top_p(logits, torch.full((4,), 0.9, device=logits.device))
+        apply_top_p(logits, torch.full((4,), 0.9, device=logits.device), search=True)
     assert list(seen) == []
