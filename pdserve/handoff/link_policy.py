@@ -29,7 +29,9 @@ decides, and it is not counted. A layer pull's round trip (pdserve/handoff/layer
 include waiting for the prefill's next layer (at most its WAIT_S, 50 ms: little beside a
 layer's time on a link slow enough to matter): its rate is only a lower bound on the link's,
 and raises the estimate but never lowers it (a peer's first sample sets it, whatever it is,
-and so does any sample once its rate is STALE_S old: a link that slowed is seen again).
+and so does any sample once its rate is STALE_S old: a link that slowed is seen again). A
+read that timed out is an upper bound (the bytes asked / the seconds waited): it lowers the
+rate, never raises it, so a link too slow for the timeout is not taken for a fast one.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ MAX_STALE_S = 480.0
 """...and each re-measure that finds it no faster doubles that, up to this."""
 MARGIN = 1.25
 """Another source replaces the transfer only when predicted this many times faster."""
+MIN_TIMEOUT_S = 0.5
+"""A read that failed sooner did not wait for the link (refused, unknown): no bound."""
 EXPLORE_S = 1.0
 """A transfer predicted this long is worth one recompute to learn the prefill speed."""
 MAX_PEERS = 64
@@ -84,14 +88,22 @@ class LinkMeter:
         self._lock = threading.Lock()
         self._rates: dict[str, LinkRate] = {}
 
-    def note(self, peer: str, nbytes: int, seconds: float, lower_bound: bool = False) -> None:
+    def note(self, peer: str, nbytes: int, seconds: float, lower_bound: bool = False,
+             upper_bound: bool = False) -> None:
         """A transfer from `peer` ("" the fleet store) delivered `nbytes` in `seconds`;
-        `lower_bound`: its time may include waiting for the data (a layer pull)."""
-        if nbytes < MIN_SAMPLE_BYTES or seconds <= 0:
+        `lower_bound`: its time may include waiting for the data (a layer pull);
+        `upper_bound`: it timed out after `seconds` with `nbytes` asked for, so the link is
+        at most that fast (a link too slow for the read's timeout is still measured)."""
+        if nbytes < MIN_SAMPLE_BYTES or seconds <= 0 or (
+                upper_bound and seconds < MIN_TIMEOUT_S):
             return
         rate, now_s = nbytes / seconds, self._clock()
         with self._lock:
             known = self._rates.get(peer)
+            if upper_bound:
+                if known is None or known.is_stale(now_s) or rate < known.bytes_per_s:
+                    self._rates[peer] = LinkRate(rate, now_s)
+                return
             if known is None or known.is_stale(now_s):  # (a stale rate is gone)
                 # a re-measure that finds the link no faster trusts it twice as long: each
                 # probe of a slow link costs a whole transfer over it

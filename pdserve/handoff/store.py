@@ -75,15 +75,18 @@ class StoreHandoff(HandoffTransport):
         for name in names:
             if self.peers.recently_failed(name):
                 continue
+            start_s = time.perf_counter()
             try:
                 backend = self.peers.backend_for(name) if name else self.backend
                 assert backend is not None
-                start_s = time.perf_counter()
                 blocks = backend.get_many(keys) if keys else []
                 seconds = time.perf_counter() - start_s
             except Exception as e:
                 logger.warning("kv connector: reading from %s failed (%s)", name or "the store",
                                e)
+                if isinstance(e, TimeoutError):  # (the link is at most this fast)
+                    self.links.note(name, len(keys) * block_bytes,
+                                    time.perf_counter() - start_s, upper_bound=True)
                 if name:
                     self.peers.failed(name)
                 continue
@@ -102,8 +105,8 @@ class StoreHandoff(HandoffTransport):
         if self.peers.recently_failed(pull.source):
             pull.failed = True
             return False
+        first, start_s = pull.next_layer, time.perf_counter()
         try:
-            first, start_s = pull.next_layer, time.perf_counter()
             go_on = pull.step(self.peers.backend_for(pull.source))
             # (a lower bound on the link: the node may have waited for the layers)
             self.links.note(pull.source, (pull.next_layer - first) * pull.layer_bytes
@@ -112,9 +115,12 @@ class StoreHandoff(HandoffTransport):
         except Exception as e:  # only an early start: the hand-off loads the usual way
             logger.warning("kv connector: pulling staging %d from %s failed (%s)",
                            pull.staging_id, pull.source, e)
-            pull.failed = True
             if isinstance(e, TimeoutError):  # (StoreUnavailable is one)
                 self.peers.failed(pull.source)
+                # not even one layer came in time: the link is at most that fast
+                self.links.note(pull.source, pull.layer_bytes * len(pull.keys),
+                                time.perf_counter() - start_s, upper_bound=True)
+            pull.failed = True  # (last: the worker's loop acts on it at once)
             return False
 
     def release(self, lease_id: int, source: str) -> None:

@@ -144,6 +144,40 @@ def test_a_link_found_no_faster_is_re_measured_less_and_less_often() -> None:
     assert meter.bytes_per_s(PEER) is None
 
 
+def test_a_timed_out_read_bounds_the_rate_from_above() -> None:
+    clock = Clock()
+    meter = LinkMeter(clock)
+    meter.note(PEER, 24 * MB, 3.0, upper_bound=True)  # 24 MiB asked, nothing in 3 s
+    assert meter.bytes_per_s(PEER) == pytest.approx(8 * MB)  # at most that: the estimate
+    meter.note(PEER, 24 * MB, 0.01, upper_bound=True)  # refused at once: no bound
+    meter.note(PEER, 24 * MB, 1.0, upper_bound=True)  # "at most 24 MB/s" says nothing new
+    assert meter.bytes_per_s(PEER) == pytest.approx(8 * MB)
+    meter.note(PEER, 3 * MB, 3.0, upper_bound=True)  # one layer did not come in 3 s
+    assert meter.bytes_per_s(PEER) == pytest.approx(1 * MB)
+    meter.note(PEER, 20 * MB, 1.0)  # a read that completed: the smoothed mean again
+    assert meter.bytes_per_s(PEER) == pytest.approx(1 * MB + 0.3 * 19 * MB)
+
+
+def test_a_read_that_times_out_is_measured_as_an_upper_bound(monkeypatch) -> None:
+    """The transport's side: a peer whose read times out (a link too slow for the 3 s peer
+    timeout) leaves the rate it must be below, where a failure used to leave nothing."""
+    from pdserve.handoff import store as store_module
+    from pdserve.handoff.registry import make_transport
+
+    now = [0.0]
+    monkeypatch.setattr(store_module.time, "perf_counter", lambda: now[0])
+
+    class SlowPeer:
+        def get_many(self, keys):
+            now[0] += 3.0
+            raise TimeoutError("UCX transfer did not finish within 3.0 s")
+
+    decode = make_transport("store", None, lambda address: SlowPeer())
+    assert decode.receive([bytes(16)] * 8, PEER, 1 * MB) == []
+    assert decode.links.bytes_per_s(PEER) == pytest.approx(8 * MB / 3.0)
+    assert decode.peers.recently_failed(PEER)
+
+
 def _sample(seq: int, prefill: int, decode: int, seconds: float) -> StepSample:
     return StepSample(seq, prefill, prefill * prefill, decode, decode * 100, seconds)
 
