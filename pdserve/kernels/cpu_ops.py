@@ -160,7 +160,7 @@ def load(build_timeout_s: float = BUILD_TIMEOUT_S) -> ModuleType | None:
             name = library_name()
             directory = _build_directory(name)
             library = directory / f"{name}.so"
-            if not library.exists():
+            if not _is_complete(directory, library):
                 if _num_elsewhere[0]:
                     return None  # not settled: asked again once the other build is done
                 _build(name, directory, build_timeout_s)
@@ -179,9 +179,16 @@ def is_built() -> bool:
         return _outcome[0] is not None
     try:
         name = library_name()
-        return (_build_directory(name) / f"{name}.so").exists()
+        directory = _build_directory(name)
+        return _is_complete(directory, directory / f"{name}.so")
     except Exception:  # whatever keeps load() from finding it: not built
         return False
+
+
+def _is_complete(directory: Path, library: Path) -> bool:
+    """The library is there and no build holds torch's lock: the linker writes it in place,
+    so a library beside the lock may be half written."""
+    return library.exists() and not (directory / "lock").exists()
 
 
 def build_elsewhere() -> None:

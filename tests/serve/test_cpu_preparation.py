@@ -196,6 +196,9 @@ def test_stopping_a_worker_mid_build_ends_its_compiler_and_frees_the_build(fresh
     build.mkdir()
     (build / "lock").touch()  # what torch's builder leaves when killed
     assert not cpu_ops._is_builder_alive(build)
+    library = build / "library.so"
+    library.write_bytes(b"\x7fELF")  # a linker's first bytes: beside the lock, not built yet
+    assert not cpu_ops._is_complete(build, library)
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); "
          "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.readline()",
@@ -208,6 +211,8 @@ def test_stopping_a_worker_mid_build_ends_its_compiler_and_frees_the_build(fresh
         holder.kill()
         holder.wait(10)
     assert not cpu_ops._is_builder_alive(build)
+    (build / "lock").unlink()
+    assert cpu_ops._is_complete(build, library)
 
 
 def test_a_build_past_its_limit_ends_with_its_compilers(tmp_path) -> None:
