@@ -5,12 +5,12 @@ worker could serve the model with (pdserve/serve/executor/cpu_tuning.py: the wei
 layout, the fused decode loop, AMX) and caches the choice where every worker on this machine
 reads it back. Without it a worker serves at once anyway, on plain torch, while a child of it
 does the same in the background (pdserve/serve/executor/cpu_preparation.py); with it, the
-worker serves its cached choice from the first step. A choice is keyed by the cores and threads it was
-timed on, so it measures each shape a worker will have: this process's own (all the cores it
-may use: `LLM(...)`, a worker started by hand without pinning), and every one-rank worker's
+worker serves its cached choice from the first step. A choice is keyed by the cores and threads
+it was timed on, so it measures each shape a worker will have: this process's own (all the cores
+it may use: `LLM(...)`, a worker started by hand without pinning), and every one-rank worker's
 placement that `pdserve up` makes here by default (each timed in a child pinned as `up` pins
 that worker). It prints the table of each and the shapes it prepared. Run it when an image is
-built or a machine is set up; `pdserve up` and the workers then start without measuring.
+built or a machine is set up; `pdserve up` and the workers then start on the chosen path.
 """
 
 from __future__ import annotations
