@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                  "placement": sizing.add_placement_arguments,
                  "fleet-size": sizing.add_fleet_size_arguments}
     for name, run in runs.items():
-        sub = commands.add_parser(name, help=run.__doc__.split("\n")[0])
+        sub = commands.add_parser(name, help=run.__doc__.split("\n")[0].replace("%", "%%"))
         experiments.add_common_arguments(sub)
         arguments[name](sub)
         add_output_dir(sub, "sim_fleet")

@@ -201,6 +201,16 @@ def test_every_documented_command_and_flag_exists(doc: Path) -> None:
             if code != 0:
                 problems.append(f"`python -m {module} --help` exits {code}: {text[-500:]}")
                 continue
+            sub = words[1] if len(words) > 1 else ""
+            if re.fullmatch(r"[a-z][a-z0-9-]*", sub) and re.search(
+                    rf"{{[^}}]*\b{re.escape(sub)}\b[^}}]*}}", text):
+                # `python -m module SUBCOMMAND --flag`: the flags are the subcommand's
+                module = f"{module} {sub}"
+                code, text = help_text(*module.split())
+                if code != 0:
+                    problems.append(f"`python -m {module} --help` exits {code}: "
+                                    f"{text[-500:]}")
+                    continue
             problems += [f"`python -m {module}` has no {flag}: python -m {shown}"
                          for flag in missing_flags(flags, text)]
     assert problems == [], "\n".join(problems)
