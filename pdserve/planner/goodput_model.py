@@ -132,16 +132,18 @@ class PhaseModels:
 
 
 def simulate(workload: Sequence[RequestShape], rate: float, num_prefill: int, num_decode: int,
-             models: PhaseModels, config: SimulationConfig) -> list[tuple[float, float]]:
+             models: PhaseModels, config: SimulationConfig, backlog: int = 0
+             ) -> list[tuple[float, float]]:
     """(TTFT, TPOT) of each of the requests arriving at `rate` per second (_num_simulated:
-    config.num_requests, or more to reach the decode pool's steady state). Where the rate is
-    over what the decode pool completes at full batches (decode_capacity_rps), every TPOT
-    is infinite: its queue grows for as long as the load lasts, however few requests a run
-    simulates."""
+    config.num_requests, or more to reach the decode pool's steady state), after `backlog`
+    requests already waiting at time 0 (a queue the fleet holds now: a burst, not a rate).
+    Where the rate is over what the decode pool completes at full batches
+    (decode_capacity_rps), every TPOT is infinite: its queue grows for as long as the load
+    lasts, however few requests a run simulates."""
     rng = random.Random(config.seed)
     num = _num_simulated(workload, rate, models, config)
-    arrivals = _arrivals(rng, num, rate)
-    shapes = [workload[rng.randrange(len(workload))] for _ in range(num)]
+    arrivals = [0.0] * backlog + _arrivals(rng, num, rate)
+    shapes = [workload[rng.randrange(len(workload))] for _ in range(num + backlog)]
     prompt_done = _simulate_prefill(arrivals, shapes, num_prefill, models.prefill, config)
     first_token_at = [t + config.ttft_overhead_s for t in prompt_done]
     if rate > num_decode * decode_capacity_rps(workload, models.decode, config):

@@ -7,9 +7,9 @@ Every `interval_s` the controller
        requests that arrived in the last `window_s` (prompt length, max_tokens);
     2. fits the prefill and decode step-latency models (goodput_model.fit_nonnegative);
     3. predicts, for every split of the flippable workers (prefill + decode), the SLO
-       attainment of the arriving load (its rate, plus the workers' backlog spread over a
-       window; its mix: prompt lengths, the outputs that max_tokens leaves once
-       scaled by what finished requests produced, the cached share)
+       attainment of the arriving load (its rate and mix: prompt lengths, the outputs that
+       max_tokens leaves once scaled by what finished requests produced, the cached share)
+       after the backlog the workers hold (queued beyond what arrives within a TTFT SLO),
        and the split's capacity, the highest rate it serves at the attainment target
        (goodput_model.simulate, goodput_by_split);
     4. publishes the best split and the smallest fleet that meets the target on the load
@@ -87,15 +87,14 @@ class Estimate:
     num_workers: int
     simulation: SimulationConfig
     rate: float = 0.0
-    """The rate it plans for: requests arriving per second now (0: none arrived in the
-    window), plus the backlog at the workers (the requests queued there beyond what arrives
-    within a TTFT SLO) spread over a window: served on top of what arrives."""
+    """Requests arriving per second now (0: none arrived in the window)."""
     attainment: dict[int, float] = dataclasses.field(default_factory=dict)
     """Number of prefill workers -> predicted share of the current load meeting both SLOs."""
-    arrival_rate: float = 0.0
-    """Requests arriving per second now, without the backlog."""
     num_queued: int = 0
     """Requests waiting in the workers' queues at this tick."""
+    backlog: int = 0
+    """Of those, the ones beyond what arrives within a TTFT SLO: the attainment predicted
+    for each split is of them (waiting at the start) and the arrivals."""
     needed: tuple[int, int] | None = None
     """The smallest fleet (prefill, decode workers) predicted to meet the target on the
     current load, whatever this fleet's size (goodput_model.fleet_size): what an autoscaler
@@ -243,25 +242,26 @@ class GoodputController:
             return None
         sim, num_workers = self._simulation_config(models), num_prefill + num_decode
         # A backlog (a phase change leaves the pool that became too small with a queue) is
-        # work on top of what arrives: planned as if it arrived over the next window. Not
-        # the queue a steady load keeps (what arrives within a TTFT SLO): the arrival rate
-        # already holds that, and counting it again would move workers under a steady load.
+        # work on top of what arrives: simulated as requests waiting at the start, a burst
+        # (planned as a rate, it looked sustained; the fleet then lagged the model, the
+        # queue grew, and the planned rate with it). Not the queue a steady load keeps
+        # (what arrives within a TTFT SLO): the arrivals already hold that.
         num_queued = sum(getattr(w.status, "num_waiting", 0) for pool in pools for w in pool
                          if w.status is not None)
-        backlog = max(0.0, num_queued - load.rate * self.config.ttft_slo_s)
-        rate = load.rate + backlog / self.config.window_s if load.rate > 0 else 0.0
+        backlog = max(0, round(num_queued - load.rate * self.config.ttft_slo_s))
+        rate = load.rate
 
         def predict() -> tuple[dict[int, float], dict[int, float], tuple[int, int] | None]:
             capacity = goodput_by_split(load.shapes, num_workers, models, sim)
             attained = ({p: attainment(simulate(load.shapes, rate, p, num_workers - p,
-                                                models, sim), sim)
+                                                models, sim, backlog), sim)
                          for p in capacity} if rate > 0 else {})
             needed = fleet_size(load.shapes, rate, models, sim, self.config.max_pool_workers)
             return capacity, attained, needed
 
         capacity, attained, needed = await asyncio.to_thread(predict)
         return Estimate(models, capacity, num_prefill, num_workers, sim, rate, attained,
-                        load.rate, num_queued, needed)
+                        num_queued, backlog, needed)
 
     def _simulation_config(self, models: PhaseModels) -> SimulationConfig:
         """The SLOs, with what the workers report (their batch limits, the mean KV load time
@@ -297,9 +297,11 @@ class GoodputController:
         self._streak = (wanted, streak + 1 if wanted == previous else 1)
         state = "balanced" if wanted is None else f"wants {wanted} prefill"
         if state != self.state:  # what it decided and on what, once per change
-            logger.info("goodput controller: %s at %dP%dD; arriving %.2f req/s; attainment "
-                        "by prefill workers %s; capacity %s", state, estimate.current_prefill,
+            logger.info("goodput controller: %s at %dP%dD; arriving %.2f req/s, %d queued "
+                        "beyond that; attainment by prefill workers %s; capacity %s", state,
+                        estimate.current_prefill,
                         estimate.num_workers - estimate.current_prefill, estimate.rate,
+                        estimate.backlog,
                         {p: round(a, 2) for p, a in estimate.attainment.items()},
                         {p: round(g, 2) for p, g in estimate.goodput.items()})
         self.state = state
@@ -378,8 +380,8 @@ class GoodputController:
                 recommended={"prefill": best, "decode": estimate.num_workers - best},
                 goodput_by_num_prefill={str(p): round(g, 3)
                                         for p, g in estimate.goodput.items()},
-                arrival_rate=round(estimate.arrival_rate, 3),
-                num_queued=estimate.num_queued, planned_rate=round(estimate.rate, 3),
+                arrival_rate=round(estimate.rate, 3),
+                num_queued=estimate.num_queued, backlog=estimate.backlog,
                 needed=(None if estimate.needed is None else
                         {"prefill": estimate.needed[0], "decode": estimate.needed[1]}),
                 attainment_by_num_prefill={str(p): round(a, 3)

@@ -247,3 +247,16 @@ def test_no_fleet_meets_an_slo_a_lone_request_misses():
     workload = [RequestShape(1500, 0, 2)]  # its prefill alone takes 0.17 s
     assert fleet_size(workload, 1.0, models, SimulationConfig(0.1, 0.05)) is None
     assert fleet_size(workload, 0.0, models, SimulationConfig(0.5, 0.05)) is None
+
+
+def test_a_backlog_waits_at_the_start_and_delays_the_arrivals_behind_it():
+    workload = [RequestShape(1000, 0, 4)]
+    models, config = PhaseModels(PREFILL, DECODE), SimulationConfig(0.5, 0.05)
+    plain = simulate(workload, 2.0, 1, 1, models, config)
+    queued = simulate(workload, 2.0, 1, 1, models, config, backlog=20)
+    assert len(queued) == len(plain) + 20
+    # the queued requests wait their turn (one prefill worker: ~0.12 s a prompt) ...
+    assert queued[19][0] > 15 * PREFILL(1000, 1000 * 1000)
+    # ... and the arrivals behind them are later than without them, never sooner
+    assert all(q[0] >= p[0] for q, p in zip(queued[20:], plain, strict=True))
+    assert attainment(queued, config) < attainment(plain, config)
