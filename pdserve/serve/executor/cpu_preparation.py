@@ -143,7 +143,11 @@ class CpuPreparation:
                 self._process.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 _signal_group(self._process.pid, signal.SIGKILL)
-                self._process.wait()
+                try:  # a SIGKILLed child is reaped at once; never hang a stopping worker on it
+                    self._process.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    logger.warning("the CPU preparation child (pid %d) outlived SIGKILL",
+                                   self._process.pid)
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
