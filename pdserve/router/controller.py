@@ -16,11 +16,11 @@ Every `interval_s` the controller
        (goodput_model.fleet_size; an autoscaler reads it) in /status and /metrics, the
        fitted models also as a latency profile (docs/planner.md) that `pdserve plan` reads;
     5. in `flip` mode, moves as many workers as the prediction says, all at once
-       (choose_split): not while the current
-       split meets the target with `min_gain` headroom in capacity (a steady load causes no
-       move), and only to a split that predicts `min_attainment_gain` more attainment or
-       `min_gain` times the capacity (hysteresis: a balanced mix does not oscillate). Each
-       moved worker gets no new requests; a decode worker hands the ones it holds to the
+       (choose_split): not while the current split meets the target with `min_gain`
+       headroom in capacity (a steady load causes no move), and only to a split that
+       predicts `min_attainment_gain` more attainment or `min_gain` times the capacity
+       (hysteresis: a balanced mix does not oscillate). Each moved worker gets no new
+       requests; a decode worker hands the ones it holds to the
        other decode workers (`hand_over`), a prefill worker finishes them; it is told its
        new role and joins the other pool once it reports it (pdserve/router/moves.py).
 
@@ -155,8 +155,9 @@ class GoodputController:
         self.state = "warming up"
         self.num_flips = 0
         self.num_moves = 0
-        self.last_moves: list[Move] = []
         """Ticks that moved workers (each may move several)."""
+        self.last_moves: list[Move] = []
+        """The workers the last such tick moved (/status: what each move cost)."""
         self._streak: tuple[int | None, int] = (None, 0)  # (wanted split, ticks in a row)
         self._last_flip_s = -float("inf")
         self._task: asyncio.Task | None = None
