@@ -55,7 +55,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker import FollowPrefill, GenerateRequest, KVStaging, Output
 from pdserve.router.config import RouterConfig
 from pdserve.router.fleet_watch import FleetWatch
-from pdserve.router.moves import Move, move_worker
+from pdserve.router.moves import Move, move_worker, wait_until
 from pdserve.router.phases import Migration, RequestPhases, WorkerLeg
 from pdserve.router.placement import LocalPrefill
 from pdserve.router.policies import (
@@ -75,7 +75,6 @@ logger = logging.getLogger(__name__)
 
 HANDOFF = "handoff"
 MAX_TRACKED_REQUESTS = 100_000  # prompt keys kept for requests admitted and not ended
-POLL_S = 0.05  # how often a wait looks again (a pool's first ready worker)
 
 class RequestFailed(RuntimeError):
     """A worker reported an error, died, or went silent past its timeout."""
@@ -408,12 +407,7 @@ class Dispatcher:
                                     "wait for one already (--max-pool-waiters)")
         self.num_pool_waiters += 1
         try:
-            deadline = time.monotonic() + self.config.pool_wait_s
-            while not all_ready():
-                if time.monotonic() >= deadline:
-                    return False
-                await asyncio.sleep(POLL_S)
-            return True
+            return await wait_until(all_ready, self.config.pool_wait_s)
         finally:
             self.num_pool_waiters -= 1
 
