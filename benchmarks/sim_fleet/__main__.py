@@ -43,7 +43,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.sim_fleet import experiments, phases, sizing
+from benchmarks.sim_fleet import experiments, fidelity, phases, sizing
 from benchmarks.sim_fleet.load import add_client_arguments, run_client
 from pdserve.benchmarks.output import add_output_dir
 
@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sim_fleet",
                                      description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    runs = {**experiments.EXPERIMENTS, "phases": phases.phases,
+    runs = {**experiments.EXPERIMENTS, "fidelity": fidelity.fidelity, "phases": phases.phases,
             "placement": sizing.placement, "fleet-size": sizing.fleet_size}
-    arguments = {**experiments.ARGUMENTS, "phases": phases.add_phases_arguments,
+    arguments = {**experiments.ARGUMENTS, "fidelity": fidelity.add_fidelity_arguments,
+                 "phases": phases.add_phases_arguments,
                  "placement": sizing.add_placement_arguments,
                  "fleet-size": sizing.add_fleet_size_arguments}
     for name, run in runs.items():
