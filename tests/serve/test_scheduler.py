@@ -187,6 +187,29 @@ def test_add_running_request_decodes_from_given_blocks() -> None:
     s.block_manager.check_integrity()
 
 
+def test_prefilled_requests_past_max_num_seqs_wait_for_a_seat_with_their_kv() -> None:
+    """A hand-off arriving at a full batch keeps its blocks (its KV is written there) but
+    does not decode until a seat frees; it seats ahead of the waiting queue, and an abort
+    while it waits frees its blocks."""
+    s = make_scheduler(num_blocks=16, max_num_seqs=2)
+    for name in "abcde":
+        request = make_request(name, 6, max_tokens=2)
+        request.append_output_token(42)
+        request.num_computed_tokens = 6
+        s.add_running_request(request, None)
+    s.add_request(make_request("w", 3, max_tokens=2))
+    assert [r.request_id for r in s.parked] == ["c", "d", "e"]
+    assert s.requests["c"].status is RequestStatus.WAITING
+    assert s.block_manager.num_free_blocks == 16 - 5 * 2  # every hand-off holds its KV
+    s.finish_request("e", RequestStatus.FINISHED_ABORTED)
+    assert s.block_manager.num_free_blocks == 16 - 4 * 2
+    assert run_step(s) == [("a", 1, 6, True), ("b", 1, 6, True)]  # both reach max_tokens
+    assert run_step(s) == [("c", 1, 6, True), ("d", 1, 6, True)]  # before "w", queued
+    assert run_step(s) == [("w", 3, 0, True)]
+    assert not s.parked
+    s.block_manager.check_integrity()
+
+
 def test_one_prefill_per_step_serves_prompts_in_arrival_order() -> None:
     """max_prefills_per_step=1: each step prefills one prompt (the oldest first, a chunked
     one until it is done), while every decode keeps its token each step."""

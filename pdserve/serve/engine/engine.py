@@ -525,7 +525,8 @@ class Engine:
     def stats(self) -> EngineStats:
         scheduler, bm = self.scheduler, self.block_manager
         return EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + len(scheduler.parked),
             num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_cached_blocks=bm.num_cached_blocks, num_preemptions=scheduler.num_preemptions,
             num_prefix_queried_tokens=scheduler.num_prefix_queried_tokens,

@@ -13,6 +13,11 @@ When a running request needs a block and none is left, the most recently admitte
 request is preempted by recompute: its blocks are freed (its full blocks stay in the prefix
 cache, so the recompute is often a cache hit) and it goes back to the front of the waiting
 queue. Preempting most-recent-first and pushing to the front keeps arrival order.
+
+A request whose KV arrives from elsewhere (a decode worker's hand-off, a prefix loaded from
+the store) holds its blocks from its arrival, but its seat is bounded by max_num_seqs as any
+other's: past the limit it is parked, its KV kept, and takes the first seat that frees, ahead
+of the waiting queue (vLLM's decode side likewise queues remote-KV requests behind the seats).
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.parked: deque[Request] = deque()
+        """Requests with their KV in their blocks (add_running_request) waiting for a seat."""
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         # Prefix-cache counters in tokens (vLLM's prefix_cache_queries / _hits), per admission.
@@ -119,7 +126,8 @@ class Scheduler:
 
     def add_running_request(self, request: Request, block_ids: list[int] | None) -> list[int]:
         """Admit a request whose first request.num_computed_tokens tokens already have KV
-        (decode role): it gets block_ids (or fresh blocks) and starts decoding next step."""
+        (decode role): it gets block_ids (or fresh blocks) and runs from the next step, or,
+        with every seat taken (max_num_seqs), from the step after a seat frees."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_admissible(request)
@@ -136,14 +144,29 @@ class Scheduler:
             raise ValueError(f"{len(block_ids)} block ids for {num_tokens} tokens")
         else:
             bm.claim(request, block_ids)
-        request.status = RequestStatus.RUNNING
         request.num_cached_tokens = num_tokens
         self.requests[request.request_id] = request
-        self.running.append(request)
+        request.status = RequestStatus.WAITING
+        self.parked.append(request)
+        self._seat_parked()
         return list(bm.block_table(request.request_id))
+
+    @property
+    def num_seats(self) -> int:
+        """Seats taken (max_num_seqs bounds them): a request of n sequences takes n."""
+        return sum(r.num_seqs for r in self.running)
+
+    def _seat_parked(self) -> None:
+        num_seats = self.num_seats
+        while self.parked and num_seats + self.parked[0].num_seqs <= self.config.max_num_seqs:
+            request = self.parked.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_seats += request.num_seqs
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._seat_parked()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
@@ -181,8 +204,9 @@ class Scheduler:
                 self.block_manager.append_slots(request, num_new)
                 scheduled[request.request_id] = num_new
                 budget -= num_new
-        # vLLM's rule: a step that had to preempt admits nobody new (memory is short).
-        if not preempted:
+        # vLLM's rule: a step that had to preempt admits nobody new (memory is short); nor
+        # does one with parked requests, whose KV is here already and who came first.
+        if not preempted and not self.parked:
             budget = self._admit_waiting(budget, scheduled, num_prefills)
         return self._build_output(scheduled, preempted)
 
@@ -191,7 +215,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], num_prefills: int) -> int:
         bm = self.block_manager
-        num_seats = sum(r.num_seqs for r in self.running)
+        num_seats = self.num_seats
         while self.waiting and budget > 0 and not self._prefills_full(num_prefills) and \
                 num_seats + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             request = self.waiting[0]
@@ -301,6 +325,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.parked:
+            self.parked.remove(request)
         self.block_manager.free(request)
         request.status = status
         return request
