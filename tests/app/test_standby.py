@@ -75,21 +75,36 @@ def test_a_standby_whose_input_ends_exits_without_serving(tmp_path):
     assert standby.returncode == 0 and is_free(port)
 
 
-# A standby whose preload tells the test (on stderr) once it is done: then it waits on stdin.
+# A standby that tells the test (on stderr) once its imports are done and their thread has
+# ended: it then waits on stdin, its main thread alone. (Told from inside the nice-19 imports'
+# thread, the test raced that thread's last steps: on a busy host it held the interpreter
+# lock while starved, and the main thread could not run the stop's handler for 60 s.)
 PRELOADED = """
 import sys
+from pdserve.app import standby
+real_preload_quietly = standby.preload_quietly
+def preload_quietly(argv):
+    error = real_preload_quietly(argv)
+    print("preloaded", file=sys.stderr, flush=True)
+    return error
+standby.preload_quietly = preload_quietly
+sys.exit(standby.main())
+"""
+
+
+# One whose imports never end once they said so: a thread at nice 19 on a busy host, which
+# sleeps (the lock released), as a thread waiting on the disk does.
+STARVED = """
+import sys, time
 from pdserve.app import standby
 real_preload = standby.preload
 def preload(argv):
     real_preload(argv)
     print("preloaded", file=sys.stderr, flush=True)
+    time.sleep(3600)
 standby.preload = preload
 sys.exit(standby.main())
 """
-
-
-# One whose imports never end once they said so: a thread at nice 19 on a busy host.
-STARVED = PRELOADED.replace('flush=True)', 'flush=True)\n    import time; time.sleep(3600)')
 
 
 @pytest.mark.parametrize("program", [PRELOADED, STARVED], ids=["waiting", "importing"])
