@@ -12,7 +12,10 @@ distinct ones); the data nodes then report what they stored, as they always do, 
 never names a block a write did not deliver. Each node is reached with a StoreClient of its
 own (UCX where both sides have it, else ZeroMQ frames). A node that fails a request (dead,
 unreachable, timed out) is not asked again for `node_hold_s`: its writes count as not stored
-and its blocks as missing, and the request recomputes (the KV cache is a cache). Reads try
+and its blocks as missing, and the request recomputes (the KV cache is a cache). A master
+that does not answer is not asked again for `master_hold_s`: meanwhile every verb fails at once
+with StoreUnavailable (a miss), instead of each waiting out the timeout again on a worker's
+engine loop, which would stall its requests and its heartbeats for the whole outage. Reads try
 the client's home node first when it holds a block (the data node the worker was pointed
 at: the nearest one), then the others, fastest tier first.
 
@@ -66,6 +69,8 @@ logger = logging.getLogger(__name__)
 NODE_HOLD_S = 10.0
 """A node that failed a request is not asked again for this long (the master drops a dead
 node after its node_ttl_s, 10 s by default)."""
+MASTER_HOLD_S = 5.0
+"""A master that did not answer is not asked again for this long (a restart takes seconds)."""
 MAX_PARALLEL_NODES = 8
 """Data nodes written to or read from at once by one batch."""
 
@@ -85,7 +90,8 @@ class FleetClient:
     def __init__(self, master_address: str, transport: str = "ucx",
                  ucx_tls: str = "sm,cma,tcp,self", timeout_s: float = 10.0,
                  holder: str | None = None, home_address: str | None = None,
-                 max_keys_per_request: int = 1024, node_hold_s: float = NODE_HOLD_S):
+                 max_keys_per_request: int = 1024, node_hold_s: float = NODE_HOLD_S,
+                 master_hold_s: float = MASTER_HOLD_S):
         self._ctx = zmq.Context()
         self._master = ControlChannel(self._ctx, master_address, timeout_s)
         self.master_address = master_address
@@ -98,10 +104,29 @@ class FleetClient:
         self.home_address = home_address
         self.max_keys_per_request = max_keys_per_request
         self.node_hold_s = node_hold_s
+        self.master_hold_s = master_hold_s
+        self._master_failed_s: float | None = None
         self._nodes: dict[str, StoreClient] = {}  # data-server address -> its client
         self._failed_s: dict[str, float] = {}  # address -> when it last failed
-        self._lock = threading.Lock()  # the two maps above
+        self._lock = threading.Lock()  # the two maps above and _master_failed_s
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_NODES, thread_name_prefix="fleet-client")
+
+    # ---- the master -------------------------------------------------------------------------
+    def _ask_master(self, request_type: type, reply_type: type[T], **fields: Any) -> T:
+        """The master's reply; StoreUnavailable at once while it is held off."""
+        with self._lock:
+            failed_s = self._master_failed_s
+        if failed_s is not None and time.monotonic() - failed_s < self.master_hold_s:
+            raise StoreUnavailable(f"master {self.master_address} did not answer "
+                                   f"{time.monotonic() - failed_s:.1f} s ago: not asked again "
+                                   f"for {self.master_hold_s:.0f} s")
+        try:
+            return self._master.request(request_type, reply_type, **fields)
+        except StoreUnavailable as e:
+            with self._lock:
+                self._master_failed_s = time.monotonic()
+            logger.warning("fleet store: %s; not asked again for %.0f s", e, self.master_hold_s)
+            raise
 
     # ---- nodes ------------------------------------------------------------------------------
     def _node(self, address: str) -> StoreClient:
@@ -167,7 +192,7 @@ class FleetClient:
         ordered: list[list[str]] = []
         for start in self._chunks(len(keys)):
             chunk = list(keys[start:start + self.max_keys_per_request])
-            reply = self._master.request(LocateRequest, LocateReply, keys=chunk)
+            reply = self._ask_master(LocateRequest, LocateReply, keys=chunk)
             if len(reply.holders) != len(chunk):
                 raise ValueError("locate: one holder list per key expected")
             for holders in reply.holders:
@@ -187,7 +212,7 @@ class FleetClient:
         first: dict[bytes, int] = {}
         for start in self._chunks(len(keys)):
             chunk = list(keys[start:start + self.max_keys_per_request])
-            reply = self._master.request(PlaceRequest, PlaceReply, keys=chunk)
+            reply = self._ask_master(PlaceRequest, PlaceReply, keys=chunk)
             if len(reply.targets) != len(chunk):
                 raise ValueError("place: one target list per key expected")
             groups: dict[str, list[int]] = {}
@@ -239,7 +264,7 @@ class FleetClient:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
         """Leading blocks some live node holds, and where (the master's index)."""
-        reply = self._master.request(LookupPrefixRequest, LookupPrefixReply, keys=list(keys))
+        reply = self._ask_master(LookupPrefixRequest, LookupPrefixReply, keys=list(keys))
         if reply.num_blocks > len(keys):
             raise ValueError("lookup_prefix: more blocks found than asked for")
         holders = [[(h.node_id, h.tier) for h in hs] for hs in reply.holders]
@@ -289,14 +314,14 @@ class FleetClient:
                 node_leases.append(NodeLease(node_ids[address], lease_id))
             else:  # nothing pinned there (or the node left): give the empty lease back
                 self._release_on(address, lease_id)
-        reply = self._master.request(LeaseGroupRequest, LeaseGroupReply,
+        reply = self._ask_master(LeaseGroupRequest, LeaseGroupReply,
                                      node_leases=node_leases, ttl_s=float(ttl_s))
         return reply.lease_id, pinned
 
     def release(self, lease_id: int) -> bool:
         """End a fleet lease: every node lease in it is released (those of nodes gone died
         with them); False if the master no longer knew it (expired or released)."""
-        reply = self._master.request(TakeLeaseGroupRequest, TakeLeaseGroupReply,
+        reply = self._ask_master(TakeLeaseGroupRequest, TakeLeaseGroupReply,
                                      lease_id=lease_id)
         for lease in reply.node_leases:
             address = reply.addresses.get(lease.node_id)
@@ -314,20 +339,20 @@ class FleetClient:
     # ---- introspection ----------------------------------------------------------------------
     def nodes(self) -> dict[str, str]:
         """node_id -> data-server address of every live node."""
-        return dict(self._master.request(NodesRequest, NodesReply).nodes)
+        return dict(self._ask_master(NodesRequest, NodesReply).nodes)
 
     def usage(self) -> dict[str, NodeUsage]:
         """node_id -> capacity, blocks and bytes as each node last reported them."""
-        return dict(self._master.request(NodesRequest, NodesReply).usage)
+        return dict(self._ask_master(NodesRequest, NodesReply).usage)
 
     def stats(self) -> dict[str, int]:
         """The master's counters: fleet totals and per node (`num_bytes.<node_id>`, ...)."""
-        return dict(self._master.request(StatsRequest, StatsReply).stats)
+        return dict(self._ask_master(StatsRequest, StatsReply).stats)
 
     def check_integrity(self) -> None:
         """AssertionError naming the first server (master, then each live node) whose
         invariants do not hold."""
-        reply = self._master.request(CheckRequest, CheckReply)
+        reply = self._ask_master(CheckRequest, CheckReply)
         if reply.problem is not None:
             raise AssertionError(f"{self.master_address}: {reply.problem}")
         for address in sorted(self.nodes().values()):

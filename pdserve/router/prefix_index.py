@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -56,22 +57,29 @@ def request_block_keys(prompt_token_ids: Sequence[int], status_layout: dict, mod
 
 
 class StoreLookup:
-    """Asks the store master how many leading blocks it holds; 0 when it cannot answer."""
+    """Asks the store master how many leading blocks it holds; 0 when it cannot answer, and
+    0 at once for `hold_s` after it did not answer (requests would otherwise queue behind
+    each other's timeouts on the one channel for the whole outage)."""
 
-    def __init__(self, master_address: str, timeout_s: float = 0.5) -> None:
+    def __init__(self, master_address: str, timeout_s: float = 0.5,
+                 hold_s: float = 5.0) -> None:
         from pdserve.kvstore.client import StoreClient
 
         self._client = StoreClient(None, master_address, transport="zmq", timeout_s=timeout_s)
         self._timeout_s = timeout_s
+        self._hold_s = hold_s
+        self._held_until_s = 0.0
 
     async def num_cached_blocks(self, keys: Sequence[bytes]) -> int:
-        if not keys:
+        if not keys or time.monotonic() < self._held_until_s:
             return 0
         try:
             lookup = await asyncio.wait_for(
                 asyncio.to_thread(self._client.lookup_prefix, list(keys)), self._timeout_s * 2)
             return lookup.num_blocks
         except Exception as exc:  # a cache lookup never fails a request
+            if isinstance(exc, TimeoutError):  # StoreUnavailable is one too
+                self._held_until_s = time.monotonic() + self._hold_s
             logger.debug("store lookup failed: %s", exc)
             return 0
 

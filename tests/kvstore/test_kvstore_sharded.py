@@ -26,6 +26,7 @@ from helpers.worker_util import (
     stop_workers,
 )
 
+from pdserve.kvstore.channel import StoreUnavailable
 from pdserve.kvstore.client import StoreClient
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.fleet_client import FleetClient, connect_store
@@ -316,6 +317,38 @@ def fleet(make_server, tmp_path):
     yield start
     if "nodes" in holder:
         holder["nodes"].stop()
+
+
+def test_a_master_that_does_not_answer_is_held_off_then_asked_again():
+    """A master that timed out is not asked again for master_hold_s: each verb that needs it
+    meanwhile fails at once (a miss), so a worker's loop waits out one timeout per hold, not
+    one per request; once the hold ends it is asked again."""
+    port = free_port_block(1)  # nothing listens there: every request times out
+    client = FleetClient(f"tcp://127.0.0.1:{port}", transport="zmq", timeout_s=0.2,
+                         master_hold_s=3600)
+    asked = []
+    real_request = client._master.request
+
+    def counting(*args, **kwargs):
+        asked.append(args[0].__name__)
+        return real_request(*args, **kwargs)
+
+    client._master.request = counting
+    try:
+        keys = [b"k" * 32]
+        with pytest.raises(StoreUnavailable):
+            client.lookup_prefix(keys)
+        for verb in (lambda: client.lookup_prefix(keys), lambda: client.get_many(keys),
+                     lambda: client.put_many(keys, [b"x"]), lambda: client.release(1)):
+            with pytest.raises(StoreUnavailable, match="not asked again"):
+                verb()
+        assert asked == ["LookupPrefixRequest"]
+        client.master_hold_s = 0.0  # the hold is over
+        with pytest.raises(StoreUnavailable):
+            client.nodes()
+        assert asked == ["LookupPrefixRequest", "NodesRequest"]
+    finally:
+        client.close()
 
 
 def test_with_two_replicas_a_read_survives_killing_a_holder(fleet):
