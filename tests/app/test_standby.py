@@ -5,6 +5,7 @@ it exits without serving; the supervisor keeps one per ready child and restarts 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -71,8 +72,20 @@ def test_a_standby_serves_only_once_told_and_is_then_the_role(tmp_path):
 def test_a_standby_whose_input_ends_exits_without_serving(tmp_path):
     port = free_port_block(1)
     standby = spawn(store_argv(port), dict(os.environ), standby=True)
-    stop_standby(standby, timeout_s=60)
-    assert standby.returncode == 0 and is_free(port)
+    standby.stdin.close()
+    assert standby.wait(60) == 0 and is_free(port)
+
+
+def test_a_standby_stopped_by_its_supervisor_ends_without_serving():
+    """At once after its start (SIGTERM before its interpreter set a handler: the default
+    action) or once it waits (its handler: exit 0)."""
+    for settle in (False, True):
+        port = free_port_block(1)
+        standby = spawn(store_argv(port), dict(os.environ), standby=True)
+        if settle:
+            assert not wait_until(lambda s=standby: s.poll() is not None, 2.0)
+        stop_standby(standby, timeout_s=60)
+        assert standby.returncode in (0, -signal.SIGTERM) and is_free(port)
 
 
 # A standby that tells the test (on stderr) once its imports are done and their thread has

@@ -90,7 +90,7 @@ class Child:
         self.standby = spawn(self.argv, self.environment(), self.cpus, standby=True)
 
     def drop_standby(self) -> None:
-        """End the standby, if any: the end of its input makes it exit."""
+        """End the standby, if any."""
         standby, self.standby = self.standby, None
         if standby is not None:
             stop_standby(standby)
@@ -160,12 +160,17 @@ def start_from(standby: subprocess.Popen | None, argv: list[str], env: dict[str,
 
 
 def stop_standby(standby: subprocess.Popen, timeout_s: float = 5.0) -> None:
-    """Close a standby's input (it exits), and kill it if it has not within timeout_s."""
+    """End a standby: its input closed and a SIGTERM, on which it exits 0 at once though its
+    imports still run (the end of its input alone waits for them: at nice 19 on a busy host,
+    seconds), or by the default action where its interpreter has not set its handler yet;
+    killed if it has not within timeout_s."""
     if standby.stdin is not None:
         try:
             standby.stdin.close()
         except OSError:
             pass
+    if standby.poll() is None:
+        standby.terminate()
     try:
         standby.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -268,17 +273,18 @@ class Cluster:
     children: list[Child] = field(default_factory=list)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM the children in reverse start order, each group waited for in turn; a
-        child still running grace_s later is killed with its whole process group (its TP
-        ranks too)."""
+        """End the standbys (together), then SIGTERM the children in reverse start order, each
+        group waited for in turn; a child still running grace_s later is killed with its whole
+        process group (its TP ranks too)."""
         standbys = [c.standby for c in self.children if c.standby is not None]
         for child in self.children:
             child.standby = None
-        for standby in standbys:  # all told at once: each exits once its imports are done
-            if standby.stdin is not None:
-                standby.stdin.close()
+        for standby in standbys:  # all told at once, then waited for together
+            if standby.poll() is None:
+                standby.terminate()
+        deadline = time.monotonic() + grace_s
         for standby in standbys:
-            stop_standby(standby)
+            stop_standby(standby, max(deadline - time.monotonic(), 0.1))
         groups = [[c for c in self.children if c.role == "router"],
                   [c for c in self.children if c.role not in ("router", "store")],
                   [c for c in self.children if c.role == "store"]]
