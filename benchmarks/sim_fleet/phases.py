@@ -54,6 +54,9 @@ def add_phases_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-num-seqs", type=int, default=16, help="each decode worker's batch limit")
     add("--interval-s", type=float, default=2.0, help="the controller's interval (wall)")
     add("--window-s", type=float, default=6.0, help="the controller's load window (wall)")
+    add("--cooldown-s", type=float, default=2.0,
+        help="the controller's cooldown after a move (wall; a move with hand-over takes about "
+             "half a second, so one interval)")
     add("--splits", type=int, nargs="*", default=None,
         help="fixed splits to run (prefill workers); default: each phase's best and their "
              "midpoint")
@@ -105,6 +108,7 @@ def _run(args: argparse.Namespace, name: str, phases: dict[str, Any], num_prefil
               "--slo-ttft-ms", str(ttft_s * 1000), "--slo-tpot-ms", str(tpot_s * 1000),
               "--controller-interval-s", str(args.interval_s),
               "--controller-window-s", str(args.window_s),
+              "--controller-cooldown-s", str(args.cooldown_s),
               "--controller-hand-over" if args.hand_over else "--no-controller-hand-over"]
     out = ex.output_dir(args, "sim_fleet")
     if args.model:

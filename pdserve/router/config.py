@@ -34,7 +34,8 @@ class ControllerConfig:
     patience: int = 1
     """Move only when the same split is wanted this many ticks in a row."""
     cooldown_s: float = 10.0
-    """No move within this long after the last one (the moved workers drain meanwhile)."""
+    """No move within this long after the last one ends: its effect shows in the queues and
+    the samples first (and without hand-over, the moved workers drain meanwhile)."""
     drain_timeout_s: float = 60.0
     """A worker that does not drain within this keeps its role and rejoins its pool."""
     hand_over: bool = True
@@ -59,6 +60,8 @@ class ControllerConfig:
                 raise ValueError(f"{name} must be positive")
         if not 0 < self.attainment <= 1:
             raise ValueError("attainment must be in (0, 1]")
+        if self.cooldown_s < 0:
+            raise ValueError("cooldown_s must be >= 0")
         if self.min_gain < 1 or self.patience < 1 or not 0 <= self.min_attainment_gain <= 1:
             raise ValueError("min_gain must be >= 1, patience >= 1 and min_attainment_gain "
                              "in [0, 1]")

@@ -173,6 +173,9 @@ def add_controller_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--controller-window-s", type=float, default=c.window_s,
                        help="the load the controller plans for is what arrived in the last "
                             "this many seconds (its rate, prompt and output lengths)")
+    group.add_argument("--controller-cooldown-s", type=float, default=c.cooldown_s,
+                       help="no move within this many seconds of the last one (its effect "
+                            "shows in the queues first)")
     group.add_argument("--controller-hand-over", action=argparse.BooleanOptionalAction,
                        default=c.hand_over,
                        help="a decode worker moved to prefill hands its running requests to "
@@ -190,6 +193,7 @@ def controller_argv(args: argparse.Namespace) -> list[str]:
             "--controller-interval-s", str(args.controller_interval_s),
             "--controller-min-gain", str(args.controller_min_gain),
             "--controller-window-s", str(args.controller_window_s),
+            "--controller-cooldown-s", str(args.controller_cooldown_s),
             "--controller-hand-over" if args.controller_hand_over
             else "--no-controller-hand-over",
             *(["--controller-profile", args.controller_profile]
@@ -216,7 +220,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             mode=args.controller, ttft_slo_s=args.slo_ttft_ms / 1000,
             tpot_slo_s=args.slo_tpot_ms / 1000, interval_s=args.controller_interval_s,
             min_gain=args.controller_min_gain, window_s=args.controller_window_s,
-            hand_over=args.controller_hand_over, profile=args.controller_profile),
+            cooldown_s=args.controller_cooldown_s, hand_over=args.controller_hand_over,
+            profile=args.controller_profile),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
