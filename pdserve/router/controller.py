@@ -102,15 +102,19 @@ class Estimate:
 
     @property
     def best_prefill(self) -> int:
-        """The split that meets the target on the current load with the most capacity (where
-        none meets it, the one nearest it); ties go to the one nearest the current split."""
+        """The split that meets the target on the current load with the most capacity; where
+        none meets it (an overload, or a backlog no split clears within the SLOs), the one
+        with the most capacity too: it works the queue off soonest, while the attainments
+        the splits predict are all small and differ by noise (picking the highest of them
+        moved 7P1D to 6P2D and back within one prefill-heavy phase). Ties go to the one
+        nearest the current split."""
         target = self.simulation.attainment
+        meets = [p for p in self.goodput if self.attainment.get(p, target) >= target]
 
-        def key(p: int) -> tuple[float, float, int]:
-            return (min(self.attainment.get(p, target), target), self.goodput[p],
-                    -abs(p - self.current_prefill))
+        def key(p: int) -> tuple[float, int]:
+            return self.goodput[p], -abs(p - self.current_prefill)
 
-        return max(self.goodput, key=key)
+        return max(meets or self.goodput, key=key)
 
 
 def choose_split(estimate: Estimate, min_gain: float, min_attainment_gain: float) -> int | None:

@@ -121,6 +121,13 @@ def test_a_split_that_meets_the_target_with_headroom_stays():
     # none meets it and the best is barely better: no move (no oscillation)
     assert choose_split(estimate({1: 3.0, 2: 3.1, 3: 3.0}, {1: 0.5, 2: 0.52, 3: 0.4}, 4.0, 1),
                         1.2, 0.05) is None
+    # an overload (a backlog): none comes near the target; the most capacity works it off
+    # soonest, whatever the small attainments say
+    overload = {1: 0.0, 2: 0.0, 3: 0.06}
+    assert estimate({1: 3.0, 2: 4.5, 3: 4.0}, overload, 6.0, 2).best_prefill == 2
+    assert choose_split(estimate({1: 3.0, 2: 4.5, 3: 4.0}, overload, 6.0, 2), 1.2, 0.05) is None
+    assert choose_split(estimate({1: 3.0, 2: 4.5, 3: 4.0}, overload, 6.0, 3), 1.2, 0.05) is None
+    assert choose_split(estimate({1: 3.0, 2: 4.5, 3: 4.0}, overload, 6.0, 1), 1.2, 0.05) == 2
     # nothing arrives: no move
     assert choose_split(estimate({1: 3.0, 2: 9.0, 3: 9.0}, {}, 0.0, 1), 1.2, 0.05) is None
     # ties keep the current split
