@@ -237,7 +237,9 @@ if [ "$REHEARSE" = 1 ]; then
     WHEELS_DIR="$REHEARSE_DIR/whl"
 fi
 export PYTHONPATH="$SITE:$REPO"  # the carried wheels, then the checkout
-PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
+# one process: the device image has no pytest-xdist (pyproject's addopts ask for it), and the
+# GPU stages share one device
+PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider -o addopts=)
 
 echo "stage limits: $total s of the command's $COMMAND_LIMIT_S s" | tee -a "$LOG"
 if [ "$total" -gt $((COMMAND_LIMIT_S - SPARE_S)) ]; then
@@ -288,9 +290,9 @@ if [ "$REHEARSE" = 1 ]; then
     wanted collect && stage collect "${PYTEST[@]}" --collect-only "${KERNEL_TESTS[@]}" \
         "${GPU_TEST_FILES[@]}"
     # the Triton kernels in the interpreter (fp32/fp16 only: bf16 is wrong there), a subset
-    wanted tests && stage tests env TRITON_INTERPRET=1 "$PY" -m pytest -q -rs \
-        -p no:cacheprovider tests/kernels/test_kernels_triton.py \
-        tests/serve/test_sampler_device.py tests/serve/test_decode_host_reads.py \
+    wanted tests && stage tests env TRITON_INTERPRET=1 "${PYTEST[@]}" \
+        tests/kernels/test_kernels_triton.py tests/serve/test_sampler_device.py \
+        tests/serve/test_decode_host_reads.py \
         -k "decode_matches_reference and 4-16-8-2 or negative_slot or sampler or host"
     wanted gpu-tests && stage gpu-tests "${PYTEST[@]}" -m gpu "${GPU_TEST_FILES[@]}"
     wanted kernels && stage kernels "$PY" -m benchmarks.kernels.bench_attention --help

@@ -22,10 +22,17 @@ from pdserve.kvstore.client import StoreClient
 
 def free_port_block(count: int) -> int:
     """A base port with `count` consecutive free ports after it, below the kernel's ephemeral
-    range, so a port some process picks with bind(0) meanwhile cannot land inside it."""
+    range, so a port some process picks with bind(0) meanwhile cannot land inside it. Under
+    pytest-xdist each worker picks from a range of its own (PYTEST_XDIST_WORKER gw0, gw1, ...),
+    so two tests running at once never pick the same block between its check and its use."""
     rng = random.Random()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    span = 12000 // max(num_workers, 1)
+    low = 20000 + span * (index % max(num_workers, 1))
     for _ in range(200):
-        base = rng.randrange(20000, 32000 - count)
+        base = rng.randrange(low, low + span - count)
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + count):
