@@ -64,14 +64,16 @@ def test_sim_fleet_serves_the_api(sim_fleet, llama_dir):
     assert all(w["worker_id"] in metrics for w in workers)
     expected = _expected(llama_dir, profile, SamplingParams(temperature=0, max_tokens=12))
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        # the served name is the checkpoint directory's, whatever tmp_path numbered it
+        (model,) = [m["id"] for m in client.get("/v1/models").json()["data"]]
         for prompt, text in zip(PROMPTS, expected, strict=True):
-            body = {"model": "llama-model0", "prompt": prompt, "max_tokens": 12,
+            body = {"model": model, "prompt": prompt, "max_tokens": 12,
                     "temperature": 0}
             answer = client.post("/v1/completions", json=body)
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == text
         # streamed, and n = 2 sampled: both finish with their max_tokens
-        body = {"model": "llama-model0", "prompt": PROMPTS[1], "max_tokens": 8, "n": 2,
+        body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "n": 2,
                 "temperature": 1.0, "seed": 7, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
