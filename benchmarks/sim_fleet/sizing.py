@@ -24,7 +24,11 @@ JSON and a plot go to --output-dir, with `lscpu`'s model name.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import threading
+import time
+from collections import Counter
 from typing import Any
 
 from benchmarks.sim_fleet import experiments as ex
@@ -170,13 +174,14 @@ def _needed(args: argparse.Namespace, rate: float) -> tuple[dict[str, int] | Non
                             "--controller", "recommend", "--controller-interval-s", "2",
                             "--controller-window-s", str(min(20.0, args.duration_s / 2)))
     fleet = ex._start(args, f"fleet-size-watch-{rate:g}", *flags)
-    readings: list[dict[str, int] | None] = []
+    readings: list[tuple[float, dict[str, Any]]] = []  # (seconds into the load, controller)
     stop = threading.Event()
+    start_s = time.monotonic()
 
     def watch() -> None:
         while not stop.wait(2.0):
             try:
-                readings.append(fleet.status()["controller"].get("needed"))
+                readings.append((time.monotonic() - start_s, fleet.status()["controller"]))
             except Exception:  # a slow answer under load: the next one's
                 continue
 
@@ -185,14 +190,21 @@ def _needed(args: argparse.Namespace, rate: float) -> tuple[dict[str, int] | Non
         watcher.start()
         _load(args, fleet, rate, seed=args.seed * 1000 + int(rate))
         stop.set()
-        controller = fleet.status()["controller"]
     finally:
         fleet.stop()
-    needed = controller.get("needed")
+    # What it said while the load arrived, in the load's second half (its window full): read
+    # after the load, the window holds the drain, no arrivals, and a fleet sized for none.
+    late = [c for t, c in readings if args.duration_s / 2 <= t <= args.duration_s]
+    said = Counter(json.dumps(c.get("needed"), sort_keys=True) for c in late)
+    needed = json.loads(said.most_common(1)[0][0]) if said else None
+    rates = [c.get("arrival_rate") or 0.0 for c in late]
+    arrival_rate = statistics.median(rates) if rates else None
     print(f"[fleet-size {rate:g}/s] the controller says {needed} (arrival rate "
-          f"{controller.get('arrival_rate')}/s wall)", flush=True)
-    return needed, {"readings": readings[-10:], "arrival_rate": controller.get("arrival_rate"),
-                    "models": controller.get("models")}
+          f"{arrival_rate}/s wall, the median of {len(late)} readings)", flush=True)
+    return needed, {"readings": [{"t_s": t, "needed": c.get("needed"),
+                                  "arrival_rate": c.get("arrival_rate")} for t, c in readings],
+                    "arrival_rate": arrival_rate,
+                    "models": late[-1].get("models") if late else None}
 
 
 def _level(args: argparse.Namespace, rate: float) -> dict[str, Any]:
