@@ -157,6 +157,8 @@ class Scheduler:
         return sum(r.num_seqs for r in self.running)
 
     def _seat_parked(self) -> None:
+        if not self.parked:  # the common case: no sum over the batch on every step
+            return
         num_seats = self.num_seats
         while self.parked and num_seats + self.parked[0].num_seqs <= self.config.max_num_seqs:
             request = self.parked.popleft()
