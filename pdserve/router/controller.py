@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -66,6 +67,57 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_REQUESTS = 16
+MIX_CHANGE_MIN_REQUESTS = 6
+"""Arrivals on each side of a change in the mix before the controller believes it."""
+MIX_CHANGE_RATIO = 2.0
+"""A change in the mix: the geometric mean prompt length or max_tokens moved this much,"""
+MIX_CHANGE_SCORE = 8.0
+"""by this many standard errors (Welch's t on the logarithm),"""
+MIX_CHANGE_OVERLAP = 0.05
+"""and at most this share of the arrivals on either side came near (within a factor of
+sqrt 2) the other side's mean: a run of short requests within an interleaved mix of short
+and long ones differs from the rest by the first two tests, but not by this one."""
+
+
+def mix_change(arrivals: list[tuple[float, int, int]]) -> int | None:
+    """Where the arriving mix changed within `arrivals` ((seconds, prompt tokens,
+    max_tokens), in order): the index of the first arrival of the new mix, or None where the
+    mix is one. Of the splits into a before and an after (each of at least
+    MIX_CHANGE_MIN_REQUESTS) whose log prompt lengths or log max_tokens differ by
+    MIX_CHANGE_RATIO and MIX_CHANGE_SCORE, the one that differs the most in standard errors
+    among the few best where neither side holds (almost) anything like the other's mean."""
+    n, k_min = len(arrivals), MIX_CHANGE_MIN_REQUESTS
+    if n < 2 * k_min:
+        return None
+    candidates: list[tuple[float, int, list[float], float]] = []
+    for feature in (1, 2):
+        xs = [math.log(a[feature]) for a in arrivals]
+        total, total_sq = sum(xs), sum(x * x for x in xs)
+        head = head_sq = 0.0
+        for k, x in enumerate(xs[:n - k_min]):
+            head, head_sq = head + x, head_sq + x * x
+            before = k + 1
+            if before < k_min:
+                continue
+            after = n - before
+            mean_b, mean_a = head / before, (total - head) / after
+            if abs(mean_a - mean_b) < math.log(MIX_CHANGE_RATIO):
+                continue
+            var_b = max(head_sq / before - mean_b * mean_b, 0.0)
+            var_a = max((total_sq - head_sq) / after - mean_a * mean_a, 0.0)
+            # a floor on the spread: lengths fixed within each part are no infinite score
+            score = abs(mean_a - mean_b) / math.sqrt((var_b + 0.01) / before
+                                                     + (var_a + 0.01) / after)
+            if score >= MIX_CHANGE_SCORE:
+                candidates.append((score, before, xs, mean_b, mean_a))
+    near = math.log(2) / 2
+    for _, before, xs, mean_b, mean_a in sorted(candidates, key=lambda c: -c[0])[:4]:
+        old_like_new = sum(1 for x in xs[:before] if abs(x - mean_a) <= near)
+        new_like_old = sum(1 for x in xs[before:] if abs(x - mean_b) <= near)
+        if (old_like_new <= MIX_CHANGE_OVERLAP * before
+                and new_like_old <= MIX_CHANGE_OVERLAP * (n - before)):
+            return before
+    return None
 
 
 @dataclass(frozen=True)
@@ -74,6 +126,8 @@ class Load:
 
     rate: float
     shapes: list[RequestShape]
+    mix_changed: bool = False
+    """The window held another mix before these arrivals; the load is what came since."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +153,8 @@ class Estimate:
     """The smallest fleet (prefill, decode workers) predicted to meet the target on the
     current load, whatever this fleet's size (goodput_model.fleet_size): what an autoscaler
     reads. None: nothing arrives, or no fleet of at most max_pool_workers a pool meets it."""
+    mix_changed: bool = False
+    """The mix changed within the load window: the load is what arrived since (mix_change)."""
 
     @property
     def best_prefill(self) -> int:
@@ -120,8 +176,9 @@ class Estimate:
 def choose_split(estimate: Estimate, min_gain: float, min_attainment_gain: float) -> int | None:
     """The number of prefill workers to move to now, or None to stay: stay while the current
     split meets the target with `min_gain` headroom in capacity over the arriving rate (or
-    nothing arrives); move only to a split that predicts `min_attainment_gain` more attainment
-    or `min_gain` times the capacity."""
+    nothing arrives); move only to a split with `min_gain` times the capacity, or, where the
+    current split's capacity is below the rate, to one that predicts `min_attainment_gain`
+    more attainment."""
     current, target = estimate.current_prefill, estimate.simulation.attainment
     if estimate.rate <= 0:
         return None
@@ -132,8 +189,14 @@ def choose_split(estimate: Estimate, min_gain: float, min_attainment_gain: float
     best = estimate.best_prefill
     if best == current or estimate.goodput[best] <= 0:
         return None
-    if (estimate.attainment.get(best, 0.0) >= attained + min_attainment_gain
-            or estimate.goodput[best] >= min_gain * capacity):
+    if estimate.goodput[best] >= min_gain * capacity:
+        return best
+    # More attainment for less capacity only where this split falls short of the rate:
+    # with capacity to spare, what it misses is a backlog it works off (or noise), and a
+    # split with less capacity moved back a tick later when the rate read a little higher
+    # (1P7D to 3P5D and back, within one decode-heavy phase).
+    if capacity < estimate.rate and (estimate.attainment.get(best, 0.0)
+                                     >= attained + min_attainment_gain):
         return best
     return None
 
@@ -186,19 +249,26 @@ class GoodputController:
 
     def load(self, now_s: float | None = None) -> Load | None:
         """The arriving load: the rate over the last window_s (or since the first arrival
-        in it), and the shapes of the requests that arrived in it (the last
-        MIN_REQUESTS ones where fewer did), each output being its max_tokens scaled by what
-        finished requests produced of theirs, each cached share the finished requests'.
-        None before MIN_REQUESTS have arrived."""
+        in it, or since the mix changed in it: mix_change), and the shapes of the requests
+        that arrived in that time (the last MIN_REQUESTS ones where fewer did and the mix is
+        one), each output being its max_tokens scaled by what finished requests produced of
+        theirs, each cached share the finished requests'. None before MIN_REQUESTS have
+        arrived."""
         if len(self.arrivals) < MIN_REQUESTS:
             return None
         now_s = time.monotonic() if now_s is None else now_s
         recent = [a for a in self.arrivals if a[0] >= now_s - self.config.window_s]
+        # where the mix changed within the window (a phase change), only what came since:
+        # a window holding both mixes planned a split between them, and the move took
+        # a tick more per step of the way
+        change = mix_change(recent)
+        if change is not None:
+            recent = recent[change:]
         # over the window, or since the first arrival in it where the load began later (a
         # load that started 3 s ago is not a third of what it is); at least a second
         span = max(now_s - recent[0][0], 1.0) if recent else self.config.window_s
         rate = len(recent) / span
-        if len(recent) < MIN_REQUESTS:
+        if len(recent) < MIN_REQUESTS and change is None:
             recent = list(self.arrivals)[-MIN_REQUESTS:]
         finished = [(shape, m) for shape, _, m in self.requests if m > 0]
         produced = sum(shape.output_tokens for shape, _ in finished)
@@ -209,7 +279,7 @@ class GoodputController:
                         if prompts else 0.0)
         shapes = [RequestShape(p, min(int(p * cached_share), p - 1),
                                max(1, round(m * output_share))) for _, p, m in recent]
-        return Load(rate, shapes)
+        return Load(rate, shapes, change is not None)
 
     def collect(self) -> None:
         """Move the samples the workers reported since the last call into the windows:
@@ -266,7 +336,7 @@ class GoodputController:
 
         capacity, attained, needed = await asyncio.to_thread(predict)
         return Estimate(models, capacity, num_prefill, num_workers, sim, rate, attained,
-                        num_queued, backlog, needed)
+                        num_queued, backlog, needed, load.mix_changed)
 
     def _simulation_config(self, models: PhaseModels) -> SimulationConfig:
         """The SLOs, with what the workers report (their batch limits, the mean KV load time
@@ -302,10 +372,11 @@ class GoodputController:
         self._streak = (wanted, streak + 1 if wanted == previous else 1)
         state = "balanced" if wanted is None else f"wants {wanted} prefill"
         if state != self.state:  # what it decided and on what, once per change
-            logger.info("goodput controller: %s at %dP%dD; arriving %.2f req/s, %d queued "
+            logger.info("goodput controller: %s at %dP%dD; arriving %.2f req/s%s, %d queued "
                         "beyond that; attainment by prefill workers %s; capacity %s", state,
                         estimate.current_prefill,
                         estimate.num_workers - estimate.current_prefill, estimate.rate,
+                        " (a new mix)" if estimate.mix_changed else "",
                         estimate.backlog,
                         {p: round(a, 2) for p, a in estimate.attainment.items()},
                         {p: round(g, 2) for p, g in estimate.goodput.items()})
@@ -356,8 +427,14 @@ class GoodputController:
                 await self._task
 
     async def _loop(self) -> None:
+        # every interval_s from the last tick's start, not its end: a tick's simulation
+        # takes a second or more of CPU on a large fleet, which otherwise adds to the time
+        # a phase change waits for its first move
+        next_s = time.monotonic()
         while True:
-            await asyncio.sleep(self.config.interval_s)
+            next_s = max(next_s + self.config.interval_s,
+                         time.monotonic() + self.config.interval_s / 4)
+            await asyncio.sleep(next_s - time.monotonic())
             try:
                 await self.tick()
             except Exception:  # a bad tick must not end the controller
@@ -385,7 +462,7 @@ class GoodputController:
                 recommended={"prefill": best, "decode": estimate.num_workers - best},
                 goodput_by_num_prefill={str(p): round(g, 3)
                                         for p, g in estimate.goodput.items()},
-                arrival_rate=round(estimate.rate, 3),
+                arrival_rate=round(estimate.rate, 3), mix_changed=estimate.mix_changed,
                 num_queued=estimate.num_queued, backlog=estimate.backlog,
                 needed=(None if estimate.needed is None else
                         {"prefill": estimate.needed[0], "decode": estimate.needed[1]}),

@@ -5,6 +5,7 @@ tests/cluster/test_server_controller.py runs the real flip through `pdserve up`.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -21,7 +22,13 @@ from pdserve.planner.goodput_model import (
 from pdserve.protocol.codec import WireError
 from pdserve.protocol.worker import WORKER_PROTOCOL, StepSample, WorkerStatus
 from pdserve.router.config import ControllerConfig
-from pdserve.router.controller import Estimate, GoodputController, choose_split
+from pdserve.router.controller import (
+    MIX_CHANGE_MIN_REQUESTS,
+    Estimate,
+    GoodputController,
+    choose_split,
+    mix_change,
+)
 from pdserve.router.moves import Move
 
 PREFILL = LinearLatency(0.01, (1e-4, 1e-8), 0, 0.0)
@@ -128,6 +135,14 @@ def test_a_split_that_meets_the_target_with_headroom_stays():
     assert choose_split(estimate({1: 3.0, 2: 4.5, 3: 4.0}, overload, 6.0, 2), 1.2, 0.05) is None
     assert choose_split(estimate({1: 3.0, 2: 4.5, 3: 4.0}, overload, 6.0, 3), 1.2, 0.05) is None
     assert choose_split(estimate({1: 3.0, 2: 4.5, 3: 4.0}, overload, 6.0, 1), 1.2, 0.05) == 2
+    # capacity to spare over the rate (3.0 against 2.0), the target missed (a backlog):
+    # not to a split with more attainment and less capacity, which falls behind the rate
+    # as soon as it reads a little higher; to one with more capacity, yes
+    backlog = {1: 0.7, 2: 0.92, 3: 0.0}
+    assert choose_split(estimate({1: 3.0, 2: 2.6, 3: 1.0}, backlog, 2.0, 1), 1.2, 0.05) is None
+    assert choose_split(estimate({1: 3.0, 2: 3.7, 3: 1.0}, backlog, 2.0, 1), 1.2, 0.05) == 2
+    # the same split short of the rate (2.8): the attainment decides
+    assert choose_split(estimate({1: 2.5, 2: 2.6, 3: 1.0}, backlog, 2.8, 1), 1.2, 0.05) == 2
     # nothing arrives: no move
     assert choose_split(estimate({1: 3.0, 2: 9.0, 3: 9.0}, {}, 0.0, 1), 1.2, 0.05) is None
     # ties keep the current split
@@ -337,3 +352,51 @@ def test_a_request_s_ttft_reaches_the_controller_without_its_worker_queue_wait()
     [(shape, ttft_s, max_tokens)] = list(controller.requests)
     assert ttft_s == pytest.approx(1.0 - 0.7) and max_tokens == 8
     assert (shape.prompt_tokens, shape.output_tokens) == (50, 3)
+
+
+def _arrivals(shapes: list[tuple[int, int]], rate: float = 4.0) -> list[tuple[float, int, int]]:
+    return [(T0 + i / rate, p, m) for i, (p, m) in enumerate(shapes)]
+
+
+def test_a_change_in_the_mix_is_found_where_it_happened_and_only_then():
+    rng = random.Random(7)
+    # long prompts, then long outputs: the change is found once enough of the new mix came,
+    # at its first arrival; so for max_tokens alone, and with lengths that vary in a phase
+    for before, after in ((LONG_PROMPTS, LONG_OUTPUTS), ((512, 16), (512, 256))):
+        shapes = [before] * 30 + [after] * MIX_CHANGE_MIN_REQUESTS
+        assert mix_change(_arrivals(shapes)) == 30
+        assert mix_change(_arrivals(shapes[:-2])) is None  # two new arrivals short
+        varied = [(int(p * rng.uniform(0.7, 1.3)), int(m * rng.uniform(0.7, 1.3)))
+                  for p, m in shapes + [after] * 4]
+        assert mix_change(_arrivals(varied)) == 30
+    # one mix, however mixed: short and long prompts interleaved at random, in any
+    # proportion, or lengths spread over two orders of magnitude, is never a change
+    for seed in range(200):
+        rng = random.Random(seed)
+        share = rng.choice((0.1, 0.3, 0.5))
+        interleaved = [(1024, 8) if rng.random() < share else (64, 128) for _ in range(60)]
+        assert mix_change(_arrivals(interleaved)) is None, (seed, share)
+        spread = [(int(math.exp(rng.uniform(3, 8))), rng.randint(1, 512)) for _ in range(60)]
+        assert mix_change(_arrivals(spread)) is None, seed
+        heavy = [(max(1, int(rng.lognormvariate(6, 1.2))), max(1, int(rng.lognormvariate(
+            4, 1.5)))) for _ in range(60)]
+        assert mix_change(_arrivals(heavy)) is None, seed
+    assert mix_change(_arrivals([LONG_PROMPTS] * 5 + [LONG_OUTPUTS] * 5)) is None  # too few
+
+
+async def test_the_first_tick_after_a_phase_change_plans_the_new_mix_alone():
+    """Long prompts, then long outputs for only 3 s of the 10 s window: the load is the long
+    outputs (their rate, their shapes), and the tick moves the whole way at once."""
+    pools = Pools(3, 1)
+    controller = _controller(pools, rate=6.0)
+    rng = random.Random(0)
+    arrive(controller, 10.0, 4.0, 3.0, *LONG_OUTPUTS)
+    load = controller.load(now_s=T0 + 13.0)
+    assert load.mix_changed and load.rate == pytest.approx(4.0, rel=0.1)
+    assert {s.prompt_tokens for s in load.shapes} == {LONG_OUTPUTS[0]}
+    pools.report(rng)
+    await tick_at(controller, 13.0)
+    estimate = controller.estimate
+    assert estimate.mix_changed and estimate.best_prefill == 1
+    assert pools.flips == ["decode", "decode"] and len(pools.decode) == 3
+    assert controller.snapshot()["mix_changed"] is True
