@@ -73,28 +73,33 @@ MIX_CHANGE_RATIO = 2.0
 """A change in the mix: the geometric mean prompt length or max_tokens moved this much,"""
 MIX_CHANGE_SCORE = 8.0
 """by this many standard errors (Welch's t on the logarithm),"""
+MIX_CHANGE_PENDING = 2
+"""Arrivals of what looks like a new mix after which the controller waits for the rest
+(up to MIX_CHANGE_MIN_REQUESTS) before it moves: planned on both mixes, the first move went
+part of the way, and the next tick moved again."""
 MIX_CHANGE_OVERLAP = 0.05
 """and at most this share of the arrivals on either side came near (within a factor of
 sqrt 2) the other side's mean: a run of short requests within an interleaved mix of short
 and long ones differs from the rest by the first two tests, but not by this one."""
 
 
-def mix_change(arrivals: list[tuple[float, int, int]]) -> int | None:
+def mix_change(arrivals: list[tuple[float, int, int]],
+               min_after: int = MIX_CHANGE_MIN_REQUESTS) -> int | None:
     """Where the arriving mix changed within `arrivals` ((seconds, prompt tokens,
     max_tokens), in order): the index of the first arrival of the new mix, or None where the
-    mix is one. Of the splits into a before and an after (each of at least
-    MIX_CHANGE_MIN_REQUESTS) whose log prompt lengths or log max_tokens differ by
+    mix is one. Of the splits into a before of at least MIX_CHANGE_MIN_REQUESTS and an after
+    of at least `min_after` arrivals whose log prompt lengths or log max_tokens differ by
     MIX_CHANGE_RATIO and MIX_CHANGE_SCORE, the one that differs the most in standard errors
     among the few best where neither side holds (almost) anything like the other's mean."""
     n, k_min = len(arrivals), MIX_CHANGE_MIN_REQUESTS
-    if n < 2 * k_min:
+    if n < k_min + min_after:
         return None
     candidates: list[tuple[float, int, list[float], float]] = []
     for feature in (1, 2):
         xs = [math.log(a[feature]) for a in arrivals]
         total, total_sq = sum(xs), sum(x * x for x in xs)
         head = head_sq = 0.0
-        for k, x in enumerate(xs[:n - k_min]):
+        for k, x in enumerate(xs[:n - min_after]):
             head, head_sq = head + x, head_sq + x * x
             before = k + 1
             if before < k_min:
@@ -128,6 +133,9 @@ class Load:
     shapes: list[RequestShape]
     mix_changed: bool = False
     """The window held another mix before these arrivals; the load is what came since."""
+    mix_pending: bool = False
+    """The last few arrivals look like a new mix, too few yet to plan on (MIX_CHANGE_PENDING):
+    a move now would be planned on a window of both mixes."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,8 @@ class Estimate:
     reads. None: nothing arrives, or no fleet of at most max_pool_workers a pool meets it."""
     mix_changed: bool = False
     """The mix changed within the load window: the load is what arrived since (mix_change)."""
+    mix_pending: bool = False
+    """The last arrivals look like a new mix, too few yet: no move this tick."""
 
     @property
     def best_prefill(self) -> int:
@@ -226,6 +236,7 @@ class GoodputController:
         self.last_moves: list[Move] = []
         """The workers the last such tick moved (/status: what each move cost)."""
         self._streak: tuple[int | None, int] = (None, 0)  # (wanted split, ticks in a row)
+        self._mix_since_s = -float("inf")  # where the mix last changed (monotonic seconds)
         self._last_flip_s = -float("inf")
         self._task: asyncio.Task | None = None
 
@@ -257,18 +268,23 @@ class GoodputController:
         if len(self.arrivals) < MIN_REQUESTS:
             return None
         now_s = time.monotonic() if now_s is None else now_s
-        recent = [a for a in self.arrivals if a[0] >= now_s - self.config.window_s]
         # where the mix changed within the window (a phase change), only what came since:
         # a window holding both mixes planned a split between them, and the move took
-        # a tick more per step of the way
+        # a tick more per step of the way; a change once found holds until the window
+        # has passed it (later, too few of the old mix are left in it to find it again)
+        start_s = max(now_s - self.config.window_s, self._mix_since_s)
+        recent = [a for a in self.arrivals if a[0] >= start_s]
         change = mix_change(recent)
         if change is not None:
             recent = recent[change:]
+            self._mix_since_s = recent[0][0]
+        changed = start_s == self._mix_since_s or change is not None
+        pending = change is None and mix_change(recent, MIX_CHANGE_PENDING) is not None
         # over the window, or since the first arrival in it where the load began later (a
         # load that started 3 s ago is not a third of what it is); at least a second
         span = max(now_s - recent[0][0], 1.0) if recent else self.config.window_s
         rate = len(recent) / span
-        if len(recent) < MIN_REQUESTS and change is None:
+        if len(recent) < MIN_REQUESTS and not changed:
             recent = list(self.arrivals)[-MIN_REQUESTS:]
         finished = [(shape, m) for shape, _, m in self.requests if m > 0]
         produced = sum(shape.output_tokens for shape, _ in finished)
@@ -279,7 +295,7 @@ class GoodputController:
                         if prompts else 0.0)
         shapes = [RequestShape(p, min(int(p * cached_share), p - 1),
                                max(1, round(m * output_share))) for _, p, m in recent]
-        return Load(rate, shapes, change is not None)
+        return Load(rate, shapes, changed, pending)
 
     def collect(self) -> None:
         """Move the samples the workers reported since the last call into the windows:
@@ -336,7 +352,7 @@ class GoodputController:
 
         capacity, attained, needed = await asyncio.to_thread(predict)
         return Estimate(models, capacity, num_prefill, num_workers, sim, rate, attained,
-                        num_queued, backlog, needed, load.mix_changed)
+                        num_queued, backlog, needed, load.mix_changed, load.mix_pending)
 
     def _simulation_config(self, models: PhaseModels) -> SimulationConfig:
         """The SLOs, with what the workers report (their batch limits, the mean KV load time
@@ -368,9 +384,12 @@ class GoodputController:
             self.state = "warming up"
             return
         wanted = choose_split(estimate, self.config.min_gain, self.config.min_attainment_gain)
+        if wanted is not None and estimate.mix_pending:
+            wanted = None  # the next tick plans on the new mix alone
         previous, streak = self._streak
         self._streak = (wanted, streak + 1 if wanted == previous else 1)
-        state = "balanced" if wanted is None else f"wants {wanted} prefill"
+        state = ("waiting for the new mix" if estimate.mix_pending and wanted is None
+                 else "balanced" if wanted is None else f"wants {wanted} prefill")
         if state != self.state:  # what it decided and on what, once per change
             logger.info("goodput controller: %s at %dP%dD; arriving %.2f req/s%s, %d queued "
                         "beyond that; attainment by prefill workers %s; capacity %s", state,
@@ -463,6 +482,7 @@ class GoodputController:
                 goodput_by_num_prefill={str(p): round(g, 3)
                                         for p, g in estimate.goodput.items()},
                 arrival_rate=round(estimate.rate, 3), mix_changed=estimate.mix_changed,
+                mix_pending=estimate.mix_pending,
                 num_queued=estimate.num_queued, backlog=estimate.backlog,
                 needed=(None if estimate.needed is None else
                         {"prefill": estimate.needed[0], "decode": estimate.needed[1]}),

@@ -400,3 +400,32 @@ async def test_the_first_tick_after_a_phase_change_plans_the_new_mix_alone():
     assert estimate.mix_changed and estimate.best_prefill == 1
     assert pools.flips == ["decode", "decode"] and len(pools.decode) == 3
     assert controller.snapshot()["mix_changed"] is True
+
+
+async def test_a_new_mix_too_young_to_plan_on_holds_the_move_and_a_found_one_holds_on():
+    """Three long-output arrivals after long prompts: the controller waits for the new mix
+    (a move planned on both went part of the way); four more, and it moves the whole way.
+    Later, when the window holds fewer of the old mix than it takes to find the change
+    again, the load is still the new mix alone."""
+    pools = Pools(3, 1)
+    controller = _controller(pools, rate=6.0)
+    rng = random.Random(0)
+    arrive(controller, 10.0, 4.0, 0.75, *LONG_OUTPUTS)  # 3 arrivals
+    pools.report(rng)
+    await tick_at(controller, 10.75)
+    assert controller.estimate.mix_pending and not controller.estimate.mix_changed
+    assert pools.flips == [] and controller.state == "waiting for the new mix"
+    assert controller.snapshot()["mix_pending"] is True
+    arrive(controller, 10.75, 4.0, 1.0, *LONG_OUTPUTS)  # 4 more
+    pools.report(rng)
+    await tick_at(controller, 11.75)
+    assert controller.estimate.mix_changed and not controller.estimate.mix_pending
+    assert pools.flips == ["decode", "decode"]
+    # at 19.6 s the 10 s window holds 2 long prompts: too few to find the change again
+    arrive(controller, 11.75, 4.0, 7.85, *LONG_OUTPUTS)
+    assert mix_change([a for a in controller.arrivals if a[0] >= T0 + 9.6]) is None
+    load = controller.load(now_s=T0 + 19.6)
+    assert load.mix_changed and {s.prompt_tokens for s in load.shapes} == {LONG_OUTPUTS[0]}
+    # once the window has passed the change, the window is the load again
+    arrive(controller, 19.6, 4.0, 5.0, *LONG_OUTPUTS)
+    assert not controller.load(now_s=T0 + 24.6).mix_changed
