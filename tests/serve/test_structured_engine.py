@@ -346,3 +346,47 @@ def test_bounded_json_strings_hold_no_control_characters() -> None:
     grammar = build_grammar(StructuredOutputs(json=json.dumps(schema)))
     assert _is_grammar_accept_string(grammar, '{"a": "abc"}')
     assert not _is_grammar_accept_string(grammar, '{"a": "a\x01c"}')
+
+
+def test_the_utf8_guard_clears_the_bytes_of_a_surrogate() -> None:
+    """ED then A0-BF is a UTF-16 surrogate's 3-byte form, which UTF-8 forbids: a token that
+    holds it is never allowed, a token starting with A0-BF only never after one ending with
+    ED (80-9F, U+D000-U+D7FF, stays); a row the guard would empty keeps the grammar's bits."""
+    import numpy as np
+
+    from pdserve.serve.engine.structured import Utf8Guard
+
+    vocab = [b"a", b"\xed", b"\xa1x", b"\x85", b"x\xed\xa0y", b""]
+    guard = Utf8Guard(vocab, 1)
+    words = np.full(1, 0b111111, dtype=np.uint32)
+    guard.apply(words, last_token_id=1)  # after a token ending with ED
+    assert [t for t in range(6) if words[0] >> t & 1] == [0, 1, 3, 5]
+    words[:] = 0b111111
+    guard.apply(words, last_token_id=0)
+    assert [t for t in range(6) if words[0] >> t & 1] == [0, 1, 2, 3, 5]
+    words[:] = 0b110000  # only the forbidden token and the empty one
+    guard.apply(words, last_token_id=None)
+    assert words[0] == 0b100000
+    words[:] = 0b010000  # the grammar allows nothing else: its choice stands
+    guard.apply(words, last_token_id=None)
+    assert words[0] == 0b010000
+
+
+def test_a_json_string_never_continues_a_lead_byte_into_a_surrogate(engine, tokenizer) -> None:
+    """Inside a JSON string after the byte ED, xgrammar allows A0-BF (a surrogate, three
+    U+FFFD once decoded); the engine's mask does not, and still allows 80-9F."""
+    import xgrammar as xgr
+
+    decoded = xgr.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab
+    ids = {b: decoded.index(bytes([b])) for b in (0xED, 0xA1, 0x85)}  # a byte-level vocab
+    quote = tokenizer.convert_tokens_to_ids('"')
+    request = engine.make_request("a", SamplingParams(max_tokens=8, structured_outputs=(
+        StructuredOutputs(json=json.dumps({"type": "string", "maxLength": 4})))),
+        output_token_ids=[quote, ids[0xED]])
+    masks = engine.structured.start_masks([request])
+    import torch
+
+    logits = torch.zeros(1, engine.spec.vocab_size)
+    masks.apply(logits)
+    assert logits[0, ids[0xA1]] == float("-inf")
+    assert torch.isfinite(logits[0, ids[0x85]])

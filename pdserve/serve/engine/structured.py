@@ -46,6 +46,11 @@ Semantics, as vLLM 0.32 (v1/structured_output) unless said:
   asked for it. A response cut by max_tokens (finish_reason 'length') is incomplete.
 - A sampled token the grammar rejects (which the mask prevents) aborts the request, logged;
   vLLM fails it likewise (FINISHED_ERROR).
+- No output holds the UTF-8 form of a UTF-16 surrogate (ED A0-BF ..), which UTF-8 forbids
+  and every decoder turns into three U+FFFD (`Utf8Guard`): xgrammar 0.2.9's string rules
+  admit those bytes as one character (measured: a random model's JSON answers held them in
+  2% of strings, which then broke their maxLength once decoded). vLLM, on the same xgrammar,
+  does not mask them.
 """
 
 from __future__ import annotations
@@ -75,6 +80,44 @@ NUM_COMPILED_KEPT = 128
 """Compiled grammars kept (least recently used dropped): a hot schema compiles once."""
 
 
+class Utf8Guard:
+    """The tokens a structured output may never take because their bytes would make the
+    UTF-8 form of a surrogate: those holding ED then A0-BF anywhere (always), and those
+    starting with A0-BF after a token ending with ED. Packed like xgrammar's bitmask rows
+    (bit t of word t // 32), as the bits to clear."""
+
+    def __init__(self, decoded_vocab: Sequence[bytes], num_words: int) -> None:
+        always = np.zeros(num_words * 32, dtype=bool)
+        after_ed = np.zeros(num_words * 32, dtype=bool)
+        self.ends_with_ed = np.zeros(len(decoded_vocab), dtype=bool)
+        for token_id, raw in enumerate(decoded_vocab):
+            if not raw:
+                continue
+            always[token_id] = any(a == 0xED and 0xA0 <= b <= 0xBF
+                                   for a, b in zip(raw, raw[1:], strict=False))
+            after_ed[token_id] = 0xA0 <= raw[0] <= 0xBF
+            self.ends_with_ed[token_id] = raw[-1] == 0xED
+        self.always = _packed(always)
+        self.after_ed = _packed(after_ed)
+
+    def apply(self, words: np.ndarray, last_token_id: int | None) -> None:
+        """Clear the forbidden tokens' bits in one row (uint32 words), unless that leaves
+        the row empty (the grammar's own choice then stands)."""
+        saved = words.copy()
+        words &= ~self.always
+        if (last_token_id is not None and last_token_id < self.ends_with_ed.shape[0]
+                and self.ends_with_ed[last_token_id]):
+            words &= ~self.after_ed
+        if not words.any():
+            words[:] = saved
+
+
+def _packed(bits: np.ndarray) -> np.ndarray:
+    """Booleans over token ids as uint32 words, bit t of word t // 32."""
+    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(
+        np.uint32).reshape(-1)
+
+
 class GrammarState:
     """One request's position in its grammar: an xgrammar matcher fed every output token.
 
@@ -83,8 +126,11 @@ class GrammarState:
     and replays the child's output tokens, exactly as a decode worker does after a hand-off.
     """
 
-    def __init__(self, matcher: xgr.GrammarMatcher, end_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, end_token_ids: tuple[int, ...],
+                 utf8_guard: Utf8Guard | None = None) -> None:
         self._matcher = matcher
+        self._utf8_guard = utf8_guard
+        self._last_token_id: int | None = None
         self.end_token_ids = end_token_ids
         """Tokens that end the grammar (eos ids + the request's stop_token_ids)."""
         self.num_accepted_tokens = 0
@@ -95,6 +141,7 @@ class GrammarState:
         """Advance by a sampled token; False if the grammar rejects it (state unchanged)."""
         if self.is_terminated or not self._matcher.accept_token(token_id):
             return False
+        self._last_token_id = token_id
         self.num_accepted_tokens += 1
         self.is_terminated = self._matcher.is_terminated()
         return True
@@ -103,9 +150,11 @@ class GrammarState:
         """Write the allowed next tokens into bitmask[row]; `hold_end` (min_tokens not yet
         reached) clears the end tokens' bits unless nothing else would be allowed."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        words = bitmask[row].numpy().view(np.uint32)  # the same memory, bits as unsigned
+        if self._utf8_guard is not None:
+            self._utf8_guard.apply(words, self._last_token_id)
         if not hold_end or not self.end_token_ids:
             return
-        words = bitmask[row].numpy().view(np.uint32)  # the same memory, bits as unsigned
         saved = words.copy()
         for token_id in self.end_token_ids:
             if token_id >> 5 < words.shape[0]:
@@ -152,6 +201,7 @@ class StructuredOutputManager:
                 "structured outputs need the worker's tokenizer, and this worker has none")
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.utf8_guard = Utf8Guard(info.decoded_vocab, (vocab_size + 31) // 32)
         # Our own LRU keyed by the spec replaces xgrammar's cache (keyed by its arguments).
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[StructuredOutputs, xgr.CompiledGrammar] = OrderedDict()
@@ -192,7 +242,7 @@ class StructuredOutputManager:
         end_token_ids = tuple(dict.fromkeys((*request.eos_token_ids, *params.stop_token_ids)))
         matcher = xgr.GrammarMatcher(self.compile(params.structured_outputs),
                                      override_stop_tokens=list(end_token_ids) or None)
-        state = GrammarState(matcher, end_token_ids)
+        state = GrammarState(matcher, end_token_ids, self.utf8_guard)
         for i, token_id in enumerate(request.output_token_ids):
             if not state.accept(token_id):
                 raise StructuredOutputsError(
