@@ -93,8 +93,8 @@ class Utf8Guard:
         for token_id, raw in enumerate(decoded_vocab):
             if not raw:
                 continue
-            always[token_id] = any(a == 0xED and 0xA0 <= b <= 0xBF
-                                   for a, b in zip(raw, raw[1:], strict=False))
+            always[token_id] = 0xED in raw[:-1] and any(
+                a == 0xED and 0xA0 <= b <= 0xBF for a, b in zip(raw, raw[1:], strict=False))
             after_ed[token_id] = 0xA0 <= raw[0] <= 0xBF
             self.ends_with_ed[token_id] = raw[-1] == 0xED
         self.always = _packed(always)
