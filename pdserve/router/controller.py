@@ -73,14 +73,14 @@ MIX_CHANGE_RATIO = 2.0
 """A change in the mix: the geometric mean prompt length or max_tokens moved this much,"""
 MIX_CHANGE_SCORE = 8.0
 """by this many standard errors (Welch's t on the logarithm),"""
-MIX_CHANGE_PENDING = 2
-"""Arrivals of what looks like a new mix after which the controller waits for the rest
-(up to MIX_CHANGE_MIN_REQUESTS) before it moves: planned on both mixes, the first move went
-part of the way, and the next tick moved again."""
 MIX_CHANGE_OVERLAP = 0.05
 """and at most this share of the arrivals on either side came near (within a factor of
 sqrt 2) the other side's mean: a run of short requests within an interleaved mix of short
 and long ones differs from the rest by the first two tests, but not by this one."""
+MIX_CHANGE_PENDING = 2
+"""Arrivals of what looks like a new mix after which the controller waits for the rest
+(up to MIX_CHANGE_MIN_REQUESTS) before it moves: planned on both mixes, the first move went
+part of the way, and the next tick moved again."""
 
 
 def mix_change(arrivals: list[tuple[float, int, int]],
@@ -94,7 +94,7 @@ def mix_change(arrivals: list[tuple[float, int, int]],
     n, k_min = len(arrivals), MIX_CHANGE_MIN_REQUESTS
     if n < k_min + min_after:
         return None
-    candidates: list[tuple[float, int, list[float], float]] = []
+    candidates: list[tuple[float, int, list[float], float, float]] = []
     for feature in (1, 2):
         xs = [math.log(a[feature]) for a in arrivals]
         total, total_sq = sum(xs), sum(x * x for x in xs)
