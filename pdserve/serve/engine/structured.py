@@ -97,18 +97,23 @@ class Utf8Guard:
             after_ed[token_id] = 0xA0 <= raw[0] <= 0xBF
             self.ends_with_ed[token_id] = raw[-1] == 0xED
         self.always = _packed(always)
-        self.after_ed = _packed(after_ed)
+        self.after_ed = _packed(always | after_ed)
+        """What to clear after a token ending with ED: the always-forbidden ones too."""
 
     def apply(self, words: np.ndarray, last_token_id: int | None) -> None:
         """Clear the forbidden tokens' bits in one row (uint32 words), unless that leaves
         the row empty (the grammar's own choice then stands)."""
-        saved = words.copy()
-        words &= ~self.always
-        if (last_token_id is not None and last_token_id < self.ends_with_ed.shape[0]
-                and self.ends_with_ed[last_token_id]):
-            words &= ~self.after_ed
-        if not words.any():
-            words[:] = saved
+        after_ed = (last_token_id is not None and last_token_id < self.ends_with_ed.shape[0]
+                    and self.ends_with_ed[last_token_id])
+        _clear_unless_empty(words, self.after_ed if after_ed else self.always)
+
+
+def _clear_unless_empty(words: np.ndarray, bits: np.ndarray) -> None:
+    """Clear `bits` from a bitmask row's words, unless that leaves no token allowed (the row
+    then stays as it was)."""
+    kept = words & ~bits
+    if kept.any():
+        words[:] = kept
 
 
 def _packed(bits: np.ndarray) -> np.ndarray:
@@ -154,12 +159,12 @@ class GrammarState:
             self._utf8_guard.apply(words, self._last_token_id)
         if not hold_end or not self.end_token_ids:
             return
-        saved = words.copy()
+        end = np.zeros_like(words)
         for token_id in self.end_token_ids:
             if token_id >> 5 < words.shape[0]:
-                words[token_id >> 5] &= np.uint32(~(1 << (token_id & 31)) & 0xFFFFFFFF)
-        if not words.any():
-            words[:] = saved  # the grammar can only end here: min_tokens yields to it
+                end[token_id >> 5] |= np.uint32(1 << (token_id & 31))
+        # unless the grammar can only end here: min_tokens then yields to it
+        _clear_unless_empty(words, end)
 
 
 class StepMasks:
